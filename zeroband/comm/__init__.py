@@ -1,0 +1,1 @@
+"""How a pseudo-gradient crosses the WAN."""

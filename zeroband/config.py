@@ -1,0 +1,371 @@
+"""Every setting of a run: pydantic models, TOML loading and `--section.key value` overrides.
+
+Errors never surface as a pydantic traceback: `load_config` raises `ConfigError`, whose message
+names each offending key, what was wrong, and how to fix it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A configuration problem a user can fix; the message says which key and how."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+# Model presets: Llama-family shapes. The demo/debug ones are sized for a 2-core CPU.
+MODEL_PRESETS: dict[str, dict[str, Any]] = {
+    "debug": dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=176, vocab_size=512, max_seq_len=128),
+    "demo": dict(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=352, vocab_size=4096, max_seq_len=256),
+    "150M": dict(dim=1024, n_layers=12, n_heads=16, n_kv_heads=16, ffn_dim=2816, vocab_size=32000, max_seq_len=1024),
+    "1B": dict(dim=2048, n_layers=22, n_heads=32, n_kv_heads=8, ffn_dim=5632, vocab_size=32000, max_seq_len=2048),
+    "7B": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn_dim=11008, vocab_size=32000, max_seq_len=4096),
+    "10B": dict(dim=4096, n_layers=42, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256, max_seq_len=8192),
+}
+
+
+class ModelConfig(Section):
+    """A Llama-family decoder. `preset` fills every shape key not given explicitly."""
+
+    preset: str | None = None
+    vocab_size: int = Field(4096, gt=0)
+    dim: int = Field(128, gt=0)
+    n_layers: int = Field(4, gt=0)
+    n_heads: int = Field(4, gt=0)
+    n_kv_heads: int = Field(2, gt=0)
+    ffn_dim: int = Field(352, gt=0)
+    max_seq_len: int = Field(256, gt=0)
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    # A Hugging Face Llama directory whose weights initialise the model (shapes must match).
+    init_from: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_preset(cls, values: Any) -> Any:
+        if isinstance(values, dict) and values.get("preset") is not None:
+            name = values["preset"]
+            if name not in MODEL_PRESETS:
+                raise ValueError(f"unknown preset {name!r}; choose one of {sorted(MODEL_PRESETS)}")
+            values = {**MODEL_PRESETS[name], **values}
+        return values
+
+    @model_validator(mode="after")
+    def _check_heads(self) -> ModelConfig:
+        if self.dim % self.n_heads:
+            raise ValueError(f"dim={self.dim} must be divisible by n_heads={self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} must be divisible by n_kv_heads={self.n_kv_heads}")
+        if (self.dim // self.n_heads) % 2:
+            raise ValueError(f"head dim dim/n_heads={self.dim // self.n_heads} must be even for RoPE")
+        return self
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+class DataConfig(Section):
+    """Where text comes from and how it becomes fixed-length token sequences."""
+
+    # Local files (jsonl/json/parquet/txt, globs allowed) or a hub dataset name (needs network).
+    path: str | list[str] = "data/demo/train.jsonl"
+    format: Literal["auto", "json", "parquet", "text"] = "auto"
+    hub_name: str | None = None
+    text_field: str = "text"
+    tokenizer: str = "data/demo/tokenizer"
+    seq_len: int = Field(256, gt=0)
+    streaming: bool = False
+    shuffle_seed: int = 1234
+    # Whole documents whose text hash falls below this fraction are held out for validation.
+    val_fraction: float = Field(0.02, ge=0.0, lt=1.0)
+
+
+class OptimConfig(Section):
+    lr: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.1, ge=0)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.95, ge=0, lt=1)
+    eps: float = Field(1e-8, gt=0)
+    # "sgd" exists for the DiLoCo equivalence test (inner SGD) and for experiments.
+    name: Literal["adamw", "sgd"] = "adamw"
+    schedule: Literal["cosine", "wsd", "constant"] = "cosine"
+    warmup_steps: int = Field(50, ge=0)
+    # Warmup-stable-decay: fraction of the run spent in the final linear decay.
+    decay_fraction: float = Field(0.2, gt=0, le=1)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    grad_clip: float = Field(1.0, ge=0)  # 0 disables clipping
+
+
+class TrainConfig(Section):
+    steps: int = Field(200, gt=0)
+    # Sequences per optimizer step for one site (all its ranks and accumulation steps together).
+    global_batch: int = Field(16, gt=0)
+    micro_batch: int = Field(8, gt=0)
+    mixed_precision: Literal["fp32", "bf16"] = "fp32"
+    activation_checkpointing: bool = False
+    compile: bool = False
+    # "auto": cuda if available, else cpu. The site group's backend follows the device.
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    seed: int = 0
+
+
+class CheckpointConfig(Section):
+    dir: str | None = None  # default: <run_dir>/checkpoints
+    interval: int = Field(0, ge=0)  # steps between saves; 0 saves only at the end
+    keep_last: int = Field(2, gt=0)
+    # "auto" resumes from the newest valid checkpoint in dir if any; "none" starts fresh; or a path.
+    resume: str = "auto"
+    save_at_end: bool = True
+
+
+class EvalConfig(Section):
+    interval: int = Field(50, ge=0)  # 0 disables periodic validation (it still runs at the end)
+    batches: int = Field(8, gt=0)
+
+
+class LogConfig(Section):
+    interval: int = Field(10, gt=0)
+    progress_bar: bool = True
+    wandb_project: str | None = None
+    wandb_mode: Literal["online", "offline", "disabled"] = "offline"
+
+
+class DilocoConfig(Section):
+    """Present only for multi-site runs: how this site talks to the others."""
+
+    inner_steps: int = Field(500, gt=0)  # H
+    outer_lr: float = Field(0.7, gt=0)
+    outer_momentum: float = Field(0.9, ge=0, lt=1)
+    nesterov: bool = True
+    comm_dtype: Literal["fp32", "bf16", "fp16"] = "fp16"
+    bucket_mb: float = Field(32.0, gt=0)
+    # Coordination store for the global groups. Site 0's rank 0 hosts a TCP store here.
+    store: str = "tcp://127.0.0.1:29600"
+    # Site identity: config or ZEROBAND_SITE_RANK / ZEROBAND_SITE_COUNT in the environment.
+    site_rank: int | None = Field(None, ge=0)
+    site_count: int | None = Field(None, gt=0)
+    backend: Literal["gloo", "nccl"] = "gloo"
+    timeout_s: float = Field(600.0, gt=0)
+
+    @model_validator(mode="after")
+    def _check_site(self) -> DilocoConfig:
+        if self.site_rank is not None and self.site_count is not None and self.site_rank >= self.site_count:
+            raise ValueError(f"site_rank={self.site_rank} must be < site_count={self.site_count}")
+        if not self.store.startswith("tcp://") or ":" not in self.store[6:]:
+            raise ValueError(f"store={self.store!r} must look like tcp://host:port")
+        return self
+
+
+class Config(Section):
+    name: str = "run"
+    output_dir: str = "runs"
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    optim: OptimConfig = OptimConfig()
+    train: TrainConfig = TrainConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    eval: EvalConfig = EvalConfig()
+    log: LogConfig = LogConfig()
+    diloco: DilocoConfig | None = None
+
+    @model_validator(mode="after")
+    def _check_consistency(self) -> Config:
+        if self.train.global_batch % self.train.micro_batch:
+            raise ValueError(
+                f"train.global_batch={self.train.global_batch} is not divisible by "
+                f"train.micro_batch={self.train.micro_batch}"
+            )
+        if self.data.seq_len > self.model.max_seq_len:
+            raise ValueError(
+                f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}; "
+                "lower data.seq_len or raise model.max_seq_len"
+            )
+        if self.diloco is not None:
+            h = self.diloco.inner_steps
+            if self.train.steps % h:
+                raise ValueError(
+                    f"train.steps={self.train.steps} is not a multiple of diloco.inner_steps={h}: the run must end "
+                    f"on an outer step. Fix: set train.steps to {max(h, self.train.steps // h * h)} or "
+                    f"{(self.train.steps // h + 1) * h}"
+                )
+            if self.checkpoint.interval % h:
+                raise ValueError(
+                    f"checkpoint.interval={self.checkpoint.interval} is not a multiple of diloco.inner_steps={h}: "
+                    "DiLoCo checkpoints are taken at outer boundaries"
+                )
+        return self
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output_dir) / self.name
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.checkpoint.dir) if self.checkpoint.dir else self.run_dir / "checkpoints"
+
+    def check_world(self, world_size: int) -> None:
+        """Batch geometry must fit the number of ranks torchrun started (one site)."""
+        per_step = world_size * self.train.micro_batch
+        if self.train.global_batch % per_step:
+            fits = [n for n in range(1, 65) if self.train.global_batch % (n * self.train.micro_batch) == 0]
+            raise ConfigError(
+                f"train.global_batch={self.train.global_batch} is not divisible by ranks x micro_batch = "
+                f"{world_size} x {self.train.micro_batch} = {per_step}. Fix: set train.global_batch to a "
+                f"multiple of {per_step}, change train.micro_batch, or start {fits} ranks per site."
+            )
+
+    def grad_accum_steps(self, world_size: int) -> int:
+        self.check_world(world_size)
+        return self.train.global_batch // (world_size * self.train.micro_batch)
+
+    def fingerprint(self) -> str:
+        """Hash of what must agree between sites and checkpoints: model shape and tokenizer geometry."""
+        keys = self.model.model_dump(exclude={"init_from", "preset"})
+        keys["seq_len"] = self.data.seq_len
+        return hashlib.sha256(json.dumps(keys, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# --------------------------------------------------------------------------------------------
+# Loading
+
+
+def parse_overrides(args: list[str]) -> dict[str, Any]:
+    """`["--optim.lr", "3e-4", "--train.compile"]` -> `{"optim": {"lr": 3e-4}, "train": {"compile": True}}`.
+
+    Values are parsed as TOML literals (numbers, booleans, strings, arrays); anything else is a string.
+    `--key=value` works too.
+    """
+    out: dict[str, Any] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument {arg!r}: overrides look like --section.key value")
+        key = arg[2:]
+        if "=" in key:
+            key, raw = key.split("=", 1)
+            i += 1
+        elif i + 1 < len(args) and not args[i + 1].startswith("--"):
+            raw = args[i + 1]
+            i += 2
+        else:
+            raw = "true"
+            i += 1
+        _set_dotted(out, key.replace("-", "_"), _parse_literal(raw))
+    return out
+
+
+def _parse_literal(raw: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {dotted!r}: {part!r} is a value, not a section")
+    node[parts[-1]] = value
+
+
+def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | dict | None = None) -> Config:
+    """Read a TOML file (optional), apply overrides, validate. Raises ConfigError with a clear message."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} not found (configs live in configs/*.toml)")
+        try:
+            raw = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{p}: not valid TOML: {e}") from None
+    if overrides:
+        raw = deep_merge(raw, overrides if isinstance(overrides, dict) else parse_overrides(overrides))
+    if raw.get("diloco") in (False, "none"):  # `--diloco none`: run a multi-site config as one site
+        raw.pop("diloco")
+    return validate_config(raw)
+
+
+def validate_config(raw: dict[str, Any]) -> Config:
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e)) from None
+
+
+def format_validation_error(err: ValidationError) -> str:
+    lines = [f"invalid configuration ({err.error_count()} problem(s)):"]
+    for item in err.errors():
+        loc = ".".join(str(p) for p in item["loc"] if not str(p).startswith("function-"))
+        kind = item["type"]
+        if kind == "extra_forbidden":
+            section_path, _, key = loc.rpartition(".")
+            valid = _valid_keys(section_path)
+            close = difflib.get_close_matches(key, valid, n=1)
+            hint = f"did you mean {section_path + '.' if section_path else ''}{close[0]}?" if close else ""
+            lines.append(f"  {loc}: unknown key. {hint} Valid keys here: {', '.join(valid)}")
+        else:
+            got = item.get("input")
+            shown = "" if isinstance(got, dict) else f" (got {got!r})"
+            where = loc or "config"
+            lines.append(f"  {where}: {item['msg']}{shown}")
+    return "\n".join(lines)
+
+
+def _valid_keys(section_path: str) -> list[str]:
+    model: type[BaseModel] = Config
+    for part in [p for p in section_path.split(".") if p]:
+        field = model.model_fields.get(part)
+        if field is None:
+            return []
+        ann = field.annotation
+        candidates = [a for a in getattr(ann, "__args__", (ann,)) if isinstance(a, type) and issubclass(a, BaseModel)]
+        if not candidates:
+            return []
+        model = candidates[0]
+    return sorted(model.model_fields)
+
+
+def dump_config(cfg: Config, path: str | os.PathLike) -> None:
+    """Write the resolved config (TOML) so a run directory says exactly what ran."""
+    import tomli_w
+
+    data = cfg.model_dump(exclude_none=True)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(str(path) + ".tmp")
+    tmp.write_text(tomli_w.dumps(data))
+    tmp.replace(path)

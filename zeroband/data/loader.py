@@ -1,0 +1,327 @@
+"""Documents -> packed, rank-sharded, exactly resumable token batches.
+
+Pipeline: load documents (local files or a hub dataset) -> split train/val by a hash of each document's
+text -> shuffle the train documents (seed + epoch) -> document j of the shuffled split goes to data-parallel
+rank j % dp_size -> tokenise, append EOS, concatenate -> rows of seq_len + 1 tokens, consecutive rows
+sharing one token so that every token is a target exactly once and no document tail is ever dropped.
+
+Sharding is by global dp rank only, so 2 sites x 1 rank reads the same documents per process as
+1 site x 2 ranks. `.txt` files are split into documents at blank lines (paragraphs).
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+from collections import deque
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from zeroband.config import DataConfig
+from zeroband.data.tokenizer import TextTokenizer
+
+Split = Literal["train", "val"]
+STATE_VERSION = 1
+_TOKENIZE_CHUNK = 64  # documents tokenised per call: amortises the Rust call without a big look-ahead
+_SHUFFLE_BUFFER = 10_000  # streaming shuffle buffer, in documents
+_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
+_DATA_HINT = "run `zeroband data` to fetch the demo corpus, or set data.path (or data.hub_name)"
+
+
+# --------------------------------------------------------------------------------------------
+# Loading documents
+
+
+def is_val_document(text: str, val_fraction: float) -> bool:
+    """Stable split: a document is validation iff sha1(text), read as a fraction of 2**160, < val_fraction.
+
+    It depends on nothing but the text, so it is the same for any seed, rank count or file order.
+    """
+    return int.from_bytes(hashlib.sha1(text.encode("utf-8")).digest(), "big") < val_fraction * 2**160
+
+
+def resolve_files(path: str | list[str]) -> list[str]:
+    """Expand globs in data.path; raise FileNotFoundError naming the pattern that matched nothing."""
+    files: list[str] = []
+    for pattern in [path] if isinstance(path, str) else path:
+        matches = sorted(glob.glob(pattern, recursive=True))
+        if not matches:
+            raise FileNotFoundError(f"data.path={pattern!r} matches no file: {_DATA_HINT}")
+        files += [m for m in matches if Path(m).is_file()]
+    return files
+
+
+def infer_format(files: list[str], fmt: str) -> str:
+    if fmt != "auto":
+        return fmt
+    suffixes = Path(files[0].removesuffix(".gz").removesuffix(".zst")).suffix
+    if suffixes not in _FORMATS:
+        raise ValueError(
+            f"cannot infer the format of {files[0]!r}; set data.format to one of json, parquet, text"
+        )
+    return _FORMATS[suffixes]
+
+
+def load_documents(cfg: DataConfig) -> Any:
+    """A `datasets.Dataset` (or `IterableDataset` when streaming) holding only the text column."""
+    import datasets
+
+    if cfg.hub_name:
+        ds = datasets.load_dataset(cfg.hub_name, split="train", streaming=cfg.streaming)
+    else:
+        files = resolve_files(cfg.path)
+        fmt = infer_format(files, cfg.format)
+        # datasets fails with a bare StopIteration on empty files; say what is wrong instead.
+        if all(Path(f).stat().st_size == 0 for f in files):
+            raise ValueError(
+                f"data.path={cfg.path!r} contains no documents (all {len(files)} file(s) are empty)"
+            )
+        # Paragraphs, not lines, so that prose in a .txt file is not cut into one-line documents.
+        extra = {"sample_by": "paragraph"} if fmt == "text" else {}
+        ds = datasets.load_dataset(fmt, data_files=files, split="train", streaming=cfg.streaming, **extra)
+    _check_text_field(ds, cfg)
+    return ds.select_columns([cfg.text_field])
+
+
+def _check_text_field(ds: Any, cfg: DataConfig) -> None:
+    columns = ds.column_names
+    if columns is None:  # streaming json: columns are only known after reading a row
+        first = next(iter(ds), None)
+        columns = list(first) if first is not None else []
+    if not columns:
+        raise ValueError(f"data.path={cfg.path!r} contains no documents")
+    if cfg.text_field not in columns:
+        raise ValueError(
+            f"data.text_field={cfg.text_field!r} is not a column of the dataset; available columns: {columns}"
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Document order per split, epoch and rank
+
+
+class _IndexedSource:
+    """In-memory (memory-mapped Arrow) dataset: splits are index arrays, resuming is an index skip."""
+
+    def __init__(self, ds: Any, field: str, val_fraction: float) -> None:
+        self.ds, self.field = ds, field
+        train, val, offset = [], [], 0
+        # One hashing pass over the texts; tokenisation happens later, lazily, per rank.
+        for batch in ds.iter(batch_size=4096):
+            for i, text in enumerate(batch[field], offset):
+                if text:
+                    (val if is_val_document(text, val_fraction) else train).append(i)
+            offset += len(batch[field])
+        self.indices = {"train": np.asarray(train, dtype=np.int64), "val": np.asarray(val, dtype=np.int64)}
+
+    def count(self, split: Split) -> int | None:
+        return len(self.indices[split])
+
+    def texts(
+        self, split: Split, epoch: int, seed: int, rank: int, size: int, start: int
+    ) -> Iterator[list[str]]:
+        order = self.indices[split]
+        if split == "train":
+            order = order[np.random.default_rng([seed % 2**32, epoch]).permutation(len(order))]
+        mine = order[rank::size]
+        for lo in range(start, len(mine), _TOKENIZE_CHUNK):
+            yield self.ds[[int(i) for i in mine[lo : lo + _TOKENIZE_CHUNK]]][self.field]
+
+
+class _StreamingSource:
+    """Streamed dataset: shuffled with a buffer; resuming reads and discards documents (no tokenising)."""
+
+    def __init__(self, ds: Any, field: str, val_fraction: float) -> None:
+        self.ds, self.field, self.val_fraction = ds, field, val_fraction
+        self.seen: dict[str, int] = {}  # split -> documents in the split, known after one full pass
+
+    def count(self, split: Split) -> int | None:
+        return self.seen.get(split)
+
+    def texts(
+        self, split: Split, epoch: int, seed: int, rank: int, size: int, start: int
+    ) -> Iterator[list[str]]:
+        stream = self.ds
+        if split == "train":
+            stream = stream.shuffle(seed=seed % 2**32, buffer_size=_SHUFFLE_BUFFER)
+            stream.set_epoch(epoch)
+        chunk: list[str] = []
+        j = 0
+        for row in stream:
+            text = row[self.field]
+            if not text or is_val_document(text, self.val_fraction) != (split == "val"):
+                continue
+            if j % size == rank and j // size >= start:
+                chunk.append(text)
+                if len(chunk) == _TOKENIZE_CHUNK:
+                    yield chunk
+                    chunk = []
+            j += 1
+        self.seen[split] = j
+        if chunk:
+            yield chunk
+
+
+# --------------------------------------------------------------------------------------------
+# Packing
+
+
+class _Cursor:
+    """Position in one split's token stream for one rank: epoch, documents consumed, leftover tokens."""
+
+    def __init__(self, loader: PackedBatches, split: Split) -> None:
+        self.loader, self.split = loader, split
+        self.epoch = self.consumed = 0
+        self.buffer: list[int] = []
+        # (token ids, utf-8 bytes) of documents tokenised ahead but not yet in the buffer (not in the state).
+        self.pending: deque[tuple[list[int], int]] = deque()
+        self.chunks: Iterator[list[str]] | None = None
+        self.bytes = self.tokens = 0
+
+    def next_row(self) -> list[int]:
+        need = self.loader.seq_len + 1
+        while len(self.buffer) < need:
+            self._append_document()
+        row = self.buffer[:need]
+        # Advance by seq_len, not seq_len + 1: the row's last token is the next row's first input.
+        del self.buffer[: self.loader.seq_len]
+        return row
+
+    def _append_document(self) -> None:
+        if not self.pending and not self._tokenize_more():
+            self._next_epoch()
+            return
+        ids, n_bytes = self.pending.popleft()
+        self.buffer += ids
+        self.buffer.append(self.loader.tokenizer.eos_id)
+        self.consumed += 1
+        self.tokens += len(ids) + 1
+        self.bytes += n_bytes
+
+    def _tokenize_more(self) -> bool:
+        if self.chunks is None:
+            self.chunks = self.loader._texts(self.split, self.epoch, self.consumed)
+        texts = next(self.chunks, None)
+        if texts is None:
+            return False
+        ids = self.loader.tokenizer.encode_batch(texts)
+        self.pending.extend(zip(ids, (len(t.encode("utf-8")) for t in texts)))
+        return True
+
+    def _next_epoch(self) -> None:
+        if self.consumed == 0:
+            raise self.loader._no_documents_error(self.split)
+        self.epoch, self.consumed, self.chunks = self.epoch + 1, 0, None
+
+
+class PackedBatches:
+    """Stateful iterator of packed (inputs, targets) batches for one data-parallel rank.
+
+    The trainer passes dp_rank = site_rank * ranks_per_site + local_rank and dp_size = sites * ranks_per_site,
+    so every process of every site reads disjoint documents. The train split never ends: each epoch
+    re-shuffles with shuffle_seed + epoch. Streaming and non-streaming give the same val batches but
+    different train orders (a shuffle buffer is not a permutation).
+    """
+
+    def __init__(
+        self, cfg: DataConfig, tokenizer: TextTokenizer, dp_rank: int, dp_size: int, split: Split = "train"
+    ) -> None:
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank={dp_rank} must be in [0, dp_size={dp_size})")
+        self.cfg, self.tokenizer, self.split = cfg, tokenizer, split
+        self.dp_rank, self.dp_size, self.seq_len = dp_rank, dp_size, cfg.seq_len
+        ds = load_documents(cfg)
+        source_cls = _StreamingSource if cfg.streaming else _IndexedSource
+        self._source = source_cls(ds, cfg.text_field, cfg.val_fraction)
+        self._check_counts()
+        self._cursor = _Cursor(self, split)
+        self._val_cache: dict[tuple[int, int], tuple[list[tuple[torch.Tensor, torch.Tensor]], float]] = {}
+        self._bytes_per_token: float | None = None
+
+    def _check_counts(self) -> None:
+        n_train, n_val = self._source.count("train"), self._source.count("val")
+        if n_train is None:  # streaming: counts are only known after a pass, checked at the first epoch end
+            return
+        if n_train + (n_val or 0) == 0:
+            raise ValueError(f"data.path={self.cfg.path!r} contains no non-empty documents")
+        if self.split == "train" and n_train < self.dp_size:
+            raise self._no_documents_error("train")
+
+    def _no_documents_error(self, split: Split) -> ValueError:
+        n = self._source.count(split)
+        return ValueError(
+            f"the {split} split has {n if n is not None else 'too few'} documents but dp_size={self.dp_size}: "
+            f"rank {self.dp_rank} gets none (data.val_fraction={self.cfg.val_fraction}). "
+            "Use more data, fewer ranks/sites, or a different val_fraction."
+        )
+
+    def _texts(self, split: Split, epoch: int, start: int) -> Iterator[list[str]]:
+        return self._source.texts(split, epoch, self.cfg.shuffle_seed, self.dp_rank, self.dp_size, start)
+
+    # ----------------------------------------------------------------------------------------
+
+    def next_batch(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets), both LongTensor [batch_size, seq_len]; targets are inputs shifted by one."""
+        rows = torch.tensor([self._cursor.next_row() for _ in range(batch_size)], dtype=torch.long)
+        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+
+    def val_batches(self, n_batches: int, batch_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The same `n_batches` validation batches on every call (fixed, unshuffled, rank-sharded order).
+
+        Independent of this loader's own split and position. If this rank's validation documents run out,
+        they wrap around (repeat from the first). Also measures `bytes_per_token` on the documents read.
+        """
+        key = (n_batches, batch_size)
+        if key not in self._val_cache:
+            cursor = _Cursor(self, "val")
+            rows = [cursor.next_row() for _ in range(n_batches * batch_size)]
+            t = torch.tensor(rows, dtype=torch.long).view(n_batches, batch_size, -1)
+            batches = [(b[:, :-1].contiguous(), b[:, 1:].contiguous()) for b in t]
+            self._val_cache[key] = (batches, cursor.bytes / max(cursor.tokens, 1))
+        batches, self._bytes_per_token = self._val_cache[key]
+        return batches
+
+    @property
+    def bytes_per_token(self) -> float:
+        """UTF-8 bytes per token (EOS included) of the validation documents read by the last val_batches().
+
+        bits per byte = mean loss in nats / ln(2) / bytes_per_token.
+        """
+        if self._bytes_per_token is None:
+            raise RuntimeError("bytes_per_token is measured by val_batches(); call it first")
+        return self._bytes_per_token
+
+    # ----------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Exact stream position as plain Python values (safe for torch.save and JSON)."""
+        c = self._cursor
+        return {
+            "version": STATE_VERSION,
+            "split": self.split,
+            "dp_rank": self.dp_rank,
+            "dp_size": self.dp_size,
+            "seq_len": self.seq_len,
+            "shuffle_seed": self.cfg.shuffle_seed,
+            "epoch": c.epoch,
+            "docs_consumed": c.consumed,
+            "buffer": list(c.buffer),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue exactly where `state` was taken; documents before it are skipped, not re-tokenised."""
+        mine = self.state_dict()
+        for key in ("version", "split", "dp_rank", "dp_size", "seq_len", "shuffle_seed"):
+            if state.get(key) != mine[key]:
+                raise ValueError(
+                    f"data state was saved with {key}={state.get(key)!r} but this loader has {key}={mine[key]!r}; "
+                    "the saved position is meaningless for a different layout"
+                )
+        cursor = _Cursor(self, self.split)
+        cursor.epoch, cursor.consumed = int(state["epoch"]), int(state["docs_consumed"])
+        cursor.buffer = [int(t) for t in state["buffer"]]
+        self._cursor = cursor

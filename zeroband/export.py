@@ -1,0 +1,65 @@
+"""Turn a sharded training checkpoint into a Hugging Face Llama directory, and prove it loads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from zeroband import checkpoint as ckpt
+from zeroband.config import Config
+from zeroband.data.tokenizer import TextTokenizer
+from zeroband.models.hf import export_hf
+from zeroband.models.llama import Llama
+
+
+def load_for_export(cfg: Config, checkpoint_path: Path) -> Llama:
+    """An unsharded CPU model holding a checkpoint's weights (DCP reshards any rank count onto one)."""
+    manifest = ckpt.verify_checkpoint(checkpoint_path)
+    info = ckpt.CheckpointInfo(checkpoint_path, manifest["step"], manifest)
+    from zeroband.train import checkpoint_meta  # the trainer defines what a checkpoint must match
+
+    ckpt.check_compatible(info, checkpoint_meta(cfg), manifest["world_size"])
+    model = Llama(cfg.model)
+    model.reset_rope("cpu")
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=str(checkpoint_path / "dcp"))
+    model.load_state_dict(state["model"])
+    return model
+
+
+def latest_checkpoint(cfg: Config) -> Path:
+    roots = [cfg.checkpoint_dir] + sorted(cfg.checkpoint_dir.glob("site*"))
+    for root in roots:
+        info = ckpt.find_checkpoint(root, "auto")
+        if info is not None:
+            return info.path
+    raise FileNotFoundError(f"no complete checkpoint under {cfg.checkpoint_dir}; train first or pass --checkpoint PATH")
+
+
+def export(cfg: Config, checkpoint_path: Path | None, out_dir: Path, verify: bool = True) -> dict[str, float | str]:
+    path = checkpoint_path or latest_checkpoint(cfg)
+    model = load_for_export(cfg, path)
+    tokenizer = TextTokenizer.load(cfg.data.tokenizer)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    export_hf(state, cfg.model, out_dir, tokenizer=tokenizer, bos_id=tokenizer.eos_id, eos_id=tokenizer.eos_id)
+    result: dict[str, float | str] = {"checkpoint": str(path), "out_dir": str(out_dir)}
+    if verify:
+        result["max_logit_diff"] = verify_export(model, out_dir, tokenizer)
+    return result
+
+
+@torch.no_grad()
+def verify_export(model: Llama, out_dir: Path, tokenizer: TextTokenizer) -> float:
+    """Load the export with transformers and compare logits with ours on a real sentence."""
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    hf_model = LlamaForCausalLM.from_pretrained(out_dir).eval()
+    hf_tok = AutoTokenizer.from_pretrained(out_dir)
+    ids = hf_tok("In the beginning was the word, and the word was with", return_tensors="pt")["input_ids"]
+    if ids.tolist()[0] != tokenizer.encode_batch(["In the beginning was the word, and the word was with"])[0]:
+        raise RuntimeError("exported tokenizer encodes differently from the training tokenizer")
+    ours = model.eval()(ids)
+    theirs = hf_model(ids).logits
+    return float((ours - theirs).abs().max())

@@ -1,0 +1,56 @@
+"""Faults injected on a (site, step, point) schedule, for tests and the chaos suite.
+
+    ZEROBAND_FAULTS="site1:step30:allreduce:kill,site0:step20:checkpoint:kill:rank1"
+
+Each entry: site, step (the inner step about to finish, 1-based), point (`inner`, `allreduce`,
+`checkpoint`), action (`kill` = SIGKILL, `term` = SIGTERM, `stop` = SIGSTOP, `raise`), and
+optionally the rank inside the site (default: every rank). Unset, this module does nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass
+
+ENV = "ZEROBAND_FAULTS"
+POINTS = ("inner", "allreduce", "checkpoint")
+ACTIONS = {"kill": signal.SIGKILL, "term": signal.SIGTERM, "stop": signal.SIGSTOP}
+
+
+class InjectedFault(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Fault:
+    site: int
+    step: int
+    point: str
+    action: str
+    rank: int | None = None
+
+
+def parse_faults(spec: str) -> list[Fault]:
+    faults = []
+    for entry in filter(None, (e.strip() for e in spec.split(","))):
+        parts = entry.split(":")
+        if len(parts) not in (4, 5) or not parts[0].startswith("site") or not parts[1].startswith("step"):
+            raise ValueError(f"{ENV} entry {entry!r} must look like site<N>:step<N>:<point>:<action>[:rank<N>]")
+        point, action = parts[2], parts[3]
+        if point not in POINTS or (action not in ACTIONS and action != "raise"):
+            raise ValueError(f"{ENV} entry {entry!r}: point must be one of {POINTS}, action one of {[*ACTIONS, 'raise']}")
+        rank = int(parts[4].removeprefix("rank")) if len(parts) == 5 else None
+        faults.append(Fault(int(parts[0][4:]), int(parts[1][4:]), point, action, rank))
+    return faults
+
+
+def maybe_inject(point: str, step: int, site: int, rank: int) -> None:
+    spec = os.environ.get(ENV)
+    if not spec:
+        return
+    for f in parse_faults(spec):
+        if (f.point, f.step, f.site) == (point, step, site) and f.rank in (None, rank):
+            if f.action == "raise":
+                raise InjectedFault(f"injected fault at site {site} rank {rank} step {step} ({point})")
+            os.kill(os.getpid(), ACTIONS[f.action])

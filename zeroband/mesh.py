@@ -1,0 +1,116 @@
+"""The two kinds of process group a rank belongs to, owned by one object.
+
+- the **site mesh** (axis "fsdp"): every rank of this site, over the fast local network; FSDP2
+  shards the model over it. It is the default process group that torchrun sets up.
+- the **global group**: rank i of every site (axis "site"). FSDP rank i holds the same shard on
+  every site, so rank i only ever exchanges its own shard: S-way groups, W of them in parallel.
+  Only these groups cross the WAN. They are built from a separate coordination store, never from
+  torchrun's rendezvous, because each site is its own torchrun job.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from urllib.parse import urlparse
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from zeroband.world import World
+
+
+class GlobalGroup:
+    """Rank `rank` of `size` sites; every collective is bounded by the group's timeout."""
+
+    def __init__(self, pg: dist.ProcessGroup, rank: int, size: int, store: dist.Store | None = None) -> None:
+        self.pg = pg
+        self.store = store  # keeps the store client (and on site 0 its server) alive with the group
+        self.rank = rank
+        self.size = size
+
+    def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> None:
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = op
+        self.pg.allreduce([tensor], opts).wait()
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        opts.rootTensor = 0
+        self.pg.broadcast([tensor], opts).wait()
+
+    def gather_scalars(self, values: list[float]) -> torch.Tensor:
+        """Every site's `values` as a [size, len(values)] float64 table, identical on all sites."""
+        table = torch.zeros(self.size, len(values), dtype=torch.float64)
+        table[self.rank] = torch.tensor(values, dtype=torch.float64)
+        self.all_reduce(table)
+        return table
+
+
+def _make_store(address: str, is_host: bool, timeout: timedelta) -> dist.Store:
+    url = urlparse(address)
+    return dist.TCPStore(
+        url.hostname, url.port, is_master=is_host, timeout=timeout, wait_for_workers=False, use_libuv=True
+    )
+
+
+def new_global_group(
+    store: dist.Store, prefix: str, site_rank: int, site_count: int, timeout: timedelta, backend: str = "gloo"
+) -> GlobalGroup:
+    scoped = dist.PrefixStore(prefix, store)
+    if backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        pg = dist.ProcessGroupNCCL(scoped, site_rank, site_count, opts)
+    else:
+        pg = dist.ProcessGroupGloo(scoped, site_rank, site_count, timeout)
+    return GlobalGroup(pg, site_rank, site_count, store)
+
+
+@dataclass
+class Topology:
+    world: World
+    site_mesh: DeviceMesh
+    global_group: GlobalGroup | None  # None for a single-site run
+
+    def site_all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> None:
+        """Reduce over this site's ranks (a no-op with one rank)."""
+        if self.world.world_size > 1:
+            dist.all_reduce(tensor, op=op)
+
+    def site_barrier(self) -> None:
+        if self.world.world_size > 1:
+            dist.barrier()
+
+
+def init_site_group(world: World, timeout: timedelta) -> None:
+    """The site's default process group: torchrun's env:// rendezvous, or a 1-rank group."""
+    if dist.is_initialized():
+        return
+    if world.device.type == "cuda":
+        torch.cuda.set_device(world.device)
+    if "MASTER_ADDR" in os.environ and world.world_size > 1:
+        dist.init_process_group(world.backend, rank=world.rank, world_size=world.world_size, timeout=timeout)
+    else:
+        dist.init_process_group(world.backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+
+
+def init_topology(world: World, store_address: str | None, run_name: str, timeout_s: float, backend: str) -> Topology:
+    timeout = timedelta(seconds=timeout_s)
+    init_site_group(world, timeout)
+    mesh = init_device_mesh(world.device.type, (world.world_size,), mesh_dim_names=("fsdp",))
+    group = None
+    if store_address is not None:
+        is_host = world.site_rank == 0 and world.rank == 0
+        store = _make_store(store_address, is_host, timeout)
+        prefix = f"zeroband/{run_name}/gen0/shard{world.rank}/"
+        group = new_global_group(store, prefix, world.site_rank, world.site_count, timeout, backend)
+    return Topology(world, mesh, group)
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,147 @@
+"""What a run tells its user: a progress bar, a JSONL file, wandb, and the utilisation account."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from zeroband.config import Config
+
+log = logging.getLogger(__name__)
+
+# Peak dense throughput used for the MFU estimate. On CPU there is no meaningful datasheet number,
+# so MFU is reported against a measured-free nominal value only when the user sets one.
+PEAK_FLOPS_ENV = "ZEROBAND_PEAK_FLOPS"
+KNOWN_PEAK_FLOPS = {"H100": 989e12, "A100": 312e12, "L4": 121e12, "A10": 125e12}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if os.environ.get(PEAK_FLOPS_ENV):
+        return float(os.environ[PEAK_FLOPS_ENV])
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, value in KNOWN_PEAK_FLOPS.items():
+            if key in name:
+                return value
+    return None
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    # ru_maxrss is KiB on Linux: the process's peak resident set, the honest CPU number.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class ComputeClock:
+    """Splits wall time into inner compute and everything else, for `compute utilisation`."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.compute_s = 0.0
+
+    def add_compute(self, seconds: float) -> None:
+        self.compute_s += seconds
+
+    @property
+    def wall_s(self) -> float:
+        return time.perf_counter() - self.start
+
+    @property
+    def utilisation(self) -> float:
+        return self.compute_s / max(self.wall_s, 1e-9)
+
+    def state_dict(self) -> dict[str, float]:
+        return {"compute_s": self.compute_s, "wall_s": self.wall_s}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.compute_s = state["compute_s"]
+        self.start = time.perf_counter() - state["wall_s"]
+
+
+class MetricsLogger:
+    """Writes metrics on the site's rank 0 only; other ranks get a logger that does nothing."""
+
+    def __init__(self, cfg: Config, run_dir: Path, enabled: bool, total_steps: int, start_step: int, tag: str = "") -> None:
+        self.enabled = enabled
+        self.tag = tag
+        self.file = None
+        self.bar = None
+        self.wandb = None
+        if not enabled:
+            return
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.file = open(run_dir / "metrics.jsonl", "a", buffering=1)
+        if cfg.log.progress_bar and sys.stderr.isatty() or os.environ.get("ZEROBAND_FORCE_BAR"):
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_steps, initial=start_step, desc=tag or cfg.name, dynamic_ncols=True)
+        if cfg.log.wandb_project and cfg.log.wandb_mode != "disabled":
+            self.wandb = _init_wandb(cfg, run_dir, tag)
+
+    def log(self, step: int, metrics: dict[str, Any], kind: str = "train") -> None:
+        if not self.enabled:
+            return
+        record = {"kind": kind, "step": step, "time": time.time(), **metrics}
+        self.file.write(json.dumps(record, default=float) + "\n")
+        if self.wandb is not None:
+            self.wandb.log({f"{kind}/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
+        if self.bar is None and kind != "train":
+            log.info("%s step %d %s", kind, step, _short(metrics))
+        elif self.bar is None and kind == "train":
+            log.info("step %d %s", step, _short(metrics))
+
+    def progress(self, step: int, loss: float, tokens_per_s: float, lr: float, eta_s: float) -> None:
+        if self.bar is None:
+            return
+        self.bar.n = step
+        self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}", lr=f"{lr:.2e}", eta=_fmt_eta(eta_s))
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.file is not None:
+            self.file.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _init_wandb(cfg: Config, run_dir: Path, tag: str) -> Any:
+    try:
+        import wandb
+    except ImportError:
+        raise RuntimeError("log.wandb_project is set but wandb is not installed: pip install 'zeroband[wandb]'") from None
+    return wandb.init(
+        project=cfg.log.wandb_project,
+        name=f"{cfg.name}{'-' + tag if tag else ''}",
+        mode=cfg.log.wandb_mode,
+        dir=str(run_dir),
+        config=cfg.model_dump(),
+    )
+
+
+def _fmt_eta(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    m, s = divmod(int(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+def _short(metrics: dict[str, Any]) -> str:
+    parts = []
+    for k, v in metrics.items():
+        if isinstance(v, float):
+            parts.append(f"{k}={v:.4g}")
+        elif isinstance(v, (int, str)):
+            parts.append(f"{k}={v}")
+    return " ".join(parts)

@@ -1,0 +1,72 @@
+"""Summaries of finished runs, read back from their metrics.jsonl files: a table and a loss plot."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def summarise_site(records: list[dict[str, Any]]) -> dict[str, Any]:
+    train = [r for r in records if r["kind"] == "train"]
+    val = [r for r in records if r["kind"] == "val"]
+    outer = [r for r in records if r["kind"] == "outer"]
+    out: dict[str, Any] = {"steps": train[-1]["step"] if train else 0}
+    if train:
+        out.update(final_loss=train[-1]["loss"], tokens=train[-1]["tokens"], tokens_per_s=train[-1]["tokens_per_s"],
+                   compute_utilisation=train[-1]["compute_utilisation"], peak_mem_mb=train[-1]["peak_mem_mb"])
+    if val:
+        out.update(val_loss=val[-1]["val_loss"], val_ppl=val[-1]["val_ppl"], val_bpb=val[-1]["val_bpb"])
+    if outer:
+        out.update(
+            outer_steps=len(outer),
+            payload_bytes_per_outer_step=outer[-1]["payload_bytes"],
+            wire_bytes_per_outer_step=outer[-1]["wire_bytes_est"],
+            allreduce_s_mean=sum(r["allreduce_s"] for r in outer) / len(outer),
+        )
+    return out
+
+
+def loss_table(records: list[dict[str, Any]], every: int = 1) -> str:
+    rows = ["| step | train loss | val loss | val ppl |", "|---:|---:|---:|---:|"]
+    val = {r["step"]: r for r in records if r["kind"] == "val"}
+    train = [r for r in records if r["kind"] == "train"]
+    for i, r in enumerate(train):
+        if i % every and r is not train[-1]:
+            continue
+        v = val.get(r["step"])
+        rows.append(f"| {r['step']} | {r['loss']:.3f} | {v['val_loss']:.3f} | {v['val_ppl']:.1f} |" if v
+                    else f"| {r['step']} | {r['loss']:.3f} | | |")
+    return "\n".join(rows)
+
+
+def plot_losses(series: dict[str, list[dict[str, Any]]], out: Path) -> Path | None:
+    """One line per run/site: train loss and val loss against step. None if matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, records in series.items():
+        train = [r for r in records if r["kind"] == "train"]
+        val = [r for r in records if r["kind"] == "val"]
+        ax.plot([r["step"] for r in train], [r["loss"] for r in train], label=f"{name} train", alpha=0.7)
+        if val:
+            ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o--", label=f"{name} val")
+    ax.set_xlabel("inner step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

@@ -1,0 +1,267 @@
+"""The training loop: one site, or one site of a DiLoCo run. Read it top to bottom.
+
+    torchrun --nproc-per-node 2 -m zeroband.train configs/demo.toml [--section.key value ...]
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from zeroband import checkpoint as ckpt
+from zeroband.config import Config, ConfigError, dump_config, load_config
+from zeroband.data.loader import PackedBatches
+from zeroband.data.tokenizer import TextTokenizer
+from zeroband.diloco import DiLoCo, SingleSite
+from zeroband.faults import maybe_inject
+from zeroband.mesh import Topology, init_topology, shutdown
+from zeroband.metrics import ComputeClock, MetricsLogger, peak_flops, peak_memory_mb
+from zeroband.models.hf import load_hf_state
+from zeroband.models.llama import (
+    Llama,
+    apply_activation_checkpointing,
+    cross_entropy_loss,
+    flops_per_token,
+    load_full_state,
+    model_blocks,
+    num_params,
+)
+from zeroband.optim import build_optimizer, build_scheduler
+from zeroband.world import World, world_from_env
+
+log = logging.getLogger("zeroband")
+
+
+@dataclass
+class Progress:
+    """Counters that a resume must restore exactly."""
+
+    step: int = 0
+    tokens: int = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step, "tokens": self.tokens}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.step, self.tokens = state["step"], state["tokens"]
+
+
+# ---------------------------------------------------------------------------------- building
+
+
+def build_model(cfg: Config, topology: Topology) -> Llama:
+    """Fixed order: meta device -> activation checkpointing -> compile -> FSDP2 -> weights."""
+    with torch.device("meta"):
+        model = Llama(cfg.model)
+    if cfg.train.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cfg.train.mixed_precision == "bf16" else MixedPrecisionPolicy()
+    for block in model_blocks(model):
+        if cfg.train.compile:
+            block.compile()
+        fully_shard(block, mesh=topology.site_mesh, mp_policy=mp)
+    fully_shard(model, mesh=topology.site_mesh, mp_policy=mp)
+    model.to_empty(device=topology.world.device)
+    if cfg.model.init_from:
+        model.reset_rope(topology.world.device)
+        load_full_state(model, load_hf_state(cfg.model.init_from, cfg.model))
+    else:
+        model.init_weights(cfg.train.seed)
+    return model
+
+
+def check_vocab(cfg: Config, tokenizer: TextTokenizer) -> None:
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(
+            f"tokenizer {cfg.data.tokenizer!r} has {tokenizer.vocab_size} tokens but model.vocab_size="
+            f"{cfg.model.vocab_size}: token ids would overflow the embedding. Fix: set "
+            f"--model.vocab_size {tokenizer.vocab_size} (or larger), or use a smaller tokenizer"
+        )
+
+
+def checkpoint_meta(cfg: Config) -> dict[str, Any]:
+    return {"model": cfg.model.model_dump(exclude={"init_from", "preset"}), "fingerprint": cfg.fingerprint()}
+
+
+# ---------------------------------------------------------------------------------- one step
+
+
+def inner_step(
+    model: torch.nn.Module,
+    micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+    optimizer: torch.optim.Optimizer,
+    grad_clip: float,
+    device: torch.device,
+) -> tuple[float, float]:
+    """Forward/backward over the micro-batches, clip, step. Returns (mean loss on this rank, grad norm)."""
+    total = torch.zeros((), device=device)
+    for inputs, targets in micro_batches:
+        loss = cross_entropy_loss(model(inputs.to(device)), targets.to(device)) / len(micro_batches)
+        loss.backward()
+        total += loss.detach()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return total.item(), norm.item()
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], topology: Topology) -> float:
+    """Mean validation loss (nats/token) over the site: every rank evaluates its own share."""
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=topology.world.device)
+    for inputs, targets in batches:
+        loss = cross_entropy_loss(model(inputs.to(topology.world.device)), targets.to(topology.world.device))
+        total += torch.tensor([loss.item() * targets.numel(), targets.numel()], dtype=torch.float64, device=total.device)
+    model.train()
+    topology.site_all_reduce(total)
+    return (total[0] / total[1]).item()
+
+
+def device_sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ---------------------------------------------------------------------------------- the loop
+
+
+def train(cfg: Config) -> dict[str, Any]:
+    world = world_from_env(cfg)
+    timeout = cfg.diloco.timeout_s if cfg.diloco else 600.0
+    store = cfg.diloco.store if cfg.diloco else None
+    topology = init_topology(world, store, cfg.name, timeout, cfg.diloco.backend if cfg.diloco else "gloo")
+    try:
+        return _train(cfg, world, topology)
+    finally:
+        shutdown()
+
+
+def _train(cfg: Config, world: World, topology: Topology) -> dict[str, Any]:
+    run_dir = cfg.run_dir / f"site{world.site_rank}" if cfg.diloco else cfg.run_dir
+    ckpt_root = cfg.checkpoint_dir / f"site{world.site_rank}" if cfg.diloco else cfg.checkpoint_dir
+    if world.rank == 0:
+        dump_config(cfg, run_dir / "config.toml")
+    torch.manual_seed(cfg.train.seed)
+
+    tokenizer = TextTokenizer.load(cfg.data.tokenizer)
+    check_vocab(cfg, tokenizer)
+    train_data = PackedBatches(cfg.data, tokenizer, world.dp_rank, world.dp_size, "train")
+    # Validation is sharded over the site's ranks only, so every site scores the same documents.
+    val_batches = PackedBatches(cfg.data, tokenizer, world.rank, world.world_size, "val")
+    eval_set = val_batches.val_batches(cfg.eval.batches, cfg.train.micro_batch)
+    bytes_per_token = val_batches.bytes_per_token
+
+    model = build_model(cfg, topology)
+    optimizer = build_optimizer(list(model.parameters()), cfg.optim)
+    scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
+    outer = DiLoCo(model, cfg.diloco, topology) if cfg.diloco else SingleSite()
+    progress, clock = Progress(), ComputeClock()
+    extras = {"scheduler": scheduler, "data": train_data, "outer": outer, "progress": progress, "clock": clock}
+
+    resume_from = ckpt.find_checkpoint(ckpt_root, cfg.checkpoint.resume)
+    if resume_from is not None:
+        ckpt.check_compatible(resume_from, checkpoint_meta(cfg), world.world_size)
+        ckpt.load_checkpoint(resume_from, model, optimizer, extras)
+        log.info("resumed from %s (step %d)", resume_from.path, progress.step)
+    else:
+        outer.start()
+
+    accum = cfg.grad_accum_steps(world.world_size)
+    tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
+    fpt = flops_per_token(cfg.model, cfg.data.seq_len)
+    peak = peak_flops(world.device)
+    metrics = MetricsLogger(cfg, run_dir, world.rank == 0, cfg.train.steps, progress.step, tag=f"site{world.site_rank}" if cfg.diloco else "")
+    if world.rank == 0 and resume_from is None:
+        metrics.log(0, {"params": num_params(cfg.model), "ranks": world.world_size, "sites": world.site_count}, kind="run")
+    losses: list[float] = []
+    val: dict[str, float] = {}
+    window_start, window_tokens = time.perf_counter(), 0
+
+    while progress.step < cfg.train.steps:
+        step = progress.step
+        batches = [train_data.next_batch(cfg.train.micro_batch) for _ in range(accum)]
+        t0 = time.perf_counter()
+        loss, grad_norm = inner_step(model, batches, optimizer, cfg.optim.grad_clip, world.device)
+        scheduler.step()
+        device_sync(world.device)
+        clock.add_compute(time.perf_counter() - t0)
+        loss = site_mean(loss, topology)
+        losses.append(loss)
+        progress.step += 1
+        progress.tokens += tokens_per_step
+        window_tokens += tokens_per_step
+        maybe_inject("inner", progress.step, world.site_rank, world.rank)
+
+        outer_stats = outer.after_inner_step(step)
+        if outer_stats is not None:
+            metrics.log(progress.step, {**outer_stats.as_dict(), "compute_utilisation": clock.utilisation}, kind="outer")
+
+        if progress.step % cfg.log.interval == 0 or progress.step == cfg.train.steps:
+            elapsed = time.perf_counter() - window_start
+            tok_s = window_tokens / max(elapsed, 1e-9)
+            record = {
+                "loss": loss, "grad_norm": grad_norm, "lr": scheduler.get_last_lr()[0], "tokens": progress.tokens,
+                "tokens_per_s": tok_s, "compute_utilisation": clock.utilisation, "peak_mem_mb": peak_memory_mb(world.device),
+            }
+            if peak:
+                record["mfu"] = fpt * tok_s / (peak * world.world_size)
+            metrics.log(progress.step, record)
+            metrics.progress(progress.step, loss, tok_s, record["lr"], (cfg.train.steps - progress.step) * elapsed / cfg.log.interval)
+            window_start, window_tokens = time.perf_counter(), 0
+
+        if (cfg.eval.interval and progress.step % cfg.eval.interval == 0) or progress.step == cfg.train.steps:
+            val = validation_metrics(evaluate(model, eval_set, topology), bytes_per_token)
+            metrics.log(progress.step, val, kind="val")
+
+        if should_save(cfg, progress.step):
+            ckpt.save_checkpoint(ckpt_root, progress.step, model, optimizer, extras, checkpoint_meta(cfg),
+                                 cfg.checkpoint.keep_last, site=world.site_rank)
+
+    metrics.close()
+    return {"losses": losses, "val": val, "steps": progress.step, "tokens": progress.tokens,
+            "compute_utilisation": clock.utilisation, "run_dir": str(run_dir)}
+
+
+def site_mean(value: float, topology: Topology) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=topology.world.device)
+    topology.site_all_reduce(t)
+    return t.item() / topology.world.world_size
+
+
+def validation_metrics(loss: float, bytes_per_token: float) -> dict[str, float]:
+    return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0)), "val_bpb": loss / math.log(2) / bytes_per_token}
+
+
+def should_save(cfg: Config, step: int) -> bool:
+    if step == cfg.train.steps:
+        return cfg.checkpoint.save_at_end
+    return bool(cfg.checkpoint.interval) and step % cfg.checkpoint.interval == 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    path = argv.pop(0) if argv and not argv[0].startswith("--") else None
+    try:
+        cfg = load_config(path, argv)
+        train(cfg)
+    except (ConfigError, ckpt.CheckpointError, FileNotFoundError) as e:
+        print(f"zeroband: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+

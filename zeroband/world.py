@@ -1,0 +1,82 @@
+"""Who this process is: its rank inside its site, its site among the sites, and its device.
+
+Sources, in order: the config's `[diloco]` section, then the environment
+(`ZEROBAND_SITE_RANK`, `ZEROBAND_SITE_COUNT`), then single-site defaults. Inside a site the
+ranks come from torchrun (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`); a plain `python -m` run is rank 0 of 1.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from zeroband.config import Config, ConfigError
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int  # rank inside the site (the FSDP rank)
+    world_size: int  # ranks per site
+    local_rank: int  # rank on this node (picks the GPU)
+    site_rank: int
+    site_count: int
+    device: torch.device
+
+    @property
+    def backend(self) -> str:
+        """Backend of the site group; it follows the device."""
+        return "nccl" if self.device.type == "cuda" else "gloo"
+
+    @property
+    def dp_rank(self) -> int:
+        """Position among every data-parallel reader of every site: decides which documents we read."""
+        return self.site_rank * self.world_size + self.rank
+
+    @property
+    def dp_size(self) -> int:
+        return self.site_count * self.world_size
+
+    @property
+    def is_site_leader(self) -> bool:
+        return self.rank == 0
+
+
+def _env_int(name: str, default: int | None) -> int | None:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"environment variable {name}={value!r} must be an integer") from None
+
+
+def resolve_device(choice: str, local_rank: int) -> torch.device:
+    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError("train.device='cuda' but no CUDA device is visible; use train.device='cpu' or 'auto'")
+    return torch.device("cuda", local_rank % torch.cuda.device_count())
+
+
+def world_from_env(cfg: Config) -> World:
+    rank = _env_int("RANK", 0)
+    world_size = _env_int("WORLD_SIZE", 1)
+    local_rank = _env_int("LOCAL_RANK", rank)
+    site_rank, site_count = 0, 1
+    if cfg.diloco is not None:
+        site_rank = cfg.diloco.site_rank if cfg.diloco.site_rank is not None else _env_int("ZEROBAND_SITE_RANK", None)
+        site_count = (
+            cfg.diloco.site_count if cfg.diloco.site_count is not None else _env_int("ZEROBAND_SITE_COUNT", None)
+        )
+        if site_rank is None or site_count is None:
+            raise ConfigError(
+                "a [diloco] run needs the site identity: set diloco.site_rank and diloco.site_count "
+                "(e.g. --diloco.site_rank 0 --diloco.site_count 2) or ZEROBAND_SITE_RANK / ZEROBAND_SITE_COUNT"
+            )
+        if not 0 <= site_rank < site_count:
+            raise ConfigError(f"site rank {site_rank} must be in [0, site count {site_count})")
+    cfg.check_world(world_size)
+    return World(rank, world_size, local_rank, site_rank, site_count, resolve_device(cfg.train.device, local_rank))
