@@ -1,0 +1,138 @@
+"""DiLoCo across sites on real forked processes: global groups over gloo, outer step on CPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import tiny_overrides
+from tests.multiproc import free_port, run_sites
+from tests.test_train import _train, _train_expecting_fault
+from zeroband.config import DilocoConfig, validate_config
+
+
+def diloco_tree(corpus: dict, out: Path, **extra) -> dict:
+    tree = tiny_overrides(corpus, out, **extra)
+    tree.setdefault("diloco", {})
+    tree["diloco"] = {"inner_steps": 2, "store": f"tcp://127.0.0.1:{free_port()}", "timeout_s": 60, **tree["diloco"]}
+    return tree
+
+
+def final_params(tree: dict, site: int | None, step: int) -> dict[str, torch.Tensor]:
+    from zeroband.export import load_for_export
+
+    cfg = validate_config({k: v for k, v in tree.items() if k != "diloco"})
+    root = cfg.checkpoint_dir / (f"site{site}" if site is not None else "")
+    return dict(load_for_export(cfg, root / f"step_{step:09d}").state_dict())
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def test_h1_diloco_equals_data_parallel(corpus, tmp_path):
+    """H=1, inner SGD, outer SGD lr 1 without momentum, fp32: DiLoCo is data parallel."""
+    common = {"optim": {"name": "sgd", "lr": 0.5, "grad_clip": 0.0, "warmup_steps": 0, "schedule": "constant"},
+              "checkpoint": {"interval": 0}}
+    dp = tiny_overrides(corpus, tmp_path / "dp", train={"steps": 4, "global_batch": 4, "micro_batch": 2}, **common)
+    run_sites(_train, 1, 2, (dp,))
+    dl = diloco_tree(corpus, tmp_path / "dl", train={"steps": 4, "global_batch": 2, "micro_batch": 2}, **common,
+                     diloco={"inner_steps": 1, "outer_lr": 1.0, "outer_momentum": 0.0, "comm_dtype": "fp32"})
+    run_sites(_train, 2, 1, (dl,))
+    ref = final_params(dp, None, 4)
+    for site in (0, 1):
+        got = final_params(dl, site, 4)
+        worst = max(rel(got[k], ref[k]) for k in ref)
+        assert worst <= 1e-6, worst
+
+
+def _outer_by_hand(store: str, deltas: list[list[float]], momentum: float, nesterov: bool, lr: float) -> list:
+    """Site s moves its local copy by -delta[s][t] before outer step t; returns the outer params."""
+    import os
+
+    from zeroband.diloco import DiLoCo
+    from zeroband.mesh import init_topology, shutdown
+    from zeroband.world import World
+
+    site = int(os.environ["ZEROBAND_SITE_RANK"])
+    world = World(0, 1, 0, site, 2, torch.device("cpu"))
+    topology = init_topology(world, store, "hand", 30, "gloo")
+    model = torch.nn.Linear(1, 1, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(1.0 if site == 0 else 5.0)  # site 0's value must win the initial broadcast
+    cfg = DilocoConfig(inner_steps=1, outer_lr=lr, outer_momentum=momentum, nesterov=nesterov, comm_dtype="fp32", store=store)
+    outer = DiLoCo(model, cfg, topology)
+    outer.start()
+    seen = [float(model.weight)]
+    for step_deltas in deltas[site]:
+        with torch.no_grad():
+            model.weight -= step_deltas
+        outer.sync()
+        seen.append(float(model.weight))
+    shutdown()
+    return seen
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_outer_nesterov_closed_form(nesterov):
+    deltas = [[0.2, -0.1, 0.4], [0.4, 0.3, 0.0]]  # pseudo-gradients per site per outer step
+    lr, mu = 0.7, 0.9
+    theta, buf, expected = 1.0, 0.0, [1.0]
+    for t in range(3):
+        g = (deltas[0][t] + deltas[1][t]) / 2
+        buf = g if t == 0 else mu * buf + g  # torch.optim.SGD's momentum buffer
+        theta -= lr * (g + mu * buf if nesterov else buf)
+        expected.append(theta)
+    # By hand for Nesterov: step 1 averages 0.3, moves by 0.7 * 1.9 * 0.3 = 0.399 -> 0.601.
+    if nesterov:
+        assert expected[1] == pytest.approx(0.601)
+    store = f"tcp://127.0.0.1:{free_port()}"
+    out = run_sites(_outer_by_hand, 2, 1, (store, deltas, mu, nesterov, lr), timeout=60)
+    for site in (0, 1):
+        assert out[(site, 0)] == pytest.approx(expected, abs=1e-6)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+def test_two_by_two_sites_bitwise_identical_after_every_outer_step(corpus, tmp_path, dtype):
+    tree = diloco_tree(corpus, tmp_path, train={"steps": 6, "global_batch": 4, "micro_batch": 2},
+                       checkpoint={"interval": 2, "keep_last": 5}, diloco={"comm_dtype": dtype})
+    out = run_sites(_train, 2, 2, (tree,), timeout=180)
+    assert out[(0, 0)]["losses"] != out[(1, 0)]["losses"]  # sites read different data
+    for step in (2, 4, 6):
+        a, b = final_params(tree, 0, step), final_params(tree, 1, step)
+        assert all(torch.equal(a[k], b[k]) for k in a), f"sites differ after outer step at {step} ({dtype})"
+
+
+def test_fp16_outer_step_close_to_fp32(corpus, tmp_path):
+    results = {}
+    for dtype in ("fp32", "fp16"):
+        tree = diloco_tree(corpus, tmp_path / dtype, train={"steps": 2, "global_batch": 4, "micro_batch": 2},
+                           diloco={"comm_dtype": dtype, "inner_steps": 2})
+        run_sites(_train, 2, 2, (tree,), timeout=120)
+        results[dtype] = final_params(tree, 0, 2)
+    from zeroband.models.llama import Llama
+
+    start = Llama(validate_config(tree).model)
+    start.init_weights(0)
+    init = start.state_dict()
+    for k, p32 in results["fp32"].items():
+        update = (p32 - init[k]).norm()
+        if update > 0:
+            assert float((results["fp16"][k] - p32).norm() / update) <= 1e-3, k
+
+
+def test_diloco_resume_is_exact(corpus, tmp_path):
+    def tree(name):
+        return diloco_tree(corpus, tmp_path / name, train={"steps": 8}, checkpoint={"interval": 4})
+
+    reference = run_sites(_train, 2, 1, (tree("full"),))
+    cut = tree("cut")
+    faults = {"ZEROBAND_FAULTS": "site0:step6:inner:raise,site1:step6:inner:raise"}
+    run_sites(_train_expecting_fault, 2, 1, (cut,), env=faults)
+    resumed = run_sites(_train, 2, 1, (cut,))
+    for site in (0, 1):
+        assert resumed[(site, 0)]["losses"] == reference[(site, 0)]["losses"][4:]
+    a, b = final_params(cut, 0, 8), final_params(tree("full") | {"output_dir": str(tmp_path / "full")}, 0, 8)
+    assert all(torch.equal(a[k], b[k]) for k in a)
