@@ -10,6 +10,7 @@ import math
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -147,90 +148,141 @@ def train(cfg: Config) -> dict[str, Any]:
         shutdown()
 
 
-def _train(cfg: Config, world: World, topology: Topology) -> dict[str, Any]:
-    run_dir = cfg.run_dir / f"site{world.site_rank}" if cfg.diloco else cfg.run_dir
-    ckpt_root = cfg.checkpoint_dir / f"site{world.site_rank}" if cfg.diloco else cfg.checkpoint_dir
+@dataclass
+class Run:
+    """Everything the loop touches, built once by `setup`."""
+
+    cfg: Config
+    world: World
+    topology: Topology
+    model: Llama
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    train_data: PackedBatches
+    eval_set: list[tuple[torch.Tensor, torch.Tensor]]
+    bytes_per_token: float
+    outer: DiLoCo | SingleSite
+    progress: Progress
+    clock: ComputeClock
+    run_dir: Path
+    ckpt_root: Path
+
+    @property
+    def stateful(self) -> dict[str, Any]:
+        """Per-rank state a checkpoint carries beside the model and inner optimizer."""
+        return {"scheduler": self.scheduler, "data": self.train_data, "outer": self.outer,
+                "progress": self.progress, "clock": self.clock}
+
+
+def setup(cfg: Config, world: World, topology: Topology) -> Run:
+    site_part = f"site{world.site_rank}" if cfg.diloco else ""
+    run_dir, ckpt_root = cfg.run_dir / site_part, cfg.checkpoint_dir / site_part
     if world.rank == 0:
         dump_config(cfg, run_dir / "config.toml")
     torch.manual_seed(cfg.train.seed)
-
     tokenizer = TextTokenizer.load(cfg.data.tokenizer)
     check_vocab(cfg, tokenizer)
     train_data = PackedBatches(cfg.data, tokenizer, world.dp_rank, world.dp_size, "train")
     # Validation is sharded over the site's ranks only, so every site scores the same documents.
-    val_batches = PackedBatches(cfg.data, tokenizer, world.rank, world.world_size, "val")
-    eval_set = val_batches.val_batches(cfg.eval.batches, cfg.train.micro_batch)
-    bytes_per_token = val_batches.bytes_per_token
-
+    val_data = PackedBatches(cfg.data, tokenizer, world.rank, world.world_size, "val")
+    eval_set = val_data.val_batches(cfg.eval.batches, cfg.train.micro_batch)
     model = build_model(cfg, topology)
     optimizer = build_optimizer(list(model.parameters()), cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
     outer = DiLoCo(model, cfg.diloco, topology) if cfg.diloco else SingleSite()
-    progress, clock = Progress(), ComputeClock()
-    extras = {"scheduler": scheduler, "data": train_data, "outer": outer, "progress": progress, "clock": clock}
+    return Run(cfg, world, topology, model, optimizer, scheduler, train_data, eval_set, val_data.bytes_per_token,
+               outer, Progress(), ComputeClock(), run_dir, ckpt_root)
 
-    resume_from = ckpt.find_checkpoint(ckpt_root, cfg.checkpoint.resume)
-    if resume_from is not None:
-        ckpt.check_compatible(resume_from, checkpoint_meta(cfg), world.world_size)
-        ckpt.load_checkpoint(resume_from, model, optimizer, extras)
-        log.info("resumed from %s (step %d)", resume_from.path, progress.step)
-    else:
-        outer.start()
 
+def resume_or_start(run: Run) -> bool:
+    """Load the newest valid checkpoint if there is one (True), else make the sites agree (False)."""
+    found = ckpt.find_checkpoint(run.ckpt_root, run.cfg.checkpoint.resume)
+    if found is None:
+        run.outer.start()
+        return False
+    ckpt.check_compatible(found, checkpoint_meta(run.cfg), run.world.world_size)
+    ckpt.load_checkpoint(found, run.model, run.optimizer, run.stateful)
+    log.info("resumed from %s (step %d)", found.path, run.progress.step)
+    return True
+
+
+class StepWindow:
+    """Loss and throughput over the steps since the last log line."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.start, self.tokens, self.losses = time.perf_counter(), 0, []
+
+    def add(self, loss: float, tokens: int) -> None:
+        self.losses.append(loss)
+        self.tokens += tokens
+
+    def record(self, run: Run, grad_norm: float) -> dict[str, float]:
+        elapsed = max(time.perf_counter() - self.start, 1e-9)
+        tok_s = self.tokens / elapsed
+        rec = {
+            "loss": site_mean(sum(self.losses) / len(self.losses), run.topology), "grad_norm": grad_norm,
+            "lr": run.scheduler.get_last_lr()[0], "tokens": run.progress.tokens, "tokens_per_s": tok_s,
+            "compute_utilisation": run.clock.utilisation, "peak_mem_mb": peak_memory_mb(run.world.device),
+            "eta_s": (run.cfg.train.steps - run.progress.step) * elapsed / len(self.losses),
+        }
+        peak = peak_flops(run.world.device)
+        if peak:
+            rec["mfu"] = flops_per_token(run.cfg.model, run.cfg.data.seq_len) * tok_s / (peak * run.world.world_size)
+        self.reset()
+        return rec
+
+
+def train_loop(run: Run, metrics: MetricsLogger) -> dict[str, Any]:
+    cfg, world, progress = run.cfg, run.world, run.progress
     accum = cfg.grad_accum_steps(world.world_size)
     tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
-    fpt = flops_per_token(cfg.model, cfg.data.seq_len)
-    peak = peak_flops(world.device)
-    metrics = MetricsLogger(cfg, run_dir, world.rank == 0, cfg.train.steps, progress.step, tag=f"site{world.site_rank}" if cfg.diloco else "")
-    if world.rank == 0 and resume_from is None:
-        metrics.log(0, {"params": num_params(cfg.model), "ranks": world.world_size, "sites": world.site_count}, kind="run")
     losses: list[float] = []
     val: dict[str, float] = {}
-    window_start, window_tokens = time.perf_counter(), 0
-
+    window = StepWindow()
     while progress.step < cfg.train.steps:
-        step = progress.step
-        batches = [train_data.next_batch(cfg.train.micro_batch) for _ in range(accum)]
+        batches = [run.train_data.next_batch(cfg.train.micro_batch) for _ in range(accum)]
         t0 = time.perf_counter()
-        loss, grad_norm = inner_step(model, batches, optimizer, cfg.optim.grad_clip, world.device)
-        scheduler.step()
+        loss, grad_norm = inner_step(run.model, batches, run.optimizer, cfg.optim.grad_clip, world.device)
+        run.scheduler.step()
         device_sync(world.device)
-        clock.add_compute(time.perf_counter() - t0)
-        loss = site_mean(loss, topology)
-        losses.append(loss)
+        run.clock.add_compute(time.perf_counter() - t0)
         progress.step += 1
         progress.tokens += tokens_per_step
-        window_tokens += tokens_per_step
+        losses.append(loss)
+        window.add(loss, tokens_per_step)
         maybe_inject("inner", progress.step, world.site_rank, world.rank)
 
-        outer_stats = outer.after_inner_step(step)
+        outer_stats = run.outer.after_inner_step(progress.step - 1)
         if outer_stats is not None:
-            metrics.log(progress.step, {**outer_stats.as_dict(), "compute_utilisation": clock.utilisation}, kind="outer")
-
+            metrics.log(progress.step, {**outer_stats.as_dict(), "compute_utilisation": run.clock.utilisation}, "outer")
         if progress.step % cfg.log.interval == 0 or progress.step == cfg.train.steps:
-            elapsed = time.perf_counter() - window_start
-            tok_s = window_tokens / max(elapsed, 1e-9)
-            record = {
-                "loss": loss, "grad_norm": grad_norm, "lr": scheduler.get_last_lr()[0], "tokens": progress.tokens,
-                "tokens_per_s": tok_s, "compute_utilisation": clock.utilisation, "peak_mem_mb": peak_memory_mb(world.device),
-            }
-            if peak:
-                record["mfu"] = fpt * tok_s / (peak * world.world_size)
+            record = window.record(run, grad_norm)
             metrics.log(progress.step, record)
-            metrics.progress(progress.step, loss, tok_s, record["lr"], (cfg.train.steps - progress.step) * elapsed / cfg.log.interval)
-            window_start, window_tokens = time.perf_counter(), 0
-
+            metrics.progress(progress.step, record["loss"], record["tokens_per_s"], record["lr"], record["eta_s"])
         if (cfg.eval.interval and progress.step % cfg.eval.interval == 0) or progress.step == cfg.train.steps:
-            val = validation_metrics(evaluate(model, eval_set, topology), bytes_per_token)
-            metrics.log(progress.step, val, kind="val")
-
+            val = validation_metrics(evaluate(run.model, run.eval_set, run.topology), run.bytes_per_token)
+            metrics.log(progress.step, val, "val")
         if should_save(cfg, progress.step):
-            ckpt.save_checkpoint(ckpt_root, progress.step, model, optimizer, extras, checkpoint_meta(cfg),
-                                 cfg.checkpoint.keep_last, site=world.site_rank)
-
-    metrics.close()
+            ckpt.save_checkpoint(run.ckpt_root, progress.step, run.model, run.optimizer, run.stateful,
+                                 checkpoint_meta(cfg), cfg.checkpoint.keep_last, site=world.site_rank)
     return {"losses": losses, "val": val, "steps": progress.step, "tokens": progress.tokens,
-            "compute_utilisation": clock.utilisation, "run_dir": str(run_dir)}
+            "compute_utilisation": run.clock.utilisation, "run_dir": str(run.run_dir)}
+
+
+def _train(cfg: Config, world: World, topology: Topology) -> dict[str, Any]:
+    run = setup(cfg, world, topology)
+    resumed = resume_or_start(run)
+    tag = f"site{world.site_rank}" if cfg.diloco else ""
+    metrics = MetricsLogger(cfg, run.run_dir, world.rank == 0, cfg.train.steps, run.progress.step, tag=tag)
+    if not resumed:
+        metrics.log(0, {"params": num_params(cfg.model), "ranks": world.world_size, "sites": world.site_count}, "run")
+    try:
+        return train_loop(run, metrics)
+    finally:
+        metrics.close()
 
 
 def site_mean(value: float, topology: Topology) -> float:

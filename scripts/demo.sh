@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The main job on a fresh machine: install, fetch the demo corpus, train 2 DiLoCo sites x 2 FSDP
+# ranks on this machine, export a Hugging Face model. Takes about 5 minutes on 2 CPU cores.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+source "${ZEROBAND_VENV:-.venv}/bin/activate"
+export OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+CONFIG="${1:-configs/demo_diloco.toml}"
+shift || true
+
+zeroband data                                              # corpus + tokenizer -> data/demo/
+zeroband launch "$CONFIG" --sites 2 --nproc 2 "$@"         # 2 sites, each its own torchrun job
+zeroband export "$CONFIG" "$@"                             # -> runs/<name>/hf (checked against transformers)
+python - "$CONFIG" "$@" <<'PY'
+import sys
+from zeroband.config import load_config
+from zeroband.report import loss_table, read_metrics
+cfg = load_config(sys.argv[1], sys.argv[2:] + ["--diloco.site_rank", "0", "--diloco.site_count", "2"])
+records = read_metrics(cfg.run_dir / "site0" / "metrics.jsonl")
+print("\nLoss of site 0 (val = the shared model after each outer step):")
+print(loss_table(records, every=2))
+print(f"\nplot: {cfg.run_dir / 'loss.png'}   Hugging Face export: {cfg.run_dir / 'hf'}")
+PY

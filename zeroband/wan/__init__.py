@@ -1,0 +1,5 @@
+"""WAN emulation on one Linux machine: network namespaces per site, rate/delay/jitter/loss links."""
+
+from zeroband.wan.emulator import WanEmulator, cleanup_stale, netem_available
+
+__all__ = ["WanEmulator", "cleanup_stale", "netem_available"]
