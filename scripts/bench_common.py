@@ -81,6 +81,17 @@ def ensure_demo_data() -> None:
 # ---------------------------------------------------------------------------------- forked ranks
 
 
+def prewarm() -> None:
+    """Pay the trainer's lazy imports once in the parent, so forked ranks do not each pay them."""
+    import datasets  # noqa: F401  (zeroband.data.loader imports it on first use)
+    import torch
+
+    import zeroband.train  # noqa: F401
+
+    with torch.device("meta"):  # the first meta-device init pulls in torch's decompositions
+        torch.empty(2).normal_()
+
+
 def _child(fn: Callable[..., Any], env: dict[str, str], results: Any, key: tuple[int, int], args: tuple) -> None:
     os.environ.update(env)
     import torch

@@ -8,7 +8,7 @@ every site does in training). Each site holds its own fp32 payload (Gaussian x 1
 tailed: Student t with 3 dof), all sites average it with weight 1/S, and we record:
 - bytes/param: bytes this site sent, counted from the buffers handed to gloo (quantised); for
   fp16 the payload x 2(S-1)/S that a ring all-reduce sends (gloo picks its own algorithm);
-- seconds: the slowest site's wall time of the call, after a barrier;
+- seconds: the slowest site's wall time of the call after a barrier, fastest of --repeats runs;
 - rel. error: ||result - exact fp64 mean|| / ||exact mean||, computed on site 0;
 - identical: whether every site's result has the same crc32.
 Loopback has no bandwidth limit, so seconds measure CPU cost (encode/decode), not WAN time.
@@ -81,10 +81,8 @@ def _reduce(method: str, tensors: list[torch.Tensor], group: Any, weight: float)
     return all_reduce_quantized(tensors, group, 8 if method == "int8" else 4, weight)
 
 
-def _site(shapes: list[tuple[int, ...]]) -> list[dict]:
+def _site(shapes: list[tuple[int, ...]], repeats: int) -> list[dict]:
     """One site: every (kind, method) once; site 0 also measures the error."""
-    import torch.distributed as dist
-
     from zeroband.mesh import _make_store, new_global_group
 
     site, sites = int(os.environ["ZEROBAND_SITE_RANK"]), int(os.environ["ZEROBAND_SITE_COUNT"])
@@ -97,22 +95,23 @@ def _site(shapes: list[tuple[int, ...]]) -> list[dict]:
         x = site_payload(kind, site, shapes)
         ref = exact_mean(kind, sites, shapes) if site == 0 else None
         for method in METHODS:
-            t = [v.clone() for v in x]
-            group.all_reduce(barrier)
-            t0 = time.perf_counter()
-            sent = _reduce(method, t, group, 1.0 / sites)
-            seconds = time.perf_counter() - t0
+            seconds = float("inf")
+            for _ in range(repeats):  # the fastest repeat: loopback timings are noisy on a shared box
+                t = [v.clone() for v in x]
+                group.all_reduce(barrier)
+                t0 = time.perf_counter()
+                sent = _reduce(method, t, group, 1.0 / sites)
+                seconds = min(seconds, time.perf_counter() - t0)
             crc = 0
             for v in t:
                 crc = zlib.crc32(v.numpy().tobytes(), crc)
             err = rel_err(t, ref) if ref is not None else None
             rows.append({"kind": kind, "method": method, "sent": sent, "seconds": seconds, "crc": crc, "err": err})
-    dist.destroy_process_group() if dist.is_initialized() else None
     return rows
 
 
-def distributed(sites: int, shapes: list[tuple[int, ...]]) -> list[dict]:
-    out = run_forked(_site, sites, 1, (shapes,), env=thread_env(sites), timeout=1800)
+def distributed(sites: int, shapes: list[tuple[int, ...]], repeats: int) -> list[dict]:
+    out = run_forked(_site, sites, 1, (shapes, repeats), env=thread_env(sites), timeout=1800)
     params = sum(torch.Size(s).numel() for s in shapes)
     results = []
     for i, row in enumerate(out[(0, 0)]):
@@ -170,10 +169,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--params", type=float, default=16.8e6)
     parser.add_argument("--sites", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks")
     args = parser.parse_args()
     shapes = shapes_for(int(args.params))
-    results = [r for s in args.sites for r in distributed(s, shapes)]
+    results = [r for s in args.sites for r in distributed(s, shapes, args.repeats)]
     study = local_study()
     headers = ["S", "data", "wire", "bytes/param", "ideal", "seconds", "rel. error", "identical"]
     rows = [[r["sites"], r["kind"], r["method"], r["bytes_per_param"], r["ideal_bytes_per_param"], r["seconds"],

@@ -31,6 +31,7 @@ from bench_common import (
     ensure_demo_data,
     markdown_table,
     maxrss_mb,
+    prewarm,
     run_forked,
     thread_env,
     vm_hwm_mb,
@@ -126,8 +127,7 @@ def run_torchrun(args: argparse.Namespace, case: Case, work: Path) -> tuple[list
 
 def run_fork(args: argparse.Namespace, case: Case, work: Path) -> tuple[list[dict], list[dict]]:
     """The same trainer on forked ranks: no per-process torch import, so much faster to start."""
-    import zeroband.train  # noqa: F401  (imported once here, not in every child)
-
+    prewarm()
     env = {k: v for k, v in case_env(args, case, work).items() if k.startswith(("OMP_", "TORCHINDUCTOR_"))}
     print(f"[bench_train] {case.tag}: forked ranks", file=sys.stderr, flush=True)
     out = run_forked(_fork_rank, 1, case.ranks, (config_args(args, case, work / "runs"),), env, args.timeout)

@@ -24,7 +24,7 @@ def load_for_export(cfg: Config, checkpoint_path: Path) -> Llama:
     model = Llama(cfg.model)
     model.reset_rope("cpu")
     state = {"model": model.state_dict()}
-    dcp.load(state, checkpoint_id=str(checkpoint_path / "dcp"))
+    dcp.load(state, checkpoint_id=str(checkpoint_path / "dcp"), no_dist=True)
     model.load_state_dict(state["model"])
     return model
 

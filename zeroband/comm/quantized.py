@@ -98,7 +98,17 @@ class _Nearest:
 
 
 _NEAREST = {name: _Nearest(book) for name, book in CODEBOOKS.items()}
-_LEVELS = {name: torch.tensor(book, dtype=torch.float32) for name, book in CODEBOOKS.items()}
+
+
+
+def _pair_table(book: list[float]) -> torch.Tensor:
+    """[256, 2]: the two levels a packed byte stands for (low nibble first): decode is one gather."""
+    levels = torch.tensor(book + [0.0] * (16 - len(book)), dtype=torch.float32)
+    byte = torch.arange(256)
+    return torch.stack([levels[byte & 15], levels[byte >> 4]], dim=1).contiguous()
+
+
+_PAIRS = {name: _pair_table(book) for name, book in CODEBOOKS.items()}
 
 
 @dataclass(frozen=True)
@@ -153,8 +163,7 @@ class Codec:
         if self.bits == 8:
             values = codes.view(torch.int8).to(torch.float32)
         else:
-            idx = torch.stack([codes & 15, codes >> 4], dim=1).view(-1)[:n].long()
-            values = torch.take(_LEVELS[self.codebook], idx)
+            values = _PAIRS[self.codebook].index_select(0, codes.long()).view(-1)[:n]
         return _blocks(values, self.block).mul_(scale[:, None]).view(-1)[:n]
 
 

@@ -1,0 +1,62 @@
+"""End to end through the real launchers: torchrun per site, the `zeroband` command, HF export."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import tomli_w
+import torch
+
+from tests.conftest import tiny_overrides
+from tests.multiproc import free_port
+
+
+def _zeroband(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "zeroband", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+def _write(tree: dict, path: Path) -> str:
+    path.write_text(tomli_w.dumps(tree))
+    return str(path)
+
+
+def test_launch_two_sites_then_export(corpus, tmp_path):
+    tree = tiny_overrides(corpus, tmp_path, train={"steps": 6}, eval={"interval": 3})
+    tree["diloco"] = {"inner_steps": 3, "timeout_s": 120}
+    config = _write(tree, tmp_path / "run.toml")
+    out = _zeroband("launch", config, "--sites", "2", "--nproc", "1", "--timeout", "240")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "DiLoCo 2 sites x 1 ranks: val ppl" in out.stdout
+    summary = json.loads(out.stdout[out.stdout.index("{") : out.stdout.rindex("}") + 1])
+    assert summary["site0"]["outer_steps"] == 2 and summary["site0"]["val_loss"] == summary["site1"]["val_loss"]
+    assert (tmp_path / "t" / "loss.png").is_file()
+
+    hf_dir = tmp_path / "hf"
+    out = _zeroband("export", config, "--diloco", "none", "--out", str(hf_dir))
+    assert out.returncode == 0, out.stdout + out.stderr
+    result = json.loads(out.stdout[out.stdout.index("{") :])
+    assert result["max_logit_diff"] < 1e-5
+
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(hf_dir)
+    ids = AutoTokenizer.from_pretrained(hf_dir)("the state of the world", return_tensors="pt")["input_ids"]
+    assert torch.isfinite(model(ids).logits).all()
+
+
+def test_train_command_runs_torchrun_with_two_ranks(corpus, tmp_path):
+    config = _write(tiny_overrides(corpus, tmp_path, train={"steps": 4}), tmp_path / "run.toml")
+    out = _zeroband("train", config, "--nproc", "2", "--checkpoint.interval", "2")
+    assert out.returncode == 0, out.stdout + out.stderr
+    manifest = json.loads((tmp_path / "t" / "checkpoints" / "step_000000004" / "manifest.json").read_text())
+    assert manifest["world_size"] == 2 and manifest["step"] == 4
+
+
+def test_cli_config_error_is_one_clear_line(tmp_path):
+    out = _zeroband("train", "configs/demo.toml", "--optim.lrr", "1")
+    assert out.returncode == 2 and "optim.lrr: unknown key" in out.stderr and "Traceback" not in out.stderr
+    assert free_port() > 0
