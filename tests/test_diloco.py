@@ -48,7 +48,8 @@ def test_h1_diloco_equals_data_parallel(corpus, tmp_path):
         assert worst <= 1e-6, worst
 
 
-def _outer_by_hand(store: str, deltas: list[list[float]], momentum: float, nesterov: bool, lr: float) -> list:
+def _outer_by_hand(store: str, deltas: list[list[float]], momentum: float, nesterov: bool, lr: float,
+                   overlap: bool = False) -> list:
     """Site s moves its local copy by -delta[s][t] before outer step t; returns the outer params."""
     import os
 
@@ -62,14 +63,15 @@ def _outer_by_hand(store: str, deltas: list[list[float]], momentum: float, neste
     model = torch.nn.Linear(1, 1, bias=False)
     with torch.no_grad():
         model.weight.fill_(1.0 if site == 0 else 5.0)  # site 0's value must win the initial broadcast
-    cfg = DilocoConfig(inner_steps=1, outer_lr=lr, outer_momentum=momentum, nesterov=nesterov, comm_dtype="fp32", store=store)
+    cfg = DilocoConfig(inner_steps=1, outer_lr=lr, outer_momentum=momentum, nesterov=nesterov, comm_dtype="fp32",
+                       store=store, overlap=overlap)
     outer = DiLoCo(model, cfg, topology)
     outer.start()
     seen = [float(model.weight)]
-    for step_deltas in deltas[site]:
+    for t, step_delta in enumerate(deltas[site]):
         with torch.no_grad():
-            model.weight -= step_deltas
-        outer.sync()
+            model.weight -= step_delta
+        outer.after_inner_step(t, sync_point=t == len(deltas[site]) - 1)
         seen.append(float(model.weight))
     shutdown()
     return seen
@@ -136,3 +138,75 @@ def test_diloco_resume_is_exact(corpus, tmp_path):
         assert resumed[(site, 0)]["losses"] == reference[(site, 0)]["losses"][4:]
     a, b = final_params(cut, 0, 8), final_params(tree("full") | {"output_dir": str(tmp_path / "full")}, 0, 8)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_overlapped_outer_step_follows_the_delayed_rule():
+    """Overlap: the average of round k is applied at boundary k+1, local progress made meanwhile kept."""
+    deltas = [[0.2, -0.1, 0.4, 0.1], [0.4, 0.3, 0.0, -0.2]]
+    lr, mu = 0.7, 0.9
+    opt_state = {"buf": None}
+
+    def outer_update(g: float, d: float) -> float:
+        opt_state["buf"] = d if opt_state["buf"] is None else mu * opt_state["buf"] + d
+        return g - lr * (d + mu * opt_state["buf"])
+
+    g, local, snap, pending, expected = 1.0, [1.0, 1.0], [None, None], None, [[1.0], [1.0]]
+    for t in range(4):
+        local = [local[s] - deltas[s][t] for s in (0, 1)]
+        if pending is not None:  # step 1-3 of the rule: wait, apply late, rebase local progress
+            g = outer_update(g, pending)
+            local = [g + (local[s] - snap[s]) for s in (0, 1)]
+            pending = None
+        if t < 3:  # step 4: launch this round's average in the background
+            pending = sum(g - x for x in local) / 2
+            snap = list(local)
+        else:  # the last boundary is a sync point: blocking
+            g = outer_update(g, sum(g - x for x in local) / 2)
+            local = [g, g]
+        for s in (0, 1):
+            expected[s].append(local[s])
+    # By hand, boundary 1 only launches (nothing applied): site 0 keeps its own step, 1 - 0.2.
+    assert expected[0][1] == pytest.approx(0.8) and expected[1][1] == pytest.approx(0.6)
+    store = f"tcp://127.0.0.1:{free_port()}"
+    out = run_sites(_outer_by_hand, 2, 1, (store, deltas, mu, True, lr, True), timeout=60)
+    for site in (0, 1):
+        assert out[(site, 0)] == pytest.approx(expected[site], abs=1e-6)
+    assert out[(0, 0)][-1] == out[(1, 0)][-1]
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_quantized_sites_bitwise_identical(corpus, tmp_path, dtype):
+    tree = diloco_tree(corpus, tmp_path, train={"steps": 4, "global_batch": 4, "micro_batch": 2},
+                       checkpoint={"interval": 2, "keep_last": 5}, diloco={"comm_dtype": dtype, "error_feedback": True})
+    out = run_sites(_train, 2, 2, (tree,), timeout=180)
+    assert all(r["val"]["val_loss"] == out[(0, 0)]["val"]["val_loss"] for r in out.values())
+    for step in (2, 4):
+        a, b = final_params(tree, 0, step), final_params(tree, 1, step)
+        assert all(torch.equal(a[k], b[k]) for k in a), f"sites differ at step {step} ({dtype})"
+
+
+def test_overlapped_run_ends_identical(corpus, tmp_path):
+    tree = diloco_tree(corpus, tmp_path, train={"steps": 8, "global_batch": 4, "micro_batch": 2},
+                       diloco={"overlap": True, "inner_steps": 2})
+    out = run_sites(_train, 2, 2, (tree,), timeout=180)
+    records = [__import__("json").loads(x) for x in open(tmp_path / "t" / "site0" / "metrics.jsonl")]
+    outer = [r for r in records if r["kind"] == "outer"]
+    # Boundary 2 only launches; 4 and 6 apply the previous round late; 8 (the end) is blocking.
+    assert [(r["step"], r["overlapped"]) for r in outer] == [(4, True), (6, True), (8, False)]
+    for step in (8,):
+        a, b = final_params(tree, 0, step), final_params(tree, 1, step)
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    assert out[(0, 0)]["val"] == out[(1, 0)]["val"]
+
+
+def test_cross_site_data_parallel_equals_one_site(corpus, tmp_path):
+    """mode=data_parallel: 2 sites x 1 rank take the steps of 1 site x 2 ranks (AdamW, clipping)."""
+    one = tiny_overrides(corpus, tmp_path / "one", train={"steps": 4, "global_batch": 4, "micro_batch": 2})
+    run_sites(_train, 1, 2, (one,))
+    two = diloco_tree(corpus, tmp_path / "two", train={"steps": 4, "global_batch": 2, "micro_batch": 2},
+                      diloco={"mode": "data_parallel", "comm_dtype": "fp32"})
+    run_sites(_train, 2, 1, (two,))
+    ref = final_params(one, None, 4)
+    for site in (0, 1):
+        got = final_params(two, site, 4)
+        assert max(rel(got[k], ref[k]) for k in ref) <= 1e-6

@@ -157,8 +157,15 @@ class DilocoConfig(Section):
     outer_lr: float = Field(0.7, gt=0)
     outer_momentum: float = Field(0.9, ge=0, lt=1)
     nesterov: bool = True
-    comm_dtype: Literal["fp32", "bf16", "fp16"] = "fp16"
+    # Wire format of the pseudo-gradient all-reduce (int8/int4: quantised, ~1 / ~0.53 bytes per param).
+    comm_dtype: Literal["fp32", "bf16", "fp16", "int8", "int4"] = "fp16"
+    # int8/int4 only: carry what quantisation lost into the next outer step.
+    error_feedback: bool = False
     bucket_mb: float = Field(32.0, gt=0)
+    # Launch the all-reduce in the background and apply it one outer step late (see diloco.py).
+    overlap: bool = False
+    # "data_parallel" averages gradients across sites every step instead (the baseline).
+    mode: Literal["diloco", "data_parallel"] = "diloco"
     # Coordination store for the global groups. Site 0's rank 0 hosts a TCP store here.
     store: str = "tcp://127.0.0.1:29600"
     # Site identity: config or ZEROBAND_SITE_RANK / ZEROBAND_SITE_COUNT in the environment.

@@ -1,23 +1,35 @@
 """DiLoCo's outer loop (Douillard et al. 2023) for one rank's shard.
 
-Contract:
-- build after the model is sharded and initialised; call `start()` once, which makes every site
-  hold site 0's parameters (broadcast, then verified by checksum);
-- call `after_inner_step(step)` after every inner optimizer step; every `inner_steps` steps it
-  runs one outer step and returns its `OuterStats`, otherwise it returns None;
-- an outer step: pseudo-gradient = outer copy - local shard (fp32, CPU), averaged over the sites
-  on this rank's global group, applied by the outer optimizer (SGD, Nesterov by default) to the
-  CPU fp32 outer copy, which is then copied back into the local shard. All sites end bitwise
-  identical: they receive the same all-reduce bytes and run the same CPU arithmetic.
-- a site whose pseudo-gradient holds NaN/inf is excluded from the average on every site alike
-  (the sites exchange per-site statistics before the payload) and the exclusion is reported.
+Contract (shared by `SingleSite`, `DiLoCo` and `CrossSiteDataParallel`, so the training loop has
+no branches on the method):
+- `start()` once, on a fresh run: every site takes site 0's parameters (broadcast, then verified
+  by checksum);
+- `sync_gradients()` between backward and the inner optimizer step (a no-op here);
+- `after_inner_step(step, sync_point)` after every inner step; every `inner_steps` steps it runs
+  an outer step and returns `OuterStats`, otherwise None. `sync_point=True` asks for a blocking
+  outer step (checkpoints and the last step), after which all sites are bitwise identical.
 
-`SingleSite` has the same interface and does nothing, so the training loop has no DiLoCo branches.
+The outer step (blocking): pseudo-gradient = outer copy - local shard (fp32, CPU), averaged over
+the sites on this rank's global group (comm/reduce.py), applied by the outer optimizer (SGD,
+Nesterov by default) to the CPU fp32 outer copy, which is copied back into the local shard. Every
+site receives the same all-reduce bytes and runs the same CPU arithmetic, so all end identical.
+
+The overlapped outer step (`diloco.overlap = true`): a one-step-delayed outer update, as in
+Streaming DiLoCo's overlapped communication (Douillard et al. 2025, arXiv 2501.18512, Sec. 2.3,
+with the overlap set to a whole round) and eager updates (Kale et al. 2025, arXiv 2502.12996). At
+boundary k, with outer copy g_k and the local shard's snapshot s_{k-1} from the previous boundary:
+  1. wait for the average d_{k-1} launched at boundary k-1 (it had a whole round to arrive);
+  2. g_k = OuterOpt(g_{k-1}, d_{k-1})             -- the outer update, one round late;
+  3. local = g_k + (local - s_{k-1})              -- keep the progress made while it was in flight;
+  4. d_k = g_k - local (= minus this round's local progress); launch its all-reduce on a
+     background thread; s_k = local; go on training.
+A blocking boundary first completes the pending round the same way, then runs a blocking step.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import zlib
 from dataclasses import asdict, dataclass, field
@@ -27,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from zeroband.comm.dense import all_reduce_weighted
+from zeroband.comm.reduce import ReduceResult, SiteStats, reduce_across_sites
 from zeroband.config import DilocoConfig
 from zeroband.faults import maybe_inject
 from zeroband.mesh import Topology
@@ -44,28 +56,19 @@ def local_shard(param: torch.nn.Parameter) -> torch.Tensor:
 @dataclass
 class OuterStats:
     outer_step: int
-    allreduce_s: float
-    outer_step_s: float
+    allreduce_s: float  # time the main thread waited for communication
+    outer_step_s: float  # whole outer step on the main thread, communication included
     payload_bytes: int  # bytes this rank put into the all-reduce
-    wire_bytes_est: int  # what a ring all-reduce sends per rank: 2(S-1)/S x payload
+    wire_bytes_est: int  # bytes this rank sends (measured for int8/int4, 2(S-1)/S x payload otherwise)
     pseudo_grad_norm: float  # this site's, before averaging
     avg_pseudo_grad_norm: float  # of the averaged pseudo-gradient
     outer_lr: float
     sites_used: int
     excluded_sites: list[int] = field(default_factory=list)
+    overlapped: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def contributing_sites(table: torch.Tensor) -> list[bool]:
-    """Which sites' pseudo-gradients enter the average. Columns: sumsq, nonfinite count, max |g|.
-
-    A site is excluded when any of its values is NaN/inf. (The decision depends only on the table,
-    which is identical on every site, so every site decides the same.)
-    """
-    nonfinite = table[:, 1]
-    return [bool(n == 0 and torch.isfinite(table[s, 0])) for s, n in enumerate(nonfinite)]
 
 
 class SingleSite:
@@ -74,7 +77,10 @@ class SingleSite:
     def start(self) -> None:
         pass
 
-    def after_inner_step(self, step: int) -> OuterStats | None:
+    def sync_gradients(self) -> None:
+        pass
+
+    def after_inner_step(self, step: int, sync_point: bool = False) -> OuterStats | None:
         return None
 
     def state_dict(self) -> dict[str, Any]:
@@ -82,6 +88,67 @@ class SingleSite:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
+
+
+def site_stats(tensors: list[torch.Tensor], topology: Topology) -> SiteStats:
+    """Sum of squares, non-finite count and max |x| over the whole site (a site-group reduction)."""
+    sumsq = sum((t.double().square().sum() for t in tensors), torch.zeros((), dtype=torch.float64))
+    nonfinite = sum(int((~torch.isfinite(t)).sum()) for t in tensors)
+    max_abs = max((float(t.abs().max()) for t in tensors if t.numel()), default=0.0)
+    device = topology.world.device
+    summed = torch.tensor([float(sumsq), float(nonfinite)], dtype=torch.float64, device=device)
+    topology.site_all_reduce(summed)
+    peak = torch.tensor([max_abs], dtype=torch.float64, device=device)
+    topology.site_all_reduce(peak, op=dist.ReduceOp.MAX)
+    return SiteStats(summed[0].item(), summed[1].item(), peak.item())
+
+
+def broadcast_from_site0(tensors: list[torch.Tensor], topology: Topology) -> None:
+    group = topology.global_group
+    for t in tensors:
+        buf = t.detach().to("cpu", torch.float32, copy=True)
+        group.broadcast(buf, src=0)
+        t.copy_(buf)
+
+
+def verify_identical(tensors: list[torch.Tensor], topology: Topology, when: str) -> None:
+    """crc32 of this rank's tensors on every site must agree; raises naming the checksums if not."""
+    crc = 0
+    for t in tensors:
+        crc = zlib.crc32(t.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes(), crc)
+    table = topology.global_group.gather_scalars([float(crc)])
+    mismatch = torch.tensor([float(len(set(table[:, 0].tolist())) > 1)], device=topology.world.device)
+    topology.site_all_reduce(mismatch, op=dist.ReduceOp.MAX)
+    if mismatch.item():
+        raise RuntimeError(
+            f"sites disagree after {when}: checksums of shard {topology.world.rank} per site are "
+            f"{[int(c) for c in table[:, 0].tolist()]}"
+        )
+
+
+class _InFlight:
+    """A pseudo-gradient all-reduce running on a background thread (global group only)."""
+
+    def __init__(self, grads: list[torch.Tensor], stats: SiteStats, diloco: DiLoCo, snapshot: list[torch.Tensor]):
+        self.grads, self.stats, self.snapshot = grads, stats, snapshot
+        self.result: ReduceResult | None = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(diloco,), name="zeroband-outer-allreduce", daemon=True)
+        self.thread.start()
+
+    def _run(self, diloco: DiLoCo) -> None:
+        try:
+            self.result = diloco.reduce(self.grads, self.stats)
+        except BaseException as e:  # re-raised on the main thread by wait()
+            self.error = e
+
+    def wait(self, timeout_s: float) -> ReduceResult:
+        self.thread.join(timeout_s)
+        if self.thread.is_alive():
+            raise TimeoutError(f"outer all-reduce still running after {timeout_s:.0f} s")
+        if self.error is not None:
+            raise self.error
+        return self.result
 
 
 class DiLoCo:
@@ -97,115 +164,111 @@ class DiLoCo:
             self.outer, lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=cfg.nesterov and cfg.outer_momentum > 0
         )
         self.outer_step = 0
+        self.error_feedback: dict[int, torch.Tensor] | None = {} if cfg.error_feedback else None
+        self.in_flight: _InFlight | None = None
 
     # ------------------------------------------------------------------ start: identical replicas
     @torch.no_grad()
     def start(self) -> None:
-        """Every site takes site 0's parameters, then all sites prove they agree by checksum."""
-        for t in self.local:
-            buf = t.detach().to("cpu", torch.float32, copy=True)
-            self.group.broadcast(buf, src=0)
-            t.copy_(buf)
-        self._reset_outer_from_local()
-        self.verify_identical("initial broadcast")
-
-    def _reset_outer_from_local(self) -> None:
+        broadcast_from_site0(self.local, self.topology)
         for o, t in zip(self.outer, self.local):
             o.copy_(t.detach().to("cpu", torch.float32))
+        verify_identical(self.outer, self.topology, "initial broadcast")
 
-    def checksum(self) -> int:
-        """crc32 of this rank's outer parameters and outer momentum, as bytes."""
-        crc = 0
-        for o in self.outer:
-            crc = zlib.crc32(o.numpy().tobytes(), crc)
-            buf = self.optimizer.state.get(o, {}).get("momentum_buffer")
-            if buf is not None:
-                crc = zlib.crc32(buf.numpy().tobytes(), crc)
-        return crc
+    def sync_gradients(self) -> None:
+        pass
 
-    def verify_identical(self, when: str) -> None:
-        table = self.group.gather_scalars([float(self.checksum())])
-        mismatch = torch.tensor([float(len(set(table[:, 0].tolist())) > 1)], device=self.topology.world.device)
-        self.topology.site_all_reduce(mismatch, op=dist.ReduceOp.MAX)
-        if mismatch.item():
-            raise RuntimeError(
-                f"sites disagree after {when}: checksums of shard {self.topology.world.rank} per site are "
-                f"{[int(c) for c in table[:, 0].tolist()]}"
-            )
+    def checksum_tensors(self) -> list[torch.Tensor]:
+        bufs = [self.optimizer.state.get(o, {}).get("momentum_buffer") for o in self.outer]
+        return self.outer + [b for b in bufs if b is not None]
 
     # ------------------------------------------------------------------ the outer step
-    def after_inner_step(self, step: int) -> OuterStats | None:
+    def after_inner_step(self, step: int, sync_point: bool = False) -> OuterStats | None:
         if (step + 1) % self.cfg.inner_steps:
             return None
-        return self.sync(step + 1)
+        maybe_inject("allreduce", step + 1, self.topology.world.site_rank, self.topology.world.rank)
+        if self.cfg.overlap and not sync_point:
+            return self._overlapped_boundary()
+        return self._blocking_boundary()
 
     @torch.no_grad()
-    def sync(self, step: int = 0) -> OuterStats:
-        """One outer step; `step` (inner steps done) only labels injected faults."""
+    def _blocking_boundary(self) -> OuterStats:
         t0 = time.perf_counter()
-        grads = [o - t.detach().to("cpu", torch.float32) for o, t in zip(self.outer, self.local)]
-        table = self._exchange_site_stats(grads)
-        use = contributing_sites(table)
-        n = sum(use)
-        excluded = [s for s, ok in enumerate(use) if not ok]
-        if excluded:
-            log.error("outer step %d: excluding sites %s (non-finite pseudo-gradient)", self.outer_step, excluded)
-        weight = 1.0 / n if n and use[self.group.rank] else 0.0
-        if weight == 0.0:
-            grads = [torch.zeros_like(g) for g in grads]  # never send NaN/inf: it would poison the sum
-        max_abs = max((table[s, 2].item() for s in range(len(use)) if use[s]), default=0.0)
-        world = self.topology.world
-        maybe_inject("allreduce", step, world.site_rank, world.rank)
+        waited = self._complete_in_flight() if self.in_flight else 0.0
+        grads = self._pseudo_gradient()
+        stats = site_stats(grads, self.topology)
         t1 = time.perf_counter()
-        payload = all_reduce_weighted(grads, self.group, self.cfg.comm_dtype, weight, self._bucket_bytes, max_abs)
-        t2 = time.perf_counter()
-        if n:
-            for o, g in zip(self.outer, grads):
-                o.grad = g
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            self.outer_step += 1
+        result = self.reduce(grads, stats)
+        comm_s = waited + time.perf_counter() - t1
+        self._apply(grads, result)
         for t, o in zip(self.local, self.outer):
             t.copy_(o.to(t.device, t.dtype))
-        size = self.group.size
+        return self._stats(result, stats, grads, comm_s, time.perf_counter() - t0, overlapped=False)
+
+    @torch.no_grad()
+    def _overlapped_boundary(self) -> OuterStats | None:
+        t0 = time.perf_counter()
+        previous = self.in_flight
+        waited = self._complete_in_flight() if previous else 0.0
+        grads = self._pseudo_gradient()
+        stats = site_stats(grads, self.topology)
+        snapshot = [t.detach().to("cpu", torch.float32, copy=True) for t in self.local]
+        self.in_flight = _InFlight(grads, stats, self, snapshot)
+        if previous is None:
+            return None  # nothing applied yet: the first round's average is still in flight
+        return self._stats(previous.result, previous.stats, previous.grads, waited, time.perf_counter() - t0, True)
+
+    def _complete_in_flight(self) -> float:
+        """Wait for the pending average, apply it, and rebase local progress onto the new outer copy."""
+        pending, self.in_flight = self.in_flight, None
+        t0 = time.perf_counter()
+        result = pending.wait(self.cfg.timeout_s + 60)
+        waited = time.perf_counter() - t0
+        self._apply(pending.grads, result)
+        for t, o, s in zip(self.local, self.outer, pending.snapshot):
+            t.copy_((o + (t.detach().to("cpu", torch.float32) - s)).to(t.device, t.dtype))
+        return waited
+
+    def _pseudo_gradient(self) -> list[torch.Tensor]:
+        return [o - t.detach().to("cpu", torch.float32) for o, t in zip(self.outer, self.local)]
+
+    def reduce(self, grads: list[torch.Tensor], stats: SiteStats) -> ReduceResult:
+        bucket = int(self.cfg.bucket_mb * 2**20)
+        return reduce_across_sites(grads, stats, self.group, self.cfg.comm_dtype, bucket, self.error_feedback)
+
+    def _apply(self, grads: list[torch.Tensor], result: ReduceResult) -> None:
+        if result.excluded_sites:
+            log.error("outer step %d: excluded sites %s (non-finite pseudo-gradient)", self.outer_step, result.excluded_sites)
+        if result.sites_used == 0:
+            return  # nobody had a usable pseudo-gradient: keep the outer copy, drop the round
+        for o, g in zip(self.outer, grads):
+            o.grad = g
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.outer_step += 1
+
+    def _stats(self, result: ReduceResult, stats: SiteStats, grads: list[torch.Tensor], comm_s: float,
+               total_s: float, overlapped: bool) -> OuterStats:
         return OuterStats(
             outer_step=self.outer_step,
-            allreduce_s=t2 - t1,
-            outer_step_s=time.perf_counter() - t0,
-            payload_bytes=payload,
-            wire_bytes_est=int(payload * 2 * (size - 1) / size),
-            pseudo_grad_norm=float(table[self.group.rank, 0].sqrt()),
-            avg_pseudo_grad_norm=self._site_norm(grads),
+            allreduce_s=comm_s,
+            outer_step_s=total_s,
+            payload_bytes=result.payload_bytes,
+            wire_bytes_est=result.wire_bytes,
+            pseudo_grad_norm=stats.sumsq**0.5,
+            avg_pseudo_grad_norm=site_stats(grads, self.topology).sumsq ** 0.5,
             outer_lr=self.optimizer.param_groups[0]["lr"],
-            sites_used=n,
-            excluded_sites=excluded,
+            sites_used=result.sites_used,
+            excluded_sites=result.excluded_sites,
+            overlapped=overlapped,
         )
-
-    @property
-    def _bucket_bytes(self) -> int:
-        return int(self.cfg.bucket_mb * 2**20)
-
-    def _exchange_site_stats(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        """[sites, 3] table of (sum of squares, non-finite count, max |g|) over each whole site."""
-        sumsq = sum((g.double().square().sum() for g in grads), torch.zeros((), dtype=torch.float64))
-        nonfinite = sum(int((~torch.isfinite(g)).sum()) for g in grads)
-        max_abs = max((float(g.abs().max()) for g in grads if g.numel()), default=0.0)
-        device = self.topology.world.device
-        summed = torch.tensor([float(sumsq), float(nonfinite)], dtype=torch.float64, device=device)
-        self.topology.site_all_reduce(summed)
-        peak = torch.tensor([max_abs], dtype=torch.float64, device=device)
-        self.topology.site_all_reduce(peak, op=dist.ReduceOp.MAX)
-        return self.group.gather_scalars([summed[0].item(), summed[1].item(), peak.item()])
-
-    def _site_norm(self, tensors: list[torch.Tensor]) -> float:
-        sumsq = sum((t.double().square().sum() for t in tensors), torch.zeros((), dtype=torch.float64))
-        total = torch.tensor([float(sumsq)], dtype=torch.float64, device=self.topology.world.device)
-        self.topology.site_all_reduce(total)
-        return float(total.sqrt())
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
-        return {"outer": [o.clone() for o in self.outer], "optimizer": self.optimizer.state_dict(), "outer_step": self.outer_step}
+        if self.in_flight is not None:
+            raise RuntimeError("checkpoint with an outer all-reduce in flight: save only at sync points")
+        return {"outer": [o.clone() for o in self.outer], "optimizer": self.optimizer.state_dict(),
+                "outer_step": self.outer_step, "error_feedback": self.error_feedback}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -213,3 +276,4 @@ class DiLoCo:
             o.copy_(saved)
         self.optimizer.load_state_dict(state["optimizer"])
         self.outer_step = state["outer_step"]
+        self.error_feedback = state.get("error_feedback", self.error_feedback)

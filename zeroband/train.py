@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from zeroband import checkpoint as ckpt
 from zeroband.config import Config, ConfigError, dump_config, load_config
+from zeroband.cross_site_dp import CrossSiteDataParallel
 from zeroband.data.loader import PackedBatches
 from zeroband.data.tokenizer import TextTokenizer
 from zeroband.diloco import DiLoCo, SingleSite
@@ -95,25 +96,40 @@ def checkpoint_meta(cfg: Config) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------- one step
 
 
-def inner_step(
-    model: torch.nn.Module,
-    micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
-    optimizer: torch.optim.Optimizer,
-    grad_clip: float,
-    device: torch.device,
-) -> tuple[float, float]:
-    """Forward/backward over the micro-batches, clip, step. Returns (mean loss on this rank, grad norm)."""
+def forward_backward(model: torch.nn.Module, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+                     device: torch.device) -> float:
+    """Accumulate gradients over the micro-batches; returns the mean loss on this rank."""
     total = torch.zeros((), device=device)
     for inputs, targets in micro_batches:
         loss = cross_entropy_loss(model(inputs.to(device)), targets.to(device)) / len(micro_batches)
         loss.backward()
         total += loss.detach()
+    return total.item()
+
+
+def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float) -> float:
+    """Clip (0 = no clipping, norm still reported), step, zero. Returns the gradient norm."""
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
     if isinstance(norm, DTensor):
         norm = norm.full_tensor()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return total.item(), norm.item()
+    return norm.item()
+
+
+def inner_step(model: torch.nn.Module, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+               optimizer: torch.optim.Optimizer, grad_clip: float, device: torch.device) -> tuple[float, float]:
+    """One single-site optimizer step. Returns (mean loss on this rank, grad norm)."""
+    loss = forward_backward(model, micro_batches, device)
+    return loss, optimizer_step(model, optimizer, grad_clip)
+
+
+def build_outer(cfg: Config, model: torch.nn.Module, topology: Topology) -> DiLoCo | CrossSiteDataParallel | SingleSite:
+    if cfg.diloco is None:
+        return SingleSite()
+    if cfg.diloco.mode == "data_parallel":
+        return CrossSiteDataParallel(model, cfg.diloco, topology)
+    return DiLoCo(model, cfg.diloco, topology)
 
 
 @torch.no_grad()
@@ -161,7 +177,7 @@ class Run:
     train_data: PackedBatches
     eval_set: list[tuple[torch.Tensor, torch.Tensor]]
     bytes_per_token: float
-    outer: DiLoCo | SingleSite
+    outer: DiLoCo | CrossSiteDataParallel | SingleSite
     progress: Progress
     clock: ComputeClock
     run_dir: Path
@@ -189,7 +205,7 @@ def setup(cfg: Config, world: World, topology: Topology) -> Run:
     model = build_model(cfg, topology)
     optimizer = build_optimizer(list(model.parameters()), cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
-    outer = DiLoCo(model, cfg.diloco, topology) if cfg.diloco else SingleSite()
+    outer = build_outer(cfg, model, topology)
     return Run(cfg, world, topology, model, optimizer, scheduler, train_data, eval_set, val_data.bytes_per_token,
                outer, Progress(), ComputeClock(), run_dir, ckpt_root)
 
@@ -245,17 +261,23 @@ def train_loop(run: Run, metrics: MetricsLogger) -> dict[str, Any]:
     while progress.step < cfg.train.steps:
         batches = [run.train_data.next_batch(cfg.train.micro_batch) for _ in range(accum)]
         t0 = time.perf_counter()
-        loss, grad_norm = inner_step(run.model, batches, run.optimizer, cfg.optim.grad_clip, world.device)
+        loss = forward_backward(run.model, batches, world.device)
+        device_sync(world.device)
+        t1 = time.perf_counter()
+        run.outer.sync_gradients()  # per-step cross-site data parallel only; a no-op otherwise
+        t2 = time.perf_counter()
+        grad_norm = optimizer_step(run.model, run.optimizer, cfg.optim.grad_clip)
         run.scheduler.step()
         device_sync(world.device)
-        run.clock.add_compute(time.perf_counter() - t0)
+        run.clock.add_compute((t1 - t0) + (time.perf_counter() - t2))
         progress.step += 1
         progress.tokens += tokens_per_step
         losses.append(loss)
         window.add(loss, tokens_per_step)
         maybe_inject("inner", progress.step, world.site_rank, world.rank)
 
-        outer_stats = run.outer.after_inner_step(progress.step - 1)
+        sync_point = should_save(cfg, progress.step) or progress.step == cfg.train.steps
+        outer_stats = run.outer.after_inner_step(progress.step - 1, sync_point=sync_point)
         if outer_stats is not None:
             metrics.log(progress.step, {**outer_stats.as_dict(), "compute_utilisation": run.clock.utilisation}, "outer")
         if progress.step % cfg.log.interval == 0 or progress.step == cfg.train.steps:

@@ -291,6 +291,8 @@ def all_reduce_quantized(
     """
     codec = Codec(bits, block_size or DEFAULT_BLOCK[bits], codebook)
     flat, held = _contribution(tensors, weight, error_feedback)
+    if not bool(torch.isfinite(flat).all()):  # fail before any message is posted, not halfway through
+        raise ValueError("quantised all-reduce got a non-finite value; exclude the site (weight 0) instead")
     loss = None if held is None else torch.zeros_like(flat)
     sent = 0
     if group.size > 1:

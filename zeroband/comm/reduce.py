@@ -1,0 +1,92 @@
+"""One entry point for averaging pseudo-gradients across sites, whatever the wire format.
+
+`reduce_across_sites` exchanges per-site statistics first (a few bytes: sum of squares, NaN/inf
+count, largest magnitude over the whole site), decides on every site alike which sites
+contribute, then all-reduces the payload in the configured format:
+
+| wire  | payload / param | how |
+|-------|-----------------|-----|
+| fp32  | 4 bytes   | gloo all-reduce, bucketed |
+| bf16  | 2 bytes   | gloo all-reduce, bucketed |
+| fp16  | 2 bytes   | gloo all-reduce, bucketed, shared power-of-two scale (comm/dense.py) |
+| int8  | ~1.02     | direct reduce-scatter + all-gather, fp32 accumulation (comm/quantized.py) |
+| int4  | ~0.53     | same, NF4 codebook |
+
+Only the global group is used here, never the site group, so this can run on a background thread
+while the main thread's FSDP collectives go on (the overlapped outer step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from zeroband.comm.dense import all_reduce_weighted
+from zeroband.comm.quantized import all_reduce_quantized
+from zeroband.mesh import GlobalGroup
+
+QUANTIZED_BITS = {"int8": 8, "int4": 4}
+STAT_COLUMNS = ("sumsq", "nonfinite", "max_abs")
+
+
+@dataclass
+class SiteStats:
+    """This site's pseudo-gradient statistics, already reduced over the site's ranks."""
+
+    sumsq: float
+    nonfinite: float
+    max_abs: float
+
+    def as_list(self) -> list[float]:
+        return [self.sumsq, self.nonfinite, self.max_abs]
+
+
+@dataclass
+class ReduceResult:
+    payload_bytes: int  # this rank's contribution before the collective
+    wire_bytes: int  # what this rank sends: measured for int8/int4, ring figure 2(S-1)/S otherwise
+    sites_used: int
+    excluded_sites: list[int] = field(default_factory=list)
+    site_norms: list[float] = field(default_factory=list)
+
+
+def contributing_sites(table: torch.Tensor) -> list[bool]:
+    """Which sites' pseudo-gradients enter the average; columns as STAT_COLUMNS.
+
+    A site is excluded when any of its values is NaN/inf. The decision depends only on the table,
+    which is identical on every site, so every site decides the same.
+    """
+    return [bool(table[s, 1] == 0 and torch.isfinite(table[s, 0])) for s in range(table.shape[0])]
+
+
+def reduce_across_sites(
+    grads: list[torch.Tensor],
+    stats: SiteStats,
+    group: GlobalGroup,
+    wire: str,
+    bucket_bytes: int,
+    error_feedback: dict[int, torch.Tensor] | None = None,
+) -> ReduceResult:
+    """In place: grads <- mean over contributing sites. Returns what it cost and who took part."""
+    table = group.gather_scalars(stats.as_list())
+    use = contributing_sites(table)
+    n = sum(use)
+    weight = 1.0 / n if n and use[group.rank] else 0.0
+    if weight == 0.0:
+        for g in grads:
+            g.zero_()  # never send NaN/inf: it would poison every site's sum
+    if wire in QUANTIZED_BITS:
+        payload = sum(g.numel() for g in grads) * QUANTIZED_BITS[wire] // 8
+        wire_bytes = all_reduce_quantized(grads, group, QUANTIZED_BITS[wire], weight, error_feedback=error_feedback)
+    else:
+        max_abs = max((float(table[s, 2]) for s in range(len(use)) if use[s]), default=0.0)
+        payload = all_reduce_weighted(grads, group, wire, weight, bucket_bytes, max_abs)
+        wire_bytes = int(payload * 2 * (group.size - 1) / group.size)
+    return ReduceResult(
+        payload_bytes=payload,
+        wire_bytes=wire_bytes,
+        sites_used=n,
+        excluded_sites=[s for s, ok in enumerate(use) if not ok],
+        site_norms=[float(v) for v in table[:, 0].sqrt()],
+    )
