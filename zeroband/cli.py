@@ -37,7 +37,7 @@ def _cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def _cmd_launch(args: argparse.Namespace, rest: list[str]) -> int:
-    from zeroband.launch import launch_sites
+    from zeroband.launch import WanLink, launch_sites
     from zeroband.report import plot_losses, read_metrics, summarise_site
 
     cfg = load_config(args.config, rest + ["--diloco.site_rank", "0", "--diloco.site_count", str(args.sites)])
@@ -45,7 +45,8 @@ def _cmd_launch(args: argparse.Namespace, rest: list[str]) -> int:
         raise ConfigError(f"{args.config} has no [diloco] section; `zeroband launch` runs DiLoCo sites")
     log_dir = cfg.run_dir / "logs"
     print(f"starting {args.sites} sites x {args.nproc} ranks; logs in {log_dir}/", flush=True)
-    codes = launch_sites(args.config, args.sites, args.nproc, rest, log_dir, args.timeout)
+    wan = WanLink.parse(args.wan) if args.wan else None
+    codes = launch_sites(args.config, args.sites, args.nproc, rest, log_dir, args.timeout, wan)
     if any(codes):
         for site, code in enumerate(codes):
             if code:
@@ -91,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sites", type=int, default=2)
     p.add_argument("--nproc", type=int, default=1)
     p.add_argument("--timeout", type=float, default=None, help="seconds before the sites are stopped")
+    p.add_argument("--wan", default=None, metavar="rate=100,delay=50,loss=0",
+                   help="put each site in its own network namespace behind an emulated link (root)")
     p = sub.add_parser("export", help="write a Hugging Face Llama directory from a checkpoint")
     p.add_argument("config")
     p.add_argument("--checkpoint", default=None, help="a step_* directory (default: newest)")

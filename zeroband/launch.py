@@ -12,6 +12,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -30,19 +33,63 @@ def site_command(config: str, site: int, sites: int, nproc: int, store: str, ove
     ]
 
 
+@dataclass(frozen=True)
+class WanLink:
+    """An emulated link between the sites (see zeroband/wan): per-site uplink rate, one-way delay."""
+
+    rate_mbit: float | None = None
+    delay_ms: float = 0.0
+    jitter_ms: float = 0.0
+    loss_pct: float = 0.0
+    mtu: int = 9000
+
+    @classmethod
+    def parse(cls, spec: str) -> WanLink:
+        """`rate=100,delay=50,jitter=5,loss=0.1,mtu=9000` (Mbit/s, ms, ms, %, bytes)."""
+        names = {"rate": "rate_mbit", "delay": "delay_ms", "jitter": "jitter_ms", "loss": "loss_pct", "mtu": "mtu"}
+        values: dict[str, float] = {}
+        for item in filter(None, spec.split(",")):
+            key, _, value = item.partition("=")
+            if key not in names or not value:
+                raise ValueError(f"--wan item {item!r}: expected one of {sorted(names)} as key=value")
+            values[names[key]] = int(value) if key == "mtu" else float(value)
+        return cls(**values)
+
+
+@contextmanager
+def site_network(sites: int, wan: WanLink | None) -> Iterator[tuple[str, Callable[[int, list[str]], list[str]], Callable[[int], dict]]]:
+    """(store address, command wrapper, extra env) for plain loopback or an emulated WAN."""
+    if wan is None:
+        yield f"tcp://127.0.0.1:{free_port()}", lambda site, cmd: cmd, lambda site: {}
+        return
+    from zeroband.wan import WanEmulator
+
+    with WanEmulator(sites, wan.rate_mbit, wan.delay_ms, wan.jitter_ms, wan.loss_pct, wan.mtu) as emu:
+        yield emu.store_url(29600), emu.wrap, emu.env
+
+
 def launch_sites(
-    config: str, sites: int, nproc: int, overrides: list[str], log_dir: Path, timeout_s: float | None = None
+    config: str, sites: int, nproc: int, overrides: list[str], log_dir: Path, timeout_s: float | None = None,
+    wan: WanLink | None = None, on_started: Callable[[list[subprocess.Popen]], None] | None = None,
 ) -> list[int]:
     """Run every site to completion; returns their exit codes. Site logs go to log_dir/site{s}.log."""
-    store = f"tcp://127.0.0.1:{free_port()}"
+    with site_network(sites, wan) as (store, wrap, site_env):
+        return _run_sites(config, sites, nproc, overrides, log_dir, timeout_s, store, wrap, site_env, on_started)
+
+
+def _run_sites(config, sites, nproc, overrides, log_dir, timeout_s, store, wrap, site_env, on_started) -> list[int]:
     log_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # busy-waiting threads starve the other sites
     procs = []
     for site in range(sites):
         log_file = open(log_dir / f"site{site}.log", "w")
-        cmd = site_command(config, site, sites, nproc, store, overrides)
-        procs.append((subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True), log_file))
+        cmd = wrap(site, site_command(config, site, sites, nproc, store, overrides))
+        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env={**env, **site_env(site)},
+                                start_new_session=True)
+        procs.append((proc, log_file))
+    if on_started is not None:
+        on_started([p for p, _ in procs])
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     try:
         while any(p.poll() is None for p, _ in procs):
