@@ -66,6 +66,21 @@ def thread_env(ranks: int) -> dict[str, str]:
     return {"OMP_NUM_THREADS": str(threads), "OMP_WAIT_POLICY": "PASSIVE"}
 
 
+def load_average() -> float:
+    """1-minute load average: other work on this machine skews every number a benchmark reports."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return float("nan")
+
+
+def load_note(start: float, end: float) -> str:
+    """A warning for the report when the machine was not idle before the benchmark started."""
+    busy = start > 0.5 * CORES
+    state = "BUSY: other processes competed for the cores, treat the numbers as noisy" if busy else "idle"
+    return f"Machine load (1-min avg) {start:.1f} before / {end:.1f} after on {CORES} cores: {state}."
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

@@ -29,6 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import (
     REPO,
     ensure_demo_data,
+    load_average,
+    load_note,
     markdown_table,
     maxrss_mb,
     prewarm,
@@ -195,7 +197,8 @@ def render(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "throughput over the timed steps; warm-up s = warm-up wall time minus warm-up steps x steady s/step "
         f"(for eager rows: first-step overhead only); compile cache: {meta['compile_cache']}."
     )
-    return f"## Training throughput\n\n{markdown_table(headers, rows)}\n\n{note}"
+    load = load_note(meta["loadavg_start"], meta["loadavg_end"])
+    return f"## Training throughput\n\n{markdown_table(headers, rows)}\n\n{note} {load}"
 
 
 def worker_main(argv: list[str]) -> int:
@@ -212,6 +215,7 @@ def worker_main(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     ensure_demo_data()
+    load_start = load_average()
     with tempfile.TemporaryDirectory(prefix="bench_train-") as tmp:
         work = args.out / "train-runs" if args.keep_runs else Path(tmp)
         results = [run_case(args, case, work) for case in cases(args.quick)]
@@ -220,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         "tokens_per_step": results[0]["tokens_per_step"], "warmup": args.warmup, "steps": args.steps,
         "cores": os.cpu_count(), "compile_cache": "warm (default dir)" if args.warm_cache else "cold (fresh dir per case)",
         "quick": args.quick, "launcher": args.launcher,
+        "loadavg_start": load_start, "loadavg_end": load_average(),
     }
     write_outputs(args.out, "train", {"meta": meta, "runs": results}, render(results, meta))
     return 0

@@ -4,6 +4,7 @@
     zeroband train CONFIG [--nproc N] [--k v ...]  one site (torchrun when N > 1)
     zeroband launch CONFIG --sites S --nproc W     S sites x W ranks on this machine (DiLoCo)
     zeroband export CONFIG [--checkpoint P] [--out DIR]   Hugging Face Llama directory
+    zeroband plan [--params N --step-time S ...] [--table]   predict WAN sync cost and utilisation
 """
 
 from __future__ import annotations
@@ -77,6 +78,24 @@ def _cmd_export(args: argparse.Namespace, rest: list[str]) -> int:
     return 0
 
 
+def _cmd_plan(args: argparse.Namespace, rest: list[str]) -> int:
+    from zeroband.plan import input_from_args, predict, prediction_text, table_markdown
+
+    if rest:
+        print(f"zeroband plan: unknown arguments {rest}", file=sys.stderr)
+        return 2
+    if args.table:
+        print(table_markdown())
+        return 0
+    try:
+        plan_input = input_from_args(args)
+        print(prediction_text(plan_input, predict(plan_input)))
+    except ValueError as e:
+        print(f"zeroband plan: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zeroband", description="Pretrain LLMs across sites with DiLoCo + FSDP2.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -98,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config")
     p.add_argument("--checkpoint", default=None, help="a step_* directory (default: newest)")
     p.add_argument("--out", default=None, help="default: <run_dir>/hf")
+    from zeroband.plan import add_arguments as add_plan_arguments
+
+    add_plan_arguments(sub.add_parser("plan", help="predict DiLoCo sync cost and compute utilisation over a WAN"))
     return parser
 
 
@@ -107,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "data":
             return _cmd_data(args)
-        handler = {"train": _cmd_train, "launch": _cmd_launch, "export": _cmd_export}[args.command]
+        handler = {"train": _cmd_train, "launch": _cmd_launch, "export": _cmd_export, "plan": _cmd_plan}[args.command]
         return handler(args, rest)
     except ConfigError as e:
         print(f"zeroband: {e}", file=sys.stderr)

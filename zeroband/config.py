@@ -166,20 +166,45 @@ class DilocoConfig(Section):
     overlap: bool = False
     # "data_parallel" averages gradients across sites every step instead (the baseline).
     mode: Literal["diloco", "data_parallel"] = "diloco"
-    # Coordination store for the global groups. Site 0's rank 0 hosts a TCP store here.
+    # Coordination store for the global groups: tcp://host:port (hosted by site 0's rank 0 when
+    # host_store is true, else by someone else, e.g. `zeroband launch`) or etcd://h1:p1,h2:p2,h3:p3.
     store: str = "tcp://127.0.0.1:29600"
+    host_store: bool = True
+    # Shared secret for admitting sites (elastic runs); or ZEROBAND_SECRET. Never written to disk.
+    secret: str | None = Field(None, repr=False, exclude=True)
     # Site identity: config or ZEROBAND_SITE_RANK / ZEROBAND_SITE_COUNT in the environment.
     site_rank: int | None = Field(None, ge=0)
     site_count: int | None = Field(None, gt=0)
     backend: Literal["gloo", "nccl"] = "gloo"
     timeout_s: float = Field(600.0, gt=0)
+    # Fault tolerance (membership generations, heartbeats, commit step, joins; zeroband/elastic.py).
+    elastic: bool = False
+    min_sites: int = Field(1, gt=0)  # quorum: an outer step needs at least this many sites
+    grace_s: float = Field(5.0, ge=0)  # once a quorum is in, wait this long for the others
+    start_grace_s: float = Field(60.0, ge=0)  # at launch, how long the first sites wait for the rest
+    heartbeat_s: float = Field(2.0, gt=0)
+    dead_after_s: float = Field(10.0, gt=0)  # a site whose heartbeat is this old is dropped
+    max_retries: int = Field(3, ge=0)  # failed all-reduces retried in a new generation
+    join_timeout_s: float = Field(3600.0, gt=0)  # how long a joiner waits for a boundary
+    # A pseudo-gradient whose norm exceeds this multiple of the other sites' median is excluded
+    # (needs 3+ sites; 0 disables). NaN/inf pseudo-gradients are always excluded.
+    outlier_factor: float = Field(10.0, ge=0)
 
     @model_validator(mode="after")
     def _check_site(self) -> DilocoConfig:
         if self.site_rank is not None and self.site_count is not None and self.site_rank >= self.site_count:
             raise ValueError(f"site_rank={self.site_rank} must be < site_count={self.site_count}")
-        if not self.store.startswith("tcp://") or ":" not in self.store[6:]:
-            raise ValueError(f"store={self.store!r} must look like tcp://host:port")
+        if not (self.store.startswith("tcp://") and ":" in self.store[6:]) and not self.store.startswith("etcd://"):
+            raise ValueError(f"store={self.store!r} must look like tcp://host:port or etcd://h1:p1,h2:p2,h3:p3")
+        if self.elastic and self.overlap:
+            raise ValueError("diloco.elastic and diloco.overlap cannot be combined yet; choose one")
+        if self.elastic and self.mode != "diloco":
+            raise ValueError("diloco.elastic needs diloco.mode = 'diloco'")
+        if self.dead_after_s <= 2 * self.heartbeat_s:
+            raise ValueError(
+                f"diloco.dead_after_s={self.dead_after_s} must exceed 2 x diloco.heartbeat_s={self.heartbeat_s}, "
+                "or a live site could be declared dead between two heartbeats"
+            )
         return self
 
 

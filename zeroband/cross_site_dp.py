@@ -28,7 +28,10 @@ class CrossSiteDataParallel:
         self.window = {"comm_s": 0.0, "payload": 0, "wire": 0, "steps": 0}
         self.reports = 0
 
-    def start(self) -> None:
+    def leave(self) -> None:
+        pass
+
+    def start(self, resumed: bool = False) -> None:
         with torch.no_grad():
             local = [local_shard(p) for p in self.params]
             broadcast_from_site0(local, self.topology)

@@ -41,8 +41,8 @@ from torch.distributed.tensor import DTensor
 
 from zeroband.comm.reduce import ReduceResult, SiteStats, reduce_across_sites
 from zeroband.config import DilocoConfig
-from zeroband.faults import maybe_inject
-from zeroband.mesh import Topology
+from zeroband.faults import maybe_inject, poison_due
+from zeroband.mesh import GlobalGroup, Topology
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,10 @@ class OuterStats:
 class SingleSite:
     """No outer loop: a plain one-site run."""
 
-    def start(self) -> None:
+    def start(self, resumed: bool = False) -> None:
+        pass
+
+    def leave(self) -> None:
         pass
 
     def sync_gradients(self) -> None:
@@ -111,18 +114,22 @@ def broadcast_from_site0(tensors: list[torch.Tensor], topology: Topology) -> Non
         t.copy_(buf)
 
 
-def verify_identical(tensors: list[torch.Tensor], topology: Topology, when: str) -> None:
-    """crc32 of this rank's tensors on every site must agree; raises naming the checksums if not."""
+def checksum_table(tensors: list[torch.Tensor], group: GlobalGroup) -> list[int]:
+    """crc32 of this rank's tensors (their bytes) on every member of the group (global group only)."""
     crc = 0
     for t in tensors:
         crc = zlib.crc32(t.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes(), crc)
-    table = topology.global_group.gather_scalars([float(crc)])
-    mismatch = torch.tensor([float(len(set(table[:, 0].tolist())) > 1)], device=topology.world.device)
+    return [int(c) for c in group.gather_scalars([float(crc)])[:, 0].tolist()]
+
+
+def verify_identical(tensors: list[torch.Tensor], topology: Topology, when: str) -> None:
+    """crc32 of this rank's tensors on every site must agree (on every shard); raises if not."""
+    table = checksum_table(tensors, topology.global_group)
+    mismatch = torch.tensor([float(len(set(table)) > 1)], device=topology.world.device)
     topology.site_all_reduce(mismatch, op=dist.ReduceOp.MAX)
     if mismatch.item():
         raise RuntimeError(
-            f"sites disagree after {when}: checksums of shard {topology.world.rank} per site are "
-            f"{[int(c) for c in table[:, 0].tolist()]}"
+            f"sites disagree after {when}: checksums of shard {topology.world.rank} per site are {table}"
         )
 
 
@@ -166,14 +173,22 @@ class DiLoCo:
         self.outer_step = 0
         self.error_feedback: dict[int, torch.Tensor] | None = {} if cfg.error_feedback else None
         self.in_flight: _InFlight | None = None
+        self.poison = False
 
     # ------------------------------------------------------------------ start: identical replicas
     @torch.no_grad()
-    def start(self) -> None:
+    def start(self, resumed: bool = False) -> None:
+        """Fresh: every site takes site 0's parameters. Resumed: prove all sites loaded the same state."""
+        if resumed:
+            verify_identical(self.checksum_tensors(), self.topology, "resume")
+            return
         broadcast_from_site0(self.local, self.topology)
         for o, t in zip(self.outer, self.local):
             o.copy_(t.detach().to("cpu", torch.float32))
         verify_identical(self.outer, self.topology, "initial broadcast")
+
+    def leave(self) -> None:
+        pass  # a fixed group has no membership: the others will fail at the next all-reduce
 
     def sync_gradients(self) -> None:
         pass
@@ -187,6 +202,7 @@ class DiLoCo:
         if (step + 1) % self.cfg.inner_steps:
             return None
         maybe_inject("allreduce", step + 1, self.topology.world.site_rank, self.topology.world.rank)
+        self.poison = poison_due(step + 1, self.topology.world.site_rank, self.topology.world.rank)
         if self.cfg.overlap and not sync_point:
             return self._overlapped_boundary()
         return self._blocking_boundary()
@@ -230,11 +246,15 @@ class DiLoCo:
         return waited
 
     def _pseudo_gradient(self) -> list[torch.Tensor]:
-        return [o - t.detach().to("cpu", torch.float32) for o, t in zip(self.outer, self.local)]
+        grads = [o - t.detach().to("cpu", torch.float32) for o, t in zip(self.outer, self.local)]
+        if self.poison:  # injected fault: a site whose pseudo-gradient went bad
+            grads[0].view(-1)[0] = float("nan")
+        return grads
 
     def reduce(self, grads: list[torch.Tensor], stats: SiteStats) -> ReduceResult:
         bucket = int(self.cfg.bucket_mb * 2**20)
-        return reduce_across_sites(grads, stats, self.group, self.cfg.comm_dtype, bucket, self.error_feedback)
+        return reduce_across_sites(grads, stats, self.group, self.cfg.comm_dtype, bucket, self.error_feedback,
+                                   self.cfg.outlier_factor)
 
     def _apply(self, grads: list[torch.Tensor], result: ReduceResult) -> None:
         if result.excluded_sites:

@@ -13,12 +13,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from datetime import timedelta
-from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from zeroband.membership.store import open_store
 from zeroband.world import World
 
 
@@ -50,13 +50,6 @@ class GlobalGroup:
         return table
 
 
-def _make_store(address: str, is_host: bool, timeout: timedelta) -> dist.Store:
-    url = urlparse(address)
-    return dist.TCPStore(
-        url.hostname, url.port, is_master=is_host, timeout=timeout, wait_for_workers=False, use_libuv=True
-    )
-
-
 def new_global_group(
     store: dist.Store, prefix: str, site_rank: int, site_count: int, timeout: timedelta, backend: str = "gloo"
 ) -> GlobalGroup:
@@ -74,7 +67,8 @@ def new_global_group(
 class Topology:
     world: World
     site_mesh: DeviceMesh
-    global_group: GlobalGroup | None  # None for a single-site run
+    global_group: GlobalGroup | None  # None for a single-site run, or built per generation (elastic)
+    store: dist.Store | None = None  # the coordination store (DiLoCo runs)
 
     def site_all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> None:
         """Reduce over this site's ranks (a no-op with one rank)."""
@@ -98,17 +92,23 @@ def init_site_group(world: World, timeout: timedelta) -> None:
         dist.init_process_group(world.backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
 
 
-def init_topology(world: World, store_address: str | None, run_name: str, timeout_s: float, backend: str) -> Topology:
+def init_topology(
+    world: World, store_address: str | None, run_name: str, timeout_s: float, backend: str, host_store: bool = True,
+    build_group: bool = True,
+) -> Topology:
+    """The site mesh, and (for DiLoCo) the store plus, unless `build_group` is False, the fixed global group."""
     timeout = timedelta(seconds=timeout_s)
     init_site_group(world, timeout)
     mesh = init_device_mesh(world.device.type, (world.world_size,), mesh_dim_names=("fsdp",))
     group = None
+    store = None
     if store_address is not None:
-        is_host = world.site_rank == 0 and world.rank == 0
-        store = _make_store(store_address, is_host, timeout)
-        prefix = f"zeroband/{run_name}/gen0/shard{world.rank}/"
-        group = new_global_group(store, prefix, world.site_rank, world.site_count, timeout, backend)
-    return Topology(world, mesh, group)
+        is_host = host_store and world.site_rank == 0 and world.rank == 0
+        store = open_store(store_address, is_host, timeout)
+        if build_group:
+            prefix = f"zeroband/{run_name}/gen0/shard{world.rank}/"
+            group = new_global_group(store, prefix, world.site_rank, world.site_count, timeout, backend)
+    return Topology(world, mesh, group, store)
 
 
 def shutdown() -> None:

@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import logging
 import math
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -23,7 +26,9 @@ from zeroband.cross_site_dp import CrossSiteDataParallel
 from zeroband.data.loader import PackedBatches
 from zeroband.data.tokenizer import TextTokenizer
 from zeroband.diloco import DiLoCo, SingleSite
+from zeroband.elastic import ElasticDiLoCo
 from zeroband.faults import maybe_inject
+from zeroband.membership.auth import PeerRefused, flatten_fingerprint
 from zeroband.mesh import Topology, init_topology, shutdown
 from zeroband.metrics import ComputeClock, MetricsLogger, peak_flops, peak_memory_mb
 from zeroband.models.hf import load_hf_state
@@ -124,12 +129,24 @@ def inner_step(model: torch.nn.Module, micro_batches: list[tuple[torch.Tensor, t
     return loss, optimizer_step(model, optimizer, grad_clip)
 
 
-def build_outer(cfg: Config, model: torch.nn.Module, topology: Topology) -> DiLoCo | CrossSiteDataParallel | SingleSite:
+Outer = DiLoCo | ElasticDiLoCo | CrossSiteDataParallel | SingleSite
+
+
+def build_outer(cfg: Config, model: torch.nn.Module, topology: Topology, progress: Progress,
+                scheduler: torch.optim.lr_scheduler.LRScheduler, vocab_size: int) -> Outer:
     if cfg.diloco is None:
         return SingleSite()
     if cfg.diloco.mode == "data_parallel":
         return CrossSiteDataParallel(model, cfg.diloco, topology)
+    if cfg.diloco.elastic:
+        fingerprint = flatten_fingerprint({**checkpoint_meta(cfg), "tokenizer_vocab": vocab_size,
+                                           "diloco": cfg.diloco.model_dump(include=FINGERPRINT_DILOCO_KEYS)})
+        return ElasticDiLoCo(model, cfg.diloco, topology, cfg.name, progress, scheduler, fingerprint)
     return DiLoCo(model, cfg.diloco, topology)
+
+
+# DiLoCo settings every site must share (the rest, like site_rank or the store, are per site).
+FINGERPRINT_DILOCO_KEYS = {"inner_steps", "outer_lr", "outer_momentum", "nesterov", "comm_dtype", "mode"}
 
 
 @torch.no_grad()
@@ -155,9 +172,10 @@ def device_sync(device: torch.device) -> None:
 
 def train(cfg: Config) -> dict[str, Any]:
     world = world_from_env(cfg)
-    timeout = cfg.diloco.timeout_s if cfg.diloco else 600.0
-    store = cfg.diloco.store if cfg.diloco else None
-    topology = init_topology(world, store, cfg.name, timeout, cfg.diloco.backend if cfg.diloco else "gloo")
+    d = cfg.diloco
+    topology = init_topology(world, d.store if d else None, cfg.name, d.timeout_s if d else 600.0,
+                             d.backend if d else "gloo", host_store=d.host_store if d else False,
+                             build_group=not (d and d.elastic))
     try:
         return _train(cfg, world, topology)
     finally:
@@ -177,7 +195,7 @@ class Run:
     train_data: PackedBatches
     eval_set: list[tuple[torch.Tensor, torch.Tensor]]
     bytes_per_token: float
-    outer: DiLoCo | CrossSiteDataParallel | SingleSite
+    outer: Outer
     progress: Progress
     clock: ComputeClock
     run_dir: Path
@@ -205,21 +223,21 @@ def setup(cfg: Config, world: World, topology: Topology) -> Run:
     model = build_model(cfg, topology)
     optimizer = build_optimizer(list(model.parameters()), cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
-    outer = build_outer(cfg, model, topology)
+    progress = Progress()
+    outer = build_outer(cfg, model, topology, progress, scheduler, tokenizer.vocab_size)
     return Run(cfg, world, topology, model, optimizer, scheduler, train_data, eval_set, val_data.bytes_per_token,
-               outer, Progress(), ComputeClock(), run_dir, ckpt_root)
+               outer, progress, ComputeClock(), run_dir, ckpt_root)
 
 
 def resume_or_start(run: Run) -> bool:
     """Load the newest valid checkpoint if there is one (True), else make the sites agree (False)."""
     found = ckpt.find_checkpoint(run.ckpt_root, run.cfg.checkpoint.resume)
-    if found is None:
-        run.outer.start()
-        return False
-    ckpt.check_compatible(found, checkpoint_meta(run.cfg), run.world.world_size)
-    ckpt.load_checkpoint(found, run.model, run.optimizer, run.stateful)
-    log.info("resumed from %s (step %d)", found.path, run.progress.step)
-    return True
+    if found is not None:
+        ckpt.check_compatible(found, checkpoint_meta(run.cfg), run.world.world_size)
+        ckpt.load_checkpoint(found, run.model, run.optimizer, run.stateful)
+        log.info("resumed from %s (step %d)", found.path, run.progress.step)
+    run.outer.start(resumed=found is not None)
+    return found is not None
 
 
 class StepWindow:
@@ -258,6 +276,7 @@ def train_loop(run: Run, metrics: MetricsLogger) -> dict[str, Any]:
     losses: list[float] = []
     val: dict[str, float] = {}
     window = StepWindow()
+    stop = GracefulStop.install()
     while progress.step < cfg.train.steps:
         batches = [run.train_data.next_batch(cfg.train.micro_batch) for _ in range(accum)]
         t0 = time.perf_counter()
@@ -288,8 +307,14 @@ def train_loop(run: Run, metrics: MetricsLogger) -> dict[str, Any]:
             val = validation_metrics(evaluate(run.model, run.eval_set, run.topology), run.bytes_per_token)
             metrics.log(progress.step, val, "val")
         if should_save(cfg, progress.step):
-            ckpt.save_checkpoint(run.ckpt_root, progress.step, run.model, run.optimizer, run.stateful,
-                                 checkpoint_meta(cfg), cfg.checkpoint.keep_last, site=world.site_rank)
+            save(run)
+        if stop.agreed(run.topology):  # SIGTERM on any rank of the site: leave cleanly
+            log.info("SIGTERM: leaving at step %d after a checkpoint", progress.step)
+            run.outer.leave()
+            if not should_save(cfg, progress.step):
+                save(run)
+            break
+    stop.uninstall()
     return {"losses": losses, "val": val, "steps": progress.step, "tokens": progress.tokens,
             "compute_utilisation": run.clock.utilisation, "run_dir": str(run.run_dir)}
 
@@ -305,6 +330,38 @@ def _train(cfg: Config, world: World, topology: Topology) -> dict[str, Any]:
         return train_loop(run, metrics)
     finally:
         metrics.close()
+
+
+def save(run: Run) -> None:
+    ckpt.save_checkpoint(run.ckpt_root, run.progress.step, run.model, run.optimizer, run.stateful,
+                         checkpoint_meta(run.cfg), run.cfg.checkpoint.keep_last, site=run.world.site_rank)
+
+
+class GracefulStop:
+    """SIGTERM sets a flag; the site's ranks agree on it after every step, so they stop together."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.previous: Any = None
+
+    @classmethod
+    def install(cls) -> GracefulStop:
+        stop = cls()
+        if threading.current_thread() is threading.main_thread():
+            stop.previous = signal.signal(signal.SIGTERM, stop._handle)
+        return stop
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.requested = True
+
+    def agreed(self, topology: Topology) -> bool:
+        flag = torch.tensor([float(self.requested)], device=topology.world.device)
+        topology.site_all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def uninstall(self) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGTERM, self.previous)
 
 
 def site_mean(value: float, topology: Topology) -> float:
@@ -330,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(path, argv)
         train(cfg)
-    except (ConfigError, ckpt.CheckpointError, FileNotFoundError) as e:
+    except (ConfigError, ckpt.CheckpointError, FileNotFoundError, PeerRefused) as e:
         print(f"zeroband: error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -27,7 +27,7 @@ from zeroband.comm.quantized import all_reduce_quantized
 from zeroband.mesh import GlobalGroup
 
 QUANTIZED_BITS = {"int8": 8, "int4": 4}
-STAT_COLUMNS = ("sumsq", "nonfinite", "max_abs")
+STAT_COLUMNS = ("sumsq", "nonfinite", "max_abs", "abstain")
 
 
 @dataclass
@@ -37,9 +37,10 @@ class SiteStats:
     sumsq: float
     nonfinite: float
     max_abs: float
+    abstain: bool = False  # takes part in the collective but contributes nothing (e.g. a joiner)
 
     def as_list(self) -> list[float]:
-        return [self.sumsq, self.nonfinite, self.max_abs]
+        return [self.sumsq, self.nonfinite, self.max_abs, float(self.abstain)]
 
 
 @dataclass
@@ -51,13 +52,23 @@ class ReduceResult:
     site_norms: list[float] = field(default_factory=list)
 
 
-def contributing_sites(table: torch.Tensor) -> list[bool]:
+def contributing_sites(table: torch.Tensor, outlier_factor: float = 0.0) -> list[bool]:
     """Which sites' pseudo-gradients enter the average; columns as STAT_COLUMNS.
 
-    A site is excluded when any of its values is NaN/inf. The decision depends only on the table,
-    which is identical on every site, so every site decides the same.
+    Excluded: a site that abstains, a site with any NaN/inf, and (with `outlier_factor` > 0 and at
+    least 3 candidates) a site whose norm exceeds `outlier_factor` x the median norm of the other
+    candidates: one broken or malicious site cannot drag the average far. The decision depends
+    only on the table, which is identical on every site, so every site decides the same.
     """
-    return [bool(table[s, 1] == 0 and torch.isfinite(table[s, 0])) for s in range(table.shape[0])]
+    use = [bool(table[s, 1] == 0 and table[s, 3] == 0 and torch.isfinite(table[s, 0])) for s in range(table.shape[0])]
+    candidates = [s for s, ok in enumerate(use) if ok]
+    if outlier_factor > 0 and len(candidates) >= 3:
+        norms = table[:, 0].sqrt()
+        for s in candidates:
+            others = torch.stack([norms[o] for o in candidates if o != s])
+            if norms[s] > outlier_factor * others.median():
+                use[s] = False
+    return use
 
 
 def reduce_across_sites(
@@ -67,10 +78,11 @@ def reduce_across_sites(
     wire: str,
     bucket_bytes: int,
     error_feedback: dict[int, torch.Tensor] | None = None,
+    outlier_factor: float = 0.0,
 ) -> ReduceResult:
     """In place: grads <- mean over contributing sites. Returns what it cost and who took part."""
     table = group.gather_scalars(stats.as_list())
-    use = contributing_sites(table)
+    use = contributing_sites(table, outlier_factor)
     n = sum(use)
     weight = 1.0 / n if n and use[group.rank] else 0.0
     if weight == 0.0:
@@ -87,6 +99,6 @@ def reduce_across_sites(
         payload_bytes=payload,
         wire_bytes=wire_bytes,
         sites_used=n,
-        excluded_sites=[s for s, ok in enumerate(use) if not ok],
+        excluded_sites=[s for s, ok in enumerate(use) if not ok and table[s, 3] == 0],
         site_norms=[float(v) for v in table[:, 0].sqrt()],
     )

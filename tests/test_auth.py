@@ -1,0 +1,175 @@
+"""Admission of sites: shared-secret challenge-response and config fingerprints over the store.
+
+Pure tests of the proof check and the verdict, then three forked sites handshaking over a TCPStore.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import secrets
+from datetime import timedelta
+
+import pytest
+
+from tests.multiproc import run_sites
+from zeroband.membership.auth import (
+    SECRET_ENV,
+    decide,
+    derive_key,
+    flatten_fingerprint,
+    load_secret,
+    proof,
+    verified_sites,
+)
+
+SECRET = b"correct horse battery staple 42"
+WRONG = b"incorrect horse battery staple 7"
+FP = {"model.dim": "128", "tokenizer.vocab": "8192", "seq_len": "256"}
+
+
+# ---- pure: proofs ----------------------------------------------------------------------------------
+
+def _round(keys: dict[int, bytes], prefix: str = "run/gen3/", fps: dict | None = None):
+    """Nonces and proofs of one handshake where site s holds key keys[s]."""
+    nonces = {s: secrets.token_bytes(32) for s in keys}
+    fps = fps or {s: FP for s in keys}
+    proofs = {i: {j: proof(keys[i], prefix, i, j, nonces, fps[i]) for j in keys if j != i} for i in keys}
+    return nonces, fps, proofs
+
+
+def test_proofs_verify_only_with_the_same_secret():
+    good, bad = derive_key(SECRET, "run/gen3/"), derive_key(WRONG, "run/gen3/")
+    nonces, fps, proofs = _round({0: good, 1: good, 2: bad})
+    assert verified_sites(good, "run/gen3/", nonces, fps, proofs) == {0, 1}
+    assert verified_sites(bad, "run/gen3/", nonces, fps, proofs) == {2}
+
+
+def test_old_or_copied_proofs_do_not_verify():
+    key = derive_key(SECRET, "run/gen3/")
+    nonces, fps, proofs = _round({0: key, 1: key, 2: key})
+    # replay: last generation's proofs against this generation's fresh nonces
+    _, _, old = _round({0: key, 1: key, 2: key})
+    assert verified_sites(key, "run/gen3/", nonces, fps, {**proofs, 2: old[2]}) == {0, 1}
+    # an impostor in slot 2 copying site 0's proofs (addressed to 1 and 2) does not pass either
+    copied = {1: proofs[0][1], 0: proofs[0][2]}
+    assert verified_sites(key, "run/gen3/", nonces, fps, {**proofs, 2: copied}) == {0, 1}
+    # proofs are bound to the prefix and to the prover's fingerprint
+    assert verified_sites(key, "run/gen4/", nonces, fps, proofs) == set()
+    assert verified_sites(key, "run/gen3/", nonces, {**fps, 1: {**FP, "seq_len": "512"}}, proofs) == {0, 2}
+
+
+# ---- pure: verdict ---------------------------------------------------------------------------------
+
+def test_decide_all_admitted():
+    assert decide(3, 1, {0, 1, 2}, {s: FP for s in range(3)}).admitted == [0, 1, 2]
+
+
+def test_decide_wrong_secret_is_refused_by_the_majority():
+    fps = {s: FP for s in range(3)}
+    for me in (0, 1):
+        v = decide(3, me, {0, 1}, fps)
+        assert v.admitted == [0, 1] and v.refused == {2: "wrong shared secret"}
+    bad = decide(3, 2, {2}, fps)  # the odd one out cannot verify anybody: it admits nobody
+    assert bad.admitted == [] and "not a majority" in bad.refused[2]
+
+
+def test_decide_two_sites_that_disagree_admit_nobody():
+    fps = {0: FP, 1: FP}
+    for me in (0, 1):
+        v = decide(2, me, {me}, fps)
+        assert v.admitted == [] and list(v.refused) == [me]
+
+
+def test_decide_fingerprint_majority_and_tie():
+    other = {**FP, "model.dim": "256", "tokenizer.vocab": "4096"}
+    v = decide(3, 0, {0, 1, 2}, {0: FP, 1: other, 2: FP})
+    assert v.admitted == [0, 2]
+    assert v.refused == {1: "model.dim 256 vs ours 128; tokenizer.vocab 4096 vs ours 8192"}
+    assert decide(3, 1, {0, 1, 2}, {0: FP, 1: other, 2: FP}).refused[1].endswith("vs agreed 8192")
+    tie = decide(4, 3, {0, 1, 2, 3}, {0: other, 1: FP, 2: other, 3: FP})  # 2 vs 2: site 0's wins
+    assert tie.admitted == [0, 2] and set(tie.refused) == {1, 3}
+    missing = decide(3, 0, {0, 1, 2}, {0: FP, 1: {"model.dim": "128"}, 2: FP})
+    assert missing.refused[1] == "seq_len <missing> vs ours 256; tokenizer.vocab <missing> vs ours 8192"
+
+
+def test_load_secret(monkeypatch):
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    with pytest.raises(ValueError, match=SECRET_ENV):
+        load_secret(None)
+    monkeypatch.setenv(SECRET_ENV, "from-the-environment-123")
+    assert load_secret(None) == b"from-the-environment-123"
+    assert load_secret("from-the-config-file-456") == b"from-the-config-file-456"
+    with pytest.raises(ValueError, match="at least 16") as err:
+        load_secret("hunter2")
+    assert "hunter2" not in str(err.value)
+
+
+def test_flatten_fingerprint():
+    tree = {"model": {"dim": 128, "norm": "rms"}, "tokenizer": {"vocab": 8192}, "tied": True}
+    assert flatten_fingerprint(tree) == {"model.dim": "128", "model.norm": "rms", "tokenizer.vocab": "8192",
+                                         "tied": "true"}
+
+
+# ---- three forked sites over a TCPStore ------------------------------------------------------------
+
+def _site(secrets_by_site: dict[int, bytes], fps_by_site: dict[int, dict], prefix: str) -> dict:
+    from zeroband.membership import PeerRefused, admit, open_store
+
+    site, sites = int(os.environ["ZEROBAND_SITE_RANK"]), int(os.environ["ZEROBAND_SITE_COUNT"])
+    store = open_store(os.environ["ZEROBAND_TEST_STORE"], site == 0, timedelta(seconds=30))
+    try:
+        out = {"admitted": admit(store, prefix, site, sites, secrets_by_site[site], fps_by_site[site],
+                                 timedelta(seconds=30))}
+    except PeerRefused as e:
+        out = {"error": str(e), "admitted": e.admitted, "refused": e.refused}
+    store.set(f"done/{site}", b"1")
+    if site == 0:  # hosts the TCP server: stay until everybody is done, then dump every value
+        store.wait([f"done/{s}" for s in range(sites)], timedelta(seconds=30))
+        out["values"] = {k: store.get(k) for k in store.list_keys()}
+    return out
+
+
+def _run(secrets_by_site: dict[int, bytes], fps_by_site: dict[int, dict]) -> dict[int, dict]:
+    results = run_sites(_site, 3, 1, (secrets_by_site, fps_by_site, "zeroband/test/gen1/"), timeout=60)
+    return {site: r for (site, _), r in results.items()}
+
+
+def test_same_secret_all_admitted_and_secret_never_stored():
+    out = _run({s: SECRET for s in range(3)}, {s: FP for s in range(3)})
+    assert all(r["admitted"] == [0, 1, 2] and "error" not in r for r in out.values()), out
+    values = out[0]["values"]
+    assert any(k.endswith("proof/2") for k in values) and any(k.endswith("nonce/0") for k in values)
+    forms = [SECRET, SECRET.hex().encode(), base64.b64encode(SECRET), derive_key(SECRET, "zeroband/test/gen1/")]
+    for key, value in values.items():
+        assert not any(f in value or f in key.encode() for f in forms), key
+
+
+def test_wrong_secret_refused_by_all_others():
+    out = _run({0: SECRET, 1: SECRET, 2: WRONG}, {s: FP for s in range(3)})
+    for site in (0, 1):
+        assert out[site]["error"] == "site 2 refused: wrong shared secret"
+        assert out[site]["admitted"] == [0, 1]
+    assert "site 2 (this site) refused" in out[2]["error"]
+
+
+def test_different_fingerprint_refused_naming_the_keys():
+    other = {**FP, "model.dim": "256", "tokenizer.vocab": "4096"}
+    out = _run({s: SECRET for s in range(3)}, {0: FP, 1: other, 2: FP})
+    for site in (0, 2):
+        assert out[site]["error"] == "site 1 refused: model.dim 256 vs ours 128; tokenizer.vocab 4096 vs ours 8192"
+        assert out[site]["admitted"] == [0, 2]
+    assert out[1]["error"] == ("site 1 (this site) refused: model.dim 256 vs agreed 128; "
+                               "tokenizer.vocab 4096 vs agreed 8192")
+
+
+def test_reused_prefix_is_rejected():
+    """Write-once nonces: running a second handshake under the same prefix would allow replays."""
+    import torch.distributed as dist
+
+    from zeroband.membership import admit
+
+    store = dist.HashStore()
+    admit(store, "p/", 0, 1, SECRET, FP, timedelta(seconds=5))
+    with pytest.raises(RuntimeError, match="must be fresh"):
+        admit(store, "p/", 0, 1, SECRET, FP, timedelta(seconds=5))

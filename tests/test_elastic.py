@@ -1,0 +1,161 @@
+"""Sites die, hang, join and leave; training goes on. Real forked processes, real gloo, real store.
+
+The store is hosted by the pytest process (or a real etcd cluster), never by a site, so killing
+any site leaves the rest able to regroup.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import tiny_overrides
+from tests.multiproc import Died, free_port, run_sites
+from tests.test_diloco import final_params
+from tests.test_train import _train
+from zeroband.membership.store import open_store
+
+SECRET = "correct horse battery staple"
+
+
+@pytest.fixture
+def store_address():
+    address = f"tcp://127.0.0.1:{free_port()}"
+    host = open_store(address, True, timedelta(seconds=60))
+    yield address
+    del host
+
+
+def elastic_tree(corpus: dict, out: Path, store: str, steps: int = 10, **diloco) -> dict:
+    tree = tiny_overrides(corpus, out, train={"steps": steps}, eval={"interval": 0, "batches": 1})
+    tree["diloco"] = {
+        "elastic": True, "host_store": False, "store": store, "inner_steps": 2, "heartbeat_s": 0.25,
+        "dead_after_s": 2.0, "grace_s": 1.0, "start_grace_s": 15.0, "timeout_s": 30, "comm_dtype": "fp16",
+        **diloco,
+    }
+    return tree
+
+
+def outer_records(out: Path, site: int) -> list[dict]:
+    lines = (out / "t" / f"site{site}" / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == "outer"]
+
+
+def assert_identical(tree: dict, sites: list[int], step: int) -> None:
+    ref = final_params(tree, sites[0], step)
+    for s in sites[1:]:
+        got = final_params(tree, s, step)
+        assert all(torch.equal(ref[k], got[k]) for k in ref), f"site {s} differs from site {sites[0]} at step {step}"
+
+
+def test_kill_during_inner_steps(corpus, tmp_path, store_address):
+    tree = elastic_tree(corpus, tmp_path, store_address)
+    out = run_sites(_train, 3, 1, (tree,), env={"ZEROBAND_FAULTS": "site2:step5:inner:kill"}, allow_death=True,
+                    timeout=120)
+    assert isinstance(out[(2, 0)], Died) and out[(2, 0)].exitcode == -9
+    assert out[(0, 0)]["steps"] == out[(1, 0)]["steps"] == 10
+    used = [r["sites_used"] for r in outer_records(tmp_path, 0)]
+    assert used[:2] == [3, 3] and used[-1] == 2, used
+    assert_identical(tree, [0, 1], 10)
+
+
+def test_kill_during_all_reduce_retries_without_partial_result(corpus, tmp_path, store_address):
+    tree = elastic_tree(corpus, tmp_path, store_address, comm_dtype="fp32")
+    out = run_sites(_train, 3, 1, (tree,), env={"ZEROBAND_FAULTS": "site1:step6:allreduce:kill"}, allow_death=True,
+                    timeout=120)
+    assert isinstance(out[(1, 0)], Died)
+    records = outer_records(tmp_path, 0)
+    by_step = {r["step"]: r for r in records}
+    assert by_step[6]["sites_used"] == 2 and by_step[4]["sites_used"] == 3  # step 6 retried among survivors
+    assert [r["step"] for r in records] == [2, 4, 6, 8, 10]  # every round committed exactly once
+    assert_identical(tree, [0, 2], 10)
+
+
+def _late_train(tree: dict, delay_site: int, delay_s: float) -> dict:
+    import os
+
+    if int(os.environ["ZEROBAND_SITE_RANK"]) == delay_site:
+        time.sleep(delay_s)
+    return _train(tree)
+
+
+def test_join_mid_run_receives_state(corpus, tmp_path, store_address):
+    tree = elastic_tree(corpus, tmp_path, store_address, steps=16, start_grace_s=1.0)
+    out = run_sites(_late_train, 3, 1, (tree, 2, 6.0), timeout=150)
+    joiner, member = out[(2, 0)], out[(0, 0)]
+    assert joiner["steps"] == member["steps"] == 16
+    assert len(joiner["losses"]) < len(member["losses"])  # it joined mid-run and took the counters over
+    assert_identical(tree, [0, 1, 2], 16)
+    assert outer_records(tmp_path, 0)[0]["sites_used"] == 2 and outer_records(tmp_path, 0)[-1]["sites_used"] == 3
+
+
+def test_graceful_leave_does_not_wait_for_timeout(corpus, tmp_path, store_address):
+    tree = elastic_tree(corpus, tmp_path, store_address, dead_after_s=20.0)
+    out = run_sites(_train, 3, 1, (tree,), env={"ZEROBAND_FAULTS": "site2:step5:inner:term"}, timeout=120)
+    assert out[(2, 0)]["steps"] == 5  # it stopped, wrote its checkpoint and returned normally
+    assert (tmp_path / "t" / "checkpoints" / "site2" / "step_000000005" / "manifest.json").is_file()
+    records = outer_records(tmp_path, 0)
+    assert records[-1]["sites_used"] == 2
+    assert max(r["outer_step_s"] for r in records) < 10, "survivors waited for a heartbeat timeout"
+    assert_identical(tree, [0, 1], 10)
+
+
+def test_nan_pseudo_gradient_excluded(corpus, tmp_path, store_address):
+    tree = elastic_tree(corpus, tmp_path, store_address, steps=6)
+    out = run_sites(_train, 3, 1, (tree,), env={"ZEROBAND_FAULTS": "site1:step4:allreduce:nan"}, timeout=120)
+    by_step = {r["step"]: r for r in outer_records(tmp_path, 0)}
+    assert by_step[4]["excluded_sites"] == [1] and by_step[4]["sites_used"] == 2
+    assert by_step[2]["excluded_sites"] == [] and by_step[6]["excluded_sites"] == []
+    assert all(torch.isfinite(torch.tensor(r["losses"])).all() for r in out.values())
+    assert_identical(tree, [0, 1, 2], 6)
+
+
+@pytest.mark.parametrize("wrong", ["secret", "model"])
+def test_foreign_peer_refused(corpus, tmp_path, store_address, wrong):
+    tree = elastic_tree(corpus, tmp_path, store_address, steps=4)
+    site_env = {s: {"ZEROBAND_SECRET": SECRET} for s in range(3)}
+    if wrong == "secret":
+        site_env[2] = {"ZEROBAND_SECRET": "not the secret at all, sorry"}
+    args = {0: (tree,), 1: (tree,), 2: (tree,)}
+    if wrong == "model":
+        foreign = json.loads(json.dumps(tree))
+        foreign["model"]["n_layers"] = 3
+        args[2] = (foreign,)
+    with pytest.raises(AssertionError) as e:
+        run_sites(_by_site, 3, 1, (args,), site_env=site_env, timeout=120)
+    message = str(e.value)
+    assert "site 2 rank 0: PeerRefused" in message and "site 0 rank 0" not in message and "site 1" not in message
+    assert ("wrong shared secret" if wrong == "secret" else "n_layers") in message
+    assert_identical(tree, [0, 1], 4)
+
+
+def _by_site(args: dict) -> dict:
+    import os
+
+    return _train(*args[int(os.environ["ZEROBAND_SITE_RANK"])])
+
+
+def test_etcd_member_loss(corpus, tmp_path):
+    from tests.etcd_cluster import INSTALL_HINT, etcd_binary, start_cluster
+
+    if etcd_binary() is None:
+        pytest.skip(INSTALL_HINT)
+    cluster = start_cluster(3)
+    try:
+        tree = elastic_tree(corpus, tmp_path, cluster.url("elastic-test"), steps=12)
+        killer = threading.Timer(6.0, lambda: cluster.kill(cluster.leader()))
+        killer.start()
+        out = run_sites(_train, 2, 1, (tree,), timeout=150)
+        killer.join()
+        assert sum(m.alive for m in cluster.members) == 2
+        assert out[(0, 0)]["steps"] == out[(1, 0)]["steps"] == 12
+        assert [r["sites_used"] for r in outer_records(tmp_path, 0)] == [2] * 6
+        assert_identical(tree, [0, 1], 12)
+    finally:
+        cluster.stop()

@@ -1,0 +1,103 @@
+"""zeroband.plan: the arithmetic against values worked out by hand, and the `zeroband plan` command."""
+
+from __future__ import annotations
+
+import pytest
+
+from zeroband.cli import main as cli_main
+from zeroband.plan import (
+    DTYPE_BYTES,
+    PlanInput,
+    dtype_bytes,
+    predict,
+    predict_data_parallel,
+    ramp_seconds,
+    ring_factor,
+    table_rows,
+    table_step_time,
+    traffic_reduction,
+    utilisation,
+)
+
+
+def test_ring_factor() -> None:
+    assert ring_factor(2) == 1.0
+    assert ring_factor(4) == 1.5
+    assert ring_factor(8) == 1.75
+
+
+def test_utilisation_blocking_and_overlapped() -> None:
+    assert utilisation(100.0, 25.0, overlap=False) == pytest.approx(0.8)
+    assert utilisation(100.0, 25.0, overlap=True) == 1.0  # communication hides under compute
+    assert utilisation(100.0, 200.0, overlap=True) == pytest.approx(0.5)  # only the excess is waited for
+
+
+def test_traffic_reduction_is_h_times_4_over_bytes() -> None:
+    assert traffic_reduction(500, "fp16") == pytest.approx(1000.0)
+    assert traffic_reduction(100, "fp32") == pytest.approx(100.0)
+    assert traffic_reduction(100, "int8") == pytest.approx(400 / 1.015625)
+    assert traffic_reduction(500, "int4") == pytest.approx(2000 / 0.53125)
+
+
+def test_dtype_bytes() -> None:
+    assert DTYPE_BYTES["fp32"] == 4 and DTYPE_BYTES["bf16"] == DTYPE_BYTES["fp16"] == 2
+    assert dtype_bytes("int8") == pytest.approx(1.02, abs=0.01)
+    assert dtype_bytes("int4") == pytest.approx(0.53, abs=0.01)
+    with pytest.raises(ValueError, match="fp8"):
+        dtype_bytes("fp8")
+
+
+def test_prediction_by_hand() -> None:
+    # 1e9 params, 4 sites, 1 Gbit/s (1.25e8 B/s), 50 ms one-way, H=500 x 1.2 s, fp16, no TCP ramp
+    p = PlanInput(1e9, 1.2, 4, 1.0, 50.0, 500, "fp16", overlap=False, tcp_ramp=False)
+    pred = predict(p)
+    assert pred.payload_bytes == pytest.approx(2e9)
+    assert pred.wire_bytes == pytest.approx(3e9)  # x 2(4-1)/4
+    assert pred.bandwidth_s == pytest.approx(24.0)
+    assert pred.latency_s == pytest.approx(0.45)  # (2(S-1) ring + (S-1) statistics) hops x 50 ms
+    assert pred.comm_s == pytest.approx(24.45)
+    assert pred.compute_s == pytest.approx(600.0)
+    assert pred.utilisation == pytest.approx(600 / 624.45)
+    assert pred.traffic_reduction == pytest.approx(1000.0)
+    assert predict(PlanInput(1e9, 1.2, 4, 1.0, 50.0, 500, "fp16", overlap=True, tcp_ramp=False)).utilisation == 1.0
+    # per-step fp32 data parallel: 1.5 x 4e9 B / 1.25e8 B/s + 0.45 s per step
+    assert pred.dp_comm_s == pytest.approx(48.45)
+    assert pred.dp_utilisation == pytest.approx(1.2 / 49.65)
+    dp = predict_data_parallel(p)
+    assert dp.comm_s == pytest.approx(48.45) and dp.utilisation == pytest.approx(1.2 / 49.65)
+
+
+def test_tcp_ramp_by_hand() -> None:
+    # 100 Mbit/s, 100 ms RTT: BDP 1.25 MB; MSS 8948 at MTU 9000, initial window 10 x MSS = 89,480 B.
+    # Windows 89,480 / 178,960 / 357,920 / 715,840 are below the BDP: 4 RTTs carrying 1,342,200 B.
+    assert ramp_seconds(1e9, 12.5e6, 0.1, 9000) == pytest.approx(0.4 - 1_342_200 / 12.5e6)
+    assert ramp_seconds(50_000, 12.5e6, 0.1, 9000) == pytest.approx(0.1 - 50_000 / 12.5e6)  # one short round
+    assert ramp_seconds(1e9, 1e6, 0.01, 9000) == 0.0  # BDP below the initial window: no ramp
+    with_ramp = predict(PlanInput(1e9, 1.2, 4, 1.0, 50.0, 500, "fp16", tcp_ramp=True))
+    assert with_ramp.ramp_s > 0 and with_ramp.comm_s == pytest.approx(24.45 + with_ramp.ramp_s)
+
+
+def test_table_covers_models_bandwidths_h_and_dtypes() -> None:
+    rows = table_rows()
+    assert len(rows) == 4 * 3 * 2 * 3
+    assert {r[0] for r in rows} == {"150M", "1B", "10B", "100B"}
+    # 1B: 6 x 1e9 x 524288 tokens / (8 x 989e12 x 0.4) s per step
+    assert table_step_time("1B") == pytest.approx(6 * 1e9 * 524288 / (8 * 989e12 * 0.4))
+
+
+def test_cli_single_prediction(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["plan", "--params", "1e9", "--step-time", "1.2", "--sites", "4", "--gbps", "1", "--latency-ms", "50",
+            "--inner-steps", "500", "--dtype", "fp16", "--no-tcp-ramp"]
+    assert cli_main(argv) == 0
+    out = capsys.readouterr().out
+    assert "24.450 s" in out and "96.08%" in out and "1000x" in out
+    assert cli_main([*argv, "--overlap"]) == 0
+    assert "100.00%" in capsys.readouterr().out
+
+
+def test_cli_table_and_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["plan", "--table"]) == 0
+    out = capsys.readouterr().out
+    assert "| 100B |" in out and "MFU" in out
+    assert cli_main(["plan"]) == 2  # neither --params nor --preset
+    assert cli_main(["plan", "--preset", "demo", "--step-time", "0.1"]) == 0

@@ -1,0 +1,297 @@
+"""DiLoCo that survives sites dying, hanging, joining and leaving, with no master.
+
+Same contract as `DiLoCo` (zeroband/diloco.py); what changes is how an outer step is carried out:
+each round goes through `RoundCoordinator` (zeroband/membership/rounds.py): the sites agree on the
+members, form this generation's global groups (fresh store prefix; survivors keep their processes
+and state), hand the outer state to members that lack it (joiners, restarted or dropped sites),
+all-reduce, vote, and apply the step only if the verdict is `commit`. A failed attempt is retried
+in a new generation with the same pseudo-gradients, never applying a partial result.
+
+- Crash, hang or partition of a site: its heartbeat stops; waits and the all-reduce are abandoned
+  as soon as a member is seen dead (within `dead_after_s`), or at the group timeout at worst.
+- Join: a site that starts while a run is going on waits for the next boundary, receives the outer
+  parameters, outer momentum and progress counters from a live peer over the global group,
+  checks them by checksum against every member, and trains from there. Sites keep fixed slots
+  (`site_rank` < `site_count`), and a slot's documents belong to it alone, so no shard is read by
+  two sites; a re-joining slot continues from the data position it last published.
+- Leave (SIGTERM): the site writes `leave/<site>`, so nobody waits for its heartbeat to time out.
+- Quorum: a round proceeds with at least `min_sites` members once every expected live site has
+  arrived or `grace_s` has passed; a late site's pseudo-gradient is dropped and it re-syncs from a
+  peer at the next boundary (its local progress of that round is discarded).
+- Trust: members of a new generation admit each other with a challenge-response on the shared
+  secret and compare config fingerprints (zeroband/membership/auth.py) before forming groups.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from zeroband.comm.reduce import ReduceResult, SiteStats
+from zeroband.config import DilocoConfig
+from zeroband.diloco import DiLoCo, OuterStats, checksum_table, site_stats
+from zeroband.faults import maybe_inject, poison_due
+from zeroband.membership.auth import PeerRefused, admit, load_secret
+from zeroband.membership.heartbeat import Heartbeat, Liveness, leave_key
+from zeroband.membership.rounds import Decision, RoundCoordinator
+from zeroband.membership.store import open_store
+from zeroband.mesh import GlobalGroup, Topology, new_global_group
+
+log = logging.getLogger(__name__)
+
+
+class MemberLost(RuntimeError):
+    pass
+
+
+class ElasticDiLoCo(DiLoCo):
+    def __init__(self, model: torch.nn.Module, cfg: DilocoConfig, topology: Topology, run_name: str,
+                 progress: Any, scheduler: Any, fingerprint: dict[str, str]) -> None:
+        self.cfg, self.topology, self.world = cfg, topology, topology.world
+        self._build_outer(model)
+        self.progress, self.scheduler, self.fingerprint = progress, scheduler, fingerprint
+        self.prefix = f"zeroband/{run_name}/elastic/"
+        slots = range(self.world.site_count)
+        self.liveness = Liveness(topology.store, self.prefix, slots, cfg.dead_after_s)
+        self.rounds = RoundCoordinator(topology.store, self.prefix, self.world.site_rank, self.world.rank == 0,
+                                       self.liveness)
+        self.heartbeat = None
+        if self.world.rank == 0:
+            reopen = lambda: open_store(cfg.store, False, timedelta(seconds=cfg.timeout_s))  # noqa: E731
+            self.heartbeat = Heartbeat(reopen, self.prefix, self.world.site_rank, cfg.heartbeat_s).start()
+        self.secret = load_secret(cfg.secret) if cfg.secret or _env_secret() else None
+        self.members: list[int] = []
+        self.generation = -1
+        self.group: GlobalGroup | None = None
+        self.fresh = True  # until this site holds the run's current outer state
+        self.round = 0
+
+    def _build_outer(self, model: torch.nn.Module) -> None:
+        from zeroband.diloco import local_shard
+
+        self.local = [local_shard(p) for p in model.parameters()]
+        self.outer = [t.detach().to("cpu", torch.float32, copy=True) for t in self.local]
+        self.optimizer = torch.optim.SGD(self.outer, lr=self.cfg.outer_lr, momentum=self.cfg.outer_momentum,
+                                         nesterov=self.cfg.nesterov and self.cfg.outer_momentum > 0)
+        self.outer_step = 0
+        self.error_feedback = {} if self.cfg.error_feedback else None
+        self.in_flight = None
+        self.poison = False
+        self.boundary_step = 0
+
+    # ------------------------------------------------------------------ start / join / leave
+    def start(self, resumed: bool = False) -> None:
+        """Take part in the round being formed: round 0 at launch, the next boundary when joining.
+
+        A resumed site is still fresh: the live run (or, after a full restart, the lowest site)
+        decides the state, so sites restarted from different checkpoints cannot diverge.
+        """
+        self.liveness.poll()
+        self.round = self.rounds.committed_round() + 1
+        while self.fresh:
+            self._round(pseudo_gradient=None)
+
+    def leave(self) -> None:
+        if self.world.rank == 0:
+            self.topology.store.set(leave_key(self.prefix, self.world.site_rank), str(self.round))
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+
+    # ------------------------------------------------------------------ the outer step
+    def after_inner_step(self, step: int, sync_point: bool = False) -> OuterStats | None:
+        if (step + 1) % self.cfg.inner_steps:
+            return None
+        self.boundary_step = step + 1
+        self.poison = poison_due(step + 1, self.world.site_rank, self.world.rank)
+        with torch.no_grad():
+            grads = None if self.fresh else self._pseudo_gradient()
+            return self._round(grads)
+
+    @torch.no_grad()
+    def _round(self, pseudo_gradient: list[torch.Tensor] | None) -> OuterStats | None:
+        """One outer step; a site left out of it waits for the next boundary as a joiner."""
+        while True:
+            left_out, stats = self._try_round(pseudo_gradient)
+            if not left_out:
+                return stats
+            pseudo_gradient = None  # fresh now: its own progress of this round is dropped
+
+    def _try_round(self, pseudo_gradient: list[torch.Tensor] | None) -> tuple[bool, OuterStats | None]:
+        t0 = time.perf_counter()
+        for attempt in range(self.cfg.max_retries + 1):
+            decision = self._decide(attempt)
+            log.info("site %d round %d attempt %d: %s", self.world.site_rank, self.round, attempt, decision)
+            if self.world.site_rank not in decision.members:
+                log.warning("round %d: left out (late or presumed dead); joining the next boundary", self.round)
+                self.fresh, self.round = True, self.round + 1
+                return True, None
+            outcome = self._attempt(decision, pseudo_gradient)
+            verdict = self.rounds.vote_and_verdict(self.round, attempt, decision, self._site_ok(outcome is not None),
+                                                   self.cfg.timeout_s)
+            if verdict == "commit":
+                return False, self._commit(decision, outcome, time.perf_counter() - t0)
+            log.warning("round %d attempt %d aborted (members %s); retrying", self.round, attempt, decision.members)
+            self.group = None  # a group that saw a failure is not trusted again
+        log.error("round %d failed %d times: skipped, local progress kept", self.round, self.cfg.max_retries + 1)
+        self.round += 1
+        return False, None
+
+    def _decide(self, attempt: int) -> Decision:
+        expected = set(range(self.world.site_count)) if self.round == 0 else set(self.members)
+        grace = self.cfg.start_grace_s if self.round == 0 else self.cfg.grace_s
+        timeout = self.cfg.join_timeout_s if self.fresh else self.cfg.timeout_s
+        return self.rounds.rendezvous(self.round, attempt, expected, self.cfg.min_sites, grace, self.fresh, timeout,
+                                      self._next_generation)
+
+    def _next_generation(self, members: list[int]) -> int:
+        """Keep the groups while the members are the same and healthy; else a fresh generation."""
+        if self.group is not None and members == self.members:
+            return self.generation
+        return self.topology.store.add(self.prefix + "generation", 1)
+
+    def _attempt(self, decision: Decision, pseudo_gradient: list[torch.Tensor] | None) -> tuple | None:
+        """Groups, state hand-over, all-reduce; None if anything failed (the vote then aborts).
+
+        Site-group collectives happen only here on the main thread, before and after the watched
+        thread: an abandoned thread must never hold a site collective that the others would then
+        match with a different one.
+        """
+        if self.round == 0:
+            grads, stats = None, None
+        elif pseudo_gradient is None:  # fresh: takes part, contributes nothing
+            grads, stats = [torch.zeros_like(o) for o in self.outer], SiteStats(0.0, 0.0, 0.0, abstain=True)
+        else:
+            grads = [g.clone() for g in pseudo_gradient]  # the original survives an aborted attempt
+            stats = site_stats(grads, self.topology)
+        try:
+            crcs, result = self._watched(decision, lambda: self._exchange(decision, grads, stats))
+        except PeerRefused as e:
+            if self.world.site_rank not in [decision.members[i] for i in e.admitted]:
+                self.leave()  # we are the foreign peer: stop, and let the others go on without us
+                raise
+            log.error("round %d: %s", self.round, e)
+            self.group = None
+            return None
+        except Exception as e:  # every failure is voted on, never applied
+            log.warning("round %d: attempt failed on site %d rank %d: %s", self.round, self.world.site_rank,
+                        self.world.rank, e)
+            self.group = None
+            return None
+        if crcs is not None and len(set(crcs)) > 1:
+            log.error("round %d: outer state differs between members after hand-over: %s", self.round, crcs)
+            return None
+        return (grads, result, stats)
+
+    def _exchange(self, decision: Decision, grads: list[torch.Tensor] | None,
+                  stats: SiteStats | None) -> tuple[list[int] | None, ReduceResult | None]:
+        """Everything that crosses sites in one attempt (global groups and the store only)."""
+        self._ensure_group(decision)
+        maybe_inject("allreduce", self.boundary_step, self.world.site_rank, self.world.rank)
+        crcs = self._transfer_state(decision) if decision.fresh else None
+        result = self.reduce(grads, stats) if grads is not None else None
+        return crcs, result
+
+    def _site_ok(self, ok: bool) -> bool:
+        flag = torch.tensor([1.0 if ok else 0.0], device=self.world.device)
+        self.topology.site_all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
+    def _ensure_group(self, decision: Decision) -> None:
+        if self.group is not None and decision.generation == self.generation:
+            return
+        index = decision.members.index(self.world.site_rank)
+        prefix = f"{self.prefix}gen{decision.generation}/shard{self.world.rank}/"
+        timeout = timedelta(seconds=self.cfg.timeout_s)
+        if self.secret is not None:
+            admit(self.topology.store, prefix, index, len(decision.members), self.secret, self.fingerprint, timeout)
+        self.group = new_global_group(self.topology.store, prefix, index, len(decision.members), timeout,
+                                      self.cfg.backend)
+        self.generation, self.members = decision.generation, decision.members
+
+    def _watched(self, decision: Decision, work: Callable[[], Any]) -> Any:
+        """Run `work` on a thread; give up as soon as a member is seen dead or the timeout passes."""
+        box: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                box["result"] = work()
+            except BaseException as e:  # re-raised below
+                box["error"] = e
+
+        thread = threading.Thread(target=run, name="zeroband-elastic-exchange", daemon=True)
+        thread.start()
+        deadline = time.monotonic() + self.cfg.timeout_s
+        while thread.is_alive():
+            thread.join(0.2)
+            dead = self.liveness.dead_among(decision.members)
+            if dead and thread.is_alive():
+                raise MemberLost(f"sites {sorted(dead)} stopped responding")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"cross-site exchange still running after {self.cfg.timeout_s:.0f} s")
+        if "error" in box:
+            raise box["error"]
+        return box["result"]
+
+    def reduce(self, grads: list[torch.Tensor], stats: SiteStats) -> ReduceResult:
+        from zeroband.comm.reduce import reduce_across_sites
+
+        bucket = int(self.cfg.bucket_mb * 2**20)
+        return reduce_across_sites(grads, stats, self.group, self.cfg.comm_dtype, bucket, self.error_feedback,
+                                   self.cfg.outlier_factor)
+
+    def _commit(self, decision: Decision, outcome: tuple, elapsed: float) -> OuterStats | None:
+        grads, result, stats = outcome
+        self.fresh, self.members = False, decision.members
+        if self.world.site_rank == decision.donor and self.world.rank == 0:
+            self.rounds.mark_committed(self.round)
+        self.round += 1
+        if result is None:  # round 0: the state hand-over was the whole round
+            for t, o in zip(self.local, self.outer):
+                t.copy_(o.to(t.device, t.dtype))
+            return None
+        self._apply(grads, result)
+        for t, o in zip(self.local, self.outer):
+            t.copy_(o.to(t.device, t.dtype))
+        return self._stats(result, stats, grads, elapsed, elapsed, overlapped=False)
+
+    # ------------------------------------------------------------------ state hand-over
+    def _transfer_state(self, decision: Decision) -> list[int]:
+        """The donor's outer parameters, momentum and counters to every member; returns the members' checksums."""
+        src = decision.members.index(decision.donor)
+        for o in self.outer:
+            self.group.broadcast(o, src)
+        for o in self.outer:
+            state = self.optimizer.state[o]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(o)
+            self.group.broadcast(state["momentum_buffer"], src)
+        counters = torch.tensor([self.outer_step, self.progress.step, self.progress.tokens], dtype=torch.float64)
+        self.group.broadcast(counters, src)
+        self.outer_step, self.progress.step, self.progress.tokens = (int(x) for x in counters.tolist())
+        self.scheduler.last_epoch = self.progress.step
+        for group, lr in zip(self.scheduler.optimizer.param_groups, self.scheduler.get_lr()):
+            group["lr"] = lr
+        return checksum_table(self.checksum_tensors(), self.group)
+
+    # ------------------------------------------------------------------ checkpointing
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        state["round"] = self.round
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.round = state.get("round", 0)
+
+
+def _env_secret() -> bool:
+    import os
+
+    return bool(os.environ.get("ZEROBAND_SECRET"))

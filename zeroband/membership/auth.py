@@ -1,0 +1,201 @@
+"""Admission: a site may join a generation only with the shared secret and the same config fingerprint.
+
+Sites share nothing but the coordination store before their process groups exist, so the handshake
+runs over the store, under the generation's own (fresh) prefix P:
+
+1. every site i publishes a random 32-byte nonce N_i (write-once: a reused prefix is an error) and
+   its fingerprint F_i (not secret: model/tokenizer/config values that must match);
+2. every site i publishes, for each peer j, the proof
+       HMAC-SHA256(K, "zeroband-admit-v1" | P | i | j | N_i | N_j | sha256(F_i)),
+   with K = scrypt(secret, salt = label | P). The secret never leaves the process; the proofs are
+   bound to both nonces and the prefix, so proofs recorded in an earlier generation (or copied from
+   another site's slot) do not verify. scrypt makes each offline guess at the secret cost ~50 ms
+   and 16 MiB, and `load_secret` refuses secrets shorter than 16 bytes;
+3. every site reads all proofs, which are public, and checks every pair. Since all honest sites
+   hold the same key and read the same write-once values, they reach the same verdict (`decide`).
+
+Verdict rules: the sites whose proofs verify under our key form our "club". If it is not a strict
+majority we cannot tell who holds the right secret, so we admit nobody. Within the club, the
+fingerprint held by the most sites wins (ties: the one of the lowest site rank); sites with another
+fingerprint are refused with the keys that differ.
+
+The secret comes from the config or the ZEROBAND_SECRET environment variable (`load_secret`); it
+is never logged or put in an error message, and nothing derived from it but the proofs is stored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import secrets
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+SECRET_ENV = "ZEROBAND_SECRET"
+MIN_SECRET_BYTES = 16
+LABEL = b"zeroband-admit-v1"
+NONCE_BYTES = 32
+
+
+class PeerRefused(RuntimeError):
+    """Admission failed. Raised on every site, with the same `admitted`/`refused` on all honest ones."""
+
+    def __init__(self, site: int, verdict: Verdict) -> None:
+        self.site = site
+        self.admitted = verdict.admitted
+        self.refused = verdict.refused
+        super().__init__(verdict.describe(site))
+
+
+@dataclass(frozen=True)
+class Verdict:
+    admitted: list[int]
+    refused: dict[int, str] = field(default_factory=dict)  # site -> why
+
+    def describe(self, me: int) -> str:
+        return "; ".join(
+            f"site {s}{' (this site)' if s == me else ''} refused: {why}" for s, why in sorted(self.refused.items())
+        )
+
+
+def load_secret(config_value: str | None = None) -> bytes:
+    """The shared secret: the config value if set, else $ZEROBAND_SECRET. Errors never echo it."""
+    value = config_value if config_value else os.environ.get(SECRET_ENV, "")
+    if not value:
+        raise ValueError(f"no shared secret: set it in the config or the {SECRET_ENV} environment variable")
+    raw = value.encode()
+    if len(raw) < MIN_SECRET_BYTES:
+        raise ValueError(
+            f"the shared secret is {len(raw)} bytes; use at least {MIN_SECRET_BYTES} random bytes "
+            f"(e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`)"
+        )
+    return raw
+
+
+def flatten_fingerprint(tree: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    """Nested config values as flat `a.b.c -> str` pairs, so a mismatch names the exact key."""
+    out: dict[str, str] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            out.update(flatten_fingerprint(value, name + "."))
+        else:
+            out[name] = value if isinstance(value, str) else json.dumps(value, sort_keys=True, default=str)
+    return out
+
+
+# ---- crypto (pure) --------------------------------------------------------------------------------
+
+def derive_key(secret: bytes, prefix: str) -> bytes:
+    """Slow, salted key derivation: proofs on the store must not make guessing the secret cheap."""
+    return hashlib.scrypt(secret, salt=LABEL + b"|" + prefix.encode(), n=2**14, r=8, p=1, dklen=32)
+
+
+def _canonical(fingerprint: Mapping[str, str]) -> bytes:
+    return json.dumps(dict(fingerprint), sort_keys=True, separators=(",", ":")).encode()
+
+
+def _frame(*parts: bytes) -> bytes:
+    """Length-prefixed concatenation: no two different field tuples give the same message."""
+    return b"".join(len(p).to_bytes(4, "big") + p for p in parts)
+
+
+def proof(key: bytes, prefix: str, prover: int, verifier: int, nonces: Mapping[int, bytes],
+          fingerprint: Mapping[str, str]) -> str:
+    """Hex HMAC by which `prover` shows `verifier` it holds the key, for this generation only."""
+    msg = _frame(LABEL, prefix.encode(), str(prover).encode(), str(verifier).encode(),
+                 nonces[prover], nonces[verifier], hashlib.sha256(_canonical(fingerprint)).digest())
+    return hmac.new(key, msg, hashlib.sha256).hexdigest()
+
+
+def verified_sites(key: bytes, prefix: str, nonces: Mapping[int, bytes], fingerprints: Mapping[int, Mapping[str, str]],
+                   proofs: Mapping[int, Mapping[int, str]]) -> set[int]:
+    """Sites whose every published proof (to every peer) verifies under `key`."""
+    sites = sorted(nonces)
+    ok = set()
+    for i in sites:
+        expected = {j: proof(key, prefix, i, j, nonces, fingerprints[i]) for j in sites if j != i}
+        given = proofs.get(i, {})
+        if all(hmac.compare_digest(str(given.get(j, "")), want) for j, want in expected.items()):
+            ok.add(i)
+    return ok
+
+
+# ---- decision (pure) ------------------------------------------------------------------------------
+
+def decide(site_count: int, me: int, secret_ok: Iterable[int], fingerprints: Mapping[int, Mapping[str, str]]) -> Verdict:
+    """Who is admitted, from who proved our secret and everybody's fingerprint. Deterministic:
+    honest sites feed it identical inputs, so they agree."""
+    club = sorted(set(secret_ok) | {me})  # our own proofs always verify under our own key
+    if 2 * len(club) <= site_count:
+        why = (f"wrong shared secret? only sites {club} of {site_count} prove the same secret, not a majority, "
+               f"so no site can be admitted")
+        return Verdict([], {me: why})
+    refused = {s: "wrong shared secret" for s in range(site_count) if s not in club}
+    reference = _winning_fingerprint(club, fingerprints)
+    admitted = [s for s in club if _canonical(fingerprints[s]) == _canonical(reference)]
+    theirs = "ours" if me in admitted else "agreed"
+    for s in club:
+        if s not in admitted:
+            refused[s] = fingerprint_diff(fingerprints[s], reference, theirs)
+    return Verdict(admitted, refused)
+
+
+def _winning_fingerprint(club: list[int], fingerprints: Mapping[int, Mapping[str, str]]) -> Mapping[str, str]:
+    """The fingerprint most sites of the club hold; a tie goes to the one of the lowest site rank."""
+    votes: dict[bytes, list[int]] = {}
+    for s in club:
+        votes.setdefault(_canonical(fingerprints[s]), []).append(s)
+    best = max(votes.values(), key=lambda holders: (len(holders), -holders[0]))
+    return fingerprints[best[0]]
+
+
+def fingerprint_diff(theirs: Mapping[str, str], reference: Mapping[str, str], label: str = "ours") -> str:
+    """`model.dim 256 vs ours 128; tokenizer.vocab <missing> vs ours 8192`."""
+    keys = sorted(set(theirs) | set(reference))
+    diffs = [f"{k} {theirs.get(k, '<missing>')} vs {label} {reference.get(k, '<missing>')}"
+             for k in keys if theirs.get(k) != reference.get(k)]
+    return "; ".join(diffs)
+
+
+# ---- protocol over the store ----------------------------------------------------------------------
+
+def admit(store: dist.Store, prefix: str, site_rank: int, site_count: int, secret: bytes,
+          fingerprint: Mapping[str, str], timeout: timedelta) -> list[int]:
+    """Run the handshake for one generation on every site; returns the admitted sites (all of
+    them), or raises PeerRefused everywhere if any site is refused. `prefix` must be fresh."""
+    scoped = dist.PrefixStore(f"{prefix.rstrip('/')}/admit", store)  # PrefixStore adds the "/"
+    key = derive_key(secret, prefix)
+    fp = {str(k): str(v) for k, v in fingerprint.items()}
+    _publish_once(scoped, f"nonce/{site_rank}", secrets.token_bytes(NONCE_BYTES).hex())
+    scoped.set(f"fingerprint/{site_rank}", _canonical(fp))
+    sites = range(site_count)
+    nonces = {s: bytes.fromhex(v.decode()) for s, v in _read_all(scoped, "nonce", sites, timeout).items()}
+    fps = {s: json.loads(v) for s, v in _read_all(scoped, "fingerprint", sites, timeout).items()}
+    mine = {j: proof(key, prefix, site_rank, j, nonces, fp) for j in sites if j != site_rank}
+    scoped.set(f"proof/{site_rank}", json.dumps(mine))
+    proofs = {s: {int(j): p for j, p in json.loads(v).items()}
+              for s, v in _read_all(scoped, "proof", sites, timeout).items()}
+    verdict = decide(site_count, site_rank, verified_sites(key, prefix, nonces, fps, proofs), fps)
+    if verdict.refused:
+        raise PeerRefused(site_rank, verdict)
+    return verdict.admitted
+
+
+def _publish_once(store: dist.Store, key: str, value: str) -> None:
+    """Write-once: a nonce already there means this prefix was used before, and reusing it would let
+    old proofs be replayed."""
+    if store.compare_set(key, "", value) != value.encode():
+        raise RuntimeError(f"admission key {key!r} already exists: the generation prefix must be fresh")
+
+
+def _read_all(store: dist.Store, kind: str, sites: Iterable[int], timeout: timedelta) -> dict[int, bytes]:
+    keys = {s: f"{kind}/{s}" for s in sites}
+    store.wait(list(keys.values()), timeout)
+    return {s: store.get(k) for s, k in keys.items()}

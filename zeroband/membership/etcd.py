@@ -1,0 +1,286 @@
+"""A c10d Store backed by an etcd cluster, so the coordination store survives the loss of any one site.
+
+A TCPStore lives inside one site's process: when that site dies, no new process group can be formed.
+An etcd cluster with a member per site (3 or more) keeps serving while a majority of members is up.
+This store talks to whichever member answers, failing over between endpoints on connection errors
+and while raft elects a new leader.
+
+It is a Python subclass of `torch.distributed.Store` (like torch's elastic EtcdStore), so it works
+under `dist.PrefixStore` and `dist.ProcessGroupGloo`, whose rendezvous uses set/get/wait.
+
+Layout in etcd, under the root prefix R (from `etcd://.../R`):
+  R/kv/<key>            the store's keys, values as raw bytes
+  R/add-receipts/<id>   the last `add` of one store instance: makes a retried add exactly-once
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT = timedelta(minutes=5)
+_TXN_OPS = 100  # below etcd's default --max-txn-ops of 128
+
+
+class StoreTimeout(dist.DistStoreError):
+    """A key did not appear within the timeout (the same error type TCPStore raises)."""
+
+
+class StoreUnavailable(dist.DistStoreError):
+    """No etcd endpoint answered within the retry budget (a majority of members is down)."""
+
+
+def _b64(data: str | bytes) -> str:
+    return base64.b64encode(data.encode() if isinstance(data, str) else data).decode()
+
+
+def _unb64(data: str) -> bytes:
+    return base64.b64decode(data)
+
+
+def _prefix_end(prefix: bytes) -> bytes:
+    """The etcd range_end covering every key that starts with `prefix`."""
+    return prefix[:-1] + bytes([prefix[-1] + 1])
+
+
+class _Endpoints:
+    """HTTP clients for every etcd member; posts to one and fails over to the next on errors."""
+
+    def __init__(self, endpoints: Sequence[tuple[str, int]], request_timeout: float, retry_s: float) -> None:
+        if not endpoints:
+            raise ValueError("EtcdStore needs at least one endpoint")
+        self.endpoints = list(endpoints)
+        self.request_timeout = request_timeout
+        self.retry_s = retry_s
+        self._current = 0
+        self._lock = threading.Lock()
+        self._connect()
+
+    def _connect(self) -> None:
+        from etcd3gw.client import Etcd3Client  # optional dependency: only etcd:// stores need it
+
+        # Fixed api_path: 3.4+ serves /v3/, and auto-discovery would cost a request per member.
+        self._clients = [
+            Etcd3Client(host, port, api_path="/v3/", timeout=self.request_timeout) for host, port in self.endpoints
+        ]
+        self._pid = os.getpid()
+
+    def post(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
+        if os.getpid() != self._pid:  # a forked child must not share the parent's pooled sockets
+            self._connect()
+        deadline = time.monotonic() + self.retry_s
+        failures = 0
+        while True:
+            with self._lock:
+                index = self._current
+            try:
+                return self._clients[index].post(self._clients[index].get_url(path), json=payload)
+            except _retryable() as e:
+                failures += 1
+                self._advance(index)
+                if time.monotonic() > deadline:
+                    raise StoreUnavailable(
+                        f"no etcd member of {self._names()} answered {path} for {self.retry_s:.0f} s: {e}"
+                    ) from e
+                if failures % len(self._clients) == 0:  # every member failed: wait out a leader election
+                    time.sleep(min(0.05 * failures, 0.5))
+
+    def _advance(self, failed: int) -> None:
+        with self._lock:
+            if self._current == failed:  # another thread may already have moved on
+                self._current = (failed + 1) % len(self._clients)
+
+    def _names(self) -> str:
+        return ",".join(f"{h}:{p}" for h, p in self.endpoints)
+
+
+def _retryable() -> tuple[type[BaseException], ...]:
+    """Errors worth trying another member for: refused/reset/timeouts, 503 (no leader) and 500."""
+    import requests
+    from etcd3gw import exceptions
+
+    return (
+        exceptions.ConnectionFailedError,
+        exceptions.ConnectionTimeoutError,
+        exceptions.InternalServerError,
+        requests.exceptions.RequestException,
+    )
+
+
+class EtcdStore(dist.Store):
+    """c10d Store on an etcd cluster: `get`/`wait` block until keys exist, bounded by the timeout."""
+
+    def __init__(
+        self,
+        endpoints: Sequence[tuple[str, int]],
+        prefix: str = "zeroband",
+        timeout: timedelta = DEFAULT_TIMEOUT,
+        request_timeout: float = 1.0,
+        retry_s: float = 30.0,
+    ) -> None:
+        # request_timeout bounds one HTTP request. While raft has no leader a live follower holds
+        # requests, so after the leader dies the first write takes about this long (measured 1.0 s);
+        # much lower would retry spuriously over slow WAN links. retry_s: how long to keep failing
+        # over before declaring the cluster down (a majority lost).
+        super().__init__()  # required by the pybind trampoline
+        self.set_timeout(timeout)
+        self.prefix = prefix.strip("/")
+        self._kv = f"{self.prefix}/kv/".encode()
+        self._net = _Endpoints(endpoints, request_timeout, retry_s)
+        self._add_lock = threading.Lock()
+        self._receipt_owner = -1  # pid the receipt id belongs to; re-drawn after fork
+        self._receipt_id = ""
+        self._add_seq = 0
+
+    def __repr__(self) -> str:
+        return f"EtcdStore({self._net._names()}, prefix={self.prefix!r})"
+
+    # ---- c10d Store API -------------------------------------------------------------------------
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self._net.post("/kv/put", {"key": _b64(self._k(key)), "value": _b64(value)})
+
+    def get(self, key: str) -> bytes:
+        return self._wait_values([key], self.timeout)[0]
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        self._wait_values(keys, self.timeout if timeout is None else timeout)
+
+    def check(self, keys: list[str]) -> bool:
+        return all(v is not None for v in self._read_many(keys))
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return self._wait_values(keys, self.timeout)
+
+    def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
+        puts = [{"request_put": {"key": _b64(self._k(k)), "value": _b64(v)}} for k, v in zip(keys, values)]
+        for start in range(0, len(puts), _TXN_OPS):  # atomic per txn: up to _TXN_OPS keys appear at once
+            self._net.post("/kv/txn", {"success": puts[start:start + _TXN_OPS]})
+
+    def add(self, key: str, amount: int) -> int:
+        """Atomic increment: compare-and-swap on the key's mod_revision, retried on contention."""
+        with self._add_lock:
+            receipt = self._next_receipt()
+            while True:
+                done, value = self._try_add(self._k(key), amount, receipt)
+                if done:
+                    return value
+                time.sleep(0.001 * (1 + os.getpid() % 5))  # contention: de-synchronise the racers
+
+    def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
+        """TCPStore semantics: set if the value equals `expected` (or the key is missing and
+        `expected` is empty); return the value now stored, or `expected` if the key is missing."""
+        k = _b64(self._k(key))
+        if _as_bytes(expected):
+            cond = {"key": k, "target": "VALUE", "result": "EQUAL", "value": _b64(expected)}
+        else:
+            cond = {"key": k, "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
+        txn = {"compare": [cond], "success": [{"request_put": {"key": k, "value": _b64(desired)}}],
+               "failure": [{"request_range": {"key": k}}]}
+        reply = self._net.post("/kv/txn", txn)
+        if reply.get("succeeded"):
+            return _as_bytes(desired)
+        kvs = reply["responses"][0]["response_range"].get("kvs", [])
+        return _unb64(kvs[0].get("value", "")) if kvs else _as_bytes(expected)
+
+    def delete_key(self, key: str) -> bool:
+        reply = self._net.post("/kv/deleterange", {"key": _b64(self._k(key))})
+        return int(reply.get("deleted", 0)) > 0
+
+    def num_keys(self) -> int:
+        reply = self._net.post("/kv/range", {"key": _b64(self._kv), "range_end": _b64(_prefix_end(self._kv)),
+                                             "count_only": True})
+        return int(reply.get("count", 0))
+
+    def list_keys(self) -> list[str]:
+        reply = self._net.post("/kv/range", {"key": _b64(self._kv), "range_end": _b64(_prefix_end(self._kv)),
+                                             "keys_only": True})
+        return [_unb64(kv["key"])[len(self._kv):].decode() for kv in reply.get("kvs", [])]
+
+    # ---- helpers --------------------------------------------------------------------------------
+
+    def _k(self, key: str) -> bytes:
+        return self._kv + key.encode()
+
+    def _read_many(self, keys: list[str]) -> list[bytes | None]:
+        """Current values (None where missing), read in transactions: one round trip per
+        _TXN_OPS keys (etcd refuses transactions of more than 128 operations by default)."""
+        out: list[bytes | None] = []
+        for start in range(0, len(keys), _TXN_OPS):
+            ranges = [{"request_range": {"key": _b64(self._k(k))}} for k in keys[start:start + _TXN_OPS]]
+            for resp in self._net.post("/kv/txn", {"success": ranges}).get("responses", []):
+                kvs = resp["response_range"].get("kvs", [])
+                out.append(_unb64(kvs[0].get("value", "")) if kvs else None)
+        return out
+
+    def _wait_values(self, keys: list[str], timeout: timedelta) -> list[bytes]:
+        """Poll until every key exists. Polling (5 -> 50 ms) rather than watches: it needs no
+        long-lived stream, so it fails over between members like any other request."""
+        deadline = time.monotonic() + timeout.total_seconds()
+        delay = 0.005
+        while True:
+            values = self._read_many(keys)
+            if all(v is not None for v in values):
+                return values  # type: ignore[return-value]
+            if time.monotonic() >= deadline:
+                missing = [k for k, v in zip(keys, values) if v is None]
+                raise StoreTimeout(
+                    f"EtcdStore: key(s) {missing} not set within {timeout.total_seconds():g} s "
+                    f"(etcd prefix {self.prefix!r} on {self._net._names()})"
+                )
+            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+            delay = min(delay * 1.5, 0.05)
+
+    def _next_receipt(self) -> tuple[bytes, str]:
+        if self._receipt_owner != os.getpid():  # forked: the parent's id and sequence are not ours
+            self._receipt_owner, self._receipt_id, self._add_seq = os.getpid(), uuid.uuid4().hex, 0
+        self._add_seq += 1
+        return f"{self.prefix}/add-receipts/{self._receipt_id}".encode(), str(self._add_seq)
+
+    def _try_add(self, key: bytes, amount: int, receipt: tuple[bytes, str]) -> tuple[bool, int]:
+        """One CAS attempt. The receipt is written in the same txn: if a reply is lost to a dying
+        member and the retry finds the key moved on, the receipt says whether it was our write."""
+        receipt_key, seq = receipt
+        current = self._net.post("/kv/range", {"key": _b64(key)}).get("kvs", [])
+        value = int(_unb64(current[0].get("value", ""))) if current else 0
+        mod = current[0]["mod_revision"] if current else "0"
+        new = value + amount
+        txn = {
+            "compare": [{"key": _b64(key), "target": "MOD", "result": "EQUAL", "mod_revision": mod}],
+            "success": [{"request_put": {"key": _b64(key), "value": _b64(str(new))}},
+                        {"request_put": {"key": _b64(receipt_key), "value": _b64(f"{seq}:{new}")}}],
+            "failure": [{"request_range": {"key": _b64(receipt_key)}}],
+        }
+        reply = self._net.post("/kv/txn", txn)
+        if reply.get("succeeded"):
+            return True, new
+        kvs = reply["responses"][0]["response_range"].get("kvs", [])
+        last_seq, _, last_value = _unb64(kvs[0]["value"]).decode().partition(":") if kvs else ("", "", "")
+        if last_seq == seq:  # an earlier attempt of this very add committed; its reply was lost
+            return True, int(last_value)
+        return False, 0
+
+
+def _as_bytes(value: str | bytes) -> bytes:
+    return value.encode() if isinstance(value, str) else bytes(value)
+
+
+def parse_endpoints(spec: str) -> list[tuple[str, int]]:
+    """`h1:p1,h2:p2` -> [(h1, p1), (h2, p2)]."""
+    out = []
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        host, sep, port = item.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"etcd endpoint {item!r} must look like host:port")
+        out.append((host, int(port)))
+    if not out:
+        raise ValueError(f"no etcd endpoints in {spec!r}")
+    return out

@@ -1,0 +1,168 @@
+"""Agreeing, without a leader, on who takes part in an outer step and whether it counts.
+
+Every outer round r (round 0 is the start) may take several attempts a. For each attempt:
+
+1. **arrive**: each site's rank 0 writes `r<r>/a<a>/arrive/<site>`;
+2. **decide who**: any site may propose the member list once `decide_members` (a pure function
+   of who arrived, who is alive, who took part last time, the quorum and the grace window) says
+   so; the proposal is written with compare-and-set, so the first proposal wins and every site
+   reads the same `r<r>/a<a>/members`. Sites that arrive after it are not in this attempt;
+3. the members form the attempt's groups, transfer state to fresh members, all-reduce;
+4. **vote**: each member site writes ok/fail (ok only if every one of its ranks succeeded);
+5. **verdict**: any site may write `commit` (all members voted ok) or `abort` (a fail vote, a
+   member dead or gone, or the vote timed out), again by compare-and-set. A committed step is
+   applied by every member; an aborted one by none, and the round is retried as attempt a+1 in
+   a new generation. So no two survivors ever apply different results.
+
+The store is linearizable (one TCPStore server, or etcd), which is all the agreement needs.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch.distributed as dist
+
+from zeroband.membership.heartbeat import Liveness
+
+POLL_S = 0.05
+
+
+class RoundTimeout(TimeoutError):
+    pass
+
+
+@dataclass(frozen=True)
+class Decision:
+    members: list[int]
+    fresh: list[int]  # members that must receive the state before they contribute
+    generation: int  # groups are built under this generation's store prefix
+
+    @property
+    def donor(self) -> int:
+        """The member that sends the state: the lowest one that has it (or the lowest of all)."""
+        holders = [m for m in self.members if m not in self.fresh]
+        return min(holders) if holders else min(self.members)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> Decision:
+        return cls(**json.loads(raw))
+
+
+@dataclass
+class WaitState:
+    """When the quorum was first seen during this attempt (for the grace window)."""
+
+    quorum_since: float | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def decide_members(
+    arrived: set[int], alive: set[int], expected: set[int], min_sites: int, grace_s: float,
+    now: float, wait: WaitState, wait_for_unseen: bool = False,
+) -> list[int] | None:
+    """The members of an attempt, or None to keep waiting.
+
+    Proceed when every expected site that is still alive has arrived, or when a quorum
+    (`min_sites`) has been waiting for `grace_s`: late sites are then left out (their
+    pseudo-gradients dropped; they re-sync from a peer at the next boundary). At launch
+    (`wait_for_unseen`) sites that have not shown a heartbeat yet are waited for too.
+    """
+    ready = arrived & alive
+    if len(ready) < min_sites:
+        wait.quorum_since = None
+        return None
+    if wait.quorum_since is None:
+        wait.quorum_since = now
+    waiting_for = expected if wait_for_unseen else expected & alive
+    if waiting_for <= ready or now - wait.quorum_since >= grace_s:
+        return sorted(ready)
+    return None
+
+
+def decide_verdict(members: list[int], votes: dict[int, str], gone: set[int]) -> str | None:
+    """'commit', 'abort', or None to keep waiting for votes."""
+    if any(v != "ok" for v in votes.values()) or gone & set(members) - set(votes):
+        return "abort"
+    if set(votes) >= set(members):
+        return "commit"
+    return None
+
+
+class RoundCoordinator:
+    """The store protocol of one site (all its ranks use it; only rank 0 writes)."""
+
+    def __init__(self, store: dist.Store, prefix: str, site: int, is_leader: bool, liveness: Liveness) -> None:
+        self.store, self.prefix, self.site, self.is_leader, self.liveness = store, prefix, site, is_leader, liveness
+
+    def _key(self, r: int, a: int, *rest: object) -> str:
+        return self.prefix + f"r{r}/a{a}/" + "/".join(str(x) for x in rest)
+
+    def committed_round(self) -> int:
+        """The newest committed round (-1 before the first)."""
+        return self.store.add(self.prefix + "committed", 0) - 1
+
+    def rendezvous(self, r: int, a: int, expected: set[int], min_sites: int, grace_s: float, fresh: bool,
+                   timeout_s: float, new_generation: Callable[[list[int]], int]) -> Decision:
+        """Arrive, and (holders of the state, or anyone at launch) propose once it is time.
+
+        A fresh site joining a running run never proposes: it cannot know whom to expect.
+        """
+        key = self._key(r, a, "members")
+        if self.is_leader:
+            self.store.set(self._key(r, a, "arrive", self.site), "fresh" if fresh else "ready")
+        may_propose = self.is_leader and (r == 0 or not fresh)
+        wait, deadline = WaitState(), time.monotonic() + timeout_s
+        while not self.store.check([key]):
+            if time.monotonic() > deadline:
+                raise RoundTimeout(f"round {r} attempt {a}: no member decision within {timeout_s:.0f} s")
+            if may_propose:
+                self._maybe_propose(r, a, expected, min_sites, grace_s, wait, new_generation)
+            time.sleep(POLL_S)
+        return Decision.from_json(self.store.get(key))
+
+    def _maybe_propose(self, r: int, a: int, expected: set[int], min_sites: int, grace_s: float, wait: WaitState,
+                       new_generation: Callable[[list[int]], int]) -> None:
+        self.liveness.poll()
+        sites = self.liveness.sites
+        arrived = {s for s in sites if self.store.check([self._key(r, a, "arrive", s)])}
+        members = decide_members(arrived, self.liveness.alive(), expected, min_sites, grace_s, time.monotonic(), wait,
+                                 wait_for_unseen=r == 0)
+        if members is None:
+            return
+        fresh = [s for s in members if self.store.get(self._key(r, a, "arrive", s)) == b"fresh"]
+        proposal = Decision(members, fresh, new_generation(members)).to_json()
+        self.store.compare_set(self._key(r, a, "members"), "", proposal)
+
+    def vote_and_verdict(self, r: int, a: int, decision: Decision, site_ok: bool, timeout_s: float) -> str:
+        if self.is_leader:
+            self.store.set(self._key(r, a, "vote", self.site), "ok" if site_ok else "fail")
+        key, deadline = self._key(r, a, "verdict"), time.monotonic() + timeout_s
+        while not self.store.check([key]):
+            verdict = self._tally(r, a, decision) if self.is_leader else None
+            if verdict is None and time.monotonic() > deadline:
+                verdict = "abort"  # a member that neither votes nor dies must not stall the others
+            if verdict is not None:
+                self.store.compare_set(key, "", verdict)
+            time.sleep(POLL_S)
+        return self.store.get(key).decode()
+
+    def _tally(self, r: int, a: int, decision: Decision) -> str | None:
+        votes = {}
+        for m in decision.members:
+            vkey = self._key(r, a, "vote", m)
+            if self.store.check([vkey]):
+                votes[m] = self.store.get(vkey).decode()
+        return decide_verdict(decision.members, votes, self.liveness.dead_among(decision.members))
+
+    def mark_committed(self, r: int) -> None:
+        """Advance the committed-round counter to r (once per round: the donor writes it)."""
+        current = self.committed_round()
+        if r > current:
+            self.store.add(self.prefix + "committed", r - current)

@@ -1,0 +1,243 @@
+"""Capacity planning for DiLoCo over a WAN: how much each sync costs and what utilisation to expect.
+
+Model (one outer sync, per site; all of a site's FSDP ranks share the site's WAN uplink, so the
+site moves the whole model's payload whatever W is):
+
+- payload P = params x bytes/param of the wire dtype (fp32 4, bf16/fp16 2, int8 1 + 2/128 for the
+  per-block bf16 scales ~ 1.02, int4 0.5 + 2/64 ~ 0.53; see zeroband/comm/quantized.py);
+- wire bytes per site = ring factor 2(S-1)/S x P (reduce-scatter + all-gather; the quantised
+  direct scatter/gather sends the same);
+- communication seconds T_comm = wire / bandwidth
+  + latency: 2(S-1) ring hops x one-way latency, plus (S-1) hops for the site-statistics
+  all-gather that precedes every average (zeroband/comm/reduce.py)
+  + TCP ramp (optional, on by default): Linux restarts slow start after an idle connection
+  (tcp_slow_start_after_idle=1), so every sync begins at an initial window of 10 segments that
+  doubles per round trip; each such round that carries less than a bandwidth-delay product costs
+  RTT - carried/bandwidth extra seconds;
+- inner compute per round T_c = H x step time;
+- utilisation: blocking T_c / (T_c + T_comm); overlapped T_c / max(T_c, T_comm) (the average of
+  round k travels while round k+1 computes; only what does not fit is waited for);
+- traffic reduction vs per-step fp32 data parallel = H x 4 / (bytes/param).
+
+Per-step data parallel is the same model with H = 1, fp32, blocking.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+DTYPE_BYTES: dict[str, float] = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0 + 2 / 128, "int4": 0.5 + 2 / 64}
+INITIAL_WINDOW_SEGMENTS = 10  # Linux initcwnd
+IP_TCP_HEADERS = 52  # IPv4 20 + TCP 20 + timestamps option 12
+
+# The --table assumptions: H100 dense bf16 peak x 40% MFU; step time = 6 N x tokens per step /
+# (GPUs per site x peak x MFU). Tokens per step from configs/{150M,1B,10B}.toml; 100B assumed.
+H100_PEAK_FLOPS = 989e12
+TABLE_MFU = 0.40
+TABLE_MODELS: dict[str, dict[str, float]] = {
+    "150M": {"params": 150e6, "tokens_per_step": 524288, "gpus_per_site": 8},
+    "1B": {"params": 1e9, "tokens_per_step": 524288, "gpus_per_site": 8},
+    "10B": {"params": 10e9, "tokens_per_step": 1048576, "gpus_per_site": 64},
+    "100B": {"params": 100e9, "tokens_per_step": 4194304, "gpus_per_site": 512},
+}
+TABLE_GBPS = (0.1, 1.0, 10.0)
+TABLE_H = (100, 500)
+TABLE_DTYPES = ("fp16", "int8", "int4")
+TABLE_SITES = 4
+TABLE_LATENCY_MS = 50.0
+
+
+@dataclass(frozen=True)
+class PlanInput:
+    params: float  # parameters whose pseudo-gradients a site sends (the whole model per site)
+    step_time_s: float  # one inner step's compute
+    sites: int
+    gbps: float  # per-site uplink, Gbit/s
+    latency_ms: float  # one-way
+    inner_steps: int  # H
+    dtype: str = "fp16"
+    overlap: bool = False
+    tcp_ramp: bool = True
+    mtu: int = 1500
+
+
+@dataclass(frozen=True)
+class Prediction:
+    payload_bytes: float
+    wire_bytes: float
+    bandwidth_s: float
+    latency_s: float
+    ramp_s: float
+    comm_s: float
+    compute_s: float
+    utilisation: float
+    traffic_reduction: float
+    dp_comm_s: float  # per-step fp32 data parallel: communication per step
+    dp_utilisation: float
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+def ring_factor(sites: int) -> float:
+    """Bytes each participant sends in a ring all-reduce, per byte of payload: 2(S-1)/S."""
+    return 2 * (sites - 1) / sites
+
+
+def dtype_bytes(dtype: str) -> float:
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype {dtype!r}: choose one of {sorted(DTYPE_BYTES)}")
+    return DTYPE_BYTES[dtype]
+
+
+def utilisation(compute_s: float, comm_s: float, overlap: bool) -> float:
+    if overlap:
+        return compute_s / max(compute_s, comm_s)
+    return compute_s / (compute_s + comm_s)
+
+
+def traffic_reduction(inner_steps: int, dtype: str) -> float:
+    """Bytes of per-step fp32 data parallel over H steps / bytes of one DiLoCo sync."""
+    return inner_steps * 4.0 / dtype_bytes(dtype)
+
+
+def ramp_seconds(nbytes: float, rate_bytes_s: float, rtt_s: float, mtu: int) -> float:
+    """Extra seconds slow start costs a transfer of nbytes that starts from the initial window."""
+    mss = mtu - IP_TCP_HEADERS
+    bdp, cwnd, left, extra = rate_bytes_s * rtt_s, INITIAL_WINDOW_SEGMENTS * mss, nbytes, 0.0
+    while left > 0 and cwnd < bdp:
+        carried = min(cwnd, left)
+        extra += rtt_s - carried / rate_bytes_s
+        left -= carried
+        cwnd *= 2
+    return extra
+
+
+def comm_seconds(wire_bytes: float, p: PlanInput) -> tuple[float, float, float]:
+    """(bandwidth, latency, ramp) seconds of one all-reduce sending wire_bytes per site."""
+    rate = p.gbps * 1e9 / 8
+    one_way = p.latency_ms / 1e3
+    latency = (2 * (p.sites - 1) + (p.sites - 1)) * one_way
+    ramp = ramp_seconds(wire_bytes, rate, 2 * one_way, p.mtu) if p.tcp_ramp else 0.0
+    return wire_bytes / rate, latency, ramp
+
+
+def predict(p: PlanInput) -> Prediction:
+    if p.sites < 2:
+        raise ValueError("sites must be >= 2")
+    payload = p.params * dtype_bytes(p.dtype)
+    wire = ring_factor(p.sites) * payload
+    bw_s, lat_s, ramp_s = comm_seconds(wire, p)
+    comm = bw_s + lat_s + ramp_s
+    compute = p.inner_steps * p.step_time_s
+    dp_comm = sum(comm_seconds(ring_factor(p.sites) * p.params * 4.0, p))
+    return Prediction(
+        payload_bytes=payload, wire_bytes=wire, bandwidth_s=bw_s, latency_s=lat_s, ramp_s=ramp_s, comm_s=comm,
+        compute_s=compute, utilisation=utilisation(compute, comm, p.overlap),
+        traffic_reduction=traffic_reduction(p.inner_steps, p.dtype),
+        dp_comm_s=dp_comm, dp_utilisation=utilisation(p.step_time_s, dp_comm, False),
+    )
+
+
+def predict_data_parallel(p: PlanInput) -> Prediction:
+    """Per-step fp32 data parallel as a 'DiLoCo' with H = 1, blocking, fp32."""
+    return predict(replace(p, inner_steps=1, dtype="fp32", overlap=False))
+
+
+# ------------------------------------------------------------------------------- tables and the CLI
+
+
+def table_step_time(model: str) -> float:
+    m = TABLE_MODELS[model]
+    return 6 * m["params"] * m["tokens_per_step"] / (m["gpus_per_site"] * H100_PEAK_FLOPS * TABLE_MFU)
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
+def table_rows() -> list[list[Any]]:
+    rows = []
+    for model in TABLE_MODELS:
+        step = table_step_time(model)
+        for gbps in TABLE_GBPS:
+            for h in TABLE_H:
+                for dtype in TABLE_DTYPES:
+                    p = PlanInput(TABLE_MODELS[model]["params"], step, TABLE_SITES, gbps, TABLE_LATENCY_MS, h, dtype)
+                    blocking, overlapped = predict(p), predict(replace(p, overlap=True))
+                    rows.append([model, f"{step:.2f}", gbps, h, dtype, _fmt_bytes(blocking.wire_bytes),
+                                 f"{blocking.comm_s:.2f}", f"{blocking.compute_s:.0f}",
+                                 f"{100 * blocking.utilisation:.1f}%", f"{100 * overlapped.utilisation:.1f}%",
+                                 f"{100 * blocking.dp_utilisation:.2f}%", f"{blocking.traffic_reduction:.0f}x"])
+    return rows
+
+
+TABLE_HEADERS = ["model", "step s", "Gbit/s", "H", "dtype", "wire/site/sync", "comm s", "compute s/round",
+                 "util blocking", "util overlapped", "util per-step DP", "traffic vs DP"]
+
+
+def markdown(headers: list[str], rows: list[list[Any]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---:" for _ in headers) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows])
+
+
+def table_markdown() -> str:
+    notes = (
+        f"Assumptions: {TABLE_SITES} sites, {TABLE_LATENCY_MS:.0f} ms one-way latency, MTU 1500, TCP slow start after "
+        f"every idle period. Step time = 6 N x tokens/step / (GPUs/site x H100 {H100_PEAK_FLOPS / 1e12:.0f} TFLOP/s x "
+        f"{TABLE_MFU:.0%} MFU); tokens/step and GPUs/site: "
+        + ", ".join(f"{k} {int(v['tokens_per_step']):,} tok on {int(v['gpus_per_site'])} GPUs" for k, v in TABLE_MODELS.items())
+        + " (150M/1B/10B from configs/, 100B assumed). Per-step DP = fp32 gradients all-reduced every step."
+    )
+    return markdown(TABLE_HEADERS, table_rows()) + "\n\n" + notes
+
+
+def prediction_text(p: PlanInput, pred: Prediction) -> str:
+    mode = "overlapped" if p.overlap else "blocking"
+    return "\n".join([
+        f"{p.params:.3g} params, {p.sites} sites, {p.gbps:g} Gbit/s per site, {p.latency_ms:g} ms one-way, "
+        f"H={p.inner_steps}, {p.dtype} ({dtype_bytes(p.dtype):.3g} B/param), {mode}, step {p.step_time_s:g} s",
+        f"  payload per sync per site      {_fmt_bytes(pred.payload_bytes)}",
+        f"  wire per sync per site (ring)  {_fmt_bytes(pred.wire_bytes)}  (x {ring_factor(p.sites):.3g})",
+        f"  communication per sync         {pred.comm_s:.3f} s  (bandwidth {pred.bandwidth_s:.3f} + latency "
+        f"{pred.latency_s:.3f} + TCP ramp {pred.ramp_s:.3f})",
+        f"  inner compute per round        {pred.compute_s:.1f} s",
+        f"  compute utilisation            {100 * pred.utilisation:.2f}%",
+        f"  per-step fp32 data parallel    {pred.dp_comm_s:.3f} s comm/step, {100 * pred.dp_utilisation:.2f}% utilisation",
+        f"  traffic reduction vs DP        {pred.traffic_reduction:.0f}x",
+    ])
+
+
+def params_of_preset(preset: str) -> int:
+    from zeroband.config import ModelConfig
+    from zeroband.models.llama import num_params
+
+    return num_params(ModelConfig(preset=preset))
+
+
+def input_from_args(args: argparse.Namespace) -> PlanInput:
+    if (args.params is None) == (args.preset is None):
+        raise ValueError("give exactly one of --params or --preset")
+    params = float(args.params) if args.params is not None else float(params_of_preset(args.preset))
+    return PlanInput(params, args.step_time, args.sites, args.gbps, args.latency_ms, args.inner_steps, args.dtype,
+                     args.overlap, not args.no_tcp_ramp, args.mtu)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--table", action="store_true", help="print the 150M..100B x bandwidth x H x dtype table")
+    p.add_argument("--params", type=float, default=None, help="model parameters, e.g. 1e9")
+    p.add_argument("--preset", default=None, help="or a model preset (debug, demo, 150M, 1B, 7B, 10B)")
+    p.add_argument("--step-time", type=float, default=1.0, help="inner step compute seconds")
+    p.add_argument("--sites", type=int, default=2)
+    p.add_argument("--gbps", type=float, default=1.0, help="per-site WAN bandwidth, Gbit/s")
+    p.add_argument("--latency-ms", type=float, default=50.0, help="one-way latency between sites")
+    p.add_argument("--inner-steps", type=int, default=500, help="H")
+    p.add_argument("--dtype", default="fp16", choices=sorted(DTYPE_BYTES))
+    p.add_argument("--overlap", action="store_true", help="overlapped outer step")
+    p.add_argument("--no-tcp-ramp", action="store_true", help="leave TCP slow start out of the model")
+    p.add_argument("--mtu", type=int, default=1500)
