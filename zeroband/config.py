@@ -189,6 +189,9 @@ class DilocoConfig(Section):
     # A pseudo-gradient whose norm exceeds this multiple of the other sites' median is excluded
     # (needs 3+ sites; 0 disables). NaN/inf pseudo-gradients are always excluded.
     outlier_factor: float = Field(10.0, ge=0)
+    # Log a crc32 of the outer state after every outer step (costs a pass over the shard; the chaos
+    # suite uses it to prove the sites stay bitwise identical).
+    log_checksum: bool = False
 
     @model_validator(mode="after")
     def _check_site(self) -> DilocoConfig:

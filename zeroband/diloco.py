@@ -66,6 +66,7 @@ class OuterStats:
     sites_used: int
     excluded_sites: list[int] = field(default_factory=list)
     overlapped: bool = False
+    outer_crc: int | None = None  # crc32 of this rank's outer state (diloco.log_checksum)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -114,12 +115,16 @@ def broadcast_from_site0(tensors: list[torch.Tensor], topology: Topology) -> Non
         t.copy_(buf)
 
 
-def checksum_table(tensors: list[torch.Tensor], group: GlobalGroup) -> list[int]:
-    """crc32 of this rank's tensors (their bytes) on every member of the group (global group only)."""
+def crc32_of(tensors: list[torch.Tensor]) -> int:
     crc = 0
     for t in tensors:
         crc = zlib.crc32(t.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes(), crc)
-    return [int(c) for c in group.gather_scalars([float(crc)])[:, 0].tolist()]
+    return crc
+
+
+def checksum_table(tensors: list[torch.Tensor], group: GlobalGroup) -> list[int]:
+    """crc32 of this rank's tensors (their bytes) on every member of the group (global group only)."""
+    return [int(c) for c in group.gather_scalars([float(crc32_of(tensors))])[:, 0].tolist()]
 
 
 def verify_identical(tensors: list[torch.Tensor], topology: Topology, when: str) -> None:
@@ -281,6 +286,7 @@ class DiLoCo:
             sites_used=result.sites_used,
             excluded_sites=result.excluded_sites,
             overlapped=overlapped,
+            outer_crc=crc32_of(self.checksum_tensors()) if self.cfg.log_checksum else None,
         )
 
     # ------------------------------------------------------------------ checkpointing

@@ -29,7 +29,7 @@ def site_command(config: str, site: int, sites: int, nproc: int, store: str, ove
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
         "-m", "zeroband.train", config,
         "--diloco.site_rank", str(site), "--diloco.site_count", str(sites), "--diloco.store", store,
-        *overrides,
+        "--diloco.host_store", "false", *overrides,
     ]
 
 
@@ -58,14 +58,38 @@ class WanLink:
 
 @contextmanager
 def site_network(sites: int, wan: WanLink | None) -> Iterator[tuple[str, Callable[[int, list[str]], list[str]], Callable[[int], dict]]]:
-    """(store address, command wrapper, extra env) for plain loopback or an emulated WAN."""
+    """(store address, command wrapper, extra env) for plain loopback or an emulated WAN.
+
+    The coordination store runs in its own process (not in a site), so any site may die.
+    """
     if wan is None:
-        yield f"tcp://127.0.0.1:{free_port()}", lambda site, cmd: cmd, lambda site: {}
+        port = free_port()
+        with store_process(["127.0.0.1", port], lambda cmd: cmd):
+            yield f"tcp://127.0.0.1:{port}", lambda site, cmd: cmd, lambda site: {}
         return
     from zeroband.wan import WanEmulator
 
     with WanEmulator(sites, wan.rate_mbit, wan.delay_ms, wan.jitter_ms, wan.loss_pct, wan.mtu) as emu:
-        yield emu.store_url(29600), emu.wrap, emu.env
+        with store_process([emu.site_ip(0), 29600], lambda cmd: emu.wrap(0, cmd)):
+            yield emu.store_url(29600), emu.wrap, emu.env
+
+
+@contextmanager
+def store_process(where: list, wrap: Callable[[list[str]], list[str]]) -> Iterator[subprocess.Popen]:
+    host, port = where
+    cmd = wrap([sys.executable, "-m", "zeroband.membership.store_server", "--host", str(host), "--port", str(port)])
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        line = proc.stdout.readline()  # "store listening on ..." once the server is up
+        if "listening" not in line:
+            raise RuntimeError(f"coordination store did not start: {line.strip()} {proc.stdout.read()[-500:]}")
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def launch_sites(

@@ -1,0 +1,40 @@
+"""A standalone TCP coordination store, so that no training site hosts it.
+
+    python -m zeroband.membership.store_server --port 29600 [--host 0.0.0.0]
+
+`zeroband launch` starts one beside the sites (inside site 0's network namespace under WAN
+emulation, but as its own process), so killing any site, site 0 included, leaves the store up.
+It exits on SIGTERM/SIGINT or when its parent process goes away. For runs spanning real sites,
+use an etcd cluster with a member per site instead (`diloco.store = "etcd://..."`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--host", default="0.0.0.0")
+    args = parser.parse_args(argv)
+    store = dist.TCPStore(args.host, args.port, is_master=True, wait_for_workers=False, timeout=timedelta(hours=24))
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    signal.signal(signal.SIGINT, lambda *_: stop.append(1))
+    parent = os.getppid()
+    print(f"store listening on {args.host}:{args.port}", flush=True)
+    while not stop and os.getppid() == parent:
+        time.sleep(0.5)
+    del store
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
