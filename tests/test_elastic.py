@@ -148,7 +148,8 @@ def test_etcd_member_loss(corpus, tmp_path):
         pytest.skip(INSTALL_HINT)
     cluster = start_cluster(3)
     try:
-        tree = elastic_tree(corpus, tmp_path, cluster.url("elastic-test"), steps=12)
+        # dead_after_s well above etcd's ~1 s leader failover: a store hiccup is not a site death
+        tree = elastic_tree(corpus, tmp_path, cluster.url("elastic-test"), steps=12, dead_after_s=8.0, heartbeat_s=0.5)
         killer = threading.Timer(6.0, lambda: cluster.kill(cluster.leader()))
         killer.start()
         out = run_sites(_train, 2, 1, (tree,), timeout=150)
@@ -159,3 +160,15 @@ def test_etcd_member_loss(corpus, tmp_path):
         assert_identical(tree, [0, 1], 12)
     finally:
         cluster.stop()
+
+
+def test_time_budget_rounds_weight_by_tokens(corpus, tmp_path, store_address):
+    """round_seconds: a slow site (4x the batch) runs fewer inner steps per round; nobody idles."""
+    tree = elastic_tree(corpus, tmp_path, store_address, steps=6, round_seconds=1.5, log_checksum=True)
+    slow = json.loads(json.dumps(tree))
+    slow["train"]["global_batch"] = 16
+    out = run_sites(_by_site, 2, 1, ({0: (tree,), 1: (slow,)},), timeout=120)
+    fast_steps, slow_steps = out[(0, 0)]["steps"], out[(1, 0)]["steps"]
+    assert fast_steps > slow_steps >= 3, (fast_steps, slow_steps)
+    crcs = [[r["outer_crc"] for r in outer_records(tmp_path, s)] for s in (0, 1)]
+    assert len(crcs[0]) == 3 and crcs[0] == crcs[1]  # 6 // 2 rounds, identical outer state after each

@@ -189,6 +189,10 @@ class DilocoConfig(Section):
     # A pseudo-gradient whose norm exceeds this multiple of the other sites' median is excluded
     # (needs 3+ sites; 0 disables). NaN/inf pseudo-gradients are always excluded.
     outlier_factor: float = Field(10.0, ge=0)
+    # Time-budget rounds (Decoupled DiLoCo): > 0 makes every round last this many seconds instead of
+    # inner_steps steps; each site runs as many inner steps as fit, and pseudo-gradients are
+    # weighted by the tokens each site processed. The run lasts train.steps // inner_steps rounds.
+    round_seconds: float = Field(0.0, ge=0)
     # Log a crc32 of the outer state after every outer step (costs a pass over the shard; the chaos
     # suite uses it to prove the sites stay bitwise identical).
     log_checksum: bool = False
@@ -201,6 +205,8 @@ class DilocoConfig(Section):
             raise ValueError(f"store={self.store!r} must look like tcp://host:port or etcd://h1:p1,h2:p2,h3:p3")
         if self.elastic and self.overlap:
             raise ValueError("diloco.elastic and diloco.overlap cannot be combined yet; choose one")
+        if self.round_seconds and (self.overlap or self.mode != "diloco"):
+            raise ValueError("diloco.round_seconds needs diloco.mode = 'diloco' without diloco.overlap")
         if self.elastic and self.mode != "diloco":
             raise ValueError("diloco.elastic needs diloco.mode = 'diloco'")
         if self.dead_after_s <= 2 * self.heartbeat_s:

@@ -52,6 +52,9 @@ class CrossSiteDataParallel:
         self.window["wire"] += result.wire_bytes
         self.window["steps"] += 1
 
+    def finished(self, step: int, total_steps: int) -> bool:
+        return step >= total_steps
+
     def after_inner_step(self, step: int, sync_point: bool = False) -> OuterStats | None:
         if (step + 1) % self.cfg.inner_steps:
             return None

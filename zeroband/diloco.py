@@ -87,6 +87,9 @@ class SingleSite:
     def after_inner_step(self, step: int, sync_point: bool = False) -> OuterStats | None:
         return None
 
+    def finished(self, step: int, total_steps: int) -> bool:
+        return step >= total_steps
+
     def state_dict(self) -> dict[str, Any]:
         return {}
 
@@ -94,7 +97,46 @@ class SingleSite:
         pass
 
 
-def site_stats(tensors: list[torch.Tensor], topology: Topology) -> SiteStats:
+class RoundClock:
+    """When an outer step is due: every `inner_steps` steps, or (time budget) every `round_seconds`.
+
+    With a time budget the sites' own clocks decide, each site running as many inner steps as
+    fit, and the run ends after train.steps // inner_steps rounds instead of after train.steps.
+    """
+
+    def __init__(self, cfg: DilocoConfig, tokens_per_step: int) -> None:
+        self.cfg, self.tokens_per_step = cfg, tokens_per_step
+        self.rounds, self.steps_in_round, self.round_start = 0, 0, time.monotonic()
+
+    def tick(self, step: int) -> bool:
+        """Count one inner step; True if this step ends a round."""
+        self.steps_in_round += 1
+        if self.cfg.round_seconds:
+            due = time.monotonic() - self.round_start >= self.cfg.round_seconds
+        else:
+            due = (step + 1) % self.cfg.inner_steps == 0
+        if due:
+            self.rounds += 1
+        return due
+
+    def take_tokens(self) -> float:
+        tokens = self.steps_in_round * self.tokens_per_step
+        self.steps_in_round, self.round_start = 0, time.monotonic()
+        return float(tokens)
+
+    def finished(self, step: int, total_steps: int) -> bool:
+        if self.cfg.round_seconds:
+            return self.rounds >= total_steps // self.cfg.inner_steps
+        return step >= total_steps
+
+    def state_dict(self) -> dict[str, int]:
+        return {"rounds": self.rounds}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.rounds = state["rounds"]
+
+
+def site_stats(tensors: list[torch.Tensor], topology: Topology, tokens: float = 0.0) -> SiteStats:
     """Sum of squares, non-finite count and max |x| over the whole site (a site-group reduction)."""
     sumsq = sum((t.double().square().sum() for t in tensors), torch.zeros((), dtype=torch.float64))
     nonfinite = sum(int((~torch.isfinite(t)).sum()) for t in tensors)
@@ -104,7 +146,7 @@ def site_stats(tensors: list[torch.Tensor], topology: Topology) -> SiteStats:
     topology.site_all_reduce(summed)
     peak = torch.tensor([max_abs], dtype=torch.float64, device=device)
     topology.site_all_reduce(peak, op=dist.ReduceOp.MAX)
-    return SiteStats(summed[0].item(), summed[1].item(), peak.item())
+    return SiteStats(summed[0].item(), summed[1].item(), peak.item(), tokens=tokens)
 
 
 def broadcast_from_site0(tensors: list[torch.Tensor], topology: Topology) -> None:
@@ -164,7 +206,7 @@ class _InFlight:
 
 
 class DiLoCo:
-    def __init__(self, model: torch.nn.Module, cfg: DilocoConfig, topology: Topology) -> None:
+    def __init__(self, model: torch.nn.Module, cfg: DilocoConfig, topology: Topology, tokens_per_step: int = 0) -> None:
         if topology.global_group is None:
             raise ValueError("DiLoCo needs a global group; build the topology with a store address")
         self.cfg = cfg
@@ -179,6 +221,7 @@ class DiLoCo:
         self.error_feedback: dict[int, torch.Tensor] | None = {} if cfg.error_feedback else None
         self.in_flight: _InFlight | None = None
         self.poison = False
+        self.clock = RoundClock(cfg, tokens_per_step)
 
     # ------------------------------------------------------------------ start: identical replicas
     @torch.no_grad()
@@ -203,8 +246,11 @@ class DiLoCo:
         return self.outer + [b for b in bufs if b is not None]
 
     # ------------------------------------------------------------------ the outer step
+    def finished(self, step: int, total_steps: int) -> bool:
+        return self.clock.finished(step, total_steps)
+
     def after_inner_step(self, step: int, sync_point: bool = False) -> OuterStats | None:
-        if (step + 1) % self.cfg.inner_steps:
+        if not self.clock.tick(step):
             return None
         maybe_inject("allreduce", step + 1, self.topology.world.site_rank, self.topology.world.rank)
         self.poison = poison_due(step + 1, self.topology.world.site_rank, self.topology.world.rank)
@@ -217,7 +263,7 @@ class DiLoCo:
         t0 = time.perf_counter()
         waited = self._complete_in_flight() if self.in_flight else 0.0
         grads = self._pseudo_gradient()
-        stats = site_stats(grads, self.topology)
+        stats = site_stats(grads, self.topology, self.clock.take_tokens())
         t1 = time.perf_counter()
         result = self.reduce(grads, stats)
         comm_s = waited + time.perf_counter() - t1
@@ -232,7 +278,7 @@ class DiLoCo:
         previous = self.in_flight
         waited = self._complete_in_flight() if previous else 0.0
         grads = self._pseudo_gradient()
-        stats = site_stats(grads, self.topology)
+        stats = site_stats(grads, self.topology, self.clock.take_tokens())
         snapshot = [t.detach().to("cpu", torch.float32, copy=True) for t in self.local]
         self.in_flight = _InFlight(grads, stats, self, snapshot)
         if previous is None:
@@ -259,7 +305,7 @@ class DiLoCo:
     def reduce(self, grads: list[torch.Tensor], stats: SiteStats) -> ReduceResult:
         bucket = int(self.cfg.bucket_mb * 2**20)
         return reduce_across_sites(grads, stats, self.group, self.cfg.comm_dtype, bucket, self.error_feedback,
-                                   self.cfg.outlier_factor)
+                                   self.cfg.outlier_factor, weight_by_tokens=self.cfg.round_seconds > 0)
 
     def _apply(self, grads: list[torch.Tensor], result: ReduceResult) -> None:
         if result.excluded_sites:
@@ -294,7 +340,7 @@ class DiLoCo:
         if self.in_flight is not None:
             raise RuntimeError("checkpoint with an outer all-reduce in flight: save only at sync points")
         return {"outer": [o.clone() for o in self.outer], "optimizer": self.optimizer.state_dict(),
-                "outer_step": self.outer_step, "error_feedback": self.error_feedback}
+                "outer_step": self.outer_step, "error_feedback": self.error_feedback, "clock": self.clock.state_dict()}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -303,3 +349,4 @@ class DiLoCo:
         self.optimizer.load_state_dict(state["optimizer"])
         self.outer_step = state["outer_step"]
         self.error_feedback = state.get("error_feedback", self.error_feedback)
+        self.clock.load_state_dict(state.get("clock", {"rounds": 0}))

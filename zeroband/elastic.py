@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from zeroband.comm.reduce import ReduceResult, SiteStats
 from zeroband.config import DilocoConfig
-from zeroband.diloco import DiLoCo, OuterStats, checksum_table, site_stats
+from zeroband.diloco import DiLoCo, OuterStats, RoundClock, checksum_table, site_stats
 from zeroband.faults import maybe_inject, poison_due
 from zeroband.membership.auth import PeerRefused, admit, load_secret
 from zeroband.membership.heartbeat import Heartbeat, Liveness, leave_key
@@ -53,9 +53,10 @@ class MemberLost(RuntimeError):
 
 class ElasticDiLoCo(DiLoCo):
     def __init__(self, model: torch.nn.Module, cfg: DilocoConfig, topology: Topology, run_name: str,
-                 progress: Any, scheduler: Any, fingerprint: dict[str, str]) -> None:
+                 progress: Any, scheduler: Any, fingerprint: dict[str, str], tokens_per_step: int = 0) -> None:
         self.cfg, self.topology, self.world = cfg, topology, topology.world
         self._build_outer(model)
+        self.clock = RoundClock(cfg, tokens_per_step)
         self.progress, self.scheduler, self.fingerprint = progress, scheduler, fingerprint
         self.prefix = f"zeroband/{run_name}/elastic/"
         slots = range(self.world.site_count)
@@ -85,6 +86,7 @@ class ElasticDiLoCo(DiLoCo):
         self.in_flight = None
         self.poison = False
         self.boundary_step = 0
+        self.round_tokens = 0.0
 
     # ------------------------------------------------------------------ start / join / leave
     def start(self, resumed: bool = False) -> None:
@@ -105,11 +107,17 @@ class ElasticDiLoCo(DiLoCo):
             self.heartbeat.stop()
 
     # ------------------------------------------------------------------ the outer step
+    def finished(self, step: int, total_steps: int) -> bool:
+        if self.cfg.round_seconds:  # rounds are the shared clock; round 0 was the start
+            return self.round > total_steps // self.cfg.inner_steps
+        return step >= total_steps
+
     def after_inner_step(self, step: int, sync_point: bool = False) -> OuterStats | None:
-        if (step + 1) % self.cfg.inner_steps:
+        if not self.clock.tick(step):
             return None
         self.boundary_step = step + 1
         self.poison = poison_due(step + 1, self.world.site_rank, self.world.rank)
+        self.round_tokens = self.clock.take_tokens()
         with torch.no_grad():
             grads = None if self.fresh else self._pseudo_gradient()
             return self._round(grads)
@@ -169,7 +177,7 @@ class ElasticDiLoCo(DiLoCo):
             grads, stats = [torch.zeros_like(o) for o in self.outer], SiteStats(0.0, 0.0, 0.0, abstain=True)
         else:
             grads = [g.clone() for g in pseudo_gradient]  # the original survives an aborted attempt
-            stats = site_stats(grads, self.topology)
+            stats = site_stats(grads, self.topology, self.round_tokens)
         try:
             crcs, result = self._watched(decision, lambda: self._exchange(decision, grads, stats))
         except PeerRefused as e:
@@ -244,7 +252,7 @@ class ElasticDiLoCo(DiLoCo):
 
         bucket = int(self.cfg.bucket_mb * 2**20)
         return reduce_across_sites(grads, stats, self.group, self.cfg.comm_dtype, bucket, self.error_feedback,
-                                   self.cfg.outlier_factor)
+                                   self.cfg.outlier_factor, weight_by_tokens=self.cfg.round_seconds > 0)
 
     def _commit(self, decision: Decision, outcome: tuple, elapsed: float) -> OuterStats | None:
         grads, result, stats = outcome

@@ -134,6 +134,7 @@ Outer = DiLoCo | ElasticDiLoCo | CrossSiteDataParallel | SingleSite
 
 def build_outer(cfg: Config, model: torch.nn.Module, topology: Topology, progress: Progress,
                 scheduler: torch.optim.lr_scheduler.LRScheduler, vocab_size: int) -> Outer:
+    tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
     if cfg.diloco is None:
         return SingleSite()
     if cfg.diloco.mode == "data_parallel":
@@ -141,8 +142,8 @@ def build_outer(cfg: Config, model: torch.nn.Module, topology: Topology, progres
     if cfg.diloco.elastic:
         fingerprint = flatten_fingerprint({**checkpoint_meta(cfg), "tokenizer_vocab": vocab_size,
                                            "diloco": cfg.diloco.model_dump(include=FINGERPRINT_DILOCO_KEYS)})
-        return ElasticDiLoCo(model, cfg.diloco, topology, cfg.name, progress, scheduler, fingerprint)
-    return DiLoCo(model, cfg.diloco, topology)
+        return ElasticDiLoCo(model, cfg.diloco, topology, cfg.name, progress, scheduler, fingerprint, tokens_per_step)
+    return DiLoCo(model, cfg.diloco, topology, tokens_per_step)
 
 
 # DiLoCo settings every site must share (the rest, like site_rank or the store, are per site).
@@ -277,7 +278,7 @@ def train_loop(run: Run, metrics: MetricsLogger) -> dict[str, Any]:
     val: dict[str, float] = {}
     window = StepWindow()
     stop = GracefulStop.install()
-    while progress.step < cfg.train.steps:
+    while not run.outer.finished(progress.step, cfg.train.steps):
         batches = [run.train_data.next_batch(cfg.train.micro_batch) for _ in range(accum)]
         t0 = time.perf_counter()
         loss = forward_backward(run.model, batches, world.device)
@@ -295,23 +296,24 @@ def train_loop(run: Run, metrics: MetricsLogger) -> dict[str, Any]:
         window.add(loss, tokens_per_step)
         maybe_inject("inner", progress.step, world.site_rank, world.rank)
 
-        sync_point = should_save(cfg, progress.step) or progress.step == cfg.train.steps
+        sync_point = should_save(cfg, progress.step, False) or progress.step == cfg.train.steps
         outer_stats = run.outer.after_inner_step(progress.step - 1, sync_point=sync_point)
+        last = run.outer.finished(progress.step, cfg.train.steps)
         if outer_stats is not None:
             metrics.log(progress.step, {**outer_stats.as_dict(), "compute_utilisation": run.clock.utilisation}, "outer")
-        if progress.step % cfg.log.interval == 0 or progress.step == cfg.train.steps:
+        if progress.step % cfg.log.interval == 0 or last:
             record = window.record(run, grad_norm)
             metrics.log(progress.step, record)
             metrics.progress(progress.step, record["loss"], record["tokens_per_s"], record["lr"], record["eta_s"])
-        if (cfg.eval.interval and progress.step % cfg.eval.interval == 0) or progress.step == cfg.train.steps:
+        if (cfg.eval.interval and progress.step % cfg.eval.interval == 0) or last:
             val = validation_metrics(evaluate(run.model, run.eval_set, run.topology), run.bytes_per_token)
             metrics.log(progress.step, val, "val")
-        if should_save(cfg, progress.step):
+        if should_save(cfg, progress.step, last):
             save(run)
         if stop.agreed(run.topology):  # SIGTERM on any rank of the site: leave cleanly
             log.info("SIGTERM: leaving at step %d after a checkpoint", progress.step)
             run.outer.leave()
-            if not should_save(cfg, progress.step):
+            if not should_save(cfg, progress.step, last):
                 save(run)
             break
     stop.uninstall()
@@ -374,8 +376,8 @@ def validation_metrics(loss: float, bytes_per_token: float) -> dict[str, float]:
     return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0)), "val_bpb": loss / math.log(2) / bytes_per_token}
 
 
-def should_save(cfg: Config, step: int) -> bool:
-    if step == cfg.train.steps:
+def should_save(cfg: Config, step: int, last: bool) -> bool:
+    if last:
         return cfg.checkpoint.save_at_end
     return bool(cfg.checkpoint.interval) and step % cfg.checkpoint.interval == 0
 

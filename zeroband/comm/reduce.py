@@ -27,7 +27,7 @@ from zeroband.comm.quantized import all_reduce_quantized
 from zeroband.mesh import GlobalGroup
 
 QUANTIZED_BITS = {"int8": 8, "int4": 4}
-STAT_COLUMNS = ("sumsq", "nonfinite", "max_abs", "abstain")
+STAT_COLUMNS = ("sumsq", "nonfinite", "max_abs", "abstain", "tokens")
 
 
 @dataclass
@@ -38,9 +38,10 @@ class SiteStats:
     nonfinite: float
     max_abs: float
     abstain: bool = False  # takes part in the collective but contributes nothing (e.g. a joiner)
+    tokens: float = 0.0  # tokens this site trained on since the last outer step
 
     def as_list(self) -> list[float]:
-        return [self.sumsq, self.nonfinite, self.max_abs, float(self.abstain)]
+        return [self.sumsq, self.nonfinite, self.max_abs, float(self.abstain), self.tokens]
 
 
 @dataclass
@@ -71,6 +72,16 @@ def contributing_sites(table: torch.Tensor, outlier_factor: float = 0.0) -> list
     return use
 
 
+def site_weight(table: torch.Tensor, use: list[bool], me: int, by_tokens: bool) -> float:
+    """This site's share of the average: 1/n, or its tokens over all contributors' tokens."""
+    if not use[me]:
+        return 0.0
+    if by_tokens:
+        total = sum(float(table[s, 4]) for s, ok in enumerate(use) if ok)
+        return float(table[me, 4]) / total if total > 0 else 1.0 / sum(use)
+    return 1.0 / sum(use)
+
+
 def reduce_across_sites(
     grads: list[torch.Tensor],
     stats: SiteStats,
@@ -79,12 +90,13 @@ def reduce_across_sites(
     bucket_bytes: int,
     error_feedback: dict[int, torch.Tensor] | None = None,
     outlier_factor: float = 0.0,
+    weight_by_tokens: bool = False,
 ) -> ReduceResult:
     """In place: grads <- mean over contributing sites. Returns what it cost and who took part."""
     table = group.gather_scalars(stats.as_list())
     use = contributing_sites(table, outlier_factor)
     n = sum(use)
-    weight = 1.0 / n if n and use[group.rank] else 0.0
+    weight = site_weight(table, use, group.rank, weight_by_tokens)
     if weight == 0.0:
         for g in grads:
             g.zero_()  # never send NaN/inf: it would poison every site's sum

@@ -1,0 +1,418 @@
+"""Helpers for the chaos suite (scripts/chaos.py, tests/test_chaos.py): site processes, an etcd
+cluster that can live inside the sites' network namespaces, and the post-mortem of a run
+(membership decisions from the site logs, outer checksums, checkpoints).
+
+Nothing here is used by training itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from zeroband.launch import free_port, site_command
+
+DECISION = re.compile(
+    r"^(?P<ts>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \S+ INFO site (?P<site>\d+) round (?P<round>\d+) "
+    r"attempt (?P<attempt>\d+): Decision\(members=\[(?P<members>[\d, ]*)\], fresh=\[(?P<fresh>[\d, ]*)\], "
+    r"generation=(?P<gen>\d+)\)"
+)
+LOG_TS = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
+
+
+# ---------------------------------------------------------------------------------- site processes
+
+
+def worker_pids(pid: int) -> list[int]:
+    """Children of a torchrun agent (the training ranks), read from /proc."""
+    pids: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            pids += [int(p) for p in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return pids
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[-1][0] not in "ZX"
+    except OSError:
+        return False
+
+
+@dataclass
+class Incarnation:
+    number: int
+    started: float
+    faults: str
+    proc: subprocess.Popen
+    workers: list[int] = field(default_factory=list)
+    ended: float | None = None
+    returncode: int | None = None
+
+
+@dataclass
+class SiteProcess:
+    """One site slot: restarted with the same command (and a per-incarnation ZEROBAND_FAULTS)."""
+
+    site: int
+    command: list[str]
+    env: dict[str, str]
+    log_path: Path
+    incarnations: list[Incarnation] = field(default_factory=list)
+
+    @property
+    def current(self) -> Incarnation | None:
+        return self.incarnations[-1] if self.incarnations else None
+
+    @property
+    def running(self) -> bool:
+        inc = self.current
+        return inc is not None and inc.proc.poll() is None
+
+    def start(self, faults: str = "") -> Incarnation:
+        env = {**self.env, "ZEROBAND_FAULTS": faults} if faults else {k: v for k, v in self.env.items()
+                                                                        if k != "ZEROBAND_FAULTS"}
+        number = len(self.incarnations)
+        with open(self.log_path, "a") as log:
+            log.write(f"{_now_stamp()} chaos INFO incarnation {number} of site {self.site} faults={faults!r}\n")
+            log.flush()
+            proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                    start_new_session=True)
+        inc = Incarnation(number, time.time(), faults, proc)
+        self.incarnations.append(inc)
+        return inc
+
+    def workers(self) -> list[int]:
+        """The training ranks of the current incarnation (cached once seen: they outlive a dead agent)."""
+        inc = self.current
+        if inc is None:
+            return []
+        if not inc.workers and inc.proc.poll() is None:
+            inc.workers = worker_pids(inc.proc.pid)
+        return inc.workers
+
+    def poll(self) -> int | None:
+        inc = self.current
+        if inc is None:
+            return None
+        code = inc.proc.poll()
+        if code is not None and inc.ended is None:
+            inc.ended, inc.returncode = time.time(), code
+        return code
+
+    def signal_workers(self, sig: int) -> list[int]:
+        pids = self.workers()
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        return pids
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Tear the whole incarnation down (its own session), politely then not."""
+        inc = self.current
+        if inc is None or inc.proc.poll() is not None:
+            self.poll()
+            return
+        for sig in (signal.SIGCONT, signal.SIGTERM):
+            _killpg(inc.proc.pid, sig)
+        try:
+            inc.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            _killpg(inc.proc.pid, signal.SIGKILL)
+            inc.proc.wait()
+        self.poll()
+
+
+def _killpg(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _now_stamp() -> str:
+    return datetime.now().strftime("%Y-%m-%d %H:%M:%S,%f")[:-3]
+
+
+def make_sites(config: str, sites: int, store: str, overrides: list[str], log_dir: Path,
+               wrap: Callable[[int, list[str]], list[str]], site_env: Callable[[int], dict]) -> list[SiteProcess]:
+    log_dir.mkdir(parents=True, exist_ok=True)
+    base = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+    out = []
+    for s in range(sites):
+        cmd = wrap(s, site_command(config, s, sites, 1, store, overrides))
+        out.append(SiteProcess(s, cmd, {**base, **site_env(s)}, log_dir / f"site{s}.log"))
+    return out
+
+
+# ---------------------------------------------------------------------------------- etcd
+
+
+@dataclass
+class EtcdMember:
+    name: str
+    host: str
+    client_port: int
+    peer_port: int
+    data_dir: Path
+    wrap: list[str]
+    proc: subprocess.Popen | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.host}:{self.client_port}"
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+class EtcdCluster:
+    """etcd members on given hosts (loopback, or one per site namespace under WAN emulation).
+
+    Unlike tests/etcd_cluster.py, a killed member can be restarted from its data directory.
+    """
+
+    def __init__(self, root: Path, hosts: list[tuple[str, list[str]]]) -> None:
+        self.root = root
+        ports = [(free_port(), free_port()) for _ in hosts] if hosts[0][0] == "127.0.0.1" else [(2379, 2380)] * len(hosts)
+        self.members = [EtcdMember(f"m{i}", h, c, p, root / f"m{i}", w) for i, ((h, w), (c, p)) in
+                        enumerate(zip(hosts, ports))]
+        self.initial = ",".join(f"{m.name}=http://{m.host}:{m.peer_port}" for m in self.members)
+
+    def url(self, prefix: str) -> str:
+        return "etcd://" + ",".join(m.endpoint for m in self.members) + f"/{prefix}"
+
+    def start(self, index: int) -> None:
+        m = self.members[index]
+        peer, client = f"http://{m.host}:{m.peer_port}", f"http://{m.host}:{m.client_port}"
+        cmd = m.wrap + [
+            "etcd", "--name", m.name, "--data-dir", str(m.data_dir), "--listen-peer-urls", peer,
+            "--initial-advertise-peer-urls", peer, "--listen-client-urls", client, "--advertise-client-urls", client,
+            "--initial-cluster", self.initial, "--initial-cluster-token", self.root.name,
+            "--initial-cluster-state", "new", "--heartbeat-interval", "50", "--election-timeout", "500",
+        ]
+        log = open(self.root / f"{m.name}.log", "a")  # noqa: SIM115 - the member process owns it
+        m.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+
+    def start_all(self, timeout: float = 30.0) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        for i in range(len(self.members)):
+            self.start(i)
+        deadline = time.monotonic() + timeout
+        while not all(self.healthy(i) for i in range(len(self.members))):
+            if time.monotonic() > deadline or not all(m.alive for m in self.members):
+                raise RuntimeError(f"etcd cluster did not become healthy; logs in {self.root}")
+            time.sleep(0.1)
+
+    def healthy(self, index: int) -> bool:
+        m = self.members[index]
+        cmd = m.wrap + [sys.executable, "-c", _HEALTH.format(url=f"http://{m.endpoint}/health")] if m.wrap else None
+        if cmd is not None:
+            return subprocess.run(cmd, capture_output=True, text=True).stdout.strip() == "ok"
+        try:
+            with urllib.request.urlopen(f"http://{m.endpoint}/health", timeout=1.0) as r:
+                return b'"true"' in r.read()
+        except OSError:
+            return False
+
+    def kill(self, index: int) -> None:
+        m = self.members[index]
+        if m.proc is not None:
+            m.proc.kill()
+            m.proc.wait()
+
+    def stop(self) -> None:
+        for m in self.members:
+            if m.alive:
+                m.proc.terminate()
+                try:
+                    m.proc.wait(5)
+                except subprocess.TimeoutExpired:
+                    m.proc.kill()
+                    m.proc.wait()
+
+
+_HEALTH = ("import urllib.request as u\ntry:\n print('ok' if b'\"true\"' in u.urlopen('{url}', timeout=1).read() "
+           "else 'no')\nexcept Exception:\n print('no')")
+
+
+# ---------------------------------------------------------------------------------- post-mortem
+
+
+@dataclass(frozen=True)
+class LoggedDecision:
+    time: float
+    site: int
+    round: int
+    attempt: int
+    members: tuple[int, ...]
+    fresh: tuple[int, ...]
+    generation: int
+
+
+def parse_stamp(stamp: str) -> float:
+    return datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x.strip())
+
+
+def read_decisions(log_paths: Iterable[Path]) -> list[LoggedDecision]:
+    """Every `Decision(...)` line of the site logs, sorted by time."""
+    out = []
+    for path in log_paths:
+        if not path.is_file():
+            continue
+        for line in path.read_text(errors="replace").splitlines():
+            m = DECISION.match(line)
+            if m:
+                out.append(_decision(m))
+    return sorted(out, key=lambda d: d.time)
+
+
+class DecisionTail:
+    """`read_decisions` for a growing set of logs, reading only what was appended since last time."""
+
+    def __init__(self, log_paths: list[Path]) -> None:
+        self.paths, self.offsets = log_paths, [0] * len(log_paths)
+        self.decisions: list[LoggedDecision] = []
+
+    def read(self) -> list[LoggedDecision]:
+        for i, path in enumerate(self.paths):
+            if not path.is_file():
+                continue
+            with open(path, "rb") as f:
+                f.seek(self.offsets[i])
+                chunk = f.read()
+            end = chunk.rfind(b"\n") + 1
+            self.offsets[i] += end
+            for line in chunk[:end].decode(errors="replace").splitlines():
+                m = DECISION.match(line)
+                if m:
+                    self.decisions.append(_decision(m))
+        self.decisions.sort(key=lambda d: d.time)
+        return self.decisions
+
+
+def _decision(m: re.Match) -> LoggedDecision:
+    return LoggedDecision(parse_stamp(m["ts"]), int(m["site"]), int(m["round"]), int(m["attempt"]),
+                          _ints(m["members"]), _ints(m["fresh"]), int(m["gen"]))
+
+
+def count_lines(log_paths: Iterable[Path], needle: str) -> int:
+    return sum(p.read_text(errors="replace").count(needle) for p in log_paths if p.is_file())
+
+
+def first_exclusion(decisions: list[LoggedDecision], victim: int, since: float, until: float | None = None
+                    ) -> LoggedDecision | None:
+    """The first decision logged by another site at or after `since` that leaves `victim` out."""
+    for d in decisions:
+        if d.time >= since and d.site != victim and victim not in d.members and (until is None or d.time <= until):
+            return d
+    return None
+
+
+def first_inclusion(decisions: list[LoggedDecision], site: int, since: float) -> LoggedDecision | None:
+    for d in decisions:
+        if d.time >= since and site in d.members and d.site != site:
+            return d
+    return None
+
+
+def outer_records(metrics_path: Path) -> list[dict[str, Any]]:
+    if not metrics_path.is_file():
+        return []
+    records = []
+    for line in metrics_path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:  # a line cut short by a kill
+            continue
+        if rec.get("kind") == "outer":
+            records.append(rec)
+    return records
+
+
+def last_step(metrics_path: Path) -> int:
+    """The last inner step a site logged (0 if none); cheap enough to poll."""
+    if not metrics_path.is_file():
+        return 0
+    with open(metrics_path, "rb") as f:
+        f.seek(max(0, f.seek(0, 2) - 4096))
+        tail = f.read().decode(errors="replace").splitlines()
+    for line in reversed(tail):
+        try:
+            return int(json.loads(line)["step"])
+        except (json.JSONDecodeError, KeyError, ValueError):
+            continue
+    return 0
+
+
+def crc_table(records: dict[int, list[dict[str, Any]]]) -> dict[int, dict[int, set[int]]]:
+    """step -> site -> the outer_crc values that site logged at that step."""
+    table: dict[int, dict[int, set[int]]] = {}
+    for site, recs in records.items():
+        for r in recs:
+            if r.get("outer_crc") is not None:
+                table.setdefault(r["step"], {}).setdefault(site, set()).add(r["outer_crc"])
+    return table
+
+
+def crc_mismatches(table: dict[int, dict[int, set[int]]]) -> list[int]:
+    """Steps at which two sites (or two incarnations of one) logged different outer checksums."""
+    return sorted(step for step, by_site in table.items() if len(set().union(*by_site.values())) > 1)
+
+
+def verify_all_checkpoints(ckpt_root: Path) -> tuple[int, list[str]]:
+    """verify_checkpoint on every step_* dir (not .tmp) under every site; (count, errors)."""
+    from zeroband.checkpoint import CheckpointError, verify_checkpoint
+
+    count, errors = 0, []
+    for path in sorted(ckpt_root.glob("site*/step_*")):
+        if not path.is_dir() or path.name.endswith(".tmp"):
+            continue
+        count += 1
+        try:
+            verify_checkpoint(path)
+        except CheckpointError as e:
+            errors.append(str(e))
+    return count, errors
+
+
+def final_checkpoint(ckpt_root: Path, site: int) -> Path | None:
+    steps = sorted(p for p in (ckpt_root / f"site{site}").glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
+    return steps[-1] if steps else None
+
+
+def load_weights(config_path: Path, checkpoint: Path) -> dict[str, Any]:
+    """The model weights of a checkpoint via zeroband.export.load_for_export (proves it loads)."""
+    from zeroband.config import load_config
+    from zeroband.export import load_for_export
+
+    cfg = load_config(str(config_path), [])
+    return {k: v.detach().clone() for k, v in load_for_export(cfg, checkpoint).state_dict().items()}
+
+
+def same_weights(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    import torch
+
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
