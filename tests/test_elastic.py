@@ -92,7 +92,8 @@ def test_join_mid_run_receives_state(corpus, tmp_path, store_address):
     assert joiner["steps"] == member["steps"] == 16
     assert len(joiner["losses"]) < len(member["losses"])  # it joined mid-run and took the counters over
     assert_identical(tree, [0, 1, 2], 16)
-    assert outer_records(tmp_path, 0)[0]["sites_used"] == 2 and outer_records(tmp_path, 0)[-1]["sites_used"] == 3
+    used = [r["sites_used"] for r in outer_records(tmp_path, 0)]
+    assert used[0] < 3 and used[-1] == 3, used  # (under load site 1 may itself join one round late)
 
 
 def test_graceful_leave_does_not_wait_for_timeout(corpus, tmp_path, store_address):

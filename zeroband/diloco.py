@@ -207,8 +207,8 @@ class _InFlight:
 
 class DiLoCo:
     def __init__(self, model: torch.nn.Module, cfg: DilocoConfig, topology: Topology, tokens_per_step: int = 0) -> None:
-        if topology.global_group is None:
-            raise ValueError("DiLoCo needs a global group; build the topology with a store address")
+        """`topology.global_group` is the fixed cross-site group (None only for ElasticDiLoCo, which
+        builds one per generation)."""
         self.cfg = cfg
         self.topology = topology
         self.group = topology.global_group

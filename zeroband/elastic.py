@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from zeroband.comm.reduce import ReduceResult, SiteStats
 from zeroband.config import DilocoConfig
-from zeroband.diloco import DiLoCo, OuterStats, RoundClock, checksum_table, site_stats
+from zeroband.diloco import DiLoCo, OuterStats, checksum_table, site_stats
 from zeroband.faults import maybe_inject, poison_due
 from zeroband.membership.auth import PeerRefused, admit, load_secret
 from zeroband.membership.heartbeat import Heartbeat, Liveness, leave_key
@@ -54,9 +54,9 @@ class MemberLost(RuntimeError):
 class ElasticDiLoCo(DiLoCo):
     def __init__(self, model: torch.nn.Module, cfg: DilocoConfig, topology: Topology, run_name: str,
                  progress: Any, scheduler: Any, fingerprint: dict[str, str], tokens_per_step: int = 0) -> None:
-        self.cfg, self.topology, self.world = cfg, topology, topology.world
-        self._build_outer(model)
-        self.clock = RoundClock(cfg, tokens_per_step)
+        super().__init__(model, cfg, topology, tokens_per_step)  # outer copy, outer optimizer, round clock
+        self.world = topology.world
+        self.boundary_step, self.round_tokens = 0, 0.0
         self.progress, self.scheduler, self.fingerprint = progress, scheduler, fingerprint
         self.prefix = f"zeroband/{run_name}/elastic/"
         slots = range(self.world.site_count)
@@ -73,20 +73,6 @@ class ElasticDiLoCo(DiLoCo):
         self.group: GlobalGroup | None = None
         self.fresh = True  # until this site holds the run's current outer state
         self.round = 0
-
-    def _build_outer(self, model: torch.nn.Module) -> None:
-        from zeroband.diloco import local_shard
-
-        self.local = [local_shard(p) for p in model.parameters()]
-        self.outer = [t.detach().to("cpu", torch.float32, copy=True) for t in self.local]
-        self.optimizer = torch.optim.SGD(self.outer, lr=self.cfg.outer_lr, momentum=self.cfg.outer_momentum,
-                                         nesterov=self.cfg.nesterov and self.cfg.outer_momentum > 0)
-        self.outer_step = 0
-        self.error_feedback = {} if self.cfg.error_feedback else None
-        self.in_flight = None
-        self.poison = False
-        self.boundary_step = 0
-        self.round_tokens = 0.0
 
     # ------------------------------------------------------------------ start / join / leave
     def start(self, resumed: bool = False) -> None:
