@@ -132,6 +132,7 @@ class RoundCoordinator:
         self.liveness.poll()
         sites = self.liveness.sites
         arrived = {s for s in sites if self.store.check([self._key(r, a, "arrive", s)])}
+        expected = expected - self.liveness.left  # a site that said goodbye is never waited for
         members = decide_members(arrived, self.liveness.alive(), expected, min_sites, grace_s, time.monotonic(), wait,
                                  wait_for_unseen=r == 0)
         if members is None:
