@@ -112,3 +112,20 @@ def test_killed_save_leaves_previous_checkpoint_loadable(corpus, tmp_path):
     resumed = run_ranks(_train, 2, (tree,))[0]
     assert len(resumed["losses"]) == 4 and resumed["steps"] == 8
     assert find_checkpoint(root, "auto").step == 8 and not (root / "step_000000008.tmp").exists()
+
+
+def test_bf16_and_activation_checkpointing_train(corpus, tmp_path):
+    tree = tiny_overrides(corpus, tmp_path, train={"steps": 12, "mixed_precision": "bf16", "activation_checkpointing": True})
+    out = run_ranks(_train, 2, (tree,))
+    losses = out[0]["losses"]
+    assert all(math.isfinite(x) for x in losses) and sum(losses[-3:]) < sum(losses[:3])
+
+
+def test_wsd_schedule_shape():
+    from zeroband.config import OptimConfig
+    from zeroband.optim import lr_factor
+
+    cfg = OptimConfig(schedule="wsd", warmup_steps=10, decay_fraction=0.2, min_lr_ratio=0.0)
+    factors = [lr_factor(s, 100, cfg) for s in range(100)]
+    assert factors[0] == 0.1 and factors[9] == 1.0 and factors[50] == 1.0 and factors[79] == 1.0
+    assert factors[80] == 1.0 and factors[90] == 0.5 and factors[99] == pytest.approx(0.05)
