@@ -7,6 +7,7 @@ sites' fates. Here each site is its own process tree; only the global groups joi
 from __future__ import annotations
 
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -75,14 +76,12 @@ def site_network(sites: int, wan: WanLink | None) -> Iterator[tuple[str, Callabl
 
 
 @contextmanager
-def store_process(where: list, wrap: Callable[[list[str]], list[str]]) -> Iterator[subprocess.Popen]:
+def store_process(where: list, wrap: Callable[[list[str]], list[str]], timeout_s: float = 60.0) -> Iterator[subprocess.Popen]:
     host, port = where
     cmd = wrap([sys.executable, "-m", "zeroband.membership.store_server", "--host", str(host), "--port", str(port)])
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        line = proc.stdout.readline()  # "store listening on ..." once the server is up
-        if "listening" not in line:
-            raise RuntimeError(f"coordination store did not start: {line.strip()} {proc.stdout.read()[-500:]}")
+        _wait_for_line(proc, "store listening", timeout_s)
         yield proc
     finally:
         proc.terminate()
@@ -90,6 +89,22 @@ def store_process(where: list, wrap: Callable[[list[str]], list[str]]) -> Iterat
             proc.wait(10)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def _wait_for_line(proc: subprocess.Popen, marker: str, timeout_s: float) -> None:
+    """Read the process's output until `marker` (warnings may come first), EOF or the deadline."""
+    deadline, seen = time.monotonic() + timeout_s, []
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+        if not ready:
+            break
+        line = proc.stdout.readline()
+        if not line:  # EOF: the server died
+            break
+        if marker in line:
+            return
+        seen.append(line.strip())
+    raise RuntimeError(f"coordination store did not start within {timeout_s:.0f} s: {' | '.join(seen[-5:])}")
 
 
 def launch_sites(

@@ -317,6 +317,8 @@ def train_loop(run: Run, metrics: MetricsLogger) -> dict[str, Any]:
                 save(run)
             break
     stop.uninstall()
+    if not losses and cfg.checkpoint.save_at_end:  # a site that joined at the very last boundary
+        save(run)
     return {"losses": losses, "val": val, "steps": progress.step, "tokens": progress.tokens,
             "compute_utilisation": run.clock.utilisation, "run_dir": str(run.run_dir)}
 
