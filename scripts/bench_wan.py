@@ -1,0 +1,589 @@
+"""Per-step data parallel vs DiLoCo (blocking fp32/fp16/int8/int4, overlapped fp16) over an emulated WAN.
+
+    flock /tmp/zeroband-bench.lock python scripts/bench_wan.py              # full run, ~15 min
+    python scripts/bench_wan.py --quick --out /tmp/wan                      # CI smoke test, < 60 s
+
+Every row is a real multi-site run: S torchrun jobs (`zeroband.launch.launch_sites`), each site in
+its own network namespace behind a fresh emulated link (`WanLink`: per-site uplink rate, one-way
+delay, jitter, loss). Needs root. Definitions (also written into the markdown):
+
+- round k = inner steps (k-1)H+1 .. kH, from the train record of step (k-1)H to that of step kH
+  (W_k seconds); its outer record gives O_k = outer_step_s (main-thread seconds of the outer step:
+  communication wait + pseudo-gradient/optimizer CPU work; for data parallel the H per-step
+  gradient syncs) and A_k = allreduce_s (seconds the main thread waited for the network).
+  Steady rounds: k >= 2 (round 1 carries the first-step warm-up), and for overlapped rows not the
+  last round (the run's end is a blocking sync point, a once-per-run cost).
+- utilisation (wall) = the trainer's own compute_utilisation at the last train record: inner
+  compute seconds / wall seconds since the trainer started (startup broadcast included).
+- utilisation (steady) = sum_k (W_k - O_k) / sum_k W_k over steady rounds: inner compute (incl. data
+  loading and logging) over compute + communication.
+- wire bytes per rank per outer step: tx bytes of each site's `wan0` (read every 20 ms from inside
+  the namespace) between the round's boundaries, minus the idle chatter rate x W_k (chatter rate
+  measured in blocking rows between the end of one outer step and the start of the next), / W.
+- bytes per parameter = wire bytes per rank per sync / (shard parameters x 2(S-1)/S); shard
+  parameters = payload_bytes / (bytes per value of the dtype), as the trainer logs it.
+- achieved bandwidth = wire bytes per site / A_k / link rate; "on the wire" = the same bytes over
+  the time the interface counter was actually rising during the outer step (latency excluded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import REPO, ensure_demo_data, load_average, load_note, markdown_table, write_outputs
+
+from zeroband.launch import WanLink, launch_sites
+from zeroband.plan import PlanInput, predict, predict_data_parallel, ring_factor
+
+CONFIG = str(REPO / "configs/demo_diloco.toml")
+# Inside a namespace without DNS, c10d warns that it cannot resolve a hostname; launch's store process
+# reads its first output line expecting "listening", so the warning would stop (or hang) the launch.
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+CLONE_NEWNET = 0x40000000
+SAMPLE_S = 0.02
+VALUE_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0, "int4": 0.5}  # payload_bytes per value
+TARGETS = {"fp16": 2.0, "int8": 1.05, "int4": 0.55}
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    mode: str  # diloco | data_parallel
+    dtype: str
+    overlap: bool = False
+
+    @property
+    def is_dp(self) -> bool:
+        return self.mode == "data_parallel"
+
+
+ROWS = [
+    Row("DP fp32 (per step)", "data_parallel", "fp32"),
+    Row("DiLoCo fp32", "diloco", "fp32"),
+    Row("DiLoCo fp16", "diloco", "fp16"),
+    Row("DiLoCo int8", "diloco", "int8"),
+    Row("DiLoCo int4", "diloco", "int4"),
+    Row("DiLoCo fp16 overlapped", "diloco", "fp16", True),
+]
+SWEEP_ROWS = ("DP fp32 (per step)", "DiLoCo fp16", "DiLoCo fp16 overlapped")
+QUICK_ROWS = ("DP fp32 (per step)", "DiLoCo fp16")
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--preset", default=None, help="model preset (default demo; debug with --quick)")
+    p.add_argument("--sites", type=int, default=2, help="S")
+    p.add_argument("--nproc", type=int, default=1, help="W: FSDP ranks per site")
+    p.add_argument("--rate-mbit", type=float, default=None, help="per-site uplink (default 50; 200 with --quick)")
+    p.add_argument("--delay-ms", type=float, default=None, help="one-way delay (default 50; 5 with --quick)")
+    p.add_argument("--jitter-ms", type=float, default=0.0)
+    p.add_argument("--loss-pct", type=float, default=0.0)
+    p.add_argument("--mtu", type=int, default=9000)
+    p.add_argument("--inner-steps", type=int, default=None, help="H for DiLoCo rows (default 200; 4 with --quick)")
+    p.add_argument("--outer-steps", type=int, default=None, help="rounds per row (default 3; overlapped +1)")
+    p.add_argument("--sweep-outer-steps", type=int, default=2, help="rounds per sweep row (overlapped +1)")
+    p.add_argument("--dp-steps", type=int, default=4, help="data-parallel steps per reported round")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 64)")
+    p.add_argument("--batch", type=int, default=2, help="sequences per step per site")
+    p.add_argument("--sweep-rates", default=None, help="Mbit/s list for the sweep rows (default 10,1000)")
+    p.add_argument("--rows", default=None, help="comma-separated row names to run (default all)")
+    p.add_argument("--quick", action="store_true", help="debug model, tiny steps, 2 rows (CI smoke test)")
+    p.add_argument("--out", type=Path, default=REPO / "benchmarks", help="where wan.{json,md,png} go")
+    p.add_argument("--timeout", type=float, default=900, help="seconds per run")
+    p.add_argument("--raw", type=Path, default=None, help="also dump every run's records and counter samples here")
+    p.add_argument("--from-raw", type=Path, default=None, help="re-analyse a --raw dump instead of running")
+    args, extra = p.parse_known_args(argv)
+    return _defaults(args), extra
+
+
+def _defaults(args: argparse.Namespace) -> argparse.Namespace:
+    q = args.quick
+    args.preset = args.preset or ("debug" if q else "demo")
+    args.rate_mbit = args.rate_mbit or (200.0 if q else 50.0)
+    args.delay_ms = args.delay_ms if args.delay_ms is not None else (5.0 if q else 50.0)
+    args.inner_steps = args.inner_steps or (4 if q else 200)
+    args.outer_steps = args.outer_steps or 3
+    args.dp_steps = 2 if q else args.dp_steps
+    args.seq_len = args.seq_len or 64
+    sweep = "" if q else (args.sweep_rates if args.sweep_rates is not None else "10,1000")
+    args.sweep_rates = [float(r) for r in sweep.split(",") if r]
+    names = QUICK_ROWS if q else tuple(r.name for r in ROWS)
+    args.rows = [r for r in ROWS if r.name in (args.rows.split(",") if args.rows else names)]
+    return args
+
+
+# ---------------------------------------------------------------------------------- interface counters
+
+
+class IfaceSampler:
+    """tx/rx bytes of each site's wan0, sampled from threads that joined the sites' namespaces."""
+
+    def __init__(self, ifname: str = "wan0") -> None:
+        self.ifname = ifname
+        self.samples: dict[int, list[tuple[float, int, int]]] = {}
+        self.threads: list[threading.Thread] = []
+
+    def start(self, procs: list[Any]) -> None:
+        for site, proc in enumerate(procs):
+            ns = proc.args[3]  # launch wraps every site command as `ip netns exec <ns> ...`
+            self.samples[site] = []
+            t = threading.Thread(target=self._run, args=(ns, procs, self.samples[site]), daemon=True)
+            t.start()
+            self.threads.append(t)
+
+    def join(self) -> None:
+        for t in self.threads:
+            t.join(5)
+
+    def _run(self, ns: str, procs: list[Any], out: list[tuple[float, int, int]]) -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        with open(f"/run/netns/{ns}") as f:
+            if libc.setns(f.fileno(), CLONE_NEWNET) != 0:
+                raise OSError(ctypes.get_errno(), f"setns {ns}")
+        while any(p.poll() is None for p in procs):
+            self._sample(out)
+            time.sleep(SAMPLE_S)
+        self._sample(out)
+
+    def _sample(self, out: list[tuple[float, int, int]]) -> None:
+        try:
+            lines = Path("/proc/thread-self/net/dev").read_text().splitlines()
+        except OSError:
+            return
+        for line in lines:
+            name, _, rest = line.partition(":")
+            if name.strip() == self.ifname:
+                f = rest.split()
+                out.append((time.time(), int(f[8]), int(f[0])))
+
+
+def counter_at(samples: list[tuple[float, int, int]], t: float) -> float:
+    """tx bytes at wall time t, linearly interpolated between samples."""
+    prev = samples[0]
+    for s in samples:
+        if s[0] >= t:
+            span = s[0] - prev[0]
+            return prev[1] + (s[1] - prev[1]) * ((t - prev[0]) / span if span > 0 else 1.0)
+        prev = s
+    return float(samples[-1][1])
+
+
+def rising_window(samples: list[tuple[float, int, int]], t0: float, t1: float, min_step: int = 4096) -> tuple[float, float]:
+    """(bytes, seconds) while the tx counter was rising by > min_step per sample inside [t0, t1]."""
+    inside = [i for i, s in enumerate(samples) if t0 <= s[0] <= t1 and i > 0]
+    rising = [i for i in inside if samples[i][1] - samples[i - 1][1] > min_step]
+    if not rising:
+        return 0.0, 0.0
+    a, b = samples[rising[0] - 1], samples[rising[-1]]
+    return float(b[1] - a[1]), b[0] - a[0]
+
+
+# ---------------------------------------------------------------------------------- one run
+
+
+def train_overrides(args: argparse.Namespace, row: Row, rounds: int, name: str, out_dir: Path, extra: list[str]) -> list[str]:
+    from zeroband.config import MODEL_PRESETS
+    from zeroband.data.tokenizer import TextTokenizer
+
+    vocab = max(MODEL_PRESETS[args.preset]["vocab_size"], TextTokenizer.load(REPO / "data/demo/tokenizer").vocab_size)
+    h = args.dp_steps if row.is_dp else args.inner_steps
+    steps = h * (rounds + (1 if row.overlap else 0))
+    return [
+        "--name", name, "--output_dir", str(out_dir), "--model.preset", args.preset, "--model.vocab_size", str(vocab),
+        "--data.path", str(REPO / "data/demo/train.jsonl"), "--data.tokenizer", str(REPO / "data/demo/tokenizer"),
+        "--data.seq_len", str(args.seq_len), "--train.global_batch", str(args.batch),
+        "--train.micro_batch", str(max(1, args.batch // args.nproc)),
+        "--train.steps", str(steps), "--optim.warmup_steps", str(max(1, min(20, steps // 10))),
+        "--diloco.inner_steps", str(h), "--diloco.mode", row.mode, "--diloco.comm_dtype", row.dtype,
+        "--diloco.overlap", str(row.overlap).lower(), "--diloco.timeout_s", "600",
+        "--log.interval", "1", "--log.progress_bar", "false", "--eval.interval", "0", "--eval.batches", "2",
+        "--checkpoint.interval", "0", "--checkpoint.save_at_end", "false", "--checkpoint.resume", "none", *extra,
+    ]
+
+
+def run_row(args: argparse.Namespace, row: Row, rate: float, rounds: int, work: Path, extra: list[str]) -> dict[str, Any]:
+    name = f"{row.mode}-{row.dtype}{'-overlap' if row.overlap else ''}-{rate:g}mbit"
+    wan = WanLink(rate, args.delay_ms, args.jitter_ms, args.loss_pct, args.mtu)
+    sampler = IfaceSampler()
+    t0 = time.perf_counter()
+    codes = launch_sites(CONFIG, args.sites, args.nproc, train_overrides(args, row, rounds, name, work, extra),
+                         work / name / "logs", args.timeout, wan, sampler.start)
+    sampler.join()
+    if any(codes):
+        log = (work / name / "logs" / f"site{codes.index(next(c for c in codes if c))}.log").read_text()
+        raise RuntimeError(f"{name}: exit codes {codes}\n{log[-3000:]}")
+    records = {s: read_records(work / name / f"site{s}" / "metrics.jsonl") for s in range(args.sites)}
+    print(f"[bench_wan] {name}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    return {"row": row.name, "mode": row.mode, "dtype": row.dtype, "overlap": row.overlap, "rate_mbit": rate,
+            "records": records, "samples": sampler.samples}
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+# ---------------------------------------------------------------------------------- analysis
+
+
+def site_rounds(records: list[dict[str, Any]], h: int, overlap: bool) -> list[dict[str, Any]]:
+    """Steady rounds of one site: wall W, outer O, comm A, boundaries (t0, t1)."""
+    train = {r["step"]: r for r in records if r["kind"] == "train"}
+    outer = {r["step"]: r for r in records if r["kind"] == "outer"}
+    last = max(train)
+    ks = range(2, last // h + (0 if overlap else 1))
+    rounds = []
+    for k in ks:
+        t0, t1 = train[(k - 1) * h]["time"], train[k * h]["time"]
+        o = outer.get(k * h)
+        if o is None:
+            continue
+        rounds.append({"t0": t0, "t1": t1, "W": t1 - t0, "O": o["outer_step_s"], "A": o["allreduce_s"],
+                       "payload": o["payload_bytes"]})
+    return rounds
+
+
+def quiet_rate(samples: list[tuple[float, int, int]], rounds: list[dict[str, Any]]) -> float | None:
+    """Idle chatter (tx bytes/s) between the end of one blocking outer step and the start of the next."""
+    total_b = total_s = 0.0
+    for r in rounds:
+        a, b = r["t0"] + 0.3, r["t1"] - r["O"] - 0.3
+        if b - a > 1.0:
+            total_b += counter_at(samples, b) - counter_at(samples, a)
+            total_s += b - a
+    return total_b / total_s if total_s else None
+
+
+def analyse(args: argparse.Namespace, run: dict[str, Any], chatter: float) -> dict[str, Any]:
+    row = Row(run["row"], run["mode"], run["dtype"], run["overlap"])
+    h = args.dp_steps if row.is_dp else args.inner_steps
+    per_site = [site_rounds(run["records"][s], h, row.overlap) for s in range(args.sites)]
+    rounds = [r for site in per_site for r in site]
+    wire_site, transfer_bw = site_wire(run, per_site, chatter)
+    wall_w, comp_w = sum(r["W"] for r in rounds), sum(r["W"] - r["O"] for r in rounds)
+    last = last_arrivals(per_site)
+    allreduce_s = statistics.fmean(r["A"] for r in rounds)
+    numel = shard_numel(rounds[0]["payload"], row, h)
+    wire_rank = wire_site / args.nproc
+    per_sync = wire_rank / h if row.is_dp else wire_rank
+    rate_bytes = run["rate_mbit"] * 1e6 / 8
+    train0 = [r for r in run["records"][0] if r["kind"] == "train"]
+    val0 = [r for r in run["records"][0] if r["kind"] == "val"]
+    tokens_step = args.batch * args.seq_len
+    return {
+        "row": row.name, "mode": row.mode, "dtype": row.dtype, "overlap": row.overlap, "rate_mbit": run["rate_mbit"],
+        "inner_steps": h, "steps": train0[-1]["step"], "steady_rounds_per_site": len(per_site[0]),
+        "utilisation_wall": statistics.fmean(last_train(run, s)["compute_utilisation"] for s in range(args.sites)),
+        "utilisation_steady": comp_w / wall_w,
+        "utilisation_steady_last_arrival": sum(r["W"] - r["O"] for r in last) / sum(r["W"] for r in last),
+        "allreduce_s_last_arrival": statistics.fmean(r["A"] for r in last),
+        "compute_s_per_step": comp_w / len(rounds) / h,
+        "allreduce_s_mean": allreduce_s, "outer_step_s_mean": statistics.fmean(r["O"] for r in rounds),
+        "allreduce_s_per_step": allreduce_s / h if row.is_dp else None,
+        "wire_bytes_per_site_per_round": wire_site, "wire_bytes_per_rank_per_outer_step": wire_rank,
+        "shard_params": numel, "bytes_per_param_per_sync": per_sync / (numel * ring_factor(args.sites)),
+        "achieved_bw_over_rate": None if row.overlap else wire_site / statistics.fmean(r["A"] for r in last) / rate_bytes,
+        "wire_throughput_over_rate": transfer_bw / rate_bytes if transfer_bw else None,
+        "tokens_per_s_all_sites": args.sites * tokens_step * h * len(rounds) / wall_w,
+        "final_train_loss": train0[-1]["loss"], "final_val_loss": val0[-1]["val_loss"] if val0 else None,
+    }
+
+
+def last_arrivals(per_site: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Per round, the site that reached the outer step last: it waited only for the network, not for a
+    slower site's compute (sites share this machine's cores with each other and other jobs)."""
+    return [min(group, key=lambda r: r["A"]) for group in zip(*per_site)]
+
+
+def last_train(run: dict[str, Any], site: int) -> dict[str, Any]:
+    return [r for r in run["records"][site] if r["kind"] == "train"][-1]
+
+
+def shard_numel(payload: int, row: Row, h: int) -> float:
+    if row.is_dp:
+        return payload / h / 4.0
+    return payload / VALUE_BYTES[row.dtype]
+
+
+def site_wire(run: dict[str, Any], per_site: list[list[dict[str, Any]]], chatter: float) -> tuple[float, float]:
+    """(mean tx bytes per site per steady round minus chatter, mean bytes/s while the counter rose)."""
+    wire, speeds = [], []
+    for site, rounds in enumerate(per_site):
+        samples = run["samples"][site]
+        for r in rounds:
+            wire.append(counter_at(samples, r["t1"]) - counter_at(samples, r["t0"]) - chatter * r["W"])
+            if not run["overlap"] and run["mode"] == "diloco":
+                b, s = rising_window(samples, r["t1"] - r["O"] - 0.05, r["t1"] + 0.05)
+                if s > 0:
+                    speeds.append(b / s)
+    return statistics.fmean(wire), (statistics.fmean(speeds) if speeds else 0.0)
+
+
+def chatter_rate(args: argparse.Namespace, runs: list[dict[str, Any]]) -> float:
+    rates = []
+    for run in runs:
+        if run["mode"] == "diloco" and not run["overlap"]:
+            for s in range(args.sites):
+                q = quiet_rate(run["samples"][s], site_rounds(run["records"][s], args.inner_steps, False))
+                if q is not None:
+                    rates.append(q)
+    return statistics.median(rates) if rates else 0.0
+
+
+def predicted(args: argparse.Namespace, m: dict[str, Any]) -> dict[str, Any]:
+    """zeroband.plan's prediction for this row, from the measured compute per step."""
+    p = PlanInput(m["shard_params"] * args.nproc, m["compute_s_per_step"], args.sites, m["rate_mbit"] / 1e3,
+                  args.delay_ms, m["inner_steps"], m["dtype"], m["overlap"], True, args.mtu)
+    if m["mode"] == "data_parallel":
+        step = predict_data_parallel(p)
+        comm, util = step.comm_s * m["inner_steps"], step.utilisation
+    else:
+        pred = predict(p)
+        # overlapped: the main thread waits only for what does not fit under the round's compute
+        comm = max(0.0, pred.comm_s - pred.compute_s) if m["overlap"] else pred.comm_s
+        util = pred.utilisation
+    measured_comm, measured_util = m["allreduce_s_last_arrival"], m["utilisation_steady_last_arrival"]
+    return {"comm_s": comm, "utilisation": util, "transfer_s": None if m["overlap"] else comm,
+            "comm_err": (comm - measured_comm) / measured_comm if measured_comm > 0.05 else None,
+            "utilisation_err": (util - measured_util) / measured_util}
+
+
+# ---------------------------------------------------------------------------------- report
+
+
+def measured_rows(results: list[dict[str, Any]]) -> list[list[Any]]:
+    rows = []
+    for m in results:
+        bw = m["achieved_bw_over_rate"]
+        wire_bw = m["wire_throughput_over_rate"]
+        rows.append([m["row"], f"{m['rate_mbit']:g}", m["inner_steps"], m["steps"], f"{100 * m['utilisation_wall']:.1f}%",
+                     f"{100 * m['utilisation_steady']:.1f}%", f"{100 * m['utilisation_steady_last_arrival']:.1f}%",
+                     f"{m['allreduce_s_mean']:.3f}", f"{m['allreduce_s_last_arrival']:.3f}",
+                     f"{m['wire_bytes_per_rank_per_outer_step'] / 1e6:.3f}", f"{m['bytes_per_param_per_sync']:.3f}",
+                     f"{100 * bw:.0f}%" if bw else "-", f"{100 * wire_bw:.0f}%" if wire_bw else "-",
+                     f"{m['tokens_per_s_all_sites']:,.0f}", f"{m['final_train_loss']:.3f}",
+                     f"{m['final_val_loss']:.3f}" if m["final_val_loss"] is not None else "-"])
+    return rows
+
+
+MEASURED_HEADERS = ["row", "Mbit/s", "H", "steps", "util (wall)", "util (steady)", "util (steady, last arrival)",
+                    "comm s / outer step", "comm s (last arrival)",
+                    "wire MB / rank / outer step", "B/param/sync", "all-reduce BW / rate", "on-wire BW / rate",
+                    "tokens/s (all sites)", "train loss", "val loss"]
+
+
+def predicted_rows(results: list[dict[str, Any]]) -> list[list[Any]]:
+    return [[m["row"], f"{m['rate_mbit']:g}", f"{m['allreduce_s_last_arrival']:.3f}", f"{m['predicted']['comm_s']:.3f}",
+             _err(m["predicted"]["comm_err"]), f"{100 * m['utilisation_steady_last_arrival']:.1f}%",
+             f"{100 * m['predicted']['utilisation']:.1f}%", f"{100 * m['predicted']['utilisation_err']:+.1f}%"]
+            for m in results]
+
+
+PREDICTED_HEADERS = ["row", "Mbit/s", "comm s measured (last arrival)", "comm s predicted", "error",
+                     "util measured (steady, last arrival)",
+                     "util predicted", "error"]
+
+
+def targets(args: argparse.Namespace, results: list[dict[str, Any]]) -> list[list[Any]]:
+    main = {m["row"]: m for m in results if m["rate_mbit"] == args.rate_mbit}
+    out = []
+    dp, fp16, ovl = (main.get(n) for n in ("DP fp32 (per step)", "DiLoCo fp16", "DiLoCo fp16 overlapped"))
+    if dp and fp16:
+        out.append(["blocking fp16 >= 95% where DP < 10%", f"DP {_pct(dp)}, fp16 {_pct(fp16)}",
+                    _ok(dp["utilisation_steady"] < 0.10 and fp16["utilisation_steady"] >= 0.95)])
+    if ovl:
+        out.append(["overlapped >= 99%", _pct(ovl), _ok(ovl["utilisation_steady"] >= 0.99)])
+    for m in main.values():
+        if m["mode"] == "diloco" and not m["overlap"] and m["achieved_bw_over_rate"]:
+            out.append([f"all-reduce BW >= 90% of rate at {2 * args.delay_ms:g} ms RTT ({m['row']})",
+                        f"{100 * m['achieved_bw_over_rate']:.0f}% (on-wire {100 * (m['wire_throughput_over_rate'] or 0):.0f}%)",
+                        _ok(m["achieved_bw_over_rate"] >= 0.9)])
+    for m in main.values():
+        if m["dtype"] in TARGETS and m["mode"] == "diloco" and not m["overlap"]:
+            goal = TARGETS[m["dtype"]]
+            ok = abs(m["bytes_per_param_per_sync"] - goal) <= 0.02 * goal if m["dtype"] == "fp16" else m["bytes_per_param_per_sync"] <= goal
+            out.append([f"{m['dtype']} wire bytes/param {'~' if m['dtype'] == 'fp16' else '<='} {goal}",
+                        f"{m['bytes_per_param_per_sync']:.3f}", _ok(ok)])
+    return out
+
+
+def _err(value: float | None) -> str:
+    return "n/a (both ~0)" if value is None else f"{100 * value:+.0f}%"
+
+
+def _pct(m: dict[str, Any]) -> str:
+    return f"{100 * m['utilisation_steady']:.1f}% (last arrival {100 * m['utilisation_steady_last_arrival']:.1f}%)"
+
+
+def _ok(flag: bool) -> str:
+    return "met" if flag else "NOT met"
+
+
+def render(data: dict[str, Any]) -> str:
+    meta, results = data["meta"], data["results"]
+    return "\n\n".join([
+        f"## WAN benchmark: {meta['preset']} preset ({meta['params']:,} params), {meta['sites']} sites x {meta['nproc']} "
+        f"ranks, link {meta['rate_mbit']:g} Mbit/s per site uplink, {meta['delay_ms']:g} ms one-way "
+        f"({2 * meta['delay_ms']:g} ms RTT), jitter {meta['jitter_ms']:g} ms, loss {meta['loss_pct']:g}%, MTU {meta['mtu']}, "
+        f"backend {meta['backend']}",
+        f"DiLoCo H={meta['inner_steps']} x {meta['outer_steps']} rounds (+1 for overlapped); data parallel syncs "
+        f"every step, reported every {meta['dp_steps']} steps (its H column); {meta['tokens_per_step']} tokens per "
+        f"step per site. Sweep rates: {meta['sweep_rates'] or 'none'}.",
+        "### Measured", markdown_table(MEASURED_HEADERS, measured_rows(results)),
+        "### Predicted by zeroband.plan (from each row's measured compute per step)",
+        markdown_table(PREDICTED_HEADERS, predicted_rows(results)),
+        "### Targets", markdown_table(["target", "measured", "status"], targets_from_meta(data)),
+        NOTES.format(chatter=meta["chatter_bytes_per_s"]),
+        load_note(meta["loadavg_start"], meta["loadavg_end"]),
+    ])
+
+
+def targets_from_meta(data: dict[str, Any]) -> list[list[Any]]:
+    return data["targets"]
+
+
+NOTES = (
+    "Definitions. Round k = inner steps (k-1)H+1..kH between the train records of steps (k-1)H and kH (wall W_k); "
+    "O_k = the round's outer_step_s, A_k = allreduce_s (seconds the main thread waited for the network). Steady "
+    "rounds: k >= 2, and for overlapped rows not the final blocking sync. util (wall) = the trainer's "
+    "compute_utilisation at its last step (inner compute / wall since start, startup included). util (steady) = "
+    "sum(W_k - O_k) / sum(W_k) over both sites. 'last arrival': per round only the site that reached the outer step "
+    "last, whose A_k is pure network time; the other site's A_k also holds its wait for the slower site's compute "
+    "(the sites share 2 cores with each other and with other jobs). comm s / outer step = mean A_k (for DP: the H "
+    "per-step syncs of a round). Wire bytes "
+    "= tx bytes counted at each site's wan0 between round boundaries (sampled every 20 ms from inside the namespace, "
+    "interpolated; for overlapped rows the round carries the all-reduce launched at its start), minus idle chatter {chatter:.0f} B/s x W_k (measured between outer steps of blocking rows), "
+    "divided by ranks per site; they include IP/TCP headers and the ACKs this site sends for what it receives. "
+    "B/param/sync = wire bytes per rank per sync / (shard parameters x 2(S-1)/S). all-reduce BW / rate = wire "
+    "bytes per site / A_k (last arrival) / link rate (A_k includes the site-statistics exchange and round trips); on-wire BW = the same "
+    "bytes over only the time the counter was rising. Predicted = zeroband.plan with the link's rate, one-way delay "
+    "and MTU, TCP slow start after idle, and the row's measured compute s per step; for overlapped rows the "
+    "communication column is the predicted wait, max(0, T_comm - H x step), compared with the measured wait."
+)
+
+
+def plot(results: list[dict[str, Any]], out: Path) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for name in sorted({m["row"] for m in results}):
+        pts = sorted((m["rate_mbit"], m["utilisation_steady"], m["predicted"]["utilisation"]) for m in results if m["row"] == name)
+        line = ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], "o-", label=f"{name} (measured)")
+        ax.plot([p[0] for p in pts], [100 * p[2] for p in pts], "x:", color=line[0].get_color(), alpha=0.7)
+    ax.set_xscale("log")
+    ax.set_xlabel("link bandwidth per site (Mbit/s, log)")
+    ax.set_ylabel("compute utilisation, steady (%)")
+    ax.set_title("solid: measured, dotted x: zeroband.plan prediction")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+# ---------------------------------------------------------------------------------- main
+
+
+def plan_runs(args: argparse.Namespace) -> list[tuple[Row, float, int]]:
+    """(row, link Mbit/s, rounds) for every run: all rows at the main link, the sweep rows at the others."""
+    runs = [(row, args.rate_mbit, args.outer_steps) for row in args.rows]
+    for rate in args.sweep_rates:
+        if rate != args.rate_mbit:
+            runs += [(row, rate, args.sweep_outer_steps) for row in args.rows if row.name in SWEEP_ROWS]
+    return runs
+
+
+def run_all(args: argparse.Namespace, work: Path, extra: list[str]) -> list[dict[str, Any]]:
+    """Sequentially (timings must not overlap); --quick runs its rows side by side to stay under a minute."""
+    jobs = [(args, row, rate, rounds, work, extra) for row, rate, rounds in plan_runs(args)]
+    if not args.quick:
+        return [run_row(*job) for job in jobs]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        return list(pool.map(lambda job: run_row(*job), jobs))
+
+
+def preflight() -> None:
+    if os.geteuid() != 0:
+        raise SystemExit("bench_wan needs root (network namespaces, TUN devices, tc)")
+
+
+def measure(args: argparse.Namespace, extra: list[str]) -> list[dict[str, Any]]:
+    with tempfile.TemporaryDirectory(prefix="bench_wan-") as tmp:
+        runs = run_all(args, Path(tmp), extra)
+    if args.raw:
+        args.raw.write_text(json.dumps(runs))
+    return runs
+
+
+def measured_load(previous: Path, meta: dict[str, Any]) -> dict[str, Any]:
+    """A re-analysis keeps the load note of the measuring run (its wan.json), not today's load."""
+    if not previous.is_file():
+        return {}
+    old = json.loads(previous.read_text())["meta"]
+    return {k: old[k] for k in ("loadavg_start", "loadavg_end") if k in old}
+
+
+def load_raw(path: Path) -> list[dict[str, Any]]:
+    runs = json.loads(path.read_text())
+    for run in runs:  # JSON turned the site keys into strings
+        run["records"] = {int(k): v for k, v in run["records"].items()}
+        run["samples"] = {int(k): v for k, v in run["samples"].items()}
+    return runs
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, extra = parse_args(argv)
+    preflight()
+    ensure_demo_data()
+    load_start = load_average()
+    runs = load_raw(args.from_raw) if args.from_raw else measure(args, extra)
+    params = next(r for r in runs[0]["records"][0] if r["kind"] == "run")["params"]
+    chatter = chatter_rate(args, runs)
+    results = [analyse(args, run, chatter) for run in runs]
+    for m in results:
+        m["predicted"] = predicted(args, m)
+    meta = {"preset": args.preset, "params": params, "sites": args.sites, "nproc": args.nproc, "rate_mbit": args.rate_mbit,
+            "delay_ms": args.delay_ms, "jitter_ms": args.jitter_ms, "loss_pct": args.loss_pct, "mtu": args.mtu,
+            "backend": backend_name(args), "inner_steps": args.inner_steps, "outer_steps": args.outer_steps,
+            "dp_steps": args.dp_steps, "tokens_per_step": args.batch * args.seq_len, "sweep_rates": args.sweep_rates,
+            "quick": args.quick, "extra_overrides": extra, "chatter_bytes_per_s": chatter, "cores": os.cpu_count(),
+            "loadavg_start": load_start, "loadavg_end": load_average()}
+    if args.from_raw:
+        meta.update(measured_load(args.out / "wan.json", meta))
+    data: dict[str, Any] = {"meta": meta, "results": results}
+    data["targets"] = targets(args, results)
+    write_outputs(args.out, "wan", data, render(data))
+    plot(results, args.out / "wan.png")
+    return 0
+
+
+def backend_name(args: argparse.Namespace) -> str:
+    from zeroband.wan.emulator import netem_available
+
+    if not (args.delay_ms or args.jitter_ms or args.loss_pct):
+        return "veth"
+    return "netem" if netem_available() else "tun"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
