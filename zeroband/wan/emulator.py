@@ -233,6 +233,9 @@ class WanEmulator:
         ns = self.site_ns(i)
         # no IPv6: router solicitations would otherwise show up in the byte counters
         _run(["ip", "netns", "exec", ns, "sysctl", "-qw", f"net.ipv6.conf.{IFNAME}.disable_ipv6=1"], check=False)
+        # Long-haul tuning a WAN site would apply: an idle connection between outer steps keeps its
+        # congestion window instead of slow-starting again every round.
+        _run(["ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv4.tcp_slow_start_after_idle=0"], check=False)
         ip("-n", ns, "addr", "add", f"{self.site_ip(i)}/{SUBNET_PREFIX}", "dev", IFNAME)
         ip("-n", ns, "link", "set", IFNAME, "mtu", str(self.mtu), "up")
         qdisc = self._qdisc()
