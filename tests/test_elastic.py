@@ -77,21 +77,24 @@ def test_kill_during_all_reduce_retries_without_partial_result(corpus, tmp_path,
     assert_identical(tree, [0, 2], 10)
 
 
-def _late_train(tree: dict, delay_site: int, delay_s: float) -> dict:
+def _late_train(tree: dict, delay_site: int, after_round: int) -> dict:
+    """Site `delay_site` starts only once the others have committed `after_round` rounds."""
     import os
 
     if int(os.environ["ZEROBAND_SITE_RANK"]) == delay_site:
-        time.sleep(delay_s)
+        store = open_store(tree["diloco"]["store"], False, timedelta(seconds=60))
+        while store.add(f"zeroband/{tree['name']}/elastic/committed", 0) - 1 < after_round:
+            time.sleep(0.1)
     return _train(tree)
 
 
 def test_join_mid_run_receives_state(corpus, tmp_path, store_address):
-    tree = elastic_tree(corpus, tmp_path, store_address, steps=16, start_grace_s=1.0)
-    out = run_sites(_late_train, 3, 1, (tree, 2, 6.0), timeout=150)
+    tree = elastic_tree(corpus, tmp_path, store_address, steps=40, start_grace_s=1.0)
+    out = run_sites(_late_train, 3, 1, (tree, 2, 2), timeout=150)
     joiner, member = out[(2, 0)], out[(0, 0)]
-    assert joiner["steps"] == member["steps"] == 16
+    assert joiner["steps"] == member["steps"] == 40
     assert len(joiner["losses"]) < len(member["losses"])  # it joined mid-run and took the counters over
-    assert_identical(tree, [0, 1, 2], 16)
+    assert_identical(tree, [0, 1, 2], 40)
     used = [r["sites_used"] for r in outer_records(tmp_path, 0)]
     assert used[0] < 3 and used[-1] == 3, used  # (under load site 1 may itself join one round late)
 

@@ -319,6 +319,7 @@ def train_loop(run: Run, metrics: MetricsLogger) -> dict[str, Any]:
     stop.uninstall()
     if not losses and cfg.checkpoint.save_at_end:  # a site that joined at the very last boundary
         save(run)
+    run.outer.leave()  # finished: nobody should wait for this site any more
     return {"losses": losses, "val": val, "steps": progress.step, "tokens": progress.tokens,
             "compute_utilisation": run.clock.utilisation, "run_dir": str(run.run_dir)}
 

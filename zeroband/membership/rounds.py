@@ -124,8 +124,20 @@ class RoundCoordinator:
                 raise RoundTimeout(f"round {r} attempt {a}: no member decision within {timeout_s:.0f} s")
             if may_propose:
                 self._maybe_propose(r, a, expected, min_sites, grace_s, wait, new_generation)
+            elif self._alone(wait):
+                raise RoundTimeout(f"round {r}: no other site has been alive for {self.liveness.dead_after_s:.0f} s; "
+                                   "the run has finished or every other site is gone, so there is nothing to join")
             time.sleep(POLL_S)
         return Decision.from_json(self.store.get(key))
+
+    def _alone(self, wait: WaitState) -> bool:
+        """A joiner that has seen no other live site for dead_after_s (they finished or died)."""
+        self.liveness.poll()
+        if self.liveness.alive() - {self.site}:
+            wait.extra.pop("alone_since", None)
+            return False
+        since = wait.extra.setdefault("alone_since", time.monotonic())
+        return time.monotonic() - since > self.liveness.dead_after_s
 
     def _maybe_propose(self, r: int, a: int, expected: set[int], min_sites: int, grace_s: float, wait: WaitState,
                        new_generation: Callable[[list[int]], int]) -> None:
