@@ -37,7 +37,7 @@ def loss_table(records: list[dict[str, Any]], every: int = 1) -> str:
     val = {r["step"]: r for r in records if r["kind"] == "val"}
     train = [r for r in records if r["kind"] == "train"]
     for i, r in enumerate(train):
-        if i % every and r is not train[-1]:
+        if i % every and r is not train[-1] and r["step"] not in val:
             continue
         v = val.get(r["step"])
         rows.append(f"| {r['step']} | {r['loss']:.3f} | {v['val_loss']:.3f} | {v['val_ppl']:.1f} |" if v
