@@ -1,0 +1,80 @@
+"""The experiment's corpus and tokenizer: decompress and verify the shared corpus, train a BPE on its train split.
+
+Everything is written to a cache directory outside the repository (default ~/.cache/zeroband). The
+train/validation split is the loader's own (`is_val_document`, a fixed hash of each document's
+text), so the tokenizer never sees a validation document.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import lzma
+import shutil
+from pathlib import Path
+
+SHARED_CORPUS = Path("/work/shared/data/prose-v1.jsonl.xz")
+SHARED_SHA256 = "52c111d5b419efd06a33d92e812bac307e0bd2301526bcfe180137559d734d46"
+DEFAULT_CACHE = Path.home() / ".cache" / "zeroband"
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def shared_corpus(cache: Path) -> Path:
+    """The decompressed shared corpus in `cache`, verified by sha256 (decompressed once)."""
+    out = cache / "prose-v1.jsonl"
+    if out.is_file() and sha256_of(out) == SHARED_SHA256:
+        return out
+    if not SHARED_CORPUS.is_file():
+        raise SystemExit(f"{SHARED_CORPUS} not found: pass --corpus PATH (e.g. `zeroband data` output)")
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    with lzma.open(SHARED_CORPUS, "rb") as src, open(tmp, "wb") as dst:
+        shutil.copyfileobj(src, dst, 1 << 20)
+    got = sha256_of(tmp)
+    if got != SHARED_SHA256:
+        tmp.unlink()
+        raise SystemExit(f"{SHARED_CORPUS}: sha256 {got} != expected {SHARED_SHA256}")
+    tmp.replace(out)
+    return out
+
+
+def write_train_split(corpus: Path, val_fraction: float, out: Path) -> int:
+    """The corpus' train documents (the loader's split) as jsonl; returns how many."""
+    from zeroband.data.loader import is_val_document
+
+    n = 0
+    with open(corpus, encoding="utf-8") as src, open(out, "w", encoding="utf-8") as dst:
+        for line in src:
+            text = json.loads(line).get("text") if line.strip() else None
+            if text and not is_val_document(text, val_fraction):
+                dst.write(json.dumps({"text": text}) + "\n")
+                n += 1
+    return n
+
+
+def corpus_key(corpus: Path, vocab: int, val_fraction: float) -> str:
+    stat = corpus.stat()
+    raw = f"{corpus.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{vocab}:{val_fraction}"
+    return hashlib.sha256(raw.encode()).hexdigest()[:12]
+
+
+def prepare_tokenizer(corpus: Path, vocab: int, val_fraction: float, cache: Path) -> Path:
+    """A byte-level BPE of `vocab` tokens trained on the train split only; cached by corpus + settings."""
+    from zeroband.data.tokenizer import train_tokenizer
+
+    out = cache / f"tokenizer-{vocab}-{corpus_key(corpus, vocab, val_fraction)}"
+    if (out / "tokenizer.json").is_file():
+        return out
+    cache.mkdir(parents=True, exist_ok=True)
+    split = cache / f"train-split-{corpus_key(corpus, vocab, val_fraction)}.jsonl"
+    write_train_split(corpus, val_fraction, split)
+    train_tokenizer([split], vocab, out)
+    split.unlink()
+    return out
