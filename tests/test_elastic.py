@@ -176,3 +176,22 @@ def test_time_budget_rounds_weight_by_tokens(corpus, tmp_path, store_address):
     assert fast_steps > slow_steps >= 3, (fast_steps, slow_steps)
     crcs = [[r["outer_crc"] for r in outer_records(tmp_path, s)] for s in (0, 1)]
     assert len(crcs[0]) == 3 and crcs[0] == crcs[1]  # 6 // 2 rounds, identical outer state after each
+
+
+def _leave_then_return(tree: dict) -> dict:
+    import os
+
+    first = _train(tree)
+    if int(os.environ["ZEROBAND_SITE_RANK"]) != 2:
+        return first
+    assert first["steps"] == 5  # left on SIGTERM ...
+    os.environ.pop("ZEROBAND_FAULTS")
+    return _train(tree)  # ... and came back in the same slot
+
+
+def test_site_that_left_can_rejoin(corpus, tmp_path, store_address):
+    tree = elastic_tree(corpus, tmp_path, store_address, steps=40)
+    out = run_sites(_leave_then_return, 3, 1, (tree,), env={"ZEROBAND_FAULTS": "site2:step5:inner:term"}, timeout=150)
+    assert out[(2, 0)]["steps"] == out[(0, 0)]["steps"] == 40
+    assert outer_records(tmp_path, 0)[-1]["sites_used"] == 3
+    assert_identical(tree, [0, 1, 2], 40)

@@ -65,6 +65,7 @@ class ElasticDiLoCo(DiLoCo):
                                        self.liveness)
         self.heartbeat = None
         if self.world.rank == 0:
+            topology.store.delete_key(leave_key(self.prefix, self.world.site_rank))  # back after a leave
             reopen = lambda: open_store(cfg.store, False, timedelta(seconds=cfg.timeout_s))  # noqa: E731
             self.heartbeat = Heartbeat(reopen, self.prefix, self.world.site_rank, cfg.heartbeat_s).start()
         self.secret = load_secret(cfg.secret) if cfg.secret or _env_secret() else None
@@ -87,10 +88,13 @@ class ElasticDiLoCo(DiLoCo):
             self._round(pseudo_gradient=None)
 
     def leave(self) -> None:
+        """Announce the departure, stop the heartbeat thread and drop the group (clean exit)."""
         if self.world.rank == 0:
             self.topology.store.set(leave_key(self.prefix, self.world.site_rank), str(self.round))
         if self.heartbeat is not None:
             self.heartbeat.stop()
+            self.heartbeat = None
+        self.group = None
 
     # ------------------------------------------------------------------ the outer step
     def finished(self, step: int, total_steps: int) -> bool:
@@ -122,8 +126,10 @@ class ElasticDiLoCo(DiLoCo):
         for attempt in range(self.cfg.max_retries + 1):
             decision = self._decide(attempt)
             log.info("site %d round %d attempt %d: %s", self.world.site_rank, self.round, attempt, decision)
-            if self.world.site_rank not in decision.members:
-                log.warning("round %d: left out (late or presumed dead); joining the next boundary", self.round)
+            stale = self.fresh and self.world.site_rank not in decision.fresh  # decided before we (re)started
+            if self.world.site_rank not in decision.members or stale:
+                log.warning("round %d: left out (late, presumed dead, or a decision from before a restart); "
+                            "joining the next boundary", self.round)
                 self.fresh, self.round = True, self.round + 1
                 return True, None
             outcome = self._attempt(decision, pseudo_gradient)

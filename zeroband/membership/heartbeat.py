@@ -48,6 +48,8 @@ class Heartbeat:
 
     def stop(self) -> None:
         self.stopped.set()
+        if self.thread.is_alive():
+            self.thread.join(timeout=5 * self.interval_s + 5)
 
 
 class Liveness:
@@ -62,11 +64,11 @@ class Liveness:
     def poll(self) -> None:
         now = time.monotonic()
         for site in self.sites:
-            if site in self.left:
-                continue
+            # not latched: a site that left and later restarts deletes its leave key and is back
             if self.store.check([leave_key(self.prefix, site)]):
                 self.left.add(site)
                 continue
+            self.left.discard(site)
             count = self.store.add(heartbeat_key(self.prefix, site), 0)
             if count and (site not in self.seen or self.seen[site][0] != count):
                 self.seen[site] = (count, now)
