@@ -25,7 +25,7 @@ def overrides(corpus: dict[str, str], out: Path) -> list[str]:
         "data.path": corpus["path"], "data.tokenizer": corpus["tokenizer"], "data.seq_len": 32,
         "data.val_fraction": 0.1, "train.steps": STEPS, "eval.interval": 0, "eval.batches": 1, "log.interval": 10,
         "checkpoint.interval": 20, "checkpoint.keep_last": 20, "diloco.elastic": "true", "diloco.inner_steps": 2,
-        "diloco.heartbeat_s": 0.25, "diloco.dead_after_s": 2, "diloco.grace_s": 1, "diloco.start_grace_s": 60,
+        "diloco.heartbeat_s": 0.5, "diloco.dead_after_s": 5, "diloco.grace_s": 1, "diloco.start_grace_s": 60,
         "diloco.timeout_s": 30, "diloco.join_timeout_s": 60, "diloco.log_checksum": "true",
     }
     return [x for k, v in values.items() for x in (f"--{k}", str(v))]
@@ -57,7 +57,7 @@ def test_killed_site_rejoins_identical(corpus, tmp_path):
                                  overrides(corpus, tmp_path), tmp_path / "logs", lambda s, c: c, lambda s: {})
         for p in sites:
             p.start(f"site2:step{KILL_STEP}:inner:kill" if p.site == 2 else "")
-        run_until_done(sites, 85)
+        run_until_done(sites, 200)
     victim = sites[2]
     assert victim.incarnations[0].returncode != 0, "the planned kill did not happen"
     assert [p.poll() for p in sites] == [0, 0, 0], [p.poll() for p in sites]
