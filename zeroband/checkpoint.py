@@ -60,7 +60,7 @@ def step_dir(root: Path, step: int) -> Path:
     return root / f"step_{step:09d}"
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):
@@ -124,7 +124,7 @@ def save_checkpoint(
 
 def _seal(tmp: Path, final: Path, step: int, world: int, meta: dict[str, Any]) -> None:
     files = {
-        str(p.relative_to(tmp)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+        str(p.relative_to(tmp)): {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
         for p in sorted(tmp.rglob("*"))
         if p.is_file()
     }
@@ -164,7 +164,7 @@ def verify_checkpoint(path: Path) -> dict[str, Any]:
             raise CheckpointError(
                 f"{path}: {name} has {file.stat().st_size} bytes, manifest says {expected['bytes']} (truncated?)"
             )
-        if _sha256(file) != expected["sha256"]:
+        if sha256_file(file) != expected["sha256"]:
             raise CheckpointError(f"{path}: {name} fails its sha256 check (corrupt)")
     return manifest
 

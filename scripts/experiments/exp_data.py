@@ -13,17 +13,14 @@ import lzma
 import shutil
 from pathlib import Path
 
+from zeroband.checkpoint import sha256_file
+
 SHARED_CORPUS = Path("/work/shared/data/prose-v1.jsonl.xz")
 SHARED_SHA256 = "52c111d5b419efd06a33d92e812bac307e0bd2301526bcfe180137559d734d46"
 DEFAULT_CACHE = Path.home() / ".cache" / "zeroband"
 
 
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+sha256_of = sha256_file  # one implementation, shared with checkpoint verification
 
 
 def shared_corpus(cache: Path) -> Path:
