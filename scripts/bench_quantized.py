@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench_common import REPO, markdown_table, run_forked, thread_env, write_outputs  # noqa: E402
 
-from zeroband.comm.dense import all_reduce_weighted  # noqa: E402
+from zeroband.comm.dense import all_reduce_dense  # noqa: E402
 from zeroband.comm.quantized import DEFAULT_BLOCK, Codec, all_reduce_quantized, chunk_bounds  # noqa: E402
 
 METHODS = ["fp16", "int8", "int4"]
@@ -74,20 +74,18 @@ def rel_err(got: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
 
 def _reduce(method: str, tensors: list[torch.Tensor], group: Any, weight: float) -> int:
     if method == "fp16":
-        peak = torch.tensor([max(float(t.abs().max()) for t in tensors)], dtype=torch.float64)
-        group.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
-        payload = all_reduce_weighted(tensors, group, "fp16", weight, 32 * 2**20, float(peak))
-        return round(payload * 2 * (group.size - 1) / group.size)
+        return all_reduce_dense(tensors, group, "fp16", weight)
     return all_reduce_quantized(tensors, group, 8 if method == "int8" else 4, weight)
 
 
 def _site(shapes: list[tuple[int, ...]], repeats: int) -> list[dict]:
     """One site: every (kind, method) once; site 0 also measures the error."""
-    from zeroband.mesh import _make_store, new_global_group
+    from zeroband.membership.store import open_store
+    from zeroband.mesh import new_global_group
 
     site, sites = int(os.environ["ZEROBAND_SITE_RANK"]), int(os.environ["ZEROBAND_SITE_COUNT"])
     timeout = timedelta(seconds=300)
-    store = _make_store(os.environ["ZEROBAND_BENCH_STORE"], site == 0, timeout)
+    store = open_store(os.environ["ZEROBAND_BENCH_STORE"], site == 0, timeout)
     group = new_global_group(store, "bench/", site, sites, timeout)
     barrier = torch.zeros(1)
     rows = []

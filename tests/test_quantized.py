@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from tests.multiproc import free_port, run_sites
-from zeroband.comm.quantized import _NEAREST, CODEBOOKS, Codec, all_reduce_quantized, chunk_bounds
+from zeroband.comm.direct import chunk_bounds
+from zeroband.comm.quantized import _NEAREST, CODEBOOKS, Codec, all_reduce_quantized
 
 SHAPES = [(257, 301), (3,), (1,), (1023,), (64, 65)]  # odd sizes, tiny tensors, partial blocks
 TARGET = {8: 1.05, 4: 0.55}  # bytes per parameter of one full pass (x 2(S-1)/S for the all-reduce)

@@ -161,7 +161,9 @@ class DilocoConfig(Section):
     comm_dtype: Literal["fp32", "bf16", "fp16", "int8", "int4"] = "fp16"
     # int8/int4 only: carry what quantisation lost into the next outer step.
     error_feedback: bool = False
-    bucket_mb: float = Field(32.0, gt=0)
+    # Pipeline piece of the all-reduce, in MB of fp32 values: encoding piece k+1 overlaps sending
+    # piece k, and the all-gather of a piece starts as soon as its reduce-scatter landed.
+    bucket_mb: float = Field(4.0, gt=0)
     # Launch the all-reduce in the background and apply it one outer step late (see diloco.py).
     overlap: bool = False
     # "data_parallel" averages gradients across sites every step instead (the baseline).

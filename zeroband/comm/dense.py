@@ -1,22 +1,25 @@
-"""Bucketed all-reduce of fp32 tensors in a chosen wire dtype (fp32, bf16, fp16).
+"""fp32, bf16 and fp16 wire formats for the pseudo-gradient all-reduce (schedule: comm/direct.py).
 
-fp16 is made safe by a shared power-of-two scale: every site knows the largest pseudo-gradient
-magnitude of every site (exchanged before the payload), so all sites pick the same scale, the
-worst-case sum stays below half of fp16's 65504, and small values keep their precision.
-Multiplying by a power of two is exact, so the scale adds no rounding of its own.
+fp16 is made safe by a power-of-two scale per message: the sender multiplies the chunk by the
+largest power of two s with s x max|chunk| <= 2**15 and puts s (4 bytes, fp32) in front of the
+values. Small pseudo-gradients keep fp16's full precision, nothing overflows, and multiplying or
+dividing by a power of two is exact, so the scale adds no rounding of its own. Sums are taken in
+fp32 by the chunk's owner (comm/direct.py), never in fp16, so S sites cannot overflow either.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
+from zeroband.comm.direct import DEFAULT_PIECE_VALUES, all_reduce_direct
 from zeroband.mesh import GlobalGroup
 
 WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-FP16_HEADROOM = 2.0**15  # half of fp16's max, so a sum of same-signed terms cannot overflow
+FP16_HEADROOM = 2.0**15  # half of fp16's max: rounding up the largest value cannot overflow
+SCALE_HEADER = 4  # fp16 messages start with their fp32 scale
 
 
 def fp16_scale(max_abs: float) -> float:
@@ -26,47 +29,56 @@ def fp16_scale(max_abs: float) -> float:
     return 2.0 ** math.floor(math.log2(FP16_HEADROOM / max_abs))
 
 
-def buckets(tensors: list[torch.Tensor], bucket_bytes: int, elem_bytes: int) -> Iterator[list[int]]:
-    """Consecutive groups of tensor indices whose payload fits in a bucket (a big tensor alone)."""
-    group: list[int] = []
-    size = 0
-    for i, t in enumerate(tensors):
-        nbytes = t.numel() * elem_bytes
-        if group and size + nbytes > bucket_bytes:
-            yield group
-            group, size = [], 0
-        group.append(i)
-        size += nbytes
-    if group:
-        yield group
+@dataclass(frozen=True)
+class DenseCodec:
+    """A 1-D fp32 chunk as raw fp32 / bf16 values, or as a scale header plus fp16 values."""
+
+    wire: str
+    block: int = 1
+
+    def __post_init__(self) -> None:
+        if self.wire not in WIRE_DTYPES:
+            raise ValueError(f"unknown dense wire format {self.wire!r}; choose from {sorted(WIRE_DTYPES)}")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return WIRE_DTYPES[self.wire]
+
+    @property
+    def header(self) -> int:
+        return SCALE_HEADER if self.wire == "fp16" else 0
+
+    def nbytes(self, n: int) -> int:
+        return self.header + n * (torch.finfo(self.dtype).bits // 8)
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(self.nbytes(x.numel()), dtype=torch.uint8)
+        if self.wire == "fp16":
+            scale = fp16_scale(float(x.abs().max())) if x.numel() else 1.0
+            out[:SCALE_HEADER] = torch.tensor([scale], dtype=torch.float32).view(torch.uint8)
+            out[SCALE_HEADER:].view(torch.float16).copy_(x * scale)
+        else:
+            out.view(self.dtype).copy_(x)
+        return out
+
+    def decode(self, buf: torch.Tensor, n: int) -> torch.Tensor:
+        values = buf[self.header :].view(self.dtype)[:n].to(torch.float32)
+        if self.wire == "fp16":
+            values = values.div_(float(buf[:SCALE_HEADER].view(torch.float32)))
+        return values
 
 
-def all_reduce_weighted(
+def all_reduce_dense(
     tensors: list[torch.Tensor],
     group: GlobalGroup,
     wire: str,
     weight: float,
-    bucket_bytes: int,
-    max_abs: float,
+    piece_values: int = DEFAULT_PIECE_VALUES,
+    error_feedback: dict[int, torch.Tensor] | None = None,
 ) -> int:
-    """In place: tensors <- sum over sites of (weight_site * tensors_site), sent as `wire` dtype.
+    """In place: tensors <- sum over sites of (weight_site * tensors_site), sent as `wire` values.
 
-    `weight` is this site's share (e.g. 1/n for a plain average, 0 for an excluded site); `max_abs`
-    must be the same on every site (the largest |value| any contributing site holds). Returns the
-    payload bytes this rank put into the all-reduce.
+    `weight` is this site's share (e.g. 1/n for a plain average, 0 for an excluded site). Every
+    site ends bitwise identical. Returns the bytes this site sent.
     """
-    dtype = WIRE_DTYPES[wire]
-    scale = fp16_scale(max_abs) if dtype == torch.float16 else 1.0
-    elem = torch.finfo(dtype).bits // 8
-    payload = 0
-    for idx in buckets(tensors, bucket_bytes, elem):
-        flat = torch.cat([tensors[i].reshape(-1) for i in idx]).mul_(weight * scale).to(dtype)
-        group.all_reduce(flat)
-        payload += flat.numel() * elem
-        summed = flat.to(torch.float32).div_(scale)
-        offset = 0
-        for i in idx:
-            n = tensors[i].numel()
-            tensors[i].copy_(summed[offset : offset + n].view_as(tensors[i]))
-            offset += n
-    return payload
+    return all_reduce_direct(tensors, group, DenseCodec(wire), weight, piece_values, error_feedback)

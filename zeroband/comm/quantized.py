@@ -1,35 +1,21 @@
-"""Compressed all-reduce of fp32 pseudo-gradients: int8 or 4-bit on the wire, fp32 accumulation.
+"""int8 and 4-bit wire formats for the pseudo-gradient all-reduce: fp32 in, bytes out, fp32 back.
 
-Schedule (same bytes as a ring, one quantisation per value per phase):
-- reduce-scatter: the flat contribution is cut into S block-aligned chunks, chunk c owned by site
-  c. Every site quantises its slice of chunk c ONCE and sends it straight to site c; the owner
-  dequantises what it receives and sums in fp32, in site order, together with its own slice kept
-  exact (it never crosses the wire). A ring would re-quantise partial sums at every hop and
-  compound the error; the direct scatter sends the same (S-1)/S of the payload per site.
-- all-gather: the owner quantises the reduced chunk ONCE, sends the same bytes to every peer and
-  replaces its own copy with the dequantised value of those bytes. Every site therefore decodes
-  identical bytes with identical arithmetic (one fp32 multiply per value), so all sites end
-  bitwise identical; a ring that re-quantises on the way leaves replicas drifting apart.
+The schedule (direct reduce-scatter + all-gather, pipelined, fp32 accumulation, one encoding per
+value per phase, every site bitwise identical) is comm/direct.py's; this module only says how a
+chunk becomes bytes.
 
 Wire format of one chunk: per-block scales (bf16, rounded up so no code overflows), then the codes
 (int8: one byte per value; 4-bit: two 4-bit codebook indices per byte). Rounding is
 round-to-nearest, so the result depends only on the inputs.
-
-Error feedback (optional): `error_feedback[i]` holds, in the units of the output, what
-quantisation lost from this site's share of tensor i: the reduce-scatter loss of the slices it
-sent (its own contribution) plus, for the chunk it owns, the all-gather loss of the reduced sum.
-The next call adds it to this site's contribution, so over many calls the outputs sum to the
-exact sums up to the last residual (the errors telescope instead of accumulating).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
+from zeroband.comm.direct import DEFAULT_PIECE_VALUES, all_reduce_direct
 from zeroband.mesh import GlobalGroup
 
 SCALE_DTYPE = torch.bfloat16  # fp32's exponent range in 2 bytes: no overflow/underflow of scales
@@ -38,7 +24,6 @@ SCALE_BYTES = 2
 # int8 0.014 at 128 vs 0.017 at 256; NF4 0.124 at 64 vs 0.152 at 128. Scales then cost
 # 2/128 and 2/64 bytes per value, inside the 1.05 / 0.55 byte budgets.
 DEFAULT_BLOCK = {8: 128, 4: 64}
-RS_TAG, AG_TAG = 7101, 7102  # distinct tags: a fast site's all-gather never matches a scatter recv
 
 # 4-bit codebooks on [-1, 1] (the block's absmax maps to 1). All contain 0 exactly so zeros (an
 # excluded site, padding) cost nothing. NF4 (Dettmers et al. 2023): quantiles of a normal.
@@ -167,112 +152,6 @@ class Codec:
         return _blocks(values, self.block).mul_(scale[:, None]).view(-1)[:n]
 
 
-def chunk_bounds(n: int, sites: int, block: int) -> list[tuple[int, int]]:
-    """S contiguous [start, end) ranges of whole blocks (some empty when n is tiny)."""
-    blocks = -(-n // block)
-    cuts = [min(n, (c * blocks // sites) * block) for c in range(sites + 1)]
-    return [(cuts[c], cuts[c + 1]) for c in range(sites)]
-
-
-def _peers(rank: int, size: int) -> list[int]:
-    """Other sites starting after `rank`: rotating the order spreads load instead of every site
-    sending to site 0 first."""
-    return [(rank + k) % size for k in range(1, size)]
-
-
-def _reduce_scatter(
-    flat: torch.Tensor, bounds: Sequence[tuple[int, int]], codec: Codec, group: GlobalGroup, loss: torch.Tensor | None
-) -> tuple[torch.Tensor, int]:
-    """The fp32 sum over sites of this site's own chunk; bytes sent. Records send loss in `loss`."""
-    rank, pg = group.rank, group.pg
-    lo, hi = bounds[rank]
-    recv_bufs: dict[int, torch.Tensor] = {}
-    works: list[dist.Work] = []
-    if hi > lo:
-        for src in _peers(rank, group.size):
-            recv_bufs[src] = torch.empty(codec.nbytes(hi - lo), dtype=torch.uint8)
-            works.append(pg.recv([recv_bufs[src]], src, RS_TAG))
-    sent, send_works, keep = 0, [], []
-    for dst in _peers(rank, group.size):
-        a, b = bounds[dst]
-        if b == a:
-            continue
-        buf = codec.encode(flat[a:b])
-        send_works.append(pg.send([buf], dst, RS_TAG))
-        keep.append(buf)  # gloo reads the buffer until the send completes
-        sent += buf.numel()
-        if loss is not None:
-            loss[a:b] = flat[a:b] - codec.decode(buf, b - a)
-    for w in works:
-        w.wait()
-    total = torch.zeros(hi - lo, dtype=torch.float32)
-    for src in range(group.size if hi > lo else 0):  # fixed site order: the sum depends only on the inputs
-        total += flat[lo:hi] if src == rank else codec.decode(recv_bufs[src], hi - lo)
-    for w in send_works:
-        w.wait()
-    return total, sent
-
-
-def _all_gather(
-    out: torch.Tensor, total: torch.Tensor, bounds: Sequence[tuple[int, int]], codec: Codec, group: GlobalGroup,
-    loss: torch.Tensor | None,
-) -> int:
-    """Fill `out` with every chunk's dequantised sum, identical on every site; bytes sent."""
-    rank, pg = group.rank, group.pg
-    recv_bufs: dict[int, torch.Tensor] = {}
-    works: list[dist.Work] = []
-    for src in _peers(rank, group.size):
-        a, b = bounds[src]
-        if b > a:
-            recv_bufs[src] = torch.empty(codec.nbytes(b - a), dtype=torch.uint8)
-            works.append(pg.recv([recv_bufs[src]], src, AG_TAG))
-    lo, hi = bounds[rank]
-    sent, send_works = 0, []
-    if hi > lo:
-        buf = codec.encode(total)
-        for dst in _peers(rank, group.size):
-            send_works.append(pg.send([buf], dst, AG_TAG))
-            sent += buf.numel()
-        # The owner keeps exactly what the peers will decode, not its more precise fp32 sum.
-        out[lo:hi] = codec.decode(buf, hi - lo)
-        if loss is not None:
-            loss[lo:hi] = total - out[lo:hi]
-    for src, w in zip(recv_bufs, works):
-        w.wait()
-        a, b = bounds[src]
-        out[a:b] = codec.decode(recv_bufs[src], b - a)
-    for w in send_works:
-        w.wait()
-    return sent
-
-
-def _contribution(
-    tensors: list[torch.Tensor], weight: float, error_feedback: dict | None
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """This site's flat fp32 share: weight x tensors (+ fed-back residual); and the residual held
-    back for later (weight 0: an excluded site sends exact zeros and keeps what it owes)."""
-    if weight == 0.0:  # not 0 x t: a NaN in an excluded site's tensor must not reach the wire
-        flat = torch.zeros(sum(t.numel() for t in tensors), dtype=torch.float32)
-    else:
-        flat = torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors]).mul_(weight)
-    if error_feedback is None:
-        return flat, None
-    residual = torch.cat(
-        [error_feedback.get(i, torch.zeros_like(t)).reshape(-1).to(torch.float32) for i, t in enumerate(tensors)]
-    )
-    if weight == 0.0:
-        return flat, residual
-    return flat.add_(residual), torch.zeros_like(residual)
-
-
-def _unflatten(flat: torch.Tensor, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    views, offset = [], 0
-    for t in tensors:
-        views.append(flat[offset : offset + t.numel()].view_as(t))
-        offset += t.numel()
-    return views
-
-
 def all_reduce_quantized(
     tensors: list[torch.Tensor],
     group: GlobalGroup,
@@ -281,27 +160,14 @@ def all_reduce_quantized(
     block_size: int | None = None,
     error_feedback: dict[int, torch.Tensor] | None = None,
     codebook: str = "nf4",
+    piece_values: int = DEFAULT_PIECE_VALUES,
 ) -> int:
     """In place: tensors <- sum over sites of (weight_site * tensors_site), int8 or 4-bit on the wire.
 
-    Same contract as `dense.all_reduce_weighted`; every site ends bitwise identical. `block_size`
-    values share one scale (default 128 for int8, 64 for 4-bit); `codebook` picks the 4-bit levels
+    The schedule is comm/direct.py's (every site ends bitwise identical). `block_size` values
+    share one scale (default 128 for int8, 64 for 4-bit); `codebook` picks the 4-bit levels
     ("nf4", "int4", "fp4"). `error_feedback` (a dict this site keeps between calls, keyed by tensor
-    index) enables error feedback, see the module docstring. Returns the bytes this site sent.
+    index) enables error feedback. Returns the bytes this site sent.
     """
     codec = Codec(bits, block_size or DEFAULT_BLOCK[bits], codebook)
-    flat, held = _contribution(tensors, weight, error_feedback)
-    if not bool(torch.isfinite(flat).all()):  # fail before any message is posted, not halfway through
-        raise ValueError("quantised all-reduce got a non-finite value; exclude the site (weight 0) instead")
-    loss = None if held is None else torch.zeros_like(flat)
-    sent = 0
-    if group.size > 1:
-        bounds = chunk_bounds(flat.numel(), group.size, codec.block)
-        total, sent = _reduce_scatter(flat, bounds, codec, group, loss)
-        sent += _all_gather(flat, total, bounds, codec, group, loss)
-    for t, v in zip(tensors, _unflatten(flat, tensors)):
-        t.copy_(v)
-    if error_feedback is not None and held is not None and loss is not None:
-        for i, r in enumerate(_unflatten(held.add_(loss), tensors)):
-            error_feedback[i] = r.clone()
-    return sent
+    return all_reduce_direct(tensors, group, codec, weight, piece_values, error_feedback)

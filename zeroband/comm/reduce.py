@@ -6,11 +6,15 @@ contribute, then all-reduces the payload in the configured format:
 
 | wire  | payload / param | how |
 |-------|-----------------|-----|
-| fp32  | 4 bytes   | gloo all-reduce, bucketed |
-| bf16  | 2 bytes   | gloo all-reduce, bucketed |
-| fp16  | 2 bytes   | gloo all-reduce, bucketed, shared power-of-two scale (comm/dense.py) |
-| int8  | ~1.02     | direct reduce-scatter + all-gather, fp32 accumulation (comm/quantized.py) |
-| int4  | ~0.53     | same, NF4 codebook |
+| fp32  | 4 bytes   | raw values (comm/dense.py) |
+| bf16  | 2 bytes   | raw values |
+| fp16  | 2 bytes   | power-of-two scale per message, then the values |
+| int8  | ~1.02     | per-block bf16 scales + int8 codes (comm/quantized.py) |
+| int4  | ~0.53     | per-block bf16 scales + NF4 codes |
+
+All formats travel by the same pipelined direct reduce-scatter + all-gather with fp32
+accumulation (comm/direct.py), so every site ends bitwise identical, and the link is kept busy
+instead of waiting a round trip per segment as gloo's ring all-reduce does.
 
 Only the global group is used here, never the site group, so this can run on a background thread
 while the main thread's FSDP collectives go on (the overlapped outer step).
@@ -22,8 +26,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from zeroband.comm.dense import all_reduce_weighted
-from zeroband.comm.quantized import all_reduce_quantized
+from zeroband.comm.dense import DenseCodec
+from zeroband.comm.direct import DirectExchange, WireCodec, flatten
+from zeroband.comm.quantized import DEFAULT_BLOCK, Codec
 from zeroband.mesh import GlobalGroup
 
 QUANTIZED_BITS = {"int8": 8, "int4": 4}
@@ -47,7 +52,7 @@ class SiteStats:
 @dataclass
 class ReduceResult:
     payload_bytes: int  # this rank's contribution before the collective
-    wire_bytes: int  # what this rank sends: measured for int8/int4, ring figure 2(S-1)/S otherwise
+    wire_bytes: int  # what this rank sent: 2(S-1)/S of the encoded payload
     sites_used: int
     excluded_sites: list[int] = field(default_factory=list)
     site_norms: list[float] = field(default_factory=list)
@@ -82,6 +87,13 @@ def site_weight(table: torch.Tensor, use: list[bool], me: int, by_tokens: bool) 
     return 1.0 / sum(use)
 
 
+def wire_codec(wire: str) -> WireCodec:
+    if wire in QUANTIZED_BITS:
+        bits = QUANTIZED_BITS[wire]
+        return Codec(bits, DEFAULT_BLOCK[bits])
+    return DenseCodec(wire)
+
+
 def reduce_across_sites(
     grads: list[torch.Tensor],
     stats: SiteStats,
@@ -93,20 +105,19 @@ def reduce_across_sites(
     weight_by_tokens: bool = False,
 ) -> ReduceResult:
     """In place: grads <- mean over contributing sites. Returns what it cost and who took part."""
-    table = group.gather_scalars(stats.as_list())
+    codec = wire_codec(wire)
+    numel = sum(g.numel() for g in grads)
+    exchange = DirectExchange(numel, group, codec, max(1, bucket_bytes // 4))  # receives posted first
+    table_ready = group.post_scalars(stats.as_list())
+    flat = flatten(grads)  # meanwhile: CPU work that does not depend on the table
+    table = table_ready()
     use = contributing_sites(table, outlier_factor)
     n = sum(use)
     weight = site_weight(table, use, group.rank, weight_by_tokens)
-    if weight == 0.0:
-        for g in grads:
-            g.zero_()  # never send NaN/inf: it would poison every site's sum
-    if wire in QUANTIZED_BITS:
-        payload = sum(g.numel() for g in grads) * QUANTIZED_BITS[wire] // 8
-        wire_bytes = all_reduce_quantized(grads, group, QUANTIZED_BITS[wire], weight, error_feedback=error_feedback)
-    else:
-        max_abs = max((float(table[s, 2]) for s in range(len(use)) if use[s]), default=0.0)
-        payload = all_reduce_weighted(grads, group, wire, weight, bucket_bytes, max_abs)
-        wire_bytes = int(payload * 2 * (group.size - 1) / group.size)
+    wire_bytes = exchange.run(grads, weight, error_feedback, flat)
+    payload = codec.nbytes(numel)
+    if isinstance(codec, DenseCodec):
+        payload -= codec.header  # the fp16 scale header is per message: wire bytes, not payload
     return ReduceResult(
         payload_bytes=payload,
         wire_bytes=wire_bytes,
