@@ -87,20 +87,22 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     p.add_argument("--preset", default=None, help="model preset (default demo; debug with --quick)")
     p.add_argument("--sites", type=int, default=2, help="S")
     p.add_argument("--nproc", type=int, default=1, help="W: FSDP ranks per site")
-    p.add_argument("--rate-mbit", type=float, default=None, help="per-site uplink (default 50; 200 with --quick)")
+    p.add_argument("--rate-mbit", type=float, default=None, help="per-site uplink (default 20; 200 with --quick)")
     p.add_argument("--delay-ms", type=float, default=None, help="one-way delay (default 50; 5 with --quick)")
     p.add_argument("--jitter-ms", type=float, default=0.0)
     p.add_argument("--loss-pct", type=float, default=0.0)
     p.add_argument("--mtu", type=int, default=9000)
-    p.add_argument("--inner-steps", type=int, default=None, help="H for DiLoCo rows (default 200; 4 with --quick)")
+    p.add_argument("--inner-steps", type=int, default=None, help="H for DiLoCo rows (default 500, the configs' default; 4 with --quick)")
     p.add_argument("--outer-steps", type=int, default=None, help="rounds per row (default 3; overlapped +1)")
     p.add_argument("--sweep-outer-steps", type=int, default=2, help="rounds per sweep row (overlapped +1)")
     p.add_argument("--dp-steps", type=int, default=4, help="data-parallel steps per reported round")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 64)")
     p.add_argument("--batch", type=int, default=2, help="sequences per step per site")
-    p.add_argument("--sweep-rates", default=None, help="Mbit/s list for the sweep rows (default 10,1000)")
+    p.add_argument("--sweep-rates", default=None, help="Mbit/s list for the sweep rows (default 10,100; the TUN forwarder tops out near 1000)")
     p.add_argument("--rows", default=None, help="comma-separated row names to run (default all)")
     p.add_argument("--quick", action="store_true", help="debug model, tiny steps, 2 rows (CI smoke test)")
+    p.add_argument("--no-pin-cpus", dest="pin_cpus", action="store_false",
+                   help="let the sites share all CPUs (default: each site its own, when there are enough)")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks", help="where wan.{json,md,png} go")
     p.add_argument("--timeout", type=float, default=900, help="seconds per run")
     p.add_argument("--raw", type=Path, default=None, help="also dump every run's records and counter samples here")
@@ -112,14 +114,15 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
 def _defaults(args: argparse.Namespace) -> argparse.Namespace:
     q = args.quick
     args.preset = args.preset or ("debug" if q else "demo")
-    args.rate_mbit = args.rate_mbit or (200.0 if q else 50.0)
+    args.rate_mbit = args.rate_mbit or (200.0 if q else 20.0)
     args.delay_ms = args.delay_ms if args.delay_ms is not None else (5.0 if q else 50.0)
-    args.inner_steps = args.inner_steps or (4 if q else 200)
+    args.inner_steps = args.inner_steps or (4 if q else 500)
     args.outer_steps = args.outer_steps or 3
     args.dp_steps = 2 if q else args.dp_steps
     args.seq_len = args.seq_len or 64
-    sweep = "" if q else (args.sweep_rates if args.sweep_rates is not None else "10,1000")
+    sweep = "" if q else (args.sweep_rates if args.sweep_rates is not None else "10,100")
     args.sweep_rates = [float(r) for r in sweep.split(",") if r]
+    args.pin_cpus = args.pin_cpus and len(os.sched_getaffinity(0)) >= args.sites * args.nproc
     names = QUICK_ROWS if q else tuple(r.name for r in ROWS)
     args.rows = [r for r in ROWS if r.name in (args.rows.split(",") if args.rows else names)]
     return args
@@ -220,7 +223,7 @@ def run_row(args: argparse.Namespace, row: Row, rate: float, rounds: int, work: 
     sampler = IfaceSampler()
     t0 = time.perf_counter()
     codes = launch_sites(CONFIG, args.sites, args.nproc, train_overrides(args, row, rounds, name, work, extra),
-                         work / name / "logs", args.timeout, wan, sampler.start)
+                         work / name / "logs", args.timeout, wan, sampler.start, pin_cpus=args.pin_cpus)
     sampler.join()
     if any(codes):
         log = (work / name / "logs" / f"site{codes.index(next(c for c in codes if c))}.log").read_text()
@@ -345,8 +348,10 @@ def chatter_rate(args: argparse.Namespace, runs: list[dict[str, Any]]) -> float:
 
 def predicted(args: argparse.Namespace, m: dict[str, Any]) -> dict[str, Any]:
     """zeroband.plan's prediction for this row, from the measured compute per step."""
+    # tcp_ramp off: the emulator sets tcp_slow_start_after_idle=0 in every site namespace, so the
+    # steady rounds compared here start with the window the previous sync left.
     p = PlanInput(m["shard_params"] * args.nproc, m["compute_s_per_step"], args.sites, m["rate_mbit"] / 1e3,
-                  args.delay_ms, m["inner_steps"], m["dtype"], m["overlap"], True, args.mtu)
+                  args.delay_ms, m["inner_steps"], m["dtype"], m["overlap"], False, args.mtu)
     if m["mode"] == "data_parallel":
         step = predict_data_parallel(p)
         comm, util = step.comm_s * m["inner_steps"], step.utilisation
@@ -441,7 +446,9 @@ def render(data: dict[str, Any]) -> str:
         f"backend {meta['backend']}",
         f"DiLoCo H={meta['inner_steps']} x {meta['outer_steps']} rounds (+1 for overlapped); data parallel syncs "
         f"every step, reported every {meta['dp_steps']} steps (its H column); {meta['tokens_per_step']} tokens per "
-        f"step per site. Sweep rates: {meta['sweep_rates'] or 'none'}.",
+        f"step per site. Sweep rates: {meta['sweep_rates'] or 'none'}. "
+        + ("Each site pinned to its own CPU core(s), as on separate machines (`--no-pin-cpus` to share)."
+           if meta.get("pin_cpus") else "Sites share all CPUs."),
         "### Measured", markdown_table(MEASURED_HEADERS, measured_rows(results)),
         "### Predicted by zeroband.plan (from each row's measured compute per step)",
         markdown_table(PREDICTED_HEADERS, predicted_rows(results)),
@@ -462,7 +469,7 @@ NOTES = (
     "compute_utilisation at its last step (inner compute / wall since start, startup included). util (steady) = "
     "sum(W_k - O_k) / sum(W_k) over both sites. 'last arrival': per round only the site that reached the outer step "
     "last, whose A_k is pure network time; the other site's A_k also holds its wait for the slower site's compute "
-    "(the sites share 2 cores with each other and with other jobs). comm s / outer step = mean A_k (for DP: the H "
+    "(sites that run at different speeds, e.g. sharing cores, wait for each other). comm s / outer step = mean A_k (for DP: the H "
     "per-step syncs of a round). Wire bytes "
     "= tx bytes counted at each site's wan0 between round boundaries (sampled every 20 ms from inside the namespace, "
     "interpolated; for overlapped rows the round carries the all-reduce launched at its start), minus idle chatter {chatter:.0f} B/s x W_k (measured between outer steps of blocking rows), "
@@ -470,7 +477,7 @@ NOTES = (
     "B/param/sync = wire bytes per rank per sync / (shard parameters x 2(S-1)/S). all-reduce BW / rate = wire "
     "bytes per site / A_k (last arrival) / link rate (A_k includes the site-statistics exchange and round trips); on-wire BW = the same "
     "bytes over only the time the counter was rising. Predicted = zeroband.plan with the link's rate, one-way delay "
-    "and MTU, TCP slow start after idle, and the row's measured compute s per step; for overlapped rows the "
+    "and MTU, no TCP slow start after idle (the emulator disables it, as a WAN site would), and the row's measured compute s per step; for overlapped rows the "
     "communication column is the predicted wait, max(0, T_comm - H x step), compared with the measured wait."
 )
 
@@ -566,7 +573,7 @@ def main(argv: list[str] | None = None) -> int:
             "delay_ms": args.delay_ms, "jitter_ms": args.jitter_ms, "loss_pct": args.loss_pct, "mtu": args.mtu,
             "backend": backend_name(args), "inner_steps": args.inner_steps, "outer_steps": args.outer_steps,
             "dp_steps": args.dp_steps, "tokens_per_step": args.batch * args.seq_len, "sweep_rates": args.sweep_rates,
-            "quick": args.quick, "extra_overrides": extra, "chatter_bytes_per_s": chatter, "cores": os.cpu_count(),
+            "quick": args.quick, "pin_cpus": args.pin_cpus, "extra_overrides": extra, "chatter_bytes_per_s": chatter, "cores": os.cpu_count(),
             "loadavg_start": load_start, "loadavg_end": load_average()}
     if args.from_raw:
         meta.update(measured_load(args.out / "wan.json", meta))

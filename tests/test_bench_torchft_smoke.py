@@ -41,5 +41,5 @@ def test_bench_torchft_quick(tmp_path: Path) -> None:
     # same model, data, schedule and H: the runs track each other (fp16 rounding of the average aside)
     assert zb["val_loss"] == pytest.approx(tf["val_loss"], abs=0.05)
     ratio = data["ratios"]["loopback"]["zeroband fp16 / torchft"]
-    assert ratio["bytes_per_sync"] == pytest.approx(0.5)
+    assert ratio["bytes_per_sync"] == pytest.approx(0.5, rel=1e-4)  # fp16 vs fp32, + 4-byte scale per message
     assert ratio["tokens_per_s"] > 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ import torch
 
 from tests.conftest import tiny_overrides
 from tests.multiproc import free_port
+from zeroband.launch import site_cpus
 
 
 def _zeroband(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -28,7 +30,8 @@ def test_launch_two_sites_then_export(corpus, tmp_path):
     tree = tiny_overrides(corpus, tmp_path, train={"steps": 6}, eval={"interval": 3})
     tree["diloco"] = {"inner_steps": 3, "timeout_s": 120}
     config = _write(tree, tmp_path / "run.toml")
-    out = _zeroband("launch", config, "--sites", "2", "--nproc", "1", "--timeout", "240")
+    pin = ["--pin-cpus"] if len(os.sched_getaffinity(0)) >= 2 else []  # each site on its own core
+    out = _zeroband("launch", config, "--sites", "2", "--nproc", "1", "--timeout", "240", *pin)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "DiLoCo 2 sites x 1 ranks: val ppl" in out.stdout
     summary = json.loads(out.stdout[out.stdout.index("{") : out.stdout.rindex("}") + 1])
@@ -60,3 +63,15 @@ def test_cli_config_error_is_one_clear_line(tmp_path):
     out = _zeroband("train", "configs/demo.toml", "--optim.lrr", "1")
     assert out.returncode == 2 and "optim.lrr: unknown key" in out.stderr and "Traceback" not in out.stderr
     assert free_port() > 0
+
+
+def test_site_cpus_are_disjoint_and_refuse_too_many_sites():
+    cpus = sorted(os.sched_getaffinity(0))
+    sets = [set(map(int, s.split(","))) for s in site_cpus(len(cpus))]
+    assert all(len(s) == 1 for s in sets) and set().union(*sets) == set(cpus)
+    try:
+        site_cpus(len(cpus) + 1)
+    except ValueError as e:
+        assert "one CPU per site" in str(e)
+    else:
+        raise AssertionError("more sites than CPUs must be refused")

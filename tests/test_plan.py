@@ -54,17 +54,17 @@ def test_prediction_by_hand() -> None:
     assert pred.payload_bytes == pytest.approx(2e9)
     assert pred.wire_bytes == pytest.approx(3e9)  # x 2(4-1)/4
     assert pred.bandwidth_s == pytest.approx(24.0)
-    assert pred.latency_s == pytest.approx(0.45)  # (2(S-1) ring + (S-1) statistics) hops x 50 ms
-    assert pred.comm_s == pytest.approx(24.45)
+    assert pred.latency_s == pytest.approx(0.15)  # statistics round trip + last byte: 3 x 50 ms, any S
+    assert pred.comm_s == pytest.approx(24.15)
     assert pred.compute_s == pytest.approx(600.0)
-    assert pred.utilisation == pytest.approx(600 / 624.45)
+    assert pred.utilisation == pytest.approx(600 / 624.15)
     assert pred.traffic_reduction == pytest.approx(1000.0)
     assert predict(PlanInput(1e9, 1.2, 4, 1.0, 50.0, 500, "fp16", overlap=True, tcp_ramp=False)).utilisation == 1.0
-    # per-step fp32 data parallel: 1.5 x 4e9 B / 1.25e8 B/s + 0.45 s per step
-    assert pred.dp_comm_s == pytest.approx(48.45)
-    assert pred.dp_utilisation == pytest.approx(1.2 / 49.65)
+    # per-step fp32 data parallel: 1.5 x 4e9 B / 1.25e8 B/s + 0.15 s per step
+    assert pred.dp_comm_s == pytest.approx(48.15)
+    assert pred.dp_utilisation == pytest.approx(1.2 / 49.35)
     dp = predict_data_parallel(p)
-    assert dp.comm_s == pytest.approx(48.45) and dp.utilisation == pytest.approx(1.2 / 49.65)
+    assert dp.comm_s == pytest.approx(48.15) and dp.utilisation == pytest.approx(1.2 / 49.35)
 
 
 def test_tcp_ramp_by_hand() -> None:
@@ -74,7 +74,7 @@ def test_tcp_ramp_by_hand() -> None:
     assert ramp_seconds(50_000, 12.5e6, 0.1, 9000) == pytest.approx(0.1 - 50_000 / 12.5e6)  # one short round
     assert ramp_seconds(1e9, 1e6, 0.01, 9000) == 0.0  # BDP below the initial window: no ramp
     with_ramp = predict(PlanInput(1e9, 1.2, 4, 1.0, 50.0, 500, "fp16", tcp_ramp=True))
-    assert with_ramp.ramp_s > 0 and with_ramp.comm_s == pytest.approx(24.45 + with_ramp.ramp_s)
+    assert with_ramp.ramp_s > 0 and with_ramp.comm_s == pytest.approx(24.15 + with_ramp.ramp_s)
 
 
 def test_table_covers_models_bandwidths_h_and_dtypes() -> None:
@@ -90,7 +90,7 @@ def test_cli_single_prediction(capsys: pytest.CaptureFixture[str]) -> None:
             "--inner-steps", "500", "--dtype", "fp16", "--no-tcp-ramp"]
     assert cli_main(argv) == 0
     out = capsys.readouterr().out
-    assert "24.450 s" in out and "96.08%" in out and "1000x" in out
+    assert "24.150 s" in out and "96.13%" in out and "1000x" in out
     assert cli_main([*argv, "--overlap"]) == 0
     assert "100.00%" in capsys.readouterr().out
 

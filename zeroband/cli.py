@@ -47,7 +47,7 @@ def _cmd_launch(args: argparse.Namespace, rest: list[str]) -> int:
     log_dir = cfg.run_dir / "logs"
     print(f"starting {args.sites} sites x {args.nproc} ranks; logs in {log_dir}/", flush=True)
     wan = WanLink.parse(args.wan) if args.wan else None
-    codes = launch_sites(args.config, args.sites, args.nproc, rest, log_dir, args.timeout, wan)
+    codes = launch_sites(args.config, args.sites, args.nproc, rest, log_dir, args.timeout, wan, pin_cpus=args.pin_cpus)
     if any(codes):
         for site, code in enumerate(codes):
             if code:
@@ -113,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=None, help="seconds before the sites are stopped")
     p.add_argument("--wan", default=None, metavar="rate=100,delay=50,loss=0",
                    help="put each site in its own network namespace behind an emulated link (root)")
+    p.add_argument("--pin-cpus", action="store_true", help="give each site its own CPUs, as separate machines")
     p = sub.add_parser("export", help="write a Hugging Face Llama directory from a checkpoint")
     p.add_argument("config")
     p.add_argument("--checkpoint", default=None, help="a step_* directory (default: newest)")

@@ -107,13 +107,30 @@ def _wait_for_line(proc: subprocess.Popen, marker: str, timeout_s: float) -> Non
     raise RuntimeError(f"coordination store did not start within {timeout_s:.0f} s: {' | '.join(seen[-5:])}")
 
 
+def site_cpus(sites: int) -> list[str]:
+    """This process's CPUs dealt into `sites` disjoint sets (taskset lists), as separate machines
+    would have them: co-located sites that share cores run at different speeds, and the faster
+    one's wait for the slower would be counted as communication."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < sites:
+        raise ValueError(f"--pin-cpus needs at least one CPU per site: {len(cpus)} CPUs for {sites} sites")
+    per = len(cpus) // sites
+    return [",".join(str(c) for c in cpus[s * per : (s + 1) * per]) for s in range(sites)]
+
+
 def launch_sites(
     config: str, sites: int, nproc: int, overrides: list[str], log_dir: Path, timeout_s: float | None = None,
     wan: WanLink | None = None, on_started: Callable[[list[subprocess.Popen]], None] | None = None,
+    pin_cpus: bool = False,
 ) -> list[int]:
-    """Run every site to completion; returns their exit codes. Site logs go to log_dir/site{s}.log."""
+    """Run every site to completion; returns their exit codes. Site logs go to log_dir/site{s}.log.
+    `pin_cpus` gives each site its own share of the CPUs (`site_cpus`)."""
+    cpus = site_cpus(sites) if pin_cpus else None
     with site_network(sites, wan) as (store, wrap, site_env):
-        return _run_sites(config, sites, nproc, overrides, log_dir, timeout_s, store, wrap, site_env, on_started)
+        def pinned(site: int, cmd: list[str]) -> list[str]:
+            return wrap(site, cmd if cpus is None else ["taskset", "-c", cpus[site], *cmd])
+
+        return _run_sites(config, sites, nproc, overrides, log_dir, timeout_s, store, pinned, site_env, on_started)
 
 
 def _run_sites(config, sites, nproc, overrides, log_dir, timeout_s, store, wrap, site_env, on_started) -> list[int]:

@@ -5,11 +5,13 @@ site moves the whole model's payload whatever W is):
 
 - payload P = params x bytes/param of the wire dtype (fp32 4, bf16/fp16 2, int8 1 + 2/128 for the
   per-block bf16 scales ~ 1.02, int4 0.5 + 2/64 ~ 0.53; see zeroband/comm/quantized.py);
-- wire bytes per site = ring factor 2(S-1)/S x P (reduce-scatter + all-gather; the quantised
-  direct scatter/gather sends the same);
+- wire bytes per site = 2(S-1)/S x P (direct reduce-scatter + all-gather, zeroband/comm/direct.py;
+  the same bytes as a ring);
 - communication seconds T_comm = wire / bandwidth
-  + latency: 2(S-1) ring hops x one-way latency, plus (S-1) hops for the site-statistics
-  all-gather that precedes every average (zeroband/comm/reduce.py)
+  + latency: 3 one-way delays whatever S: one round trip for the site statistics that precede
+  every average (gloo sends a message once the receiver has announced its buffer), then the
+  payload's messages are all posted at once, so only the last byte's one-way delay adds (no
+  per-hop latency as in a ring)
   + TCP ramp (optional, on by default): Linux restarts slow start after an idle connection
   (tcp_slow_start_after_idle=1), so every sync begins at an initial window of 10 segments that
   doubles per round trip; each such round that carries less than a bandwidth-delay product costs
@@ -119,7 +121,7 @@ def comm_seconds(wire_bytes: float, p: PlanInput) -> tuple[float, float, float]:
     """(bandwidth, latency, ramp) seconds of one all-reduce sending wire_bytes per site."""
     rate = p.gbps * 1e9 / 8
     one_way = p.latency_ms / 1e3
-    latency = (2 * (p.sites - 1) + (p.sites - 1)) * one_way
+    latency = 3 * one_way  # statistics round trip + the last byte's one-way delay
     ramp = ramp_seconds(wire_bytes, rate, 2 * one_way, p.mtu) if p.tcp_ramp else 0.0
     return wire_bytes / rate, latency, ramp
 
