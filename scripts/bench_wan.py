@@ -1,6 +1,6 @@
 """Per-step data parallel vs DiLoCo (blocking fp32/fp16/int8/int4, overlapped fp16) over an emulated WAN.
 
-    flock /tmp/zeroband-bench.lock python scripts/bench_wan.py              # full run, ~15 min
+    flock /tmp/zeroband-bench.lock python scripts/bench_wan.py              # full run, ~19 min
     python scripts/bench_wan.py --quick --out /tmp/wan                      # CI smoke test, < 60 s
 
 Every row is a real multi-site run: S torchrun jobs (`zeroband.launch.launch_sites`), each site in
@@ -405,12 +405,14 @@ PREDICTED_HEADERS = ["row", "Mbit/s", "comm s measured (last arrival)", "comm s 
 def targets(args: argparse.Namespace, results: list[dict[str, Any]]) -> list[list[Any]]:
     main = {m["row"]: m for m in results if m["rate_mbit"] == args.rate_mbit}
     out = []
-    dp, fp16, ovl = (main.get(n) for n in ("DP fp32 (per step)", "DiLoCo fp16", "DiLoCo fp16 overlapped"))
-    if dp and fp16:
-        out.append(["blocking fp16 >= 95% where DP < 10%", f"DP {_pct(dp)}, fp16 {_pct(fp16)}",
-                    _ok(dp["utilisation_steady"] < 0.10 and fp16["utilisation_steady"] >= 0.95)])
-    if ovl:
-        out.append(["overlapped >= 99%", _pct(ovl), _ok(ovl["utilisation_steady"] >= 0.99)])
+    for rate in sorted({m["rate_mbit"] for m in results}):
+        at = {m["row"]: m for m in results if m["rate_mbit"] == rate}
+        dp, fp16, ovl = (at.get(n) for n in ("DP fp32 (per step)", "DiLoCo fp16", "DiLoCo fp16 overlapped"))
+        if dp and fp16 and dp["utilisation_steady"] < 0.10:
+            out.append([f"blocking fp16 >= 95% where DP < 10% ({rate:g} Mbit/s)", f"DP {_pct(dp)}, fp16 {_pct(fp16)}",
+                        _ok_steady(fp16, 0.95)])
+        if ovl:
+            out.append([f"overlapped >= 99% ({rate:g} Mbit/s)", _pct(ovl), _ok_steady(ovl, 0.99)])
     for m in main.values():
         if m["mode"] == "diloco" and not m["overlap"] and m["achieved_bw_over_rate"]:
             out.append([f"all-reduce BW >= 90% of rate at {2 * args.delay_ms:g} ms RTT ({m['row']})",
@@ -431,6 +433,16 @@ def _err(value: float | None) -> str:
 
 def _pct(m: dict[str, Any]) -> str:
     return f"{100 * m['utilisation_steady']:.1f}% (last arrival {100 * m['utilisation_steady_last_arrival']:.1f}%)"
+
+
+def _ok_steady(m: dict[str, Any], goal: float) -> str:
+    """Met on both sites' steady rounds; or met on the network's cost alone (the last-arriving site,
+    which waits for nobody's compute) when the sites ran at different speeds."""
+    if m["utilisation_steady"] >= goal:
+        return "met"
+    if m["utilisation_steady_last_arrival"] >= goal:
+        return "met for the network's cost (last arrival); both sites incl. waiting for the slower site's compute: NOT met"
+    return "NOT met"
 
 
 def _ok(flag: bool) -> str:
