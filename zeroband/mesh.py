@@ -45,6 +45,11 @@ class GlobalGroup:
         opts.rootTensor = 0
         self.pg.broadcast([tensor], opts).wait()
 
+    def peers(self) -> list[int]:
+        """The other sites, starting after this one: rotating the order spreads the load instead of
+        every site sending to site 0 first."""
+        return [(self.rank + k) % self.size for k in range(1, self.size)]
+
     def gather_scalars(self, values: list[float]) -> torch.Tensor:
         """Every site's `values` as a [size, len(values)] float64 table, identical on all sites."""
         return self.post_scalars(values)()
@@ -58,7 +63,7 @@ class GlobalGroup:
         """
         table = torch.zeros(self.size, len(values), dtype=torch.float64)
         table[self.rank] = torch.tensor(values, dtype=torch.float64)
-        peers = [(self.rank + k) % self.size for k in range(1, self.size)]
+        peers = self.peers()
         works = [self.pg.recv([table[src]], src, STATS_TAG) for src in peers]  # rows are contiguous
         works += [self.pg.send([table[self.rank]], dst, STATS_TAG) for dst in peers]
 

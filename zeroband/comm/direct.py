@@ -44,9 +44,11 @@ DEFAULT_PIECE_VALUES = 1 << 20  # 4 MB of fp32 per piece (diloco.bucket_mb)
 
 class WireCodec(Protocol):
     """How a 1-D fp32 chunk travels: `block` is the alignment of chunk boundaries (values that
-    share a scale stay in one chunk); `nbytes(n)` is the exact encoded size of n values."""
+    share a scale stay in one chunk); `nbytes(n)` is the exact encoded size of n values, of which
+    `header` bytes are per-message framing."""
 
     block: int
+    header: int
 
     def nbytes(self, n: int) -> int: ...
 
@@ -74,12 +76,6 @@ def piece_chunks(n: int, sites: int, block: int, piece_values: int) -> list[list
     return pieces
 
 
-def _peers(rank: int, size: int) -> list[int]:
-    """Other sites starting after `rank`: rotating the order spreads load instead of every site
-    sending to site 0 first."""
-    return [(rank + k) % size for k in range(1, size)]
-
-
 class DirectExchange:
     """One all-reduce of `numel` fp32 values. Construction posts every receive, so peers can start
     sending at once (gloo sends a message only after the receiver announced its buffer: posting
@@ -90,7 +86,7 @@ class DirectExchange:
         self.numel, self.codec = numel, codec
         self.rank, self.size, self.pg = group.rank, group.size, group.pg
         self.chunks = piece_chunks(numel, self.size, codec.block, piece_values) if self.size > 1 else []
-        self.peers = _peers(self.rank, self.size)
+        self.peers = group.peers()
         self.sends: list[tuple[dist.Work, torch.Tensor]] = []  # gloo reads a buffer until its send completes
         self.sent = 0
         self.scatter_in: dict[tuple[int, int], tuple[torch.Tensor, dist.Work]] = {}

@@ -103,6 +103,7 @@ class Codec:
     bits: int
     block: int
     codebook: str = "nf4"
+    header = 0  # per-block scales are part of the payload; no per-message framing
 
     def __post_init__(self) -> None:
         if self.bits not in (8, 4):

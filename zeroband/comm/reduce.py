@@ -115,9 +115,7 @@ def reduce_across_sites(
     n = sum(use)
     weight = site_weight(table, use, group.rank, weight_by_tokens)
     wire_bytes = exchange.run(grads, weight, error_feedback, flat)
-    payload = codec.nbytes(numel)
-    if isinstance(codec, DenseCodec):
-        payload -= codec.header  # the fp16 scale header is per message: wire bytes, not payload
+    payload = codec.nbytes(numel) - codec.header  # a per-message header is wire bytes, not payload
     return ReduceResult(
         payload_bytes=payload,
         wire_bytes=wire_bytes,
