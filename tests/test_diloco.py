@@ -49,8 +49,9 @@ def test_h1_diloco_equals_data_parallel(corpus, tmp_path):
 
 
 def _outer_by_hand(store: str, deltas: list[list[float]], momentum: float, nesterov: bool, lr: float,
-                   overlap: bool = False) -> list:
-    """Site s moves its local copy by -delta[s][t] before outer step t; returns the outer params."""
+                   overlap: bool = False, rule: str = "delayed", lr_factor=None, **outer) -> list:
+    """Site s moves its local copy by -delta[s][t] before outer step t; returns the local params seen
+    after every boundary. `outer`: more [diloco] settings; `lr_factor(step)`: the inner schedule."""
     import os
 
     from zeroband.diloco import DiLoCo
@@ -64,8 +65,8 @@ def _outer_by_hand(store: str, deltas: list[list[float]], momentum: float, neste
     with torch.no_grad():
         model.weight.fill_(1.0 if site == 0 else 5.0)  # site 0's value must win the initial broadcast
     cfg = DilocoConfig(inner_steps=1, outer_lr=lr, outer_momentum=momentum, nesterov=nesterov, comm_dtype="fp32",
-                       store=store, overlap=overlap)
-    outer = DiLoCo(model, cfg, topology)
+                       store=store, overlap=overlap, overlap_rule=rule, **outer)
+    outer = DiLoCo(model, cfg, topology, lr_factor=lr_factor)
     outer.start()
     seen = [float(model.weight)]
     for t, step_delta in enumerate(deltas[site]):
@@ -210,3 +211,66 @@ def test_cross_site_data_parallel_equals_one_site(corpus, tmp_path):
     for site in (0, 1):
         got = final_params(two, site, 4)
         assert max(rel(got[k], ref[k]) for k in ref) <= 1e-6
+
+
+def sgd_step(theta: float, buf: float | None, g: float, lr: float, mu: float, nesterov: bool = True) -> tuple[float, float]:
+    """torch.optim.SGD on a scalar (dampening 0): the first step's buffer is the gradient itself."""
+    buf = g if buf is None else mu * buf + g
+    return theta - lr * (g + mu * buf if nesterov else buf), buf
+
+
+def test_outer_lr_follows_inner_schedule_and_momentum_warms_up():
+    """outer lr = outer_lr x lr_factor(step at the boundary); momentum ramps over 2 outer steps."""
+    deltas = [[0.2, -0.1, 0.4], [0.4, 0.3, 0.0]]
+    lr, mu = 0.7, 0.9
+    theta, buf, expected = 1.0, None, [1.0]
+    for t in range(3):
+        g = (deltas[0][t] + deltas[1][t]) / 2
+        theta, buf = sgd_step(theta, buf, g, lr / (t + 1), mu * min(1.0, (t + 1) / 2))
+        expected.append(theta)
+    # By hand, step 1: lr 0.7, momentum 0.45, avg 0.3 -> 1 - 0.7 * 0.3 * 1.45 = 0.6955.
+    assert expected[1] == pytest.approx(0.6955)
+    store = f"tcp://127.0.0.1:{free_port()}"
+    out = run_sites(_outer_by_hand_scheduled, 2, 1, (store, deltas, mu, lr), timeout=60)
+    for site in (0, 1):
+        assert out[(site, 0)] == pytest.approx(expected, abs=1e-6)
+
+
+def _inverse_step(step: int) -> float:
+    return 1.0 / (step + 1)
+
+
+def _outer_by_hand_scheduled(store: str, deltas: list[list[float]], mu: float, lr: float) -> list:
+    return _outer_by_hand(store, deltas, mu, True, lr, lr_factor=_inverse_step, outer_lr_schedule="inner",
+                          outer_momentum_warmup=2)
+
+
+def test_eager_overlap_follows_the_rule_by_hand():
+    """Eager: the consensus takes the average one round late; each site's model moves at once to the
+    outer step on (own fresh + others' previous) pseudo-gradient; the last boundary is blocking."""
+    deltas = [[0.2, -0.1, 0.4, 0.1], [0.4, 0.3, 0.0, -0.2]]
+    lr, mu = 0.7, 0.9
+    g, buf, local, snap, pending = 1.0, None, [1.0, 1.0], [1.0, 1.0], None
+    expected = [[1.0], [1.0]]
+    for t in range(4):
+        local = [local[s] - deltas[s][t] for s in (0, 1)]
+        if pending is not None:  # the previous average arrives: consensus step, rebase local progress
+            g, buf = sgd_step(g, buf, pending[0], lr, mu)
+            local = [g + (local[s] - snap[s]) for s in (0, 1)]
+        fresh = [g - x for x in local]
+        if t < 3:
+            est = [fresh[s] / 2 + pending[0] - pending[1][s] / 2 if pending else fresh[s] for s in (0, 1)]
+            local = [sgd_step(g, buf, est[s], lr, mu)[0] for s in (0, 1)]  # a preview: buf unchanged
+            snap, pending = list(local), (sum(fresh) / 2, fresh)
+        else:
+            g, buf = sgd_step(g, buf, sum(fresh) / 2, lr, mu)
+            local = [g, g]
+        for s in (0, 1):
+            expected[s].append(local[s])
+    # By hand, boundary 1 (nothing known of site 1): site 0 steps on its own 0.2 -> 1 - 0.7 * 1.9 * 0.2.
+    assert expected[0][1] == pytest.approx(0.734)
+    store = f"tcp://127.0.0.1:{free_port()}"
+    out = run_sites(_outer_by_hand, 2, 1, (store, deltas, mu, True, lr, True, "eager"), timeout=60)
+    for site in (0, 1):
+        assert out[(site, 0)] == pytest.approx(expected[site], abs=1e-6)
+    assert out[(0, 0)][-1] == out[(1, 0)][-1]

@@ -106,8 +106,10 @@ class OptimConfig(Section):
     beta1: float = Field(0.9, ge=0, lt=1)
     beta2: float = Field(0.95, ge=0, lt=1)
     eps: float = Field(1e-8, gt=0)
-    # "sgd" exists for the DiLoCo equivalence test (inner SGD) and for experiments.
-    name: Literal["adamw", "sgd"] = "adamw"
+    # "sgd" exists for the DiLoCo equivalence test (inner SGD) and for experiments. "muon": Muon
+    # (torch.optim.Muon, lr matched to AdamW's RMS) for the 2-D hidden weights, AdamW for the rest.
+    name: Literal["adamw", "sgd", "muon"] = "adamw"
+    muon_momentum: float = Field(0.95, ge=0, lt=1)
     schedule: Literal["cosine", "wsd", "constant"] = "cosine"
     warmup_steps: int = Field(50, ge=0)
     # Warmup-stable-decay: fraction of the run spent in the final linear decay.
@@ -157,6 +159,11 @@ class DilocoConfig(Section):
     outer_lr: float = Field(0.7, gt=0)
     outer_momentum: float = Field(0.9, ge=0, lt=1)
     nesterov: bool = True
+    # Outer learning rate over the run: "constant", or "inner": outer_lr x the inner schedule's factor
+    # at the boundary (warmup and decay alike), so momentum cannot keep pushing once inner steps shrink.
+    outer_lr_schedule: Literal["constant", "inner"] = "constant"
+    # Ramp the outer momentum linearly from 0 to outer_momentum over this many outer steps (0: none).
+    outer_momentum_warmup: int = Field(0, ge=0)
     # Wire format of the pseudo-gradient all-reduce (int8/int4: quantised, ~1 / ~0.53 bytes per param).
     comm_dtype: Literal["fp32", "bf16", "fp16", "int8", "int4"] = "fp16"
     # int8/int4 only: carry what quantisation lost into the next outer step.
@@ -166,6 +173,10 @@ class DilocoConfig(Section):
     bucket_mb: float = Field(4.0, gt=0)
     # Launch the all-reduce in the background and apply it one outer step late (see diloco.py).
     overlap: bool = False
+    # How an overlapped boundary uses the average that has not arrived yet (see diloco.py):
+    # "eager" (Kale et al. 2025) steps on an estimate, this site's fresh pseudo-gradient with the
+    # others' previous one; "delayed" applies only the previous round's average, one round late.
+    overlap_rule: Literal["eager", "delayed"] = "eager"
     # "data_parallel" averages gradients across sites every step instead (the baseline).
     mode: Literal["diloco", "data_parallel"] = "diloco"
     # Coordination store for the global groups: tcp://host:port (hosted by site 0's rank 0 when
@@ -174,6 +185,8 @@ class DilocoConfig(Section):
     host_store: bool = True
     # Shared secret for admitting sites (elastic runs); or ZEROBAND_SECRET. Never written to disk.
     secret: str | None = Field(None, repr=False, exclude=True)
+    # A multi-site run without a secret must say so: its cross-site traffic is unauthenticated.
+    insecure: bool = False
     # Site identity: config or ZEROBAND_SITE_RANK / ZEROBAND_SITE_COUNT in the environment.
     site_rank: int | None = Field(None, ge=0)
     site_count: int | None = Field(None, gt=0)

@@ -24,6 +24,22 @@ boundary k, with outer copy g_k and the local shard's snapshot s_{k-1} from the 
   4. d_k = g_k - local (= minus this round's local progress); launch its all-reduce on a
      background thread; s_k = local; go on training.
 A blocking boundary first completes the pending round the same way, then runs a blocking step.
+
+That is the "delayed" rule (`diloco.overlap_rule`). It loses quality: every outer step acts on
+progress one round old. The "eager" rule (default; Kale et al. 2025, arXiv 2502.12996, Sec. 3) does
+steps 1-4, then moves the local model at once to where the outer step would take it if the average
+of round k were known, using as its estimate this site's fresh pseudo-gradient plus the others'
+from round k-1:
+  5. est_k = d_k^own / n + (d_{k-1} - d_{k-1}^own / n)     (n = sites in the average of round k-1)
+  6. local = OuterOpt_preview(g_k, est_k); s_k = local     -- the outer state itself is not changed
+The outer copy g stays the exact consensus (true averages, one round late), identical on every
+site, so the estimate's error never accumulates; only the working model between boundaries differs
+per site, and a blocking boundary makes every site identical again. At the first overlapped
+boundary there is no d_{k-1}: the estimate is this site's own d_k.
+
+Outer hyperparameters per step: `outer_lr_schedule = "inner"` multiplies outer_lr by the inner
+schedule's factor at the boundary, and `outer_momentum_warmup` ramps the momentum from 0 over that
+many outer steps (why: docs/results/diloco_convergence.md).
 """
 
 from __future__ import annotations
@@ -32,6 +48,7 @@ import logging
 import threading
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -183,8 +200,10 @@ def verify_identical(tensors: list[torch.Tensor], topology: Topology, when: str)
 class _InFlight:
     """A pseudo-gradient all-reduce running on a background thread (global group only)."""
 
-    def __init__(self, grads: list[torch.Tensor], stats: SiteStats, diloco: DiLoCo, snapshot: list[torch.Tensor]):
-        self.grads, self.stats, self.snapshot = grads, stats, snapshot
+    def __init__(self, grads: list[torch.Tensor], stats: SiteStats, diloco: DiLoCo, snapshot: list[torch.Tensor],
+                 own: list[torch.Tensor] | None = None):
+        # grads become the average in place; own keeps this site's contribution (eager rule only)
+        self.grads, self.stats, self.snapshot, self.own = grads, stats, snapshot, own
         self.result: ReduceResult | None = None
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, args=(diloco,), name="zeroband-outer-allreduce", daemon=True)
@@ -205,10 +224,22 @@ class _InFlight:
         return self.result
 
 
+def outer_preview(theta: torch.Tensor, buf: torch.Tensor | None, d: torch.Tensor, lr: float, momentum: float,
+                  nesterov: bool) -> torch.Tensor:
+    """Where torch's SGD (dampening 0, no weight decay) would move `theta` with gradient `d`, leaving
+    its state alone: buf' = momentum * buf + d; step = d + momentum * buf' (Nesterov) or buf'."""
+    if momentum == 0:
+        return theta - lr * d
+    new_buf = d if buf is None else buf * momentum + d
+    return theta - lr * (d + momentum * new_buf if nesterov else new_buf)
+
+
 class DiLoCo:
-    def __init__(self, model: torch.nn.Module, cfg: DilocoConfig, topology: Topology, tokens_per_step: int = 0) -> None:
+    def __init__(self, model: torch.nn.Module, cfg: DilocoConfig, topology: Topology, tokens_per_step: int = 0,
+                 lr_factor: Callable[[int], float] | None = None) -> None:
         """`topology.global_group` is the fixed cross-site group (None only for ElasticDiLoCo, which
-        builds one per generation)."""
+        builds one per generation). `lr_factor(step)` is the inner schedule's multiplier (used by
+        `outer_lr_schedule = "inner"`)."""
         self.cfg = cfg
         self.topology = topology
         self.group = topology.global_group
@@ -222,6 +253,8 @@ class DiLoCo:
         self.in_flight: _InFlight | None = None
         self.poison = False
         self.clock = RoundClock(cfg, tokens_per_step)
+        self.lr_factor = lr_factor or (lambda step: 1.0)
+        self.boundary_step = 0  # inner steps done at the current boundary
 
     # ------------------------------------------------------------------ start: identical replicas
     @torch.no_grad()
@@ -252,6 +285,7 @@ class DiLoCo:
     def after_inner_step(self, step: int, sync_point: bool = False) -> OuterStats | None:
         if not self.clock.tick(step):
             return None
+        self.boundary_step = step + 1
         maybe_inject("allreduce", step + 1, self.topology.world.site_rank, self.topology.world.rank)
         self.poison = poison_due(step + 1, self.topology.world.site_rank, self.topology.world.rank)
         if self.cfg.overlap and not sync_point:
@@ -279,11 +313,30 @@ class DiLoCo:
         waited = self._complete_in_flight() if previous else 0.0
         grads = self._pseudo_gradient()
         stats = site_stats(grads, self.topology, self.clock.take_tokens())
+        eager = self.cfg.overlap_rule == "eager"
+        own = [g.clone() for g in grads] if eager else None
+        if eager:
+            self._move_to_estimate(grads, previous)
         snapshot = [t.detach().to("cpu", torch.float32, copy=True) for t in self.local]
-        self.in_flight = _InFlight(grads, stats, self, snapshot)
+        self.in_flight = _InFlight(grads, stats, self, snapshot, own)
         if previous is None:
             return None  # nothing applied yet: the first round's average is still in flight
         return self._stats(previous.result, previous.stats, previous.grads, waited, time.perf_counter() - t0, True)
+
+    def _move_to_estimate(self, fresh: list[torch.Tensor], previous: _InFlight | None) -> None:
+        """Eager rule, steps 5-6: local <- the outer step on (own fresh + others' previous) pseudo-gradient."""
+        group = self.optimizer.param_groups[0]
+        weight = 1.0
+        if previous is not None and previous.result is not None and previous.result.sites_used > 0:
+            used = previous.result.sites_used
+            weight = 1.0 / used
+            own_prev = 0.0 if self.group.rank in previous.result.excluded_sites else weight
+        for i, (t, o) in enumerate(zip(self.local, self.outer)):
+            est = fresh[i] * weight
+            if weight < 1.0:  # others' share of the previous average: d_{k-1} - own_{k-1} / n
+                est = est + previous.grads[i] - own_prev * previous.own[i]
+            buf = self.optimizer.state.get(o, {}).get("momentum_buffer")
+            t.copy_(outer_preview(o, buf, est, group["lr"], group["momentum"], group["nesterov"]).to(t.device, t.dtype))
 
     def _complete_in_flight(self) -> float:
         """Wait for the pending average, apply it, and rebase local progress onto the new outer copy."""
@@ -312,11 +365,20 @@ class DiLoCo:
             log.error("outer step %d: excluded sites %s (non-finite pseudo-gradient)", self.outer_step, result.excluded_sites)
         if result.sites_used == 0:
             return  # nobody had a usable pseudo-gradient: keep the outer copy, drop the round
+        self._set_hyperparameters()
         for o, g in zip(self.outer, grads):
             o.grad = g
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.outer_step += 1
+
+    def _set_hyperparameters(self) -> None:
+        """Outer lr and momentum of the step about to be taken (schedule and warm-up)."""
+        cfg, group = self.cfg, self.optimizer.param_groups[0]
+        factor = self.lr_factor(self.boundary_step - 1) if cfg.outer_lr_schedule == "inner" else 1.0
+        group["lr"] = cfg.outer_lr * factor
+        if cfg.outer_momentum_warmup:
+            group["momentum"] = cfg.outer_momentum * min(1.0, (self.outer_step + 1) / cfg.outer_momentum_warmup)
 
     def _stats(self, result: ReduceResult, stats: SiteStats, grads: list[torch.Tensor], comm_s: float,
                total_s: float, overlapped: bool) -> OuterStats:

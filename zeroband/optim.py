@@ -9,16 +9,61 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from zeroband.config import OptimConfig
 
+# Not Muon's: the embedding and the output head are lookups/classifiers, not hidden transforms.
+MUON_EXCLUDED = ("embed_tokens", "lm_head")
 
-def build_optimizer(params: list[torch.nn.Parameter], cfg: OptimConfig) -> torch.optim.Optimizer:
-    # Norm weights and other 1-D parameters are not decayed (standard for Llama pretraining).
-    decay = [p for p in params if p.ndim >= 2]
-    no_decay = [p for p in params if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+def build_optimizer(params: list[torch.nn.Parameter], cfg: OptimConfig, names: list[str] | None = None) -> torch.optim.Optimizer:
+    """The inner optimizer. `names` (the parameters' names, same order) is needed by "muon"."""
+    if cfg.name == "muon":
+        if names is None:
+            raise ValueError("optim.name = 'muon' needs the parameter names")
+        hidden = [p for n, p in zip(names, params) if p.ndim == 2 and not any(x in n for x in MUON_EXCLUDED)]
+        taken = {id(p) for p in hidden}
+        return MuonAdamW(hidden, adamw_groups([p for p in params if id(p) not in taken], cfg), cfg)
+    groups = adamw_groups(params, cfg)
     if cfg.name == "sgd":
         return torch.optim.SGD(groups, lr=cfg.lr)
     # foreach=False keeps per-parameter math identical whatever the sharding (1 vs 2 ranks).
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=False)
+
+
+def adamw_groups(params: list[torch.nn.Parameter], cfg: OptimConfig) -> list[dict]:
+    # Norm weights and other 1-D parameters are not decayed (standard for Llama pretraining).
+    return [{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """Muon for the hidden 2-D weights and AdamW for the rest, as ONE optimizer.
+
+    Why one: the LR scheduler, gradient clipping and DCP checkpoints (get/set_state_dict) all take a
+    single optimizer. The two torch optimizers do the arithmetic; this object owns the param groups
+    and the state and points both at them (again after load_state_dict, which rebuilds both).
+    Muon's lr is matched to AdamW's update RMS (adjust_lr_fn="match_rms_adamw"), so one optim.lr and
+    one schedule serve both.
+    """
+
+    def __init__(self, hidden: list[torch.nn.Parameter], adamw: list[dict], cfg: OptimConfig) -> None:
+        self.muon = torch.optim.Muon(hidden, lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.muon_momentum,
+                                     adjust_lr_fn="match_rms_adamw")
+        self.adamw = torch.optim.AdamW(adamw, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=False)
+        super().__init__(self.muon.param_groups + self.adamw.param_groups, {})
+        self._link()
+
+    def _link(self) -> None:
+        n = len(self.muon.param_groups)
+        self.muon.param_groups, self.adamw.param_groups = self.param_groups[:n], self.param_groups[n:]
+        self.muon.state = self.adamw.state = self.state
+
+    @torch.no_grad()
+    def step(self, closure: None = None) -> None:  # type: ignore[override]
+        self.muon.step()
+        self.adamw.step()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        self._link()
 
 
 def lr_factor(step: int, total_steps: int, cfg: OptimConfig) -> float:

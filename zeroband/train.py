@@ -41,7 +41,7 @@ from zeroband.models.llama import (
     model_blocks,
     num_params,
 )
-from zeroband.optim import build_optimizer, build_scheduler
+from zeroband.optim import build_optimizer, build_scheduler, lr_factor
 from zeroband.world import World, world_from_env
 
 log = logging.getLogger("zeroband")
@@ -149,7 +149,8 @@ def build_outer(cfg: Config, model: torch.nn.Module, topology: Topology, progres
         fingerprint = flatten_fingerprint({**checkpoint_meta(cfg), "tokenizer_vocab": vocab_size,
                                            "diloco": cfg.diloco.model_dump(include=FINGERPRINT_DILOCO_KEYS)})
         return ElasticDiLoCo(model, cfg.diloco, topology, cfg.name, progress, scheduler, fingerprint, tokens_per_step)
-    return DiLoCo(model, cfg.diloco, topology, tokens_per_step)
+    return DiLoCo(model, cfg.diloco, topology, tokens_per_step,
+                  lr_factor=lambda step: lr_factor(step, cfg.train.steps, cfg.optim))
 
 
 # DiLoCo settings every site must share (the rest, like site_rank or the store, are per site).
@@ -228,7 +229,8 @@ def setup(cfg: Config, world: World, topology: Topology) -> Run:
     val_data = PackedBatches(cfg.data, tokenizer, world.rank, world.world_size, "val")
     eval_set = val_data.val_batches(cfg.eval.batches, cfg.train.micro_batch)
     model = build_model(cfg, topology)
-    optimizer = build_optimizer(list(model.parameters()), cfg.optim)
+    named = list(model.named_parameters())
+    optimizer = build_optimizer([p for _, p in named], cfg.optim, [n for n, _ in named])
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
     progress = Progress()
     outer = build_outer(cfg, model, topology, progress, scheduler, tokenizer.vocab_size)

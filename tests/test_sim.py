@@ -1,0 +1,43 @@
+"""zeroband.sim (k sites on threads of one process) gives the numbers of the multi-process run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.multiproc import run_sites as run_forked
+from tests.test_diloco import diloco_tree, final_params
+from tests.test_train import _train
+from zeroband.sim import run_sites as run_simulated
+
+
+@pytest.mark.parametrize("diloco", [
+    {"comm_dtype": "fp16", "inner_steps": 2},
+    {"comm_dtype": "int8", "error_feedback": True, "inner_steps": 3, "outer_lr_schedule": "inner"},
+    {"mode": "data_parallel", "comm_dtype": "fp32"},
+    {"overlap": True, "inner_steps": 2},
+])
+def test_simulated_sites_equal_forked_sites(corpus, tmp_path, diloco):
+    """Same config, 3 sites: the same losses on every site and bitwise the same final parameters.
+
+    Exact equality is the right bar: both paths run the same code with one intra-op thread, so every
+    operation sees the same inputs in the same order; only the transport of the global group differs,
+    and it moves bytes, not values.
+    """
+    torch.set_num_threads(1)  # as every forked site (and every launched site on this machine) has
+    extra = dict(train={"steps": 6, "global_batch": 2, "micro_batch": 2}, checkpoint={"interval": 0},
+                 eval={"interval": 3, "batches": 2}, diloco=diloco)
+    forked, simulated = diloco_tree(corpus, tmp_path / "forked", **extra), diloco_tree(corpus, tmp_path / "sim", **extra)
+    out = run_forked(_train, 3, 1, (forked,), timeout=120)
+    sim = run_simulated(simulated, 3)
+    assert sim["losses"] == out[(0, 0)]["losses"]
+    assert sim["val"] == out[(0, 0)]["val"]
+    for site in (0, 1, 2):
+        a, b = final_params(forked, site, 6), final_params(simulated, site, 6)
+        assert all(torch.equal(a[k], b[k]) for k in a), f"site {site} differs"
+
+
+def test_a_failing_site_fails_the_simulated_run(corpus, tmp_path):
+    tree = diloco_tree(corpus, tmp_path, train={"steps": 2}, data={"tokenizer": str(tmp_path / "missing")})
+    with pytest.raises(RuntimeError, match="simulated site 0 failed"):
+        run_simulated(tree, 2)

@@ -1,0 +1,97 @@
+"""k sites of one run in one process: the trainer's own loop on k threads, joined by a real gloo group.
+
+Why: a convergence sweep runs hundreds of small multi-site runs. As k processes per run it pays a
+torch import per process (4-20 s here) and k processes fighting over 2 cores; in one process the
+k sites share one import and one core, so two runs go side by side, one per core.
+
+Nothing of the algorithm is re-implemented. Each thread is one site of 1 rank and runs
+`zeroband.train.setup` + `train_loop`, so the inner step, `DiLoCo` (outer step, all-reduce
+codecs, direct exchange), `CrossSiteDataParallel` and the metrics are the production code. The
+only difference from `zeroband launch` is where the global group comes from: a
+`ProcessGroupGloo` per site over an in-process `HashStore` instead of the TCP store, and a
+1-rank site needs no site mesh. With torch's intra-op threads set to 1 (as every site process of
+a launch on this machine has), a simulated run gives the same numbers as the multi-process run;
+tests/test_sim.py checks that bit for bit.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from zeroband.config import Config, deep_merge, validate_config
+from zeroband.mesh import Topology, new_global_group
+from zeroband.world import World
+
+
+def site_configs(tree: dict[str, Any], sites: int) -> list[Config]:
+    """One validated config per site: the run's tree with that site's identity."""
+    if "diloco" not in tree:
+        return [validate_config(tree)]
+    return [validate_config(deep_merge(tree, {"diloco": {"site_rank": s, "site_count": sites}})) for s in range(sites)]
+
+
+def run_sites(tree: dict[str, Any], sites: int, eval_on: Callable[[int], bool] = lambda s: True) -> dict[str, Any]:
+    """Train one run of `sites` sites (1 rank each) on threads; returns site 0's result and the wall time.
+
+    `eval_on(site)` False: that site scores one validation batch instead of the full set (after an
+    outer step every site holds the same model, so site 0's score is the run's; saves CPU only).
+    """
+    cfgs = site_configs(tree, sites)
+    if cfgs[0].train.mixed_precision != "fp32":  # bf16 needs FSDP2, hence a site mesh of its own
+        raise ValueError("the simulator runs train.mixed_precision = 'fp32' sites; use zeroband launch for bf16")
+    own_default = not dist.is_initialized()
+    if own_default:  # what a 1-rank site's torchrun would give it (checkpoints use the default group)
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        return _run_threads(cfgs, eval_on)
+    finally:
+        if own_default:
+            dist.destroy_process_group()
+
+
+def _run_threads(cfgs: list[Config], eval_on: Callable[[int], bool]) -> dict[str, Any]:
+    store = dist.HashStore()
+    results: dict[int, Any] = {}
+    errors: dict[int, BaseException] = {}
+    start = time.perf_counter()
+    threads = [threading.Thread(target=_site, args=(cfg, len(cfgs), store, eval_on(s), results, errors),
+                                name=f"zeroband-site{s}", daemon=True) for s, cfg in enumerate(cfgs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        site, error = min(errors.items())
+        raise RuntimeError(f"simulated site {site} failed: {type(error).__name__}: {error}") from error
+    return {**results[0], "wall_s": time.perf_counter() - start, "sites": len(cfgs)}
+
+
+def _site(cfg: Config, sites: int, store: dist.Store, full_eval: bool, results: dict, errors: dict) -> None:
+    from zeroband.metrics import MetricsLogger
+    from zeroband.train import setup, train_loop
+
+    site = cfg.diloco.site_rank if cfg.diloco else 0
+    try:
+        world = World(0, 1, 0, site, sites, torch.device(cfg.train.device if cfg.train.device != "auto" else "cpu"))
+        group = None
+        if cfg.diloco is not None:
+            timeout = timedelta(seconds=cfg.diloco.timeout_s)
+            group = new_global_group(store, f"zeroband/{cfg.name}/sim/", site, sites, timeout, "gloo")
+        run = setup(cfg, world, Topology(world, None, group, store))
+        if not full_eval:
+            run.eval_set = run.eval_set[:1]
+        run.outer.start()
+        metrics = MetricsLogger(cfg, run.run_dir, True, cfg.train.steps, 0, tag=f"site{site}" if cfg.diloco else "")
+        try:
+            results[site] = train_loop(run, metrics)
+        finally:
+            metrics.close()
+    except BaseException as e:  # re-raised by run_sites on the caller's thread
+        errors[site] = e
