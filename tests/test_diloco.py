@@ -65,7 +65,7 @@ def _outer_by_hand(store: str, deltas: list[list[float]], momentum: float, neste
     with torch.no_grad():
         model.weight.fill_(1.0 if site == 0 else 5.0)  # site 0's value must win the initial broadcast
     cfg = DilocoConfig(inner_steps=1, outer_lr=lr, outer_momentum=momentum, nesterov=nesterov, comm_dtype="fp32",
-                       store=store, overlap=overlap, overlap_rule=rule, **outer)
+                       store=store, overlap=overlap, overlap_rule=rule, **{"outer_momentum_warmup": 0, **outer})
     outer = DiLoCo(model, cfg, topology, lr_factor=lr_factor)
     outer.start()
     seen = [float(model.weight)]

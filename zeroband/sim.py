@@ -61,19 +61,30 @@ def _run_threads(cfgs: list[Config], eval_on: Callable[[int], bool]) -> dict[str
     results: dict[int, Any] = {}
     errors: dict[int, BaseException] = {}
     start = time.perf_counter()
-    threads = [threading.Thread(target=_site, args=(cfg, len(cfgs), store, eval_on(s), results, errors),
+    # Setup (tokenising, the datasets cache) runs one site at a time: concurrent builders of one
+    # cache raced and failed a site now and then. The barrier then lets a site whose setup failed
+    # stop the others at once, instead of leaving them in the first collective until its timeout.
+    sync = _SetupSync(len(cfgs))
+    threads = [threading.Thread(target=_site, args=(cfg, len(cfgs), store, eval_on(s), results, errors, sync),
                                 name=f"zeroband-site{s}", daemon=True) for s, cfg in enumerate(cfgs)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     if errors:
-        site, error = min(errors.items())
+        # The first site that failed by itself, not one the barrier stopped on its behalf.
+        site, error = min(errors.items(), key=lambda kv: (isinstance(kv[1], threading.BrokenBarrierError), kv[0]))
         raise RuntimeError(f"simulated site {site} failed: {type(error).__name__}: {error}") from error
     return {**results[0], "wall_s": time.perf_counter() - start, "sites": len(cfgs)}
 
 
-def _site(cfg: Config, sites: int, store: dist.Store, full_eval: bool, results: dict, errors: dict) -> None:
+class _SetupSync:
+    def __init__(self, sites: int) -> None:
+        self.lock, self.barrier = threading.Lock(), threading.Barrier(sites)
+
+
+def _site(cfg: Config, sites: int, store: dist.Store, full_eval: bool, results: dict, errors: dict,
+          sync: _SetupSync) -> None:
     from zeroband.metrics import MetricsLogger
     from zeroband.train import setup, train_loop
 
@@ -84,7 +95,9 @@ def _site(cfg: Config, sites: int, store: dist.Store, full_eval: bool, results: 
         if cfg.diloco is not None:
             timeout = timedelta(seconds=cfg.diloco.timeout_s)
             group = new_global_group(store, f"zeroband/{cfg.name}/sim/", site, sites, timeout, "gloo")
-        run = setup(cfg, world, Topology(world, None, group, store))
+        with sync.lock:
+            run = setup(cfg, world, Topology(world, None, group, store))
+        sync.barrier.wait()
         if not full_eval:
             run.eval_set = run.eval_set[:1]
         run.outer.start()
@@ -94,4 +107,5 @@ def _site(cfg: Config, sites: int, store: dist.Store, full_eval: bool, results: 
         finally:
             metrics.close()
     except BaseException as e:  # re-raised by run_sites on the caller's thread
+        sync.barrier.abort()
         errors[site] = e
