@@ -44,7 +44,7 @@ from zeroband.models.llama import (
     num_params,
 )
 from zeroband.optim import build_optimizer, build_scheduler, lr_factor
-from zeroband.watchdog import Interrupted, PeerTimeout, request_stop
+from zeroband.watchdog import Interrupted, PeerLost, PeerTimeout, request_stop
 from zeroband.world import World, check_devices, world_from_env
 
 log = logging.getLogger("zeroband")
@@ -437,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ckpt.CheckpointError, FileNotFoundError, PeerRefused, ResumeMismatch) as e:
         print(f"zeroband: error: {e}", file=sys.stderr)
         return 2
-    except (PeerTimeout, Interrupted, StoreUnreachable) as e:  # a peer or the store failed: not our config
+    except (PeerTimeout, PeerLost, Interrupted, StoreUnreachable) as e:  # a peer or the store failed: not our config
         print(f"zeroband: error: {e}", file=sys.stderr)
         return 1
     return 0

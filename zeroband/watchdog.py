@@ -39,6 +39,10 @@ class PeerTimeout(TimeoutError):
     """A cross-site wait ran out of time; the message names the phase and the peer."""
 
 
+class PeerLost(ConnectionError):
+    """The transport failed while waiting on a peer (connection reset or closed, gloo's own timeout)."""
+
+
 class Interrupted(RuntimeError):
     """SIGTERM arrived while this site was blocked waiting on a peer."""
 
@@ -84,10 +88,22 @@ class Watch:
 
         thread = threading.Thread(target=target, name=f"zeroband-watched-{what}", daemon=True)
         thread.start()
+        start = time.monotonic()
         self.join(thread, what, check)
         if "error" in box:
-            raise box["error"]
+            raise self._named(box["error"], what, time.monotonic() - start)
         return box["result"]
+
+    def _named(self, error: BaseException, what: str, elapsed: float) -> BaseException:
+        """gloo's own errors say neither the phase nor the site: name both (ours pass unchanged)."""
+        text = str(error).strip()
+        if not isinstance(error, RuntimeError) or "gloo" not in text:
+            return error
+        first = text.splitlines()[0].split("] ", 1)[-1]  # drop the C++ source location
+        if "Timed out" in text:
+            return PeerTimeout(f"{what}: no answer from {self.current} after {elapsed:.0f} s "
+                               f"(diloco.timeout_s={self.timeout_s:g}); that site is frozen, dead or unreachable")
+        return PeerLost(f"{what}: lost {self.current}: {first}")
 
     def join(self, thread: threading.Thread, what: str, check: Callable[[], None] | None = None) -> None:
         """Wait for `thread`, logging every log_every_s; `check` may raise to give up early."""
