@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from zeroband.membership.auth import PeerRefused, Verdict
+from zeroband.membership.auth import SECRET_ENV, PeerRefused, Verdict
 from zeroband.membership.store import open_store
 from zeroband.watchdog import Watch, wait_keys
 from zeroband.world import World
@@ -114,6 +114,11 @@ def new_global_group(
 
 
 
+def admission_mark(secret: str | None) -> str:
+    """How this site admits peers, from the config value or the environment (never the secret)."""
+    return SECRET if secret or os.environ.get(SECRET_ENV) else OPEN
+
+
 def rendezvous(store: dist.Store, prefix: str, site_rank: int, site_count: int, timeout_s: float,
                mark: str = OPEN) -> None:
     """Every site announces itself under the group's prefix and waits for the others, naming the
@@ -161,7 +166,7 @@ def init_site_group(world: World, timeout: timedelta) -> None:
 
 def init_topology(
     world: World, store_address: str | None, run_name: str, timeout_s: float, backend: str, host_store: bool = True,
-    build_group: bool = True,
+    build_group: bool = True, mark: str = OPEN,
 ) -> Topology:
     """The site mesh, and (for DiLoCo) the store plus, unless `build_group` is False, the fixed global group."""
     timeout = timedelta(seconds=timeout_s)
@@ -174,7 +179,7 @@ def init_topology(
         store = open_store(store_address, is_host, timeout)
         if build_group:
             prefix = f"zeroband/{run_name}/gen0/shard{world.rank}/"
-            group = new_global_group(store, prefix, world.site_rank, world.site_count, timeout, backend)
+            group = new_global_group(store, prefix, world.site_rank, world.site_count, timeout, backend, mark=mark)
     return Topology(world, mesh, group, store)
 
 

@@ -31,7 +31,7 @@ from zeroband.faults import maybe_inject
 from zeroband.membership.auth import PeerRefused, flatten_fingerprint
 from zeroband.membership.resume import ResumeMismatch, agree_resume
 from zeroband.membership.store import StoreUnreachable
-from zeroband.mesh import Topology, init_topology, shutdown
+from zeroband.mesh import Topology, admission_mark, init_topology, shutdown
 from zeroband.metrics import ComputeClock, MetricsLogger, peak_flops, peak_memory_mb
 from zeroband.models.hf import load_hf_state
 from zeroband.models.llama import (
@@ -186,7 +186,7 @@ def train(cfg: Config) -> dict[str, Any]:
     d = cfg.diloco
     topology = init_topology(world, d.store if d else None, cfg.name, d.timeout_s if d else 600.0,
                              d.backend if d else "gloo", host_store=d.host_store if d else False,
-                             build_group=not (d and d.elastic))
+                             build_group=not (d and d.elastic), mark=admission_mark(d.secret if d else None))
     try:
         return _train(cfg, world, topology)
     finally:
