@@ -14,11 +14,16 @@ this guard owns the public one:
 - forwarded pairs are plain byte pipes (the store protocol is untouched).
 
 One thread, `selectors`; store traffic is small (keys, counters), so a Python hop costs little.
+It runs in a process of its own (`python zeroband/membership/guard.py`, stdlib only, exits when
+its parent does): some c10d client calls (`list_keys`) hold the GIL while they block, so a guard
+thread in the same process as such a client would wait for it forever.
 """
 
 from __future__ import annotations
 
+import argparse
 import logging
+import os
 import selectors
 import socket
 import threading
@@ -136,3 +141,22 @@ class StoreGuard:
             except (KeyError, ValueError):
                 pass
             s.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="accept-side guard in front of a c10d TCPStore")
+    parser.add_argument("--host", required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--backend-port", type=int, required=True)
+    args = parser.parse_args(argv)
+    parent = os.getppid()
+    guard = StoreGuard(args.host, args.port, args.backend_port).start()
+    print(f"guard listening on {args.host}:{guard.port}", flush=True)
+    while os.getppid() == parent:  # the store dies with its host, and so does its guard
+        time.sleep(0.5)
+    guard.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

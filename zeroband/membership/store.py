@@ -8,18 +8,20 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
 import torch.distributed as dist
 
 from zeroband.membership.etcd import EtcdStore, parse_endpoints
-from zeroband.membership.guard import StoreGuard
 
 DEFAULT_ETCD_PREFIX = "zeroband"
-_GUARDS: list[StoreGuard] = []  # a hosted store's guard lives as long as the process
+_GUARDS: list[subprocess.Popen] = []  # a hosted store's guard lives as long as the process
 
 
 class StoreUnreachable(ConnectionError):
@@ -52,8 +54,18 @@ def host_tcp_store(host: str, port: int, timeout: timedelta) -> dist.TCPStore:
     """A TCPStore server on an ephemeral loopback port, reached through a StoreGuard on host:port
     (membership/guard.py: idle connections cannot lock the server up). Returns the server's client."""
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timeout, wait_for_workers=False, use_libuv=True)
-    _GUARDS.append(StoreGuard(host, port, server.port).start())
-    return server
+    # run as a file, not `-m`: the package would import torch (seconds) where stdlib suffices
+    cmd = [sys.executable, str(Path(__file__).with_name("guard.py")), "--host", host, "--port", str(port),
+           "--backend-port", str(server.port)]
+    guard = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in guard.stdout:  # until it listens, or dies (port taken, bad address)
+        lines.append(line.strip())
+        if line.startswith("guard listening"):
+            _GUARDS.append(guard)
+            return server
+    guard.wait()
+    raise StoreUnreachable(f"cannot host the store on {host}:{port}: {lines[-1] if lines else 'guard exited'}")
 
 
 def connect_tcp_store(host: str, port: int, timeout: timedelta, address: str) -> dist.TCPStore:
