@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shlex
 import shutil
 import signal
 import subprocess
@@ -644,6 +645,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--fixed", type=int, default=0, metavar="N",
                    help="instead: N rounds of the default-mode faults (frozen peer, launcher SIGTERM, resume "
                         "mismatch, NaN divergence) on 2 sites under `zeroband launch`; no root needed")
+    p.add_argument("--overrides", default="", metavar="'--key value ...'",
+                   help="with --fixed: extra overrides, e.g. --overrides='--data.path X --model.vocab_size 384'")
     p.add_argument("--no-baseline", action="store_true")
     p.add_argument("--workdir", type=Path, default=Path("/tmp/zeroband-chaos"))
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "chaos")
@@ -657,10 +660,10 @@ def settings_from(args: argparse.Namespace) -> Settings:
                     baseline_steps=60 if args.quick else 120)
 
 
-def run_fixed(rounds: int, workdir: Path, seed: int) -> list[chaos.ScenarioResult]:
+def run_fixed(rounds: int, workdir: Path, seed: int, data: list[str]) -> list[chaos.ScenarioResult]:
     """Default-mode faults (zeroband/chaos.py, "fixed-mode scenarios"), each on a fresh run directory;
     every scenario ends with a relaunch that must resume and finish with identical, verified checkpoints."""
-    rng, timeout_s, steps, h = random.Random(seed), 8.0, 40, 2
+    rng, timeout_s, steps, h = random.Random(seed), 15.0, 40, 2
     results = []
     for r in range(rounds):
         def fresh(name: str) -> chaos.FixedRun:
@@ -668,8 +671,8 @@ def run_fixed(rounds: int, workdir: Path, seed: int) -> list[chaos.ScenarioResul
                       "eval.interval": 0, "eval.batches": 1, "log.interval": 2, "checkpoint.interval": 4,
                       "checkpoint.keep_last": 3, "diloco.inner_steps": h, "diloco.timeout_s": timeout_s,
                       "diloco.comm_dtype": "fp32"}
-            return chaos.FixedRun("configs/debug.toml", [x for k, v in values.items() for x in (f"--{k}", str(v))],
-                                  workdir, name)
+            flags = [x for k, v in values.items() for x in (f"--{k}", str(v))]
+            return chaos.FixedRun(str(ROOT / "configs" / "debug.toml"), flags + data, workdir, name)
 
         at = rng.randrange(6, steps - 10)
         results.append(chaos.frozen_peer(fresh(f"frozen{r}"), at, timeout_s, rng.choice(["cont", "kill"]), 300))
@@ -704,7 +707,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.fixed:
         shutil.rmtree(args.workdir, ignore_errors=True)
         args.workdir.mkdir(parents=True)
-        results = run_fixed(args.fixed, args.workdir, args.seed)
+        results = run_fixed(args.fixed, args.workdir, args.seed, shlex.split(args.overrides))
         report = render_fixed(results, "python scripts/chaos.py " + " ".join(sys.argv[1:] if argv is None else argv))
         print(report)
         out = args.out.with_name(args.out.name + "_fixed")
