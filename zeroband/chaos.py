@@ -531,6 +531,10 @@ def _kill_tree(proc: subprocess.Popen) -> None:
 
 def finish(run: FixedRun, result: ScenarioResult, before: int, bound_s: float) -> ScenarioResult:
     """Relaunch to the end; account for hangs, lost steps and the final checkpoints."""
+    import shutil
+
+    if (run.run_dir / "logs").is_dir():  # keep the faulty launch's site logs for the post-mortem
+        shutil.copytree(run.run_dir / "logs", run.run_dir / f"logs-launch{run.launches}", dirs_exist_ok=True)
     proc = run.launch()
     code = wait_exit(proc, bound_s)
     if code is None:

@@ -60,11 +60,9 @@ def _cmd_launch(args: argparse.Namespace, rest: list[str]) -> int:
     except Stopped as e:
         print(f"zeroband launch: {e}", file=sys.stderr)
         return 128 + e.signum
-    if any(codes):
-        for site, code in enumerate(codes):
-            if code:
-                print(f"site {site} exited with {code}; last lines of {log_dir}/site{site}.log:", file=sys.stderr)
-                print("".join(open(log_dir / f"site{site}.log").readlines()[-25:]), file=sys.stderr)
+    if any(codes):  # each failure was printed as it happened, with its error line
+        failed = [site for site, code in enumerate(codes) if code]
+        print(f"zeroband launch: sites {failed} failed; full logs in {log_dir}/", file=sys.stderr)
         return 1
     series = {f"site{s}": read_metrics(cfg.run_dir / f"site{s}" / "metrics.jsonl") for s in range(args.sites)}
     summary = {name: summarise_site(records) for name, records in series.items()}
