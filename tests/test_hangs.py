@@ -307,3 +307,22 @@ def _state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().split(") ")[-1][:1]
     except OSError:
         return "Z"
+
+
+def test_store_waits_name_the_missing_sites_and_log_while_waiting(caplog):
+    import torch.distributed as dist
+
+    from zeroband.watchdog import PeerTimeout, Ticker, wait_keys
+
+    store = dist.HashStore()
+    store.set("k/0", "x")
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="zeroband.watchdog"):
+        with pytest.raises(PeerTimeout, match=r"resume agreement: site 2 did not arrive within 0.6 s"):
+            wait_keys(store, {0: "k/0", 2: "k/2"}, "resume agreement", 0.6, log_every_s=0.2)
+        ticker = Ticker("votes", log_every_s=0.0)
+        ticker.tick("the votes of sites [0, 1]")
+    assert time.monotonic() - t0 < 2
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(line.startswith("waiting 0 s for site 2 (resume agreement)") for line in lines), lines
+    assert "waiting 0 s for the votes of sites [0, 1] (votes)" in lines

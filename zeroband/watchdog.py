@@ -159,6 +159,21 @@ def wait_keys(store: dist.Store, keys: Mapping[int, str], what: str, timeout_s: 
         time.sleep(POLL_S if now - start > 1.0 else 0.01)
 
 
+class Ticker:
+    """For a polling loop that is bounded on its own: a log line every log_every_s while it waits."""
+
+    def __init__(self, what: str, log_every_s: float = LOG_EVERY_S) -> None:
+        self.what, self.log_every_s = what, log_every_s
+        self.start = time.monotonic()
+        self.next_log = self.start + log_every_s
+
+    def tick(self, waiting_for: str) -> None:
+        now = time.monotonic()
+        if now >= self.next_log:
+            log.warning("waiting %.0f s for %s (%s)", now - self.start, waiting_for, self.what)
+            self.next_log = now + self.log_every_s
+
+
 def _sites(sites: set[int]) -> str:
     ordered = sorted(sites)
     return f"site {ordered[0]}" if len(ordered) == 1 else f"sites {ordered}"
