@@ -22,9 +22,12 @@ thread in the same process as such a client would wait for it forever.
 from __future__ import annotations
 
 import argparse
+import ctypes
+import errno
 import logging
 import os
 import selectors
+import signal
 import socket
 import threading
 import time
@@ -42,7 +45,7 @@ class StoreGuard:
                  max_conns: int = MAX_CONNS) -> None:
         self.backend = ("127.0.0.1", backend_port)
         self.first_byte_s, self.max_conns = first_byte_s, max_conns
-        self.listener = socket.create_server((host, port), backlog=1024, reuse_port=False)
+        self.listener = _listen(host, port)
         self.listener.setblocking(False)
         self.port = self.listener.getsockname()[1]
         self.sel = selectors.DefaultSelector()
@@ -143,6 +146,29 @@ class StoreGuard:
             s.close()
 
 
+def _listen(host: str, port: int, retry_s: float = 10.0) -> socket.socket:
+    """Bind, retrying a few seconds: a run restarted on the same address may find the guard of its
+    previous incarnation still closing."""
+    deadline = time.monotonic() + retry_s
+    while True:
+        try:
+            return socket.create_server((host, port), backlog=1024)
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE or time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def _die_with_parent(parent: int) -> None:
+    """SIGKILL this process when its parent dies (Linux), so the port is free the moment it is."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return  # elsewhere the ppid poll in main() does it, within half a second
+    if os.getppid() != parent:
+        os._exit(0)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="accept-side guard in front of a c10d TCPStore")
     parser.add_argument("--host", required=True)
@@ -150,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend-port", type=int, required=True)
     args = parser.parse_args(argv)
     parent = os.getppid()
+    _die_with_parent(parent)
     guard = StoreGuard(args.host, args.port, args.backend_port).start()
     print(f"guard listening on {args.host}:{guard.port}", flush=True)
     while os.getppid() == parent:  # the store dies with its host, and so does its guard

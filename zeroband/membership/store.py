@@ -52,7 +52,8 @@ def _tcp_store(address: str, is_host: bool, timeout: timedelta) -> dist.TCPStore
 
 def host_tcp_store(host: str, port: int, timeout: timedelta) -> dist.TCPStore:
     """A TCPStore server on an ephemeral loopback port, reached through a StoreGuard on host:port
-    (membership/guard.py: idle connections cannot lock the server up). Returns the server's client."""
+    (membership/guard.py: idle connections cannot lock the server up). Returns the server's client.
+    Call it from a thread that lives as long as the store: the guard dies with it (PR_SET_PDEATHSIG)."""
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timeout, wait_for_workers=False, use_libuv=True)
     # run as a file, not `-m`: the package would import torch (seconds) where stdlib suffices
     cmd = [sys.executable, str(Path(__file__).with_name("guard.py")), "--host", host, "--port", str(port),
