@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from zeroband.membership.auth import SECRET_ENV, PeerRefused, Verdict
 from zeroband.membership.store import open_store
-from zeroband.watchdog import Watch, wait_keys
+from zeroband.watchdog import Watch, read_by_all, wait_keys
 from zeroband.world import World
 
 T = TypeVar("T")
@@ -131,6 +131,7 @@ def rendezvous(store: dist.Store, prefix: str, site_rank: int, site_count: int, 
     marks = {s: store.get(k).decode() for s, k in keys.items()}
     if len(set(marks.values())) > 1:
         who = ", ".join(f"site {s} {m}" for s, m in sorted(marks.items()))
+        read_by_all(store, f"{prefix}zeroband-marks/", site_rank, site_count, timeout_s)
         raise PeerRefused(site_rank, Verdict([], {site_rank: f"sites disagree on admission ({who}); set the same "
                                                              "diloco.secret or ZEROBAND_SECRET on every site"}))
 

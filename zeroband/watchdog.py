@@ -159,6 +159,17 @@ def wait_keys(store: dist.Store, keys: Mapping[int, str], what: str, timeout_s: 
         time.sleep(POLL_S if now - start > 1.0 else 0.01)
 
 
+def read_by_all(store: dist.Store, prefix: str, site: int, sites: int, timeout_s: float) -> None:
+    """Before raising on something every site read from the store: wait (bounded, best effort) until
+    every site has read it too, since the store may live in a site's process and go with it."""
+    keys = {s: f"{prefix}read-by/{s}" for s in range(sites)}
+    try:
+        store.set(keys[site], "1")
+        wait_keys(store, keys, "the other sites to read the same values", min(timeout_s, 30.0))
+    except Exception:  # the error about to be raised says more than this one would
+        pass
+
+
 class Ticker:
     """For a polling loop that is bounded on its own: a log line every log_every_s while it waits."""
 

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 
 import torch.distributed as dist
 
-from zeroband.watchdog import wait_keys
+from zeroband.watchdog import read_by_all, wait_keys
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,11 @@ def agree_resume(store: dist.Store, prefix: str, site: int, sites: int, offer: l
     store.set(keys[site], json.dumps(sorted(offer)))
     wait_keys(store, keys, "resume agreement", timeout_s)
     offers = {s: json.loads(store.get(k)) for s, k in keys.items()}
-    step = decide_resume(offers)
+    try:
+        step = decide_resume(offers)
+    except ResumeMismatch:
+        read_by_all(store, f"{prefix}resume/", site, sites, timeout_s)
+        raise
     if step is not None and offer and step != max(offer):
         log.warning("resuming from step %d, the newest step every site has (this site also has %s)", step,
                     sorted(set(offer) - {step}))
