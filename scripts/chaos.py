@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shlex
 import shutil
 import signal
 import subprocess
@@ -641,6 +642,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--wan", default=None, help="emulate a WAN (rate=..,delay=..); enables partitions")
     p.add_argument("--etcd", action="store_true", help="a 3-member etcd cluster as the store; lose members")
     p.add_argument("--quick", action="store_true", help="a few faults, a short run (development)")
+    p.add_argument("--fixed", type=int, default=0, metavar="N",
+                   help="instead: N rounds of the default-mode faults (frozen peer, launcher SIGTERM, resume "
+                        "mismatch, NaN divergence) on 2 sites under `zeroband launch`; no root needed")
+    p.add_argument("--overrides", default="", metavar="'--key value ...'",
+                   help="with --fixed: extra overrides, e.g. --overrides='--data.path X --model.vocab_size 384'")
     p.add_argument("--no-baseline", action="store_true")
     p.add_argument("--workdir", type=Path, default=Path("/tmp/zeroband-chaos"))
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "chaos")
@@ -654,8 +660,60 @@ def settings_from(args: argparse.Namespace) -> Settings:
                     baseline_steps=60 if args.quick else 120)
 
 
+def run_fixed(rounds: int, workdir: Path, seed: int, data: list[str]) -> list[chaos.ScenarioResult]:
+    """Default-mode faults (zeroband/chaos.py, "fixed-mode scenarios"), each on a fresh run directory;
+    every scenario ends with a relaunch that must resume and finish with identical, verified checkpoints."""
+    rng, timeout_s, steps, h = random.Random(seed), 15.0, 40, 2
+    results = []
+    for r in range(rounds):
+        def fresh(name: str) -> chaos.FixedRun:
+            values = {"output_dir": workdir, "name": name, "model.vocab_size": 4096, "train.steps": steps,
+                      "eval.interval": 0, "eval.batches": 1, "log.interval": 2, "checkpoint.interval": 4,
+                      "checkpoint.keep_last": 3, "diloco.inner_steps": h, "diloco.timeout_s": timeout_s,
+                      "diloco.comm_dtype": "fp32"}
+            flags = [x for k, v in values.items() for x in (f"--{k}", str(v))]
+            return chaos.FixedRun(str(ROOT / "configs" / "debug.toml"), flags + data, workdir, name)
+
+        at = rng.randrange(6, steps - 10)
+        results.append(chaos.frozen_peer(fresh(f"frozen{r}"), at, timeout_s, rng.choice(["cont", "kill"]), 300))
+        sigterm_run = fresh(f"sigterm{r}")
+        results.append(chaos.launcher_sigterm(sigterm_run, at, 300))
+        results.append(chaos.resume_mismatch(sigterm_run, 300))  # its checkpoints: site 1 loses the newest
+        results.append(chaos.resume_refused(sigterm_run, 120))
+        results.append(chaos.nan_divergence(fresh(f"nan{r}"), -(-at // h) * h, 300, h))
+        print(f"[chaos] fixed round {r}: {[asdict(x) for x in results[-5:]]}", flush=True)
+    return results
+
+
+def render_fixed(results: list[chaos.ScenarioResult], command: str) -> str:
+    lines = ["# Chaos run: default (non-elastic) mode", "", f"Command: `{command}`", "",
+             "| fault | injected | detected, median s | hung runs | runs that lost data | work lost (steps) |",
+             "|---|---|---|---|---|---|"]
+    for kind in sorted({x.kind for x in results}):
+        rs = [x for x in results if x.kind == kind]
+        detected = sorted(x.detected_s for x in rs if x.detected_s is not None)
+        median = f"{detected[len(detected) // 2]:.1f}" if detected else "-"
+        lines.append(f"| {kind} | {sum(x.injected for x in rs)} | {median} ({len(detected)}/{len(rs)}) | "
+                     f"{sum(x.hung for x in rs)} | {sum(x.data_lost for x in rs)} | {sum(x.lost_steps for x in rs)} |")
+    lines += ["", f"Total: {sum(x.injected for x in results)} faults injected, {sum(x.hung for x in results)} runs hung, "
+              f"{sum(x.data_lost for x in results)} lost data, {sum(x.lost_steps for x in results)} inner steps of "
+              "work lost (steps trained before a fault and not in the resumed run).", ""]
+    lines += [f"- {x.kind}: {x.message or x.note}" for x in results if x.message or x.note]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.fixed:
+        shutil.rmtree(args.workdir, ignore_errors=True)
+        args.workdir.mkdir(parents=True)
+        results = run_fixed(args.fixed, args.workdir, args.seed, shlex.split(args.overrides))
+        report = render_fixed(results, "python scripts/chaos.py " + " ".join(sys.argv[1:] if argv is None else argv))
+        print(report)
+        out = args.out.with_name(args.out.name + "_fixed")
+        out.with_suffix(".md").write_text(report)
+        out.with_suffix(".json").write_text(json.dumps([asdict(x) for x in results], indent=1))
+        return 0 if not any(x.hung or x.data_lost for x in results) else 1
     s = settings_from(args)
     kinds = SITE_KINDS[:-1] + (["partition"] if args.wan else []) + (["etcd_member"] if args.etcd else [])
     faults = plan_faults(s, kinds)

@@ -79,3 +79,26 @@ def test_killed_site_rejoins_identical(corpus, tmp_path):
     assert all(f is not None and f.name == f"step_{STEPS:09d}" for f in finals), finals
     weights = [chaos.load_weights(tmp_path / "c" / f"site{i}" / "config.toml", f) for i, f in enumerate(finals)]
     assert all(chaos.same_weights(weights[0], w) for w in weights[1:]), "final checkpoints differ"
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs /proc to find the site processes")
+def test_fixed_mode_frozen_peer_then_resume(corpus, tmp_path):
+    """Default (non-elastic) mode under the real launcher: site 1's rank is SIGSTOPped mid-run;
+    site 0 exits within diloco.timeout_s naming site 1, SIGCONT ends site 1 too, nothing hangs;
+    the relaunch resumes both sites from their newest common checkpoint and finishes identical."""
+    timeout_s = 6.0
+    values = {
+        "output_dir": tmp_path, "name": "f", "model.vocab_size": 384, "model.max_seq_len": 64,
+        "data.path": corpus["path"], "data.tokenizer": corpus["tokenizer"], "data.seq_len": 32,
+        "data.val_fraction": 0.1, "train.steps": 40, "eval.interval": 0, "eval.batches": 1, "log.interval": 2,
+        "checkpoint.interval": 4, "checkpoint.keep_last": 3, "diloco.inner_steps": 2,
+        "diloco.timeout_s": timeout_s,
+    }
+    run = chaos.FixedRun(str(ROOT / "configs" / "debug.toml"), [x for k, v in values.items() for x in (f"--{k}", str(v))],
+                         tmp_path, "f")
+    result = chaos.frozen_peer(run, at_step=10, timeout_s=timeout_s, then="cont", bound_s=150)
+    assert result.injected == 1 and result.hung == 0 and result.data_lost == 0, result
+    assert result.detected_s is not None and result.detected_s < timeout_s + 15, result
+    assert "no answer from site 1" in result.message and run.resumed_step() >= 8, result
+    assert result.lost_steps < 4 + 2 * 2, result  # at most a checkpoint interval and the round in flight

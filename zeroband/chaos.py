@@ -416,3 +416,239 @@ def same_weights(a: dict[str, Any], b: dict[str, Any]) -> bool:
     import torch
 
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ---------------------------------------------------------------------------------- fixed-mode scenarios
+# Faults of the default (non-elastic) mode, each carried out on real `zeroband launch` runs from the
+# outside (signals to processes, files removed between launches, the existing NaN fault schedule):
+# the run must never hang, must end with a message naming the cause, and a relaunch must resume
+# from the newest step every site has, with every final checkpoint verified and identical.
+
+RESUMED = re.compile(r"resumed from \S+ \(step (\d+)\)")
+
+
+@dataclass
+class ScenarioResult:
+    kind: str
+    injected: int = 0  # faults carried out
+    detected_s: float | None = None  # fault -> the first site's exit naming the cause
+    hung: int = 0  # launches that did not end on their own within their bound
+    data_lost: int = 0  # final checkpoints that fail verification or differ between sites
+    lost_steps: int = 0  # inner steps trained before the fault and not in the resumed run
+    note: str = ""
+    message: str = ""  # the error line the first failing site printed
+
+
+@dataclass
+class FixedRun:
+    """A fixed-mode run under `zeroband launch`, driven and inspected from outside."""
+
+    config: str
+    overrides: list[str]
+    out: Path  # output_dir; the run's name is `name`
+    name: str
+    sites: int = 2
+    launches: int = 0
+
+    @property
+    def run_dir(self) -> Path:
+        return self.out / self.name
+
+    def launch(self, env: dict[str, str] | None = None) -> subprocess.Popen:
+        self.launches += 1
+        log = open(self.run_dir.parent / f"{self.name}-launch{self.launches}.log", "w")  # noqa: SIM115
+        cmd = [sys.executable, "-m", "zeroband", "launch", self.config, "--sites", str(self.sites), "--grace", "20",
+               *self.overrides]
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        log.close()
+        return proc
+
+    def step(self, site: int) -> int:
+        return last_step(self.run_dir / f"site{site}" / "metrics.jsonl")
+
+    def workers(self, launcher: subprocess.Popen, site: int) -> list[int]:
+        """The training ranks of `site` (not its torchrun agent), found below the launcher."""
+        from zeroband.launch import descendants
+
+        out = []
+        for pid in descendants(launcher.pid):
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"zeroband.train" in argv and b"torch.distributed.run" not in argv and \
+                    argv[argv.index(b"--diloco.site_rank") + 1] == str(site).encode():
+                out.append(pid)
+        return out
+
+    def site_log(self, site: int) -> str:
+        path = self.run_dir / "logs" / f"site{site}.log"
+        return path.read_text(errors="replace") if path.is_file() else ""
+
+    def resumed_step(self) -> int:
+        found = RESUMED.findall(self.site_log(0))
+        return int(found[-1]) if found else 0
+
+    def finals_ok(self) -> bool:
+        """Every checkpoint verifies and the sites' final weights are identical."""
+        ckpts = self.run_dir / "checkpoints"
+        count, errors = verify_all_checkpoints(ckpts)
+        finals = [final_checkpoint(ckpts, s) for s in range(self.sites)]
+        if errors or not count or None in finals:
+            return False
+        weights = [load_weights(self.run_dir / f"site{s}" / "config.toml", f) for s, f in enumerate(finals)]
+        finite = all(bool(v.isfinite().all()) for v in weights[0].values() if v.is_floating_point())
+        return finite and all(same_weights(weights[0], w) for w in weights[1:])
+
+
+def wait_exit(proc: subprocess.Popen, bound_s: float) -> int | None:
+    try:
+        return proc.wait(bound_s)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def wait_for(cond: Callable[[], bool], bound_s: float, tick: float = 0.2) -> bool:
+    deadline = time.monotonic() + bound_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(tick)
+    return cond()
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    from zeroband.launch import descendants
+
+    for pid in [proc.pid, *descendants(proc.pid)]:
+        for sig in (signal.SIGCONT, signal.SIGKILL):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+    proc.wait()
+
+
+def finish(run: FixedRun, result: ScenarioResult, before: int, bound_s: float) -> ScenarioResult:
+    """Relaunch to the end; account for hangs, lost steps and the final checkpoints."""
+    import shutil
+
+    if (run.run_dir / "logs").is_dir():  # keep the faulty launch's site logs for the post-mortem
+        shutil.copytree(run.run_dir / "logs", run.run_dir / f"logs-launch{run.launches}", dirs_exist_ok=True)
+    proc = run.launch()
+    code = wait_exit(proc, bound_s)
+    if code is None:
+        result.hung += 1
+        _kill_tree(proc)
+        result.note += f"; relaunch still running after {bound_s:.0f} s"
+        return result
+    if code != 0:
+        result.note += f"; relaunch exited {code}"
+    result.lost_steps += max(0, before - run.resumed_step())
+    result.data_lost += 0 if run.finals_ok() else 1
+    return result
+
+
+def frozen_peer(run: FixedRun, at_step: int, timeout_s: float, then: str, bound_s: float) -> ScenarioResult:
+    """SIGSTOP site 1's ranks mid-run; site 0 must exit within timeout_s naming site 1; then SIGCONT
+    (or SIGKILL) site 1, which must exit too; a relaunch resumes and finishes."""
+    result = ScenarioResult(f"frozen_peer_{then}")
+    proc = run.launch()
+    if not wait_for(lambda: run.step(0) >= at_step, bound_s):
+        _kill_tree(proc)
+        result.note = "never reached the fault step"
+        return result
+    victims = run.workers(proc, 1)
+    for pid in victims:
+        os.kill(pid, signal.SIGSTOP)
+    t0, result.injected = time.monotonic(), 1
+    if wait_for(lambda: "zeroband: error:" in run.site_log(0), timeout_s + 30):
+        result.detected_s = time.monotonic() - t0
+        result.message = next(x for x in run.site_log(0).splitlines() if x.startswith("zeroband: error:"))
+    before = max(run.step(s) for s in range(run.sites))
+    for pid in victims:
+        os.kill(pid, signal.SIGCONT if then == "cont" else signal.SIGKILL)
+    if wait_exit(proc, timeout_s + 40) is None:
+        result.hung += 1
+        _kill_tree(proc)
+    return finish(run, result, before, bound_s)
+
+
+def launcher_sigterm(run: FixedRun, at_step: int, bound_s: float) -> ScenarioResult:
+    """SIGTERM to `zeroband launch` mid-run: every site must be gone within the grace; a relaunch resumes."""
+    from zeroband.launch import descendants
+
+    result = ScenarioResult("launcher_sigterm")
+    proc = run.launch()
+    if not wait_for(lambda: run.step(0) >= at_step, bound_s):
+        _kill_tree(proc)
+        result.note = "never reached the fault step"
+        return result
+    tree = descendants(proc.pid)
+    proc.send_signal(signal.SIGTERM)
+    t0, result.injected = time.monotonic(), 1
+    if wait_exit(proc, 60) is None:
+        result.hung += 1
+        _kill_tree(proc)
+    result.detected_s = time.monotonic() - t0
+    orphans = [p for p in tree if pid_alive(p)]
+    if orphans:
+        result.hung += 1
+        result.note = f"orphans {orphans}"
+        for p in orphans:
+            os.kill(p, signal.SIGKILL)
+    before = max(run.step(s) for s in range(run.sites))
+    return finish(run, result, before, bound_s)
+
+
+def resume_mismatch(run: FixedRun, bound_s: float) -> ScenarioResult:
+    """Site 1 loses its newest checkpoint: the relaunch must resume both sites from the newest
+    common step (then site 1 loses every checkpoint: the relaunch must stop, naming who has what)."""
+    result = ScenarioResult("resume_mismatch")
+    ckpts = run.run_dir / "checkpoints"
+    newest = final_checkpoint(ckpts, 1)
+    if newest is None:
+        result.note = "no checkpoint to remove"
+        return result
+    before = int(newest.name.split("_")[1])
+    import shutil
+
+    shutil.rmtree(newest)
+    result.injected = 1
+    return finish(run, result, before, bound_s)
+
+
+def resume_refused(run: FixedRun, bound_s: float) -> ScenarioResult:
+    """Site 1 has no checkpoint at all while site 0 has some: both stop with one message, no hang."""
+    import shutil
+
+    result = ScenarioResult("resume_refused", injected=1)
+    shutil.rmtree(run.run_dir / "checkpoints" / "site1", ignore_errors=True)
+    t0 = time.monotonic()
+    proc = run.launch()
+    code = wait_exit(proc, bound_s)
+    if code is None:
+        result.hung += 1
+        _kill_tree(proc)
+    elif "sites cannot resume together" in run.site_log(0) + run.site_log(1):
+        result.detected_s = time.monotonic() - t0
+    result.note = f"launcher exit {code}"
+    return result
+
+
+def nan_divergence(run: FixedRun, step: int, bound_s: float, inner_steps: int) -> ScenarioResult:
+    """Site 1's pseudo-gradient turns NaN at one outer step (the existing ZEROBAND_FAULTS schedule):
+    it is excluded from that average on every site alike, the run ends, nothing non-finite is kept."""
+    result = ScenarioResult("nan_divergence", injected=1)
+    proc = run.launch({"ZEROBAND_FAULTS": f"site1:step{step}:allreduce:nan"})
+    code = wait_exit(proc, bound_s)
+    if code is None:
+        result.hung += 1
+        _kill_tree(proc)
+        return result
+    excluded = "excluded sites [1]" in run.site_log(0)
+    result.detected_s = 0.0 if excluded else None
+    result.lost_steps = inner_steps if excluded else 0  # site 1's round of local work was dropped
+    result.data_lost += 0 if code == 0 and run.finals_ok() else 1
+    result.note = f"exit {code}"
+    return result

@@ -28,6 +28,9 @@ def _cmd_data(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
+    from zeroband.world import check_devices
+
+    check_devices(load_config(args.config, rest))  # refuse before torchrun starts any rank
     if args.nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
                "-m", "zeroband.train", args.config, *rest]
@@ -38,21 +41,28 @@ def _cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def _cmd_launch(args: argparse.Namespace, rest: list[str]) -> int:
-    from zeroband.launch import WanLink, launch_sites
+    from zeroband.launch import Stopped, WanLink, launch_sites
     from zeroband.report import plot_losses, read_metrics, summarise_site
 
     cfg = load_config(args.config, rest + ["--diloco.site_rank", "0", "--diloco.site_count", str(args.sites)])
     if cfg.diloco is None:
         raise ConfigError(f"{args.config} has no [diloco] section; `zeroband launch` runs DiLoCo sites")
+    from zeroband.world import check_devices
+
+    check_devices(cfg)  # before any site starts: one refused site would leave the others waiting
     log_dir = cfg.run_dir / "logs"
     print(f"starting {args.sites} sites x {args.nproc} ranks; logs in {log_dir}/", flush=True)
     wan = WanLink.parse(args.wan) if args.wan else None
-    codes = launch_sites(args.config, args.sites, args.nproc, rest, log_dir, args.timeout, wan, pin_cpus=args.pin_cpus)
-    if any(codes):
-        for site, code in enumerate(codes):
-            if code:
-                print(f"site {site} exited with {code}; last lines of {log_dir}/site{site}.log:", file=sys.stderr)
-                print("".join(open(log_dir / f"site{site}.log").readlines()[-25:]), file=sys.stderr)
+    try:
+        codes = launch_sites(args.config, args.sites, args.nproc, rest, log_dir, args.timeout, wan,
+                             pin_cpus=args.pin_cpus, progress=cfg.run_dir / "site0" / "metrics.jsonl",
+                             grace_s=args.grace)
+    except Stopped as e:
+        print(f"zeroband launch: {e}", file=sys.stderr)
+        return 128 + e.signum
+    if any(codes):  # each failure was printed as it happened, with its error line
+        failed = [site for site, code in enumerate(codes) if code]
+        print(f"zeroband launch: sites {failed} failed; full logs in {log_dir}/", file=sys.stderr)
         return 1
     series = {f"site{s}": read_metrics(cfg.run_dir / f"site{s}" / "metrics.jsonl") for s in range(args.sites)}
     summary = {name: summarise_site(records) for name, records in series.items()}
@@ -114,6 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--wan", default=None, metavar="rate=100,delay=50,loss=0",
                    help="put each site in its own network namespace behind an emulated link (root)")
     p.add_argument("--pin-cpus", action="store_true", help="give each site its own CPUs, as separate machines")
+    p.add_argument("--grace", type=float, default=40.0,
+                   help="seconds the sites get to exit after SIGTERM/SIGINT before SIGKILL")
     p = sub.add_parser("export", help="write a Hugging Face Llama directory from a checkpoint")
     p.add_argument("config")
     p.add_argument("--checkpoint", default=None, help="a step_* directory (default: newest)")

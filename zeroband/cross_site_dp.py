@@ -43,8 +43,9 @@ class CrossSiteDataParallel:
         shards = [local_shard(p.grad) if p.grad is not None else torch.zeros_like(local_shard(p)) for p in self.params]
         grads = [g.detach().to("cpu", torch.float32, copy=True) for g in shards]
         stats = site_stats(grads, self.topology)
-        result = reduce_across_sites(grads, stats, self.topology.global_group, self.cfg.comm_dtype,
-                                     int(self.cfg.bucket_mb * 2**20))
+        group = self.topology.global_group
+        result = group.watched(lambda: reduce_across_sites(grads, stats, group, self.cfg.comm_dtype,
+                                                           int(self.cfg.bucket_mb * 2**20)), "gradient all-reduce")
         for shard, g in zip(shards, grads):
             shard.copy_(g.to(shard.device, shard.dtype))
         self.window["comm_s"] += time.perf_counter() - t0

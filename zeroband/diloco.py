@@ -168,9 +168,14 @@ def site_stats(tensors: list[torch.Tensor], topology: Topology, tokens: float = 
 
 def broadcast_from_site0(tensors: list[torch.Tensor], topology: Topology) -> None:
     group = topology.global_group
-    for t in tensors:
-        buf = t.detach().to("cpu", torch.float32, copy=True)
-        group.broadcast(buf, src=0)
+    bufs = [t.detach().to("cpu", torch.float32, copy=True) for t in tensors]
+
+    def send() -> None:
+        for buf in bufs:
+            group.broadcast(buf, src=0)
+
+    group.watched(send, "initial broadcast")
+    for t, buf in zip(tensors, bufs):
         t.copy_(buf)
 
 
@@ -188,7 +193,8 @@ def checksum_table(tensors: list[torch.Tensor], group: GlobalGroup) -> list[int]
 
 def verify_identical(tensors: list[torch.Tensor], topology: Topology, when: str) -> None:
     """crc32 of this rank's tensors on every site must agree (on every shard); raises if not."""
-    table = checksum_table(tensors, topology.global_group)
+    group = topology.global_group
+    table = group.watched(lambda: checksum_table(tensors, group), f"checksum after {when}")
     mismatch = torch.tensor([float(len(set(table)) > 1)], device=topology.world.device)
     topology.site_all_reduce(mismatch, op=dist.ReduceOp.MAX)
     if mismatch.item():
@@ -215,10 +221,8 @@ class _InFlight:
         except BaseException as e:  # re-raised on the main thread by wait()
             self.error = e
 
-    def wait(self, timeout_s: float) -> ReduceResult:
-        self.thread.join(timeout_s)
-        if self.thread.is_alive():
-            raise TimeoutError(f"outer all-reduce still running after {timeout_s:.0f} s")
+    def wait(self, group: GlobalGroup) -> ReduceResult:
+        group.watch.join(self.thread, "overlapped outer all-reduce")
         if self.error is not None:
             raise self.error
         return self.result
@@ -299,7 +303,7 @@ class DiLoCo:
         grads = self._pseudo_gradient()
         stats = site_stats(grads, self.topology, self.clock.take_tokens())
         t1 = time.perf_counter()
-        result = self.reduce(grads, stats)
+        result = self.group.watched(lambda: self.reduce(grads, stats), "outer all-reduce")
         comm_s = waited + time.perf_counter() - t1
         self._apply(grads, result)
         for t, o in zip(self.local, self.outer):
@@ -342,7 +346,7 @@ class DiLoCo:
         """Wait for the pending average, apply it, and rebase local progress onto the new outer copy."""
         pending, self.in_flight = self.in_flight, None
         t0 = time.perf_counter()
-        result = pending.wait(self.cfg.timeout_s + 60)
+        result = pending.wait(self.group)
         waited = time.perf_counter() - t0
         self._apply(pending.grads, result)
         for t, o, s in zip(self.local, self.outer, pending.snapshot):

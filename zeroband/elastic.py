@@ -25,7 +25,6 @@ in a new generation with the same pseudo-gradients, never applying a partial res
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -42,7 +41,8 @@ from zeroband.membership.auth import PeerRefused, admit, load_secret
 from zeroband.membership.heartbeat import Heartbeat, Liveness, leave_key
 from zeroband.membership.rounds import Decision, RoundCoordinator
 from zeroband.membership.store import open_store
-from zeroband.mesh import GlobalGroup, Topology, new_global_group
+from zeroband.mesh import OPEN, SECRET, GlobalGroup, Topology, new_global_group, rendezvous
+from zeroband.watchdog import Watch
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +69,7 @@ class ElasticDiLoCo(DiLoCo):
             reopen = lambda: open_store(cfg.store, False, timedelta(seconds=cfg.timeout_s))  # noqa: E731
             self.heartbeat = Heartbeat(reopen, self.prefix, self.world.site_rank, cfg.heartbeat_s).start()
         self.secret = load_secret(cfg.secret) if cfg.secret or _env_secret() else None
+        self.watch = Watch(cfg.timeout_s, interruptible=False)  # SIGTERM here means: finish the round, then leave
         self.members: list[int] = []
         self.generation = -1
         self.group: GlobalGroup | None = None
@@ -209,35 +210,23 @@ class ElasticDiLoCo(DiLoCo):
         index = decision.members.index(self.world.site_rank)
         prefix = f"{self.prefix}gen{decision.generation}/shard{self.world.rank}/"
         timeout = timedelta(seconds=self.cfg.timeout_s)
+        mark = OPEN if self.secret is None else SECRET
+        rendezvous(self.topology.store, prefix, index, len(decision.members), self.cfg.timeout_s, mark)
         if self.secret is not None:
             admit(self.topology.store, prefix, index, len(decision.members), self.secret, self.fingerprint, timeout)
         self.group = new_global_group(self.topology.store, prefix, index, len(decision.members), timeout,
-                                      self.cfg.backend)
+                                      self.cfg.backend, self.watch, mark)
         self.generation, self.members = decision.generation, decision.members
 
     def _watched(self, decision: Decision, work: Callable[[], Any]) -> Any:
         """Run `work` on a thread; give up as soon as a member is seen dead or the timeout passes."""
-        box: dict[str, Any] = {}
-
-        def run() -> None:
-            try:
-                box["result"] = work()
-            except BaseException as e:  # re-raised below
-                box["error"] = e
-
-        thread = threading.Thread(target=run, name="zeroband-elastic-exchange", daemon=True)
-        thread.start()
-        deadline = time.monotonic() + self.cfg.timeout_s
-        while thread.is_alive():
-            thread.join(0.2)
+        def check() -> None:
             dead = self.liveness.dead_among(decision.members)
-            if dead and thread.is_alive():
+            if dead:
                 raise MemberLost(f"sites {sorted(dead)} stopped responding")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"cross-site exchange still running after {self.cfg.timeout_s:.0f} s")
-        if "error" in box:
-            raise box["error"]
-        return box["result"]
+
+        self.watch.current = "the members (forming the group)"
+        return self.watch.run(work, f"round {self.round} exchange", check)
 
     def reduce(self, grads: list[torch.Tensor], stats: SiteStats) -> ReduceResult:
         from zeroband.comm.reduce import reduce_across_sites

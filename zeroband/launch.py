@@ -6,17 +6,21 @@ sites' fates. Here each site is its own process tree; only the global groups joi
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import select
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 def free_port() -> int:
@@ -118,48 +122,179 @@ def site_cpus(sites: int) -> list[str]:
     return [",".join(str(c) for c in cpus[s * per : (s + 1) * per]) for s in range(sites)]
 
 
+class Stopped(RuntimeError):
+    """The launcher got SIGTERM/SIGINT; every site was stopped before this was raised."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(f"stopped by {signal.Signals(signum).name}; every site was shut down")
+
+
 def launch_sites(
     config: str, sites: int, nproc: int, overrides: list[str], log_dir: Path, timeout_s: float | None = None,
     wan: WanLink | None = None, on_started: Callable[[list[subprocess.Popen]], None] | None = None,
-    pin_cpus: bool = False,
+    pin_cpus: bool = False, progress: Path | None = None, grace_s: float = 40.0,
 ) -> list[int]:
     """Run every site to completion; returns their exit codes. Site logs go to log_dir/site{s}.log.
-    `pin_cpus` gives each site its own share of the CPUs (`site_cpus`)."""
+    `pin_cpus` gives each site its own share of the CPUs (`site_cpus`). `progress`: a metrics.jsonl
+    (site 0's) printed as it grows. SIGTERM/SIGINT are forwarded to every site, which get `grace_s`
+    to exit before SIGKILL, then `Stopped` is raised (the store is stopped on the way out)."""
     cpus = site_cpus(sites) if pin_cpus else None
     with site_network(sites, wan) as (store, wrap, site_env):
         def pinned(site: int, cmd: list[str]) -> list[str]:
             return wrap(site, cmd if cpus is None else ["taskset", "-c", cpus[site], *cmd])
 
-        return _run_sites(config, sites, nproc, overrides, log_dir, timeout_s, store, pinned, site_env, on_started)
+        procs = _start_sites(config, sites, nproc, overrides, log_dir, store, pinned, site_env)
+        if on_started is not None:
+            on_started(procs)
+        return Supervisor(procs, log_dir, progress, grace_s).run(timeout_s)
 
 
-def _run_sites(config, sites, nproc, overrides, log_dir, timeout_s, store, wrap, site_env, on_started) -> list[int]:
+def _start_sites(config, sites, nproc, overrides, log_dir, store, wrap, site_env) -> list[subprocess.Popen]:
     log_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # busy-waiting threads starve the other sites
     procs = []
     for site in range(sites):
-        log_file = open(log_dir / f"site{site}.log", "w")
-        cmd = wrap(site, site_command(config, site, sites, nproc, store, overrides))
-        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env={**env, **site_env(site)},
-                                start_new_session=True)
-        procs.append((proc, log_file))
-    if on_started is not None:
-        on_started([p for p, _ in procs])
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with open(log_dir / f"site{site}.log", "w") as log_file:  # the child keeps its own descriptor
+            cmd = wrap(site, site_command(config, site, sites, nproc, store, overrides))
+            procs.append(subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT,
+                                          env={**env, **site_env(site)}, start_new_session=True))
+    return procs
+
+
+class Supervisor:
+    """Watches the sites: prints site 0's progress and each failure as it happens, forwards
+    SIGTERM/SIGINT to every site's process group, and never leaves a site behind."""
+
+    def __init__(self, procs: list[subprocess.Popen], log_dir: Path, progress: Path | None, grace_s: float) -> None:
+        self.procs, self.log_dir, self.grace_s = procs, log_dir, grace_s
+        self.progress = progress
+        self.offset = progress.stat().st_size if progress is not None and progress.is_file() else 0
+        self.reported: set[int] = set()
+        self.signum: int | None = None
+
+    def run(self, timeout_s: float | None) -> list[int]:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        previous = self._forward_signals()
+        try:
+            while any(p.poll() is None for p in self.procs) and self.signum is None:
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"sites still running after {timeout_s:.0f} s")
+                self._report()
+                time.sleep(0.5)
+            self._report()
+        finally:
+            self._stop_all(self.signum or signal.SIGTERM)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        if self.signum is not None:
+            raise Stopped(self.signum)
+        return [p.returncode for p in self.procs]
+
+    def _forward_signals(self) -> dict[int, Any]:
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+
+        def handle(signum: int, frame: Any) -> None:
+            self.signum = signum
+
+        return {sig: signal.signal(sig, handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def _report(self) -> None:
+        for line in self._new_progress():
+            print(line, flush=True)
+        for site, p in enumerate(self.procs):
+            code = p.poll()
+            if code is not None and site not in self.reported:
+                self.reported.add(site)
+                if code:
+                    text = (self.log_dir / f"site{site}.log").read_text(errors="replace")
+                    print(f"site {site} exited with code {code}: {last_error_line(text)}", file=sys.stderr, flush=True)
+
+    def _new_progress(self) -> list[str]:
+        if self.progress is None or not self.progress.is_file():
+            return []
+        with open(self.progress, "rb") as f:
+            f.seek(self.offset)
+            chunk = f.read()
+        end = chunk.rfind(b"\n") + 1
+        self.offset += end
+        return [line for raw in chunk[:end].decode(errors="replace").splitlines() if (line := progress_line(raw))]
+
+    def _stop_all(self, sig: int) -> None:
+        """`sig` to every running site's process group (torchrun passes it on to its ranks, which
+        run in sessions of their own), then SIGKILL to whatever of the tree is left after grace_s."""
+        running = [p for p in self.procs if p.poll() is None]
+        trees = [descendants(p.pid) for p in running]
+        for p in running:
+            _killpg(p.pid, sig)
+        deadline = time.monotonic() + self.grace_s
+        for p, tree in zip(running, trees):
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _killpg(p.pid, signal.SIGKILL)
+                p.wait()
+            for pid in tree:  # ranks that outlived their torchrun agent
+                _kill(pid, signal.SIGKILL)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid`, read from /proc (empty where there is no /proc)."""
+    out, todo = [], [pid]
+    while todo:
+        for task in Path(f"/proc/{todo.pop()}/task").glob("*"):
+            try:
+                children = [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                continue
+            out += children
+            todo += children
+    return out
+
+
+def _kill(pid: int, sig: int) -> None:
     try:
-        while any(p.poll() is None for p, _ in procs):
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"sites still running after {timeout_s:.0f} s")
-            time.sleep(0.5)
-    finally:
-        for p, f in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-                try:
-                    p.wait(10)
-                except subprocess.TimeoutExpired:
-                    os.killpg(p.pid, signal.SIGKILL)
-                    p.wait()
-            f.close()
-    return [p.returncode for p, _ in procs]
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _killpg(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def progress_line(raw: str) -> str | None:
+    """One metrics.jsonl record as a short line for the launcher's terminal (None: not shown)."""
+    try:
+        rec = json.loads(raw)
+    except json.JSONDecodeError:
+        return None
+    kind, step = rec.get("kind"), rec.get("step")
+    if kind == "train" and "loss" in rec:
+        return (f"site 0 step {step}: loss {rec['loss']:.4f}, {rec.get('tokens_per_s', 0):,.0f} tok/s, "
+                f"lr {rec.get('lr', 0):.2e}, eta {rec.get('eta_s', 0):.0f} s")
+    if kind == "outer":
+        return (f"site 0 step {step}: outer step {rec.get('outer_step')}, {rec.get('sites_used')} sites, "
+                f"all-reduce {rec.get('allreduce_s', 0):.2f} s")
+    if kind == "val":
+        return f"site 0 step {step}: val loss {rec.get('val_loss', float('nan')):.4f}, ppl {rec.get('val_ppl', 0):.2f}"
+    return None
+
+
+def last_error_line(log_text: str) -> str:
+    """The line of a site's log that says why it failed: our one-line error if there is one, else
+    the last exception line that is not torchrun's own wrapper, else the last line."""
+    lines = [line.strip() for line in log_text.splitlines() if line.strip()]
+    for line in reversed(lines):
+        if line.startswith("zeroband: error:"):
+            return line
+    for line in reversed(lines):
+        if re.match(r"^[\w.]*(Error|Exception|Timeout|Interrupted|Refused|Mismatch)\b", line) and \
+                "ChildFailedError" not in line:
+            return line
+    return lines[-1] if lines else "(empty log)"

@@ -14,36 +14,54 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from zeroband.membership.auth import SECRET_ENV, PeerRefused, Verdict
 from zeroband.membership.store import open_store
+from zeroband.watchdog import Watch, read_by_all, wait_keys
 from zeroband.world import World
 
+T = TypeVar("T")
+OPEN, SECRET = "without a shared secret", "with a shared secret"  # how a site admits peers (rendezvous)
 STATS_TAG = 3 << 24  # point-to-point tags of the global group: comm/direct.py uses 1 << 24 and 2 << 24
 
 
 class GlobalGroup:
-    """Rank `rank` of `size` sites; every collective is bounded by the group's timeout."""
+    """Rank `rank` of `size` sites; every collective is bounded by the group's timeout.
 
-    def __init__(self, pg: dist.ProcessGroup, rank: int, size: int, store: dist.Store | None = None) -> None:
+    Every wait goes through `self.watch` (zeroband/watchdog.py), which records whom it waits for;
+    `watched(fn, what)` runs blocking cross-site work on a helper thread so that the caller logs
+    while it waits and gives up at the deadline with a message naming the phase and the site.
+    """
+
+    def __init__(self, pg: dist.ProcessGroup, rank: int, size: int, store: dist.Store | None = None,
+                 watch: Watch | None = None) -> None:
         self.pg = pg
         self.store = store  # keeps the store client (and on site 0 its server) alive with the group
         self.rank = rank
         self.size = size
+        self.watch = watch or Watch(float("inf"))
+
+    def watched(self, fn: Callable[[], T], what: str) -> T:
+        return self.watch.run(fn, what)
+
+    def wait(self, work: dist.Work, peer: int | str, phase: str) -> None:
+        self.watch.wait(work, peer, phase)
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> None:
         opts = dist.AllreduceOptions()
         opts.reduceOp = op
-        self.pg.allreduce([tensor], opts).wait()
+        self.wait(self.pg.allreduce([tensor], opts), "every site", "all-reduce")
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         opts.rootTensor = 0
-        self.pg.broadcast([tensor], opts).wait()
+        self.wait(self.pg.broadcast([tensor], opts), src if src != self.rank else "every site", "broadcast")
 
     def peers(self) -> list[int]:
         """The other sites, starting after this one: rotating the order spreads the load instead of
@@ -64,28 +82,58 @@ class GlobalGroup:
         table = torch.zeros(self.size, len(values), dtype=torch.float64)
         table[self.rank] = torch.tensor(values, dtype=torch.float64)
         peers = self.peers()
-        works = [self.pg.recv([table[src]], src, STATS_TAG) for src in peers]  # rows are contiguous
-        works += [self.pg.send([table[self.rank]], dst, STATS_TAG) for dst in peers]
+        works = [(self.pg.recv([table[src]], src, STATS_TAG), src) for src in peers]  # rows are contiguous
+        works += [(self.pg.send([table[self.rank]], dst, STATS_TAG), dst) for dst in peers]
 
         def wait() -> torch.Tensor:
-            for work in works:
-                work.wait()
+            for work, peer in works:
+                self.wait(work, peer, "statistics")
             return table
 
         return wait
 
 
 def new_global_group(
-    store: dist.Store, prefix: str, site_rank: int, site_count: int, timeout: timedelta, backend: str = "gloo"
+    store: dist.Store, prefix: str, site_rank: int, site_count: int, timeout: timedelta, backend: str = "gloo",
+    watch: Watch | None = None, mark: str = OPEN,
 ) -> GlobalGroup:
+    """The group of rank i of every site, after a named, logged, bounded rendezvous (`rendezvous`)."""
+    watch = watch or Watch(timeout.total_seconds())
+    rendezvous(store, prefix, site_rank, site_count, timeout.total_seconds(), mark)
     scoped = dist.PrefixStore(prefix, store)
-    if backend == "nccl":
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        pg = dist.ProcessGroupNCCL(scoped, site_rank, site_count, opts)
-    else:
-        pg = dist.ProcessGroupGloo(scoped, site_rank, site_count, timeout)
-    return GlobalGroup(pg, site_rank, site_count, store)
+
+    def build() -> dist.ProcessGroup:
+        if backend == "nccl":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            return dist.ProcessGroupNCCL(scoped, site_rank, site_count, opts)
+        return dist.ProcessGroupGloo(scoped, site_rank, site_count, timeout)
+
+    watch.current = "every site (connecting the group)"
+    return GlobalGroup(watch.run(build, "rendezvous"), site_rank, site_count, store, watch)
+
+
+
+def admission_mark(secret: str | None) -> str:
+    """How this site admits peers, from the config value or the environment (never the secret)."""
+    return SECRET if secret or os.environ.get(SECRET_ENV) else OPEN
+
+
+def rendezvous(store: dist.Store, prefix: str, site_rank: int, site_count: int, timeout_s: float,
+               mark: str = OPEN) -> None:
+    """Every site announces itself under the group's prefix and waits for the others, naming the
+    missing ones in its log and error. `mark` says how the site admits peers: sites that disagree
+    (one has a shared secret, one has none) would otherwise wait for each other in different
+    protocols until the timeout, so they are refused here, at once, on both sides."""
+    keys = {s: f"{prefix}zeroband-arrive/{s}" for s in range(site_count)}
+    store.set(keys[site_rank], mark)
+    wait_keys(store, keys, "rendezvous", timeout_s)
+    marks = {s: store.get(k).decode() for s, k in keys.items()}
+    if len(set(marks.values())) > 1:
+        who = ", ".join(f"site {s} {m}" for s, m in sorted(marks.items()))
+        read_by_all(store, f"{prefix}zeroband-marks/", site_rank, site_count, timeout_s)
+        raise PeerRefused(site_rank, Verdict([], {site_rank: f"sites disagree on admission ({who}); set the same "
+                                                             "diloco.secret or ZEROBAND_SECRET on every site"}))
 
 
 @dataclass
@@ -119,7 +167,7 @@ def init_site_group(world: World, timeout: timedelta) -> None:
 
 def init_topology(
     world: World, store_address: str | None, run_name: str, timeout_s: float, backend: str, host_store: bool = True,
-    build_group: bool = True,
+    build_group: bool = True, mark: str = OPEN,
 ) -> Topology:
     """The site mesh, and (for DiLoCo) the store plus, unless `build_group` is False, the fixed global group."""
     timeout = timedelta(seconds=timeout_s)
@@ -132,7 +180,7 @@ def init_topology(
         store = open_store(store_address, is_host, timeout)
         if build_group:
             prefix = f"zeroband/{run_name}/gen0/shard{world.rank}/"
-            group = new_global_group(store, prefix, world.site_rank, world.site_count, timeout, backend)
+            group = new_global_group(store, prefix, world.site_rank, world.site_count, timeout, backend, mark=mark)
     return Topology(world, mesh, group, store)
 
 

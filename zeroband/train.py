@@ -29,7 +29,9 @@ from zeroband.diloco import DiLoCo, SingleSite
 from zeroband.elastic import ElasticDiLoCo
 from zeroband.faults import maybe_inject
 from zeroband.membership.auth import PeerRefused, flatten_fingerprint
-from zeroband.mesh import Topology, init_topology, shutdown
+from zeroband.membership.resume import ResumeMismatch, agree_resume
+from zeroband.membership.store import StoreUnreachable
+from zeroband.mesh import Topology, admission_mark, init_topology, shutdown
 from zeroband.metrics import ComputeClock, MetricsLogger, peak_flops, peak_memory_mb
 from zeroband.models.hf import load_hf_state
 from zeroband.models.llama import (
@@ -42,7 +44,8 @@ from zeroband.models.llama import (
     num_params,
 )
 from zeroband.optim import build_optimizer, build_scheduler, lr_factor
-from zeroband.world import World, world_from_env
+from zeroband.watchdog import Interrupted, PeerLost, PeerTimeout, request_stop
+from zeroband.world import World, check_devices, world_from_env
 
 log = logging.getLogger("zeroband")
 
@@ -183,7 +186,7 @@ def train(cfg: Config) -> dict[str, Any]:
     d = cfg.diloco
     topology = init_topology(world, d.store if d else None, cfg.name, d.timeout_s if d else 600.0,
                              d.backend if d else "gloo", host_store=d.host_store if d else False,
-                             build_group=not (d and d.elastic))
+                             build_group=not (d and d.elastic), mark=admission_mark(d.secret if d else None))
     try:
         return _train(cfg, world, topology)
     finally:
@@ -240,13 +243,42 @@ def setup(cfg: Config, world: World, topology: Topology) -> Run:
 
 def resume_or_start(run: Run) -> bool:
     """Load the newest valid checkpoint if there is one (True), else make the sites agree (False)."""
-    found = ckpt.find_checkpoint(run.ckpt_root, run.cfg.checkpoint.resume)
+    found = agreed_checkpoint(run, ckpt.find_checkpoint(run.ckpt_root, run.cfg.checkpoint.resume))
     if found is not None:
         ckpt.check_compatible(found, checkpoint_meta(run.cfg), run.world.world_size)
         ckpt.load_checkpoint(found, run.model, run.optimizer, run.stateful)
         log.info("resumed from %s (step %d)", found.path, run.progress.step)
     run.outer.start(resumed=found is not None)
     return found is not None
+
+
+def agreed_checkpoint(run: Run, found: ckpt.CheckpointInfo | None) -> ckpt.CheckpointInfo | None:
+    """Fixed DiLoCo: every site resumes from the newest step all sites have (membership/resume.py).
+    Elastic sites need no agreement (a restarted site re-joins and receives the live state)."""
+    d, world, store = run.cfg.diloco, run.world, run.topology.store
+    if d is None or d.elastic or store is None:
+        return found
+    offer = verified_steps(run.ckpt_root, run.cfg.checkpoint.resume, found)
+    prefix = f"zeroband/{run.cfg.name}/shard{world.rank}/"
+    step = agree_resume(store, prefix, world.site_rank, world.site_count, offer, d.timeout_s)
+    if step is None or (found is not None and found.step == step):
+        return found if step is not None else None
+    path = ckpt.step_dir(run.ckpt_root, step)
+    return ckpt.CheckpointInfo(path, step, ckpt.verify_checkpoint(path))
+
+
+def verified_steps(root: Path, resume: str, found: ckpt.CheckpointInfo | None) -> list[int]:
+    """The steps this site can resume from: every checkpoint under root that verifies (auto),
+    the explicit one, or none."""
+    if resume != "auto":
+        return [found.step] if found is not None else []
+    steps = []
+    for path in sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")):
+        try:
+            steps.append(ckpt.verify_checkpoint(path)["step"])
+        except ckpt.CheckpointError:
+            continue  # find_checkpoint already logged why
+    return steps
 
 
 class StepWindow:
@@ -366,6 +398,7 @@ class GracefulStop:
 
     def _handle(self, signum: int, frame: Any) -> None:
         self.requested = True
+        request_stop()  # a wait blocked on a frozen peer gives up within seconds (watchdog.py)
 
     def agreed(self, topology: Topology) -> bool:
         flag = torch.tensor([float(self.requested)], device=topology.world.device)
@@ -399,10 +432,14 @@ def main(argv: list[str] | None = None) -> int:
     path = argv.pop(0) if argv and not argv[0].startswith("--") else None
     try:
         cfg = load_config(path, argv)
+        check_devices(cfg)
         train(cfg)
-    except (ConfigError, ckpt.CheckpointError, FileNotFoundError, PeerRefused) as e:
+    except (ConfigError, ckpt.CheckpointError, FileNotFoundError, PeerRefused, ResumeMismatch) as e:
         print(f"zeroband: error: {e}", file=sys.stderr)
         return 2
+    except (PeerTimeout, PeerLost, Interrupted, StoreUnreachable) as e:  # a peer or the store failed: not our config
+        print(f"zeroband: error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

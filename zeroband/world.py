@@ -61,6 +61,19 @@ def resolve_device(choice: str, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank % torch.cuda.device_count())
 
 
+def check_devices(cfg: Config, cuda: bool | None = None) -> None:
+    """Refuse settings that need CUDA on a machine without it, before any process starts or waits:
+    otherwise this site crashes while the others wait for it."""
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    if cuda:
+        return
+    if cfg.diloco is not None and cfg.diloco.backend == "nccl":
+        raise ConfigError("diloco.backend='nccl' needs CUDA, and no CUDA device is visible here; "
+                          "use --diloco.backend gloo on CPU machines")
+    if cfg.train.device == "cuda":
+        raise ConfigError("train.device='cuda' but no CUDA device is visible; use train.device='cpu' or 'auto'")
+
+
 def world_from_env(cfg: Config) -> World:
     rank = _env_int("RANK", 0)
     world_size = _env_int("WORLD_SIZE", 1)

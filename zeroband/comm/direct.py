@@ -84,10 +84,10 @@ class DirectExchange:
 
     def __init__(self, numel: int, group: GlobalGroup, codec: WireCodec, piece_values: int = DEFAULT_PIECE_VALUES) -> None:
         self.numel, self.codec = numel, codec
-        self.rank, self.size, self.pg = group.rank, group.size, group.pg
+        self.rank, self.size, self.pg, self.group = group.rank, group.size, group.pg, group
         self.chunks = piece_chunks(numel, self.size, codec.block, piece_values) if self.size > 1 else []
         self.peers = group.peers()
-        self.sends: list[tuple[dist.Work, torch.Tensor]] = []  # gloo reads a buffer until its send completes
+        self.sends: list[tuple[dist.Work, torch.Tensor, int]] = []  # gloo reads a buffer until its send completes
         self.sent = 0
         self.scatter_in: dict[tuple[int, int], tuple[torch.Tensor, dist.Work]] = {}
         self.gather_in: dict[tuple[int, int], tuple[torch.Tensor, dist.Work]] = {}
@@ -127,7 +127,7 @@ class DirectExchange:
         return buf, self.pg.recv([buf], src, tag)
 
     def _send(self, buf: torch.Tensor, dst: int, tag: int) -> None:
-        self.sends.append((self.pg.send([buf], dst, tag), buf))
+        self.sends.append((self.pg.send([buf], dst, tag), buf, dst))
         self.sent += buf.numel()
 
     def _scatter(self, flat: torch.Tensor, loss: torch.Tensor | None) -> None:
@@ -152,7 +152,7 @@ class DirectExchange:
                     total += flat[lo:hi]
                 else:
                     buf, work = self.scatter_in[p, src]
-                    work.wait()
+                    self.group.wait(work, src, f"reduce-scatter piece {p}")
                     total += self.codec.decode(buf, hi - lo)
             buf = self.codec.encode(total)
             for dst in self.peers:
@@ -164,11 +164,11 @@ class DirectExchange:
 
     def _gather(self, flat: torch.Tensor) -> None:
         for (p, src), (buf, work) in self.gather_in.items():
-            work.wait()
+            self.group.wait(work, src, f"all-gather piece {p}")
             a, b = self.chunks[p][src]
             flat[a:b] = self.codec.decode(buf, b - a)
-        for work, _ in self.sends:
-            work.wait()
+        for work, _, dst in self.sends:
+            self.group.wait(work, dst, "sends to drain")
 
 
 def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -196,6 +196,8 @@ def _publish_once(store: dist.Store, key: str, value: str) -> None:
 
 
 def _read_all(store: dist.Store, kind: str, sites: Iterable[int], timeout: timedelta) -> dict[int, bytes]:
+    from zeroband.watchdog import wait_keys
+
     keys = {s: f"{kind}/{s}" for s in sites}
-    store.wait(list(keys.values()), timeout)
+    wait_keys(store, keys, f"admission: {kind}", timeout.total_seconds())
     return {s: store.get(k) for s, k in keys.items()}

@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 import torch.distributed as dist
 
 from zeroband.membership.heartbeat import Liveness
+from zeroband.watchdog import Ticker
 
 POLL_S = 0.05
 
@@ -119,7 +120,9 @@ class RoundCoordinator:
             self.store.set(self._key(r, a, "arrive", self.site), "fresh" if fresh else "ready")
         may_propose = self.is_leader and (r == 0 or not fresh)
         wait, deadline = WaitState(), time.monotonic() + timeout_s
+        ticker = Ticker(f"round {r} attempt {a}: member decision")
         while not self.store.check([key]):
+            ticker.tick("the other sites to arrive" if may_propose else "a site holding the state to decide")
             if time.monotonic() > deadline:
                 raise RoundTimeout(f"round {r} attempt {a}: no member decision within {timeout_s:.0f} s")
             if may_propose:
@@ -157,7 +160,9 @@ class RoundCoordinator:
         if self.is_leader:
             self.store.set(self._key(r, a, "vote", self.site), "ok" if site_ok else "fail")
         key, deadline = self._key(r, a, "verdict"), time.monotonic() + timeout_s
+        ticker = Ticker(f"round {r} attempt {a}: votes")
         while not self.store.check([key]):
+            ticker.tick(f"the votes of sites {decision.members}")
             verdict = self._tally(r, a, decision) if self.is_leader else None
             if verdict is None and time.monotonic() > deadline:
                 verdict = "abort"  # a member that neither votes nor dies must not stall the others

@@ -8,7 +8,12 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import threading
 from datetime import timedelta
+from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
 import torch.distributed as dist
@@ -16,6 +21,11 @@ import torch.distributed as dist
 from zeroband.membership.etcd import EtcdStore, parse_endpoints
 
 DEFAULT_ETCD_PREFIX = "zeroband"
+_GUARDS: list[subprocess.Popen] = []  # a hosted store's guard lives as long as the process
+
+
+class StoreUnreachable(ConnectionError):
+    """The store address does not answer as a store within the timeout."""
 
 
 def open_store(address: str, is_host: bool, timeout: timedelta) -> dist.Store:
@@ -35,6 +45,50 @@ def _tcp_store(address: str, is_host: bool, timeout: timedelta) -> dist.TCPStore
     url = urlparse(address)
     if url.hostname is None or url.port is None:
         raise ValueError(f"store address {address!r} must look like tcp://host:port")
-    return dist.TCPStore(
-        url.hostname, url.port, is_master=is_host, timeout=timeout, wait_for_workers=False, use_libuv=True
-    )
+    if is_host:
+        return host_tcp_store(url.hostname, url.port, timeout)
+    return connect_tcp_store(url.hostname, url.port, timeout, address)
+
+
+def host_tcp_store(host: str, port: int, timeout: timedelta) -> dist.TCPStore:
+    """A TCPStore server on an ephemeral loopback port, reached through a StoreGuard on host:port
+    (membership/guard.py: idle connections cannot lock the server up). Returns the server's client.
+    Call it from a thread that lives as long as the store: the guard dies with it (PR_SET_PDEATHSIG)."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timeout, wait_for_workers=False, use_libuv=True)
+    # run as a file, not `-m`: the package would import torch (seconds) where stdlib suffices
+    cmd = [sys.executable, str(Path(__file__).with_name("guard.py")), "--host", host, "--port", str(port),
+           "--backend-port", str(server.port)]
+    guard = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in guard.stdout:  # until it listens, or dies (port taken, bad address)
+        lines.append(line.strip())
+        if line.startswith("guard listening"):
+            _GUARDS.append(guard)
+            return server
+    guard.wait()
+    raise StoreUnreachable(f"cannot host the store on {host}:{port}: {lines[-1] if lines else 'guard exited'}")
+
+
+def connect_tcp_store(host: str, port: int, timeout: timedelta, address: str) -> dist.TCPStore:
+    """A client, within `timeout` or StoreUnreachable. The deadline is ours: c10d's own connect waits
+    forever on a listener that accepts and never answers (and past its timeout on a flooded store)."""
+    box: dict[str, Any] = {}
+
+    def connect() -> None:
+        try:
+            box["store"] = dist.TCPStore(host, port, is_master=False, timeout=timeout, use_libuv=True)
+        except Exception as e:  # reported below with the address
+            box["error"] = e
+
+    thread = threading.Thread(target=connect, name="zeroband-store-connect", daemon=True)
+    thread.start()
+    thread.join(timeout.total_seconds() + 1.0)
+    fix = "check diloco.store (zeroband launch's store, or site 0 with diloco.host_store = true)"
+    if thread.is_alive():
+        raise StoreUnreachable(f"store {address}: a listener accepted the connection but did not answer as a "
+                               f"c10d store within {timeout.total_seconds():g} s (diloco.timeout_s); {fix}")
+    if "error" in box:
+        first = str(box["error"]).strip().splitlines()[0] if str(box["error"]).strip() else type(box["error"]).__name__
+        raise StoreUnreachable(f"store {address}: no store answered within {timeout.total_seconds():g} s "
+                               f"({first}); {fix}") from None
+    return box["store"]

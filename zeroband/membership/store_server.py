@@ -16,7 +16,7 @@ import signal
 import time
 from datetime import timedelta
 
-import torch.distributed as dist
+from zeroband.membership.store import host_tcp_store
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--host", default="0.0.0.0")
     args = parser.parse_args(argv)
-    store = dist.TCPStore(args.host, args.port, is_master=True, wait_for_workers=False, timeout=timedelta(hours=24))
+    store = host_tcp_store(args.host, args.port, timedelta(hours=24))  # behind a guard against idle floods
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     signal.signal(signal.SIGINT, lambda *_: stop.append(1))
