@@ -29,8 +29,9 @@ def _cmd_data(args: argparse.Namespace) -> int:
 
 def _cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
     if args.nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
-               "-m", "zeroband.train", args.config, *rest]
+        from zeroband import torchrun
+
+        cmd = [*torchrun.command(args.nproc), "-m", "zeroband.train", args.config, *rest]
         os.execvp(cmd[0], cmd)
     from zeroband.train import main as train_main
 

@@ -1,6 +1,6 @@
 """A standalone TCP coordination store, so that no training site hosts it.
 
-    python -m zeroband.membership.store_server --port 29600 [--host 0.0.0.0]
+    python -m zeroband.membership.store_server --port 29600 [--host 127.0.0.1]
 
 `zeroband launch` starts one beside the sites (inside site 0's network namespace under WAN
 emulation, but as its own process), so killing any site, site 0 included, leaves the store up.
@@ -16,15 +16,15 @@ import signal
 import time
 from datetime import timedelta
 
-import torch.distributed as dist
+from zeroband.membership.store import BoundTCPStore
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--host", default="127.0.0.1", help="the one address it listens on")
     args = parser.parse_args(argv)
-    store = dist.TCPStore(args.host, args.port, is_master=True, wait_for_workers=False, timeout=timedelta(hours=24))
+    store = BoundTCPStore(args.host, args.port, is_master=True, wait_for_workers=False, timeout=timedelta(hours=24))
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     signal.signal(signal.SIGINT, lambda *_: stop.append(1))
