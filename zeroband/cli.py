@@ -70,11 +70,16 @@ def _cmd_launch(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def _cmd_export(args: argparse.Namespace, rest: list[str]) -> int:
+    from zeroband.checkpoint import CheckpointError
     from zeroband.export import export
 
     cfg = load_config(args.config, rest)
     out = Path(args.out) if args.out else cfg.run_dir / "hf"
-    result = export(cfg, Path(args.checkpoint) if args.checkpoint else None, out)
+    try:
+        result = export(cfg, Path(args.checkpoint) if args.checkpoint else None, out)
+    except CheckpointError as e:
+        print(f"zeroband export: {e}", file=sys.stderr)
+        return 2
     print(json.dumps(result, indent=1))
     return 0
 

@@ -28,7 +28,7 @@ from zeroband.data.tokenizer import TextTokenizer
 from zeroband.diloco import DiLoCo, SingleSite
 from zeroband.elastic import ElasticDiLoCo
 from zeroband.faults import maybe_inject
-from zeroband.membership.auth import PeerRefused, flatten_fingerprint
+from zeroband.membership.auth import PeerRefused, flatten_fingerprint, optional_secret
 from zeroband.mesh import Topology, init_topology, shutdown
 from zeroband.metrics import ComputeClock, MetricsLogger, peak_flops, peak_memory_mb
 from zeroband.models.hf import load_hf_state
@@ -102,6 +102,11 @@ def check_vocab(cfg: Config, tokenizer: TextTokenizer) -> None:
 
 def checkpoint_meta(cfg: Config) -> dict[str, Any]:
     return {"model": cfg.model.model_dump(exclude={"init_from", "preset"}), "fingerprint": cfg.fingerprint()}
+
+
+def checkpoint_secret(cfg: Config) -> bytes | None:
+    """What checkpoints are signed and verified with: the run's shared secret, if it has one."""
+    return optional_secret(cfg.diloco.secret if cfg.diloco else None)
 
 
 # ---------------------------------------------------------------------------------- one step
@@ -240,7 +245,8 @@ def setup(cfg: Config, world: World, topology: Topology) -> Run:
 
 def resume_or_start(run: Run) -> bool:
     """Load the newest valid checkpoint if there is one (True), else make the sites agree (False)."""
-    found = ckpt.find_checkpoint(run.ckpt_root, run.cfg.checkpoint.resume)
+    found = ckpt.find_checkpoint(run.ckpt_root, run.cfg.checkpoint.resume, checkpoint_secret(run.cfg),
+                                 run.cfg.checkpoint.allow_unsigned)
     if found is not None:
         ckpt.check_compatible(found, checkpoint_meta(run.cfg), run.world.world_size)
         ckpt.load_checkpoint(found, run.model, run.optimizer, run.stateful)
@@ -347,7 +353,8 @@ def _train(cfg: Config, world: World, topology: Topology) -> dict[str, Any]:
 
 def save(run: Run) -> None:
     ckpt.save_checkpoint(run.ckpt_root, run.progress.step, run.model, run.optimizer, run.stateful,
-                         checkpoint_meta(run.cfg), run.cfg.checkpoint.keep_last, site=run.world.site_rank)
+                         checkpoint_meta(run.cfg), run.cfg.checkpoint.keep_last, site=run.world.site_rank,
+                         secret=checkpoint_secret(run.cfg))
 
 
 class GracefulStop:
