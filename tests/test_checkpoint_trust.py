@@ -108,6 +108,13 @@ def test_crafted_checkpoint_is_refused_by_resume_and_export(signed, tmp_path):
     # And rank_*.pt alone is read as data: weights_only refuses the code.
     with pytest.raises(pickle.UnpicklingError):
         torch.load(evil / "rank_00000.pt", weights_only=True)
+    # Even the deliberate act (allow_unsigned) runs no code: DCP is read without pickle's power.
+    tree = {**signed["tree"], "checkpoint": {**signed["tree"]["checkpoint"], "allow_unsigned": True}}
+    assert "refusing to unpickle" in _resume_error(tree, evil, {})
+    only_rank = shutil.copytree(step_dir(signed["root"], 4), tmp_path / "only_rank")
+    (only_rank / "rank_00000.pt").write_bytes(pickle.dumps(_RunsCode(marker)))
+    _rehash(only_rank)
+    assert "holds more than tensors and plain values" in _resume_error(tree, only_rank, {})
     assert not marker.exists()
     pickle.loads(pickle.dumps(_RunsCode(tmp_path / "control")))  # the payload is live when unpickled
     assert (tmp_path / "control").exists()

@@ -13,7 +13,9 @@ are pickles, so a checkpoint from a stranger runs whatever its author put in it,
 manifest proves nothing against whoever wrote the manifest. So before anything is unpickled,
 `check_trust` requires a valid signature under the run's secret, or (no secret) that the checkpoint
 lies in the run's own checkpoint directory, or the deliberate `checkpoint.allow_unsigned`.
-rank_*.pt holds only tensors and plain Python values and is read with weights_only=True.
+rank_*.pt holds only tensors and plain Python values and is read with weights_only=True, and DCP is
+read without its pickles' power too (`dcp_load`): metadata through an unpickler that builds only
+DCP's own metadata classes, non-tensor entries with weights_only=True.
 
 Saving writes `step_000100.tmp/` and renames it to `step_000100/` only after the manifest is on
 disk, so a save killed at any moment leaves the previous checkpoint untouched and loadable.
@@ -24,9 +26,11 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import io
 import json
 import logging
 import os
+import pickle
 import random
 import shutil
 import time
@@ -38,6 +42,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from zeroband.faults import maybe_inject
@@ -274,14 +282,70 @@ def check_compatible(info: CheckpointInfo, meta: dict[str, Any], world_size: int
         )
 
 
+# DCP metadata is made of these (and torch dtypes); nothing else may be built while reading it.
+_METADATA_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+                     ("pathlib", "PurePosixPath"), ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
+_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        trusted = module in ("torch", "pathlib") or module.startswith("torch.")
+        found = super().find_class(module, name) if trusted else None
+        if (module, name) in _METADATA_GLOBALS or isinstance(found, torch.dtype) or (
+            module == _METADATA_MODULE and isinstance(found, type) and found.__module__ == module
+        ):
+            return found
+        raise CheckpointError(f"DCP metadata refers to {module}.{name}, which checkpoint metadata never holds; "
+                              "refusing to unpickle it (crafted checkpoint?)")
+
+
+class _DataOnlyReader(dcp.FileSystemReader):
+    """FileSystemReader whose metadata unpickling can only build DCP metadata objects."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if not isinstance(metadata, Metadata):
+            raise CheckpointError(f"{self.path}: DCP metadata is not a Metadata object")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _DataOnlyPlanner(DefaultLoadPlanner):
+    """Non-tensor entries (optimizer hyper-parameters) read with weights_only=True."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        # DefaultLoadPlanner.load_bytes with weights_only=True instead of False
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def dcp_load(state: dict[str, Any], path: Path, no_dist: bool = False) -> None:
+    """dcp.load without pickle's power (see the module doc)."""
+    with open(path / ".metadata", "rb") as f:  # checked here too: inside dcp.load the error loses its message
+        _MetadataUnpickler(f).load()
+    dcp.load(state, storage_reader=_DataOnlyReader(str(path)), planner=_DataOnlyPlanner(), no_dist=no_dist)
+
+
 def load_checkpoint(
     info: CheckpointInfo, model: torch.nn.Module, optimizer: torch.optim.Optimizer, extras: dict[str, Stateful]
 ) -> None:
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(info.path / "dcp"))
+    dcp_load(state, info.path / "dcp")
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    own = torch.load(info.path / f"rank_{dist.get_rank():05d}.pt", weights_only=True)
+    rank_file = info.path / f"rank_{dist.get_rank():05d}.pt"
+    try:
+        own = torch.load(rank_file, weights_only=True)
+    except pickle.UnpicklingError as e:
+        why = next((line for line in str(e).splitlines() if "Unsupported global" in line), "not plain data")
+        raise CheckpointError(f"{rank_file} holds more than tensors and plain values; refusing it ({why.strip()})") from None
     for name, obj in extras.items():
         obj.load_state_dict(own[name])
     set_rng_state(own["rng"])

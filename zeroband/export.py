@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 
 from zeroband import checkpoint as ckpt
 from zeroband.config import Config
@@ -28,7 +27,7 @@ def load_for_export(cfg: Config, checkpoint_path: Path) -> Llama:
     model = Llama(cfg.model)
     model.reset_rope("cpu")
     state = {"model": model.state_dict()}
-    dcp.load(state, checkpoint_id=str(checkpoint_path / "dcp"), no_dist=True)
+    ckpt.dcp_load(state, checkpoint_path / "dcp", no_dist=True)
     model.load_state_dict(state["model"])
     return model
 
