@@ -110,3 +110,19 @@ def test_config_errors_never_echo_a_secret(tmp_path):
     with pytest.raises(ConfigError, match="chmod 600") as e:
         load_config(None, {"diloco": {"secret_file": str(loose)}})
     assert SECRET not in str(e.value)
+
+
+def test_bound_store_listens_only_on_its_host():
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from zeroband.membership.store import BoundTCPStore
+
+    server = BoundTCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=10))
+    client.set("k", "v")
+    assert server.get("k") == b"v"
+    mine = {addr for addr, _ in listeners({os.getpid()})}
+    assert f"127.0.0.1:{server.port}" in mine, mine  # c10d's own server would show `*:port`
+    assert not any(a.endswith(f":{server.port}") and not is_loopback(a) for a in mine), mine
