@@ -139,6 +139,10 @@ def test_tampered_manifest_is_refused(signed, tmp_path):
     _rehash(swapped)  # the hashes match the new bytes, the signature no longer matches the manifest
     with pytest.raises(CheckpointError, match="signature does not verify"):
         verify_trusted(swapped, SECRET.encode(), signed["root"])
+    added = shutil.copytree(original, tmp_path / "added")
+    (added / "dcp" / "__0.metadata").write_bytes(pickle.dumps(_RunsCode(tmp_path / "marker")))
+    with pytest.raises(CheckpointError, match="not listed in the manifest"):
+        verify_trusted(added, SECRET.encode(), signed["root"])
 
 
 def test_trust_rule_without_a_secret(tmp_path):

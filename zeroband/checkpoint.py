@@ -233,6 +233,10 @@ def verify_checkpoint(path: Path) -> dict[str, Any]:
             )
         if sha256_file(file) != expected["sha256"]:
             raise CheckpointError(f"{path}: {name} fails its sha256 check (corrupt)")
+    # A file the (signed) manifest does not cover could still be read (DCP looks for more metadata files).
+    extra = sorted({str(p.relative_to(path)) for p in path.rglob("*") if p.is_file()} - set(manifest["files"]) - {MANIFEST})
+    if extra:
+        raise CheckpointError(f"{path}: {extra[0]} is not listed in the manifest (added after the save?); refusing it")
     return manifest
 
 
