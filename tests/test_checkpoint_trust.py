@@ -157,3 +157,26 @@ def test_trust_rule_without_a_secret(tmp_path):
     forged = {**unsigned, "signature": {"alg": "hmac-sha256", "mac": "00" * 32}}
     with pytest.raises(CheckpointError, match="does not verify"):
         check_trust(own / "step_1", forged, b"a-secret-of-enough-length", own, allow_unsigned=True)
+
+
+def test_rng_state_is_plain_data_and_old_tuples_still_restore(tmp_path):
+    import random
+
+    import numpy as np
+
+    from zeroband.checkpoint import _NUMPY_ARRAYS, rng_state, set_rng_state
+
+    def draws() -> tuple:
+        return random.random(), float(np.random.rand()), float(torch.rand(1))
+
+    torch.save(rng_state(), tmp_path / "new.pt")
+    legacy = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    torch.save(legacy, tmp_path / "old.pt")  # the format before RNG states were plain values
+    expected = draws()
+    set_rng_state(torch.load(tmp_path / "new.pt", weights_only=True))
+    assert draws() == expected
+    with pytest.raises(pickle.UnpicklingError):
+        torch.load(tmp_path / "old.pt", weights_only=True)
+    with torch.serialization.safe_globals(_NUMPY_ARRAYS):
+        set_rng_state(torch.load(tmp_path / "old.pt", weights_only=True))
+    assert draws() == expected

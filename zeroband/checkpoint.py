@@ -113,8 +113,13 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any]) -> None:
     py, npy = state["python"], state["numpy"]
-    random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
-    np.random.set_state((npy["kind"], npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"], npy["cached"]))
+    if isinstance(py, tuple):  # written before RNG states were plain values: the raw getstate() tuples
+        random.setstate(py)
+        np.random.set_state(npy)
+    else:
+        random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
+        np.random.set_state((npy["kind"], npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"],
+                             npy["cached"]))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -337,6 +342,10 @@ def dcp_load(state: dict[str, Any], path: Path, no_dist: bool = False) -> None:
     dcp.load(state, storage_reader=_DataOnlyReader(str(path)), planner=_DataOnlyPlanner(), no_dist=no_dist)
 
 
+# numpy's array reconstruction builds plain arrays only (object arrays would need other globals).
+_NUMPY_ARRAYS = [np._core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+
+
 def load_checkpoint(
     info: CheckpointInfo, model: torch.nn.Module, optimizer: torch.optim.Optimizer, extras: dict[str, Stateful]
 ) -> None:
@@ -345,11 +354,13 @@ def load_checkpoint(
     dcp_load(state, info.path / "dcp")
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     rank_file = info.path / f"rank_{dist.get_rank():05d}.pt"
-    try:
-        own = torch.load(rank_file, weights_only=True)
+    try:  # numpy arrays: the RNG state of checkpoints written before it was stored as tensors
+        with torch.serialization.safe_globals(_NUMPY_ARRAYS):
+            own = torch.load(rank_file, weights_only=True)
     except pickle.UnpicklingError as e:
         why = next((line for line in str(e).splitlines() if "Unsupported global" in line), "not plain data")
-        raise CheckpointError(f"{rank_file} holds more than tensors and plain values; refusing it ({why.strip()})") from None
+        raise CheckpointError(f"{rank_file} holds more than tensors and plain values; refusing it "
+                              f"({why.split(' was not')[0].strip()})") from None
     for name, obj in extras.items():
         obj.load_state_dict(own[name])
     set_rng_state(own["rng"])
