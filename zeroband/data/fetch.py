@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import re
+import ssl
 import subprocess
 import sys
 import tarfile
@@ -23,7 +24,7 @@ import tempfile
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from html.parser import HTMLParser
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -63,17 +64,29 @@ def download_sdists(cache_dir: Path, pins: dict[str, str] = PINNED_SDISTS,
     for name, digest in pins.items():
         path = cache_dir / name
         if not _hash_ok(path, digest):
-            if indexes is None:
-                indexes = pip_indexes()
-            _download_verified(find_file_url(name, indexes), path, digest)
+            config = pip_config()
+            opener = _opener(config)
+            found = find_file_url(name, indexes if indexes is not None else pip_indexes(config), opener)
+            _download_verified(found, path, digest, opener)
         paths[name] = path
     return paths
 
 
-def _download_verified(url: str, path: Path, digest: str) -> None:
+Opener = Callable[[str], Any]
+
+
+def _opener(config: dict[str, str]) -> Opener:
+    """urlopen with pip's CA bundle (`cert`) and timeout."""
+    context = ssl.create_default_context(cafile=config.get("cert") or None)
+    open_url = urllib.request.build_opener(urllib.request.HTTPSHandler(context=context)).open
+    timeout = float(config.get("timeout") or config.get("default-timeout") or 60)
+    return lambda url: open_url(url, timeout=timeout)
+
+
+def _download_verified(url: str, path: Path, digest: str, opener: Opener) -> None:
     partial = path.with_name(path.name + ".part")
     try:
-        with urllib.request.urlopen(url, timeout=float(os.environ.get("PIP_DEFAULT_TIMEOUT", 60))) as r:
+        with opener(url) as r:
             partial.write_bytes(r.read())
     except OSError as e:
         raise FetchError(f"downloading {_redact(url)} failed: {e}") from None
@@ -85,8 +98,8 @@ def _download_verified(url: str, path: Path, digest: str) -> None:
     partial.replace(path)
 
 
-def pip_indexes() -> list[str]:
-    """Where pip looks, in its order: index-url, extra-index-url, find-links (config files and PIP_*)."""
+def pip_config() -> dict[str, str]:
+    """pip's effective settings as `pip config list` reports them: PIP_* over pip.conf files."""
     out = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True)
     from_env: dict[str, str] = {}
     from_files: dict[str, str] = {}  # global, user, site: the later file wins, as in pip
@@ -94,21 +107,33 @@ def pip_indexes() -> list[str]:
         where, _, rest = line.partition(".")
         key, _, value = rest.partition("=")
         (from_env if where == ":env:" else from_files)[key] = value.strip().strip("'\"")
-    values = {k: (from_env.get(k) or from_files.get(k, "")).split() for k in ("index-url", "extra-index-url", "find-links")}
+    return {**from_files, **from_env}
+
+
+def pip_indexes(config: dict[str, str]) -> list[str]:
+    """Where pip looks, in its order: index-url, extra-index-url, find-links."""
+    values = {k: config.get(k, "").split() for k in ("index-url", "extra-index-url", "find-links")}
     return (values["index-url"] or [DEFAULT_INDEX]) + values["extra-index-url"] + values["find-links"]
 
 
-def find_file_url(filename: str, indexes: list[str]) -> str:
+def find_file_url(filename: str, indexes: list[str], opener: Opener = urllib.request.urlopen) -> str:
     """The URL of `filename` in the first index (PEP 503 simple page) or find-links location that has it."""
     project = re.sub(r"[-_.]+", "-", filename.rsplit("-", 1)[0]).lower()
+    unreachable = []
     for index in indexes:
         base = index if "://" in index else Path(index).resolve().as_uri()
         for page in (f"{base.rstrip('/')}/{project}/", base):
-            links = _links(page)
+            try:
+                links = _links(page, opener)
+            except OSError as e:  # a missing page is only "not here"; anything else is worth saying
+                missing = getattr(e, "code", None) == 404 or isinstance(getattr(e, "reason", None), FileNotFoundError)
+                unreachable += [] if missing else [f"{_redact(page)}: {e}"]
+                continue
             if filename in links:
                 return links[filename]
-    raise FetchError(f"{filename} is in none of pip's indexes {[_redact(i) for i in indexes]}; "
-                     "set PIP_INDEX_URL (or pip.conf index-url) to an index that mirrors PyPI")
+    raise FetchError(f"{filename} is in none of pip's indexes {[_redact(i) for i in indexes]}"
+                     + (f" ({unreachable[0]})" if unreachable else "")
+                     + "; set PIP_INDEX_URL (or pip.conf index-url) to an index that mirrors PyPI")
 
 
 class _Anchors(HTMLParser):
@@ -121,7 +146,7 @@ class _Anchors(HTMLParser):
             self.hrefs += [v for k, v in attrs if k == "href" and v]
 
 
-def _links(page: str) -> dict[str, str]:
+def _links(page: str, opener: Opener) -> dict[str, str]:
     """file name -> absolute URL of the links on an index page (a file:// directory lists its files)."""
     url = urllib.parse.urlparse(page)
     if url.scheme == "file" and Path(urllib.request.url2pathname(url.path)).is_dir():
@@ -129,11 +154,8 @@ def _links(page: str) -> dict[str, str]:
         if not (folder / "index.html").is_file():
             return {p.name: p.as_uri() for p in folder.iterdir() if p.is_file()}
         page = (folder / "index.html").as_uri()
-    try:
-        with urllib.request.urlopen(page, timeout=60) as r:
-            html = r.read().decode("utf-8", errors="replace")
-    except OSError:  # no such project on this index
-        return {}
+    with opener(page) as r:
+        html = r.read().decode("utf-8", errors="replace")
     parser = _Anchors()
     parser.feed(html)
     links = (urllib.parse.urljoin(page, href) for href in parser.hrefs)
