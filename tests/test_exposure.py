@@ -56,7 +56,7 @@ def is_loopback(address: str) -> bool:
     return address.rsplit(":", 1)[0] in LOOPBACK
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(120)
 @pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (iproute2)")
 def test_default_launch_listens_on_loopback_and_never_shows_its_secret(corpus, tmp_path):
     secret_file = tmp_path / "secret"
@@ -66,7 +66,7 @@ def test_default_launch_listens_on_loopback_and_never_shows_its_secret(corpus, t
     tree["diloco"] = {"inner_steps": 3, "timeout_s": 120, "secret_file": str(secret_file)}
     config = tmp_path / "run.toml"
     config.write_text(tomli_w.dumps(tree))
-    cmd = [sys.executable, "-m", "zeroband", "launch", str(config), "--sites", "2", "--nproc", "1", "--timeout", "150"]
+    cmd = [sys.executable, "-m", "zeroband", "launch", str(config), "--sites", "2", "--nproc", "1", "--timeout", "100"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     seen: set[tuple[str, str]] = set()
     ps_hits: list[str] = []
