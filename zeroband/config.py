@@ -188,10 +188,10 @@ class DilocoConfig(Section):
     host_store: bool = True
     # Shared secret for admitting sites (elastic runs); or ZEROBAND_SECRET. Never written to disk.
     secret: str | None = Field(None, repr=False, exclude=True)
-    # A multi-site run without a secret must say so: its cross-site traffic is unauthenticated.
-    insecure: bool = False
     # Or a file holding it (mode 0600); never on the command line, where `ps` shows it to everyone.
     secret_file: str | None = None
+    # A multi-site run without a secret must say so: its cross-site traffic is unauthenticated.
+    insecure: bool = False
     # Site identity: config or ZEROBAND_SITE_RANK / ZEROBAND_SITE_COUNT in the environment.
     site_rank: int | None = Field(None, ge=0)
     site_count: int | None = Field(None, gt=0)
