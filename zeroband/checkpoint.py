@@ -5,7 +5,17 @@ Layout of one checkpoint (one per site; each site has its own directory):
     step_000100/
       dcp/            model + inner optimizer, torch.distributed.checkpoint (sharded, reshardable)
       rank_00000.pt   this rank's own state: data position, RNG, scheduler, outer (DiLoCo) state
-      manifest.json   written last: step, model fingerprint, world size, size + sha256 of every file
+      manifest.json   written last: step, model fingerprint, world size, size + sha256 of every file,
+                      and, when the run has a secret, an HMAC-SHA256 signature of all of that
+
+Loading is code execution unless the author is known: DCP's metadata (and its non-tensor entries)
+are pickles, so a checkpoint from a stranger runs whatever its author put in it, and a sha256
+manifest proves nothing against whoever wrote the manifest. So before anything is unpickled,
+`check_trust` requires a valid signature under the run's secret, or (no secret) that the checkpoint
+lies in the run's own checkpoint directory, or the deliberate `checkpoint.allow_unsigned`.
+rank_*.pt holds only tensors and plain Python values and is read with weights_only=True, and DCP is
+read without its pickles' power too (`dcp_load`): metadata through an unpickler that builds only
+DCP's own metadata classes, non-tensor entries with weights_only=True.
 
 Saving writes `step_000100.tmp/` and renames it to `step_000100/` only after the manifest is on
 disk, so a save killed at any moment leaves the previous checkpoint untouched and loadable.
@@ -15,9 +25,12 @@ Loading verifies the manifest before touching the model.
 from __future__ import annotations
 
 import hashlib
+import hmac
+import io
 import json
 import logging
 import os
+import pickle
 import random
 import shutil
 import time
@@ -29,14 +42,21 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from zeroband.faults import maybe_inject
+from zeroband.membership.auth import derive_key
 
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
+SIGNATURE = "signature"
+SIGN_LABEL = "zeroband-checkpoint-v1"
 
 
 class CheckpointError(RuntimeError):
@@ -77,15 +97,29 @@ def _fsync_dir(path: Path) -> None:
 
 
 def rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Every RNG's state as tensors and plain values (what weights_only=True loads)."""
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "python": {"version": version, "state": list(internal), "gauss": gauss},
+        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached": float(cached)},
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    py, npy = state["python"], state["numpy"]
+    if isinstance(py, tuple):  # written before RNG states were plain values: the raw getstate() tuples
+        random.setstate(py)
+        np.random.set_state(npy)
+    else:
+        random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
+        np.random.set_state((npy["kind"], npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"],
+                             npy["cached"]))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -100,8 +134,10 @@ def save_checkpoint(
     meta: dict[str, Any],
     keep_last: int,
     site: int = 0,
+    secret: bytes | None = None,
 ) -> Path:
-    """Collective over the site group: every rank of the site calls it with the same step."""
+    """Collective over the site group: every rank of the site calls it with the same step.
+    With a `secret`, the manifest is signed with it."""
     rank, world = dist.get_rank(), dist.get_world_size()
     final, tmp = step_dir(root, step), Path(str(step_dir(root, step)) + ".tmp")
     if rank == 0:
@@ -116,13 +152,13 @@ def save_checkpoint(
     maybe_inject("checkpoint", step, site, rank)  # a kill here must leave the previous checkpoint usable
     dist.barrier()
     if rank == 0:
-        _seal(tmp, final, step, world, meta)
+        _seal(tmp, final, step, world, meta, secret)
         _prune(root, keep_last)
     dist.barrier()
     return final
 
 
-def _seal(tmp: Path, final: Path, step: int, world: int, meta: dict[str, Any]) -> None:
+def _seal(tmp: Path, final: Path, step: int, world: int, meta: dict[str, Any], secret: bytes | None) -> None:
     files = {
         str(p.relative_to(tmp)): {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
         for p in sorted(tmp.rglob("*"))
@@ -130,6 +166,8 @@ def _seal(tmp: Path, final: Path, step: int, world: int, meta: dict[str, Any]) -
     }
     manifest = {"format": FORMAT_VERSION, "step": step, "world_size": world, "time": time.time(), "files": files}
     manifest.update(meta)
+    if secret is not None:
+        manifest[SIGNATURE] = {"alg": "hmac-sha256", "mac": manifest_mac(signing_key(secret), manifest)}
     with open(tmp / MANIFEST, "w") as f:
         json.dump(manifest, f, indent=1)
         f.flush()
@@ -145,6 +183,40 @@ def _prune(root: Path, keep_last: int) -> None:
     done = sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
     for old in done[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def signing_key(secret: bytes) -> bytes:
+    """Slow, salted derivation (as for admission): a signed manifest must not make guessing cheap."""
+    return derive_key(secret, SIGN_LABEL)
+
+
+def manifest_mac(key: bytes, manifest: dict[str, Any]) -> str:
+    """HMAC-SHA256 over the canonical JSON of everything in the manifest but the signature."""
+    body = {k: v for k, v in manifest.items() if k != SIGNATURE}
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    return hmac.new(key, SIGN_LABEL.encode() + b"|" + canonical, hashlib.sha256).hexdigest()
+
+
+def check_trust(path: Path, manifest: dict[str, Any], secret: bytes | None, own_root: Path | None,
+                allow_unsigned: bool = False) -> None:
+    """Refuse (CheckpointError, one line) a checkpoint whose author we cannot vouch for; see the module doc.
+    A signature that fails is refused always; an unsigned one only with a secret set or from elsewhere."""
+    signature = manifest.get(SIGNATURE)
+    if secret is not None and signature is not None:
+        mac = signature.get("mac", "") if isinstance(signature, dict) else ""
+        if not hmac.compare_digest(str(mac), manifest_mac(signing_key(secret), manifest)):
+            raise CheckpointError(f"{path}: manifest signature does not verify under the run's secret "
+                                  "(tampered, or signed with another secret); refusing to load it")
+        return
+    if allow_unsigned:
+        return
+    if secret is not None:
+        raise CheckpointError(f"{path}: manifest is not signed but the run has a secret; refusing it (loading a "
+                              "checkpoint can run its author's code). Fix: --checkpoint.allow_unsigned true if you wrote it")
+    if own_root is None or not path.resolve().is_relative_to(own_root.resolve()):
+        raise CheckpointError(f"{path}: no secret to verify who wrote it, and it is outside this run's checkpoint "
+                              f"directory {own_root}; loading a checkpoint can run its author's code. Fix: set the "
+                              "secret it was signed with (ZEROBAND_SECRET), or --checkpoint.allow_unsigned true if you trust it")
 
 
 def verify_checkpoint(path: Path) -> dict[str, Any]:
@@ -166,23 +238,35 @@ def verify_checkpoint(path: Path) -> dict[str, Any]:
             )
         if sha256_file(file) != expected["sha256"]:
             raise CheckpointError(f"{path}: {name} fails its sha256 check (corrupt)")
+    # A file the (signed) manifest does not cover could still be read (DCP looks for more metadata files).
+    extra = sorted({str(p.relative_to(path)) for p in path.rglob("*") if p.is_file()} - set(manifest["files"]) - {MANIFEST})
+    if extra:
+        raise CheckpointError(f"{path}: {extra[0]} is not listed in the manifest (added after the save?); refusing it")
     return manifest
 
 
-def find_checkpoint(root: Path, resume: str) -> CheckpointInfo | None:
-    """Resolve `checkpoint.resume`: 'none', 'auto' (newest valid under root) or an explicit path."""
+def verify_trusted(path: Path, secret: bytes | None, own_root: Path | None, allow_unsigned: bool = False) -> dict[str, Any]:
+    """The manifest of a checkpoint that is complete and whose author we trust (check_trust)."""
+    manifest = verify_checkpoint(path)
+    check_trust(path, manifest, secret, own_root, allow_unsigned)
+    return manifest
+
+
+def find_checkpoint(root: Path, resume: str, secret: bytes | None = None, allow_unsigned: bool = False) -> CheckpointInfo | None:
+    """Resolve `checkpoint.resume`: 'none', 'auto' (newest valid under root) or an explicit path.
+    Only checkpoints that pass `check_trust` (root being the run's own directory) are returned."""
     if resume == "none":
         return None
     if resume != "auto":
         path = Path(resume)
         if not path.is_dir():
             raise CheckpointError(f"checkpoint.resume={resume!r} is not a directory")
-        manifest = verify_checkpoint(path)
+        manifest = verify_trusted(path, secret, root, allow_unsigned)
         return CheckpointInfo(path, manifest["step"], manifest)
     candidates = sorted((p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")), reverse=True)
     for path in candidates:
         try:
-            manifest = verify_checkpoint(path)
+            manifest = verify_trusted(path, secret, root, allow_unsigned)
         except CheckpointError as e:
             log.warning("skipping unusable checkpoint: %s", e)
             continue
@@ -207,14 +291,76 @@ def check_compatible(info: CheckpointInfo, meta: dict[str, Any], world_size: int
         )
 
 
+# DCP metadata is made of these (and torch dtypes); nothing else may be built while reading it.
+_METADATA_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+                     ("pathlib", "PurePosixPath"), ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
+_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        trusted = module in ("torch", "pathlib") or module.startswith("torch.")
+        found = super().find_class(module, name) if trusted else None
+        if (module, name) in _METADATA_GLOBALS or isinstance(found, torch.dtype) or (
+            module == _METADATA_MODULE and isinstance(found, type) and found.__module__ == module
+        ):
+            return found
+        raise CheckpointError(f"DCP metadata refers to {module}.{name}, which checkpoint metadata never holds; "
+                              "refusing to unpickle it (crafted checkpoint?)")
+
+
+class _DataOnlyReader(dcp.FileSystemReader):
+    """FileSystemReader whose metadata unpickling can only build DCP metadata objects."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if not isinstance(metadata, Metadata):
+            raise CheckpointError(f"{self.path}: DCP metadata is not a Metadata object")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _DataOnlyPlanner(DefaultLoadPlanner):
+    """Non-tensor entries (optimizer hyper-parameters) read with weights_only=True."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        # DefaultLoadPlanner.load_bytes with weights_only=True instead of False
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def dcp_load(state: dict[str, Any], path: Path, no_dist: bool = False) -> None:
+    """dcp.load without pickle's power (see the module doc)."""
+    with open(path / ".metadata", "rb") as f:  # checked here too: inside dcp.load the error loses its message
+        _MetadataUnpickler(f).load()
+    dcp.load(state, storage_reader=_DataOnlyReader(str(path)), planner=_DataOnlyPlanner(), no_dist=no_dist)
+
+
+# numpy's array reconstruction builds plain arrays only (object arrays would need other globals).
+_NUMPY_ARRAYS = [np._core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+
+
 def load_checkpoint(
     info: CheckpointInfo, model: torch.nn.Module, optimizer: torch.optim.Optimizer, extras: dict[str, Stateful]
 ) -> None:
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(info.path / "dcp"))
+    dcp_load(state, info.path / "dcp")
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    own = torch.load(info.path / f"rank_{dist.get_rank():05d}.pt", weights_only=False)
+    rank_file = info.path / f"rank_{dist.get_rank():05d}.pt"
+    try:  # numpy arrays: the RNG state of checkpoints written before it was stored as tensors
+        with torch.serialization.safe_globals(_NUMPY_ARRAYS):
+            own = torch.load(rank_file, weights_only=True)
+    except pickle.UnpicklingError as e:
+        why = next((line for line in str(e).splitlines() if "Unsupported global" in line), "not plain data")
+        raise CheckpointError(f"{rank_file} holds more than tensors and plain values; refusing it "
+                              f"({why.split(' was not')[0].strip()})") from None
     for name, obj in extras.items():
         obj.load_state_dict(own[name])
     set_rng_state(own["rng"])

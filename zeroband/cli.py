@@ -32,8 +32,9 @@ def _cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
 
     check_devices(load_config(args.config, rest))  # refuse before torchrun starts any rank
     if args.nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
-               "-m", "zeroband.train", args.config, *rest]
+        from zeroband import torchrun
+
+        cmd = [*torchrun.command(args.nproc), "-m", "zeroband.train", args.config, *rest]
         os.execvp(cmd[0], cmd)
     from zeroband.train import main as train_main
 
@@ -79,11 +80,16 @@ def _cmd_launch(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def _cmd_export(args: argparse.Namespace, rest: list[str]) -> int:
+    from zeroband.checkpoint import CheckpointError
     from zeroband.export import export
 
     cfg = load_config(args.config, rest)
     out = Path(args.out) if args.out else cfg.run_dir / "hf"
-    result = export(cfg, Path(args.checkpoint) if args.checkpoint else None, out)
+    try:
+        result = export(cfg, Path(args.checkpoint) if args.checkpoint else None, out)
+    except CheckpointError as e:
+        print(f"zeroband export: {e}", file=sys.stderr)
+        return 2
     print(json.dumps(result, indent=1))
     return 0
 

@@ -138,6 +138,9 @@ class CheckpointConfig(Section):
     # "auto" resumes from the newest valid checkpoint in dir if any; "none" starts fresh; or a path.
     resume: str = "auto"
     save_at_end: bool = True
+    # Load an unsigned checkpoint from outside this run's checkpoint dir (or any unsigned one when a
+    # secret is set). DCP metadata is a pickle: only for checkpoints whose author you trust.
+    allow_unsigned: bool = False
 
 
 class EvalConfig(Section):
@@ -190,6 +193,8 @@ class DilocoConfig(Section):
     host_store: bool = True
     # Shared secret for admitting sites (elastic runs); or ZEROBAND_SECRET. Never written to disk.
     secret: str | None = Field(None, repr=False, exclude=True)
+    # Or a file holding it (mode 0600); never on the command line, where `ps` shows it to everyone.
+    secret_file: str | None = None
     # A multi-site run without a secret must say so: its cross-site traffic is unauthenticated.
     insecure: bool = False
     # Site identity: config or ZEROBAND_SITE_RANK / ZEROBAND_SITE_COUNT in the environment.
@@ -217,6 +222,13 @@ class DilocoConfig(Section):
     # suite uses it to prove the sites stay bitwise identical).
     log_checksum: bool = False
 
+    @model_validator(mode="before")
+    @classmethod
+    def _read_secret_file(cls, values: Any) -> Any:
+        if isinstance(values, dict) and values.get("secret_file") and not values.get("secret"):
+            values = {**values, "secret": read_secret_file(Path(values["secret_file"]))}
+        return values
+
     @model_validator(mode="after")
     def _check_site(self) -> DilocoConfig:
         if self.site_rank is not None and self.site_count is not None and self.site_rank >= self.site_count:
@@ -235,6 +247,21 @@ class DilocoConfig(Section):
                 "or a live site could be declared dead between two heartbeats"
             )
         return self
+
+
+def read_secret_file(path: Path) -> str:
+    """The secret in `path` (surrounding whitespace dropped); refused when others may read it."""
+    try:
+        mode = path.stat().st_mode
+        text = path.read_text().strip()
+    except OSError as e:
+        raise ValueError(f"diloco.secret_file {str(path)!r} cannot be read: {e.strerror}") from None
+    if mode & 0o077:
+        raise ValueError(f"diloco.secret_file {str(path)!r} is readable by other users (mode {mode & 0o777:o}); "
+                         f"run `chmod 600 {path}`")
+    if not text:
+        raise ValueError(f"diloco.secret_file {str(path)!r} is empty")
+    return text
 
 
 class Config(Section):
@@ -323,6 +350,9 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
         if not arg.startswith("--"):
             raise ConfigError(f"unexpected argument {arg!r}: overrides look like --section.key value")
         key = arg[2:]
+        if key.split("=", 1)[0].replace("-", "_").split(".")[-1] == "secret":
+            raise ConfigError(f"{key.split('=', 1)[0]} on the command line is visible to every user in `ps`; "
+                              "set ZEROBAND_SECRET or diloco.secret_file (mode 0600) instead")
         if "=" in key:
             key, raw = key.split("=", 1)
             i += 1
@@ -401,7 +431,8 @@ def format_validation_error(err: ValidationError) -> str:
             lines.append(f"  {loc}: unknown key. {hint} Valid keys here: {', '.join(valid)}")
         else:
             got = item.get("input")
-            shown = "" if isinstance(got, dict) else f" (got {got!r})"
+            secret = loc.split(".")[-1] == "secret"  # whatever it parsed as, it is never echoed
+            shown = "" if isinstance(got, dict) else " (value not shown)" if secret else f" (got {got!r})"
             where = loc or "config"
             lines.append(f"  {where}: {item['msg']}{shown}")
     return "\n".join(lines)

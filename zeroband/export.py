@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 
 from zeroband import checkpoint as ckpt
 from zeroband.config import Config
@@ -15,24 +14,30 @@ from zeroband.models.llama import Llama
 
 
 def load_for_export(cfg: Config, checkpoint_path: Path) -> Llama:
-    """An unsharded CPU model holding a checkpoint's weights (DCP reshards any rank count onto one)."""
-    manifest = ckpt.verify_checkpoint(checkpoint_path)
+    """An unsharded CPU model holding a checkpoint's weights (DCP reshards any rank count onto one).
+    The checkpoint must pass the same trust check as a resume (signature, or the run's own dir)."""
+    # the trainer defines what a checkpoint must match and what signs it
+    from zeroband.train import checkpoint_meta, checkpoint_secret
+
+    manifest = ckpt.verify_trusted(checkpoint_path, checkpoint_secret(cfg), cfg.checkpoint_dir,
+                                   cfg.checkpoint.allow_unsigned)
     info = ckpt.CheckpointInfo(checkpoint_path, manifest["step"], manifest)
-    from zeroband.train import checkpoint_meta  # the trainer defines what a checkpoint must match
 
     ckpt.check_compatible(info, checkpoint_meta(cfg), manifest["world_size"])
     model = Llama(cfg.model)
     model.reset_rope("cpu")
     state = {"model": model.state_dict()}
-    dcp.load(state, checkpoint_id=str(checkpoint_path / "dcp"), no_dist=True)
+    ckpt.dcp_load(state, checkpoint_path / "dcp", no_dist=True)
     model.load_state_dict(state["model"])
     return model
 
 
 def latest_checkpoint(cfg: Config) -> Path:
+    from zeroband.train import checkpoint_secret
+
     roots = [cfg.checkpoint_dir] + sorted(cfg.checkpoint_dir.glob("site*"))
     for root in roots:
-        info = ckpt.find_checkpoint(root, "auto")
+        info = ckpt.find_checkpoint(root, "auto", checkpoint_secret(cfg), cfg.checkpoint.allow_unsigned)
         if info is not None:
             return info.path
     raise FileNotFoundError(f"no complete checkpoint under {cfg.checkpoint_dir}; train first or pass --checkpoint PATH")

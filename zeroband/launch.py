@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from zeroband import torchrun
+
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -31,8 +33,7 @@ def free_port() -> int:
 
 def site_command(config: str, site: int, sites: int, nproc: int, store: str, overrides: list[str]) -> list[str]:
     return [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-        "-m", "zeroband.train", config,
+        *torchrun.command(nproc), "-m", "zeroband.train", config,
         "--diloco.site_rank", str(site), "--diloco.site_count", str(sites), "--diloco.store", store,
         "--diloco.host_store", "false", *overrides,
     ]
@@ -69,8 +70,10 @@ def site_network(sites: int, wan: WanLink | None) -> Iterator[tuple[str, Callabl
     """
     if wan is None:
         port = free_port()
+        # gloo listens on the address the host name resolves to unless told an interface.
+        gloo = {} if "GLOO_SOCKET_IFNAME" in os.environ else {"GLOO_SOCKET_IFNAME": "lo"}
         with store_process(["127.0.0.1", port], lambda cmd: cmd):
-            yield f"tcp://127.0.0.1:{port}", lambda site, cmd: cmd, lambda site: {}
+            yield f"tcp://127.0.0.1:{port}", lambda site, cmd: cmd, lambda site: gloo
         return
     from zeroband.wan import WanEmulator
 

@@ -28,7 +28,7 @@ from zeroband.data.tokenizer import TextTokenizer
 from zeroband.diloco import DiLoCo, SingleSite
 from zeroband.elastic import ElasticDiLoCo
 from zeroband.faults import maybe_inject
-from zeroband.membership.auth import PeerRefused, flatten_fingerprint
+from zeroband.membership.auth import PeerRefused, flatten_fingerprint, optional_secret
 from zeroband.membership.resume import ResumeMismatch, agree_resume
 from zeroband.membership.store import StoreUnreachable
 from zeroband.mesh import Topology, admission_mark, init_topology, shutdown
@@ -105,6 +105,14 @@ def check_vocab(cfg: Config, tokenizer: TextTokenizer) -> None:
 
 def checkpoint_meta(cfg: Config) -> dict[str, Any]:
     return {"model": cfg.model.model_dump(exclude={"init_from", "preset"}), "fingerprint": cfg.fingerprint()}
+
+
+def checkpoint_secret(cfg: Config) -> bytes | None:
+    """What checkpoints are signed and verified with: the run's shared secret, if it has one."""
+    try:
+        return optional_secret(cfg.diloco.secret if cfg.diloco else None)
+    except ValueError as e:  # too short: a config problem, reported in one line (never echoing it)
+        raise ConfigError(str(e)) from None
 
 
 # ---------------------------------------------------------------------------------- one step
@@ -243,7 +251,8 @@ def setup(cfg: Config, world: World, topology: Topology) -> Run:
 
 def resume_or_start(run: Run) -> bool:
     """Load the newest valid checkpoint if there is one (True), else make the sites agree (False)."""
-    found = agreed_checkpoint(run, ckpt.find_checkpoint(run.ckpt_root, run.cfg.checkpoint.resume))
+    found = agreed_checkpoint(run, ckpt.find_checkpoint(run.ckpt_root, run.cfg.checkpoint.resume,
+                                                        checkpoint_secret(run.cfg), run.cfg.checkpoint.allow_unsigned))
     if found is not None:
         ckpt.check_compatible(found, checkpoint_meta(run.cfg), run.world.world_size)
         ckpt.load_checkpoint(found, run.model, run.optimizer, run.stateful)
@@ -258,24 +267,28 @@ def agreed_checkpoint(run: Run, found: ckpt.CheckpointInfo | None) -> ckpt.Check
     d, world, store = run.cfg.diloco, run.world, run.topology.store
     if d is None or d.elastic or store is None:
         return found
-    offer = verified_steps(run.ckpt_root, run.cfg.checkpoint.resume, found)
+    offer = verified_steps(run, found)
     prefix = f"zeroband/{run.cfg.name}/shard{world.rank}/"
     step = agree_resume(store, prefix, world.site_rank, world.site_count, offer, d.timeout_s)
     if step is None or (found is not None and found.step == step):
         return found if step is not None else None
     path = ckpt.step_dir(run.ckpt_root, step)
-    return ckpt.CheckpointInfo(path, step, ckpt.verify_checkpoint(path))
+    return ckpt.CheckpointInfo(path, step, trusted_manifest(run, path))
 
 
-def verified_steps(root: Path, resume: str, found: ckpt.CheckpointInfo | None) -> list[int]:
-    """The steps this site can resume from: every checkpoint under root that verifies (auto),
-    the explicit one, or none."""
-    if resume != "auto":
+def trusted_manifest(run: Run, path: Path) -> dict[str, Any]:
+    return ckpt.verify_trusted(path, checkpoint_secret(run.cfg), run.ckpt_root, run.cfg.checkpoint.allow_unsigned)
+
+
+def verified_steps(run: Run, found: ckpt.CheckpointInfo | None) -> list[int]:
+    """The steps this site can resume from: every checkpoint of its own that verifies and is
+    trusted (auto), the explicit one, or none."""
+    if run.cfg.checkpoint.resume != "auto":
         return [found.step] if found is not None else []
     steps = []
-    for path in sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")):
+    for path in sorted(p for p in run.ckpt_root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")):
         try:
-            steps.append(ckpt.verify_checkpoint(path)["step"])
+            steps.append(trusted_manifest(run, path)["step"])
         except ckpt.CheckpointError:
             continue  # find_checkpoint already logged why
     return steps
@@ -379,7 +392,8 @@ def _train(cfg: Config, world: World, topology: Topology) -> dict[str, Any]:
 
 def save(run: Run) -> None:
     ckpt.save_checkpoint(run.ckpt_root, run.progress.step, run.model, run.optimizer, run.stateful,
-                         checkpoint_meta(run.cfg), run.cfg.checkpoint.keep_last, site=run.world.site_rank)
+                         checkpoint_meta(run.cfg), run.cfg.checkpoint.keep_last, site=run.world.site_rank,
+                         secret=checkpoint_secret(run.cfg))
 
 
 class GracefulStop:

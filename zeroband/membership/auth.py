@@ -78,6 +78,11 @@ def load_secret(config_value: str | None = None) -> bytes:
     return raw
 
 
+def optional_secret(config_value: str | None = None) -> bytes | None:
+    """The shared secret if one is configured (config or environment), else None."""
+    return load_secret(config_value) if config_value or os.environ.get(SECRET_ENV) else None
+
+
 def flatten_fingerprint(tree: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
     """Nested config values as flat `a.b.c -> str` pairs, so a mismatch names the exact key."""
     out: dict[str, str] = {}

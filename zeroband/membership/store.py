@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import threading
@@ -54,7 +55,8 @@ def host_tcp_store(host: str, port: int, timeout: timedelta) -> dist.TCPStore:
     """A TCPStore server on an ephemeral loopback port, reached through a StoreGuard on host:port
     (membership/guard.py: idle connections cannot lock the server up). Returns the server's client.
     Call it from a thread that lives as long as the store: the guard dies with it (PR_SET_PDEATHSIG)."""
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timeout, wait_for_workers=False, use_libuv=True)
+    # BoundTCPStore: c10d's own server would listen on every interface, bypassing the guard.
+    server = BoundTCPStore("127.0.0.1", 0, is_master=True, timeout=timeout, wait_for_workers=False, use_libuv=True)
     # run as a file, not `-m`: the package would import torch (seconds) where stdlib suffices
     cmd = [sys.executable, str(Path(__file__).with_name("guard.py")), "--host", host, "--port", str(port),
            "--backend-port", str(server.port)]
@@ -92,3 +94,40 @@ def connect_tcp_store(host: str, port: int, timeout: timedelta, address: str) ->
         raise StoreUnreachable(f"store {address}: no store answered within {timeout.total_seconds():g} s "
                                f"({first}); {fix}") from None
     return box["store"]
+
+
+def listen_socket(host: str, port: int, backlog: int = 4096) -> socket.socket:
+    """A TCP socket listening on `host` only (port 0: any free port)."""
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+        sock.listen(backlog)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+class BoundTCPStore(dist.TCPStore):
+    """A TCPStore whose server listens only on `host_name`.
+
+    c10d's own server ignores `host_name` and listens on every interface, so anyone who can reach
+    the machine could write the store. We bind the socket ourselves and hand it over
+    (`master_listen_fd`); clients are unchanged. Same signature as dist.TCPStore, so it can stand
+    in for it inside torchrun too (zeroband/torchrun.py).
+    """
+
+    def __init__(self, host_name: str, port: int, world_size: int | None = None, is_master: bool = False,
+                 timeout: timedelta = timedelta(seconds=300), wait_for_workers: bool = True,
+                 multi_tenant: bool = False, master_listen_fd: int | None = None, use_libuv: bool = True) -> None:
+        if is_master and master_listen_fd is None:
+            try:
+                sock = listen_socket(host_name, port)
+            except OSError as e:  # RuntimeError is what callers (torchrun's rendezvous) expect
+                raise RuntimeError(f"cannot listen on {host_name}:{port}: {e}") from e
+            port = sock.getsockname()[1]
+            master_listen_fd = sock.detach()  # the store's server owns the descriptor from now on
+        super().__init__(host_name, port, world_size, is_master, timeout, wait_for_workers, multi_tenant,
+                         master_listen_fd, use_libuv)

@@ -1,6 +1,6 @@
 """A standalone TCP coordination store, so that no training site hosts it.
 
-    python -m zeroband.membership.store_server --port 29600 [--host 0.0.0.0]
+    python -m zeroband.membership.store_server --port 29600 [--host 127.0.0.1]
 
 `zeroband launch` starts one beside the sites (inside site 0's network namespace under WAN
 emulation, but as its own process), so killing any site, site 0 included, leaves the store up.
@@ -22,7 +22,7 @@ from zeroband.membership.store import host_tcp_store
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--host", default="127.0.0.1", help="the one address it listens on")
     args = parser.parse_args(argv)
     store = host_tcp_store(args.host, args.port, timedelta(hours=24))  # behind a guard against idle floods
     stop = []
