@@ -170,6 +170,8 @@ def _seal(tmp: Path, final: Path, step: int, world: int, meta: dict[str, Any], s
     # The same step saved again (e.g. after a resume): move the old copy aside, seal the new one,
     # then drop the aside copy. A crash between the renames leaves step_N.old, which the finder takes.
     aside = Path(str(final) + ASIDE)
+    if final.exists() and read_run_id(final) != meta.get("run_id"):  # another run's work: keep it
+        log.warning("%s belongs to another run; moved it to %s", final, _into_old(final.parent, [final]))
     if final.exists():
         shutil.rmtree(aside, ignore_errors=True)  # a stale aside copy of a step that is sealed
         os.replace(final, aside)
@@ -253,15 +255,19 @@ def resume_checkpoint(root: Path, resume: str) -> CheckpointInfo | None:
 def move_aside(root: Path) -> Path | None:
     """Start-fresh in a directory that holds checkpoints: move them all into `old-<run_id>/` (a new
     name if taken), so the new run neither loads nor prunes them. Returns where they went."""
-    found = step_dirs(root)
-    if not found:
+    if not step_dirs(root):
         return None
-    label = read_run_id(found[0][0]) or "unknown"
+    return _into_old(root, sorted(root.glob("step_*")))
+
+
+def _into_old(root: Path, paths: list[Path]) -> Path:
+    """Move `paths` into a new `root/old-<run id of the newest>[-n]/`; returns it."""
+    label = next((rid for p, _ in step_dirs(root) if p in paths and (rid := read_run_id(p))), "unknown")
     dest, n = root / f"old-{label}", 1
     while dest.exists():
         dest, n = root / f"old-{label}-{n}", n + 1
     dest.mkdir(parents=True)
-    for path in root.glob("step_*"):
+    for path in paths:
         os.replace(path, dest / path.name)
     _fsync_dir(root)
     return dest

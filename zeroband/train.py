@@ -402,8 +402,9 @@ def _train(cfg: Config, world: World, topology: Topology) -> dict[str, Any]:
     run = setup(cfg, world, topology)
     found = resume_or_start(run)
     if found is not None and run_complete(run):
-        log.info("run complete: %s is step %d of %d; nothing to train (raise train.steps to go on, or start "
-                 "a new run with --checkpoint.resume none)", found.path, run.progress.step, cfg.train.steps)
+        if world.rank == 0:
+            print(f"run complete: {found.path} is step {run.progress.step} of {cfg.train.steps}; nothing to train "
+                  "(raise train.steps to go on, or start a new run with --checkpoint.resume none)", flush=True)
         return {"losses": [], "val": {}, "steps": run.progress.step, "tokens": run.progress.tokens,
                 "complete": True, "run_dir": str(run.run_dir)}
     tag = f"site{world.site_rank}" if cfg.diloco else ""
@@ -460,15 +461,15 @@ def on_nonfinite(run: Run, metrics: MetricsLogger, loss: float, grad_norm: float
         # Everything but the data position (and the wall clock): replaying the same batches would diverge again.
         keep = {k: v for k, v in run.stateful.items() if k not in ("data", "clock")}
         ckpt.load_checkpoint(good, run.model, run.optimizer, keep)
-        log.warning("step %d: non-finite loss %s / grad norm %s; rolled back to %s (rollback %d of %d)",
+        log.warning("step %d: non-finite loss or gradient norm (%s, %s); rolled back to %s (rollback %d of %d)",
                     step, loss, grad_norm, good.path, rollbacks + 1, run.cfg.train.max_rollbacks)
         metrics.log(run.progress.step, {"from": str(good.path), "diverged_at": step}, "rollback")
         return rollbacks + 1
     run.outer.leave()
     where = f"the last good checkpoint is {good.path}" if good else "there is no good checkpoint of this run"
     raise NonFiniteError(
-        f"step {step}: non-finite loss {loss} / grad norm {grad_norm}: training diverged and was stopped before "
-        f"saving or syncing; {where}. Fix: lower optim.lr, set optim.grad_clip (e.g. 1.0), or set "
+        f"step {step}: non-finite loss or gradient norm (loss {loss}, grad norm {grad_norm}): training diverged "
+        f"and was stopped before saving or syncing; {where}. Fix: lower optim.lr, set optim.grad_clip (e.g. 1.0), or set "
         "train.on_nonfinite = \"rollback\""
     )
 
