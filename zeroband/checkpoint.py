@@ -279,8 +279,8 @@ def check_compatible(info: CheckpointInfo, meta: dict[str, Any], world_size: int
     diffs = [f"model.{k}: checkpoint {theirs.get(k)!r} vs config {ours.get(k)!r}" for k in ours if theirs.get(k) != ours.get(k)]
     if diffs:
         raise CheckpointError(
-            f"{info.path} was written for a different model:\n  " + "\n  ".join(diffs)
-            + "\nFix: use the config it was trained with, or start fresh with --checkpoint.resume none"
+            f"{info.path} was written for a different model ({'; '.join(diffs)}). Fix: use the config it was "
+            "trained with, or start fresh with --checkpoint.resume none"
         )
     if info.manifest["world_size"] != world_size:
         raise CheckpointError(

@@ -272,10 +272,11 @@ class Config(Section):
         if self.diloco is not None:
             h = self.diloco.inner_steps
             if self.train.steps % h:
+                fits = sorted({max(h, self.train.steps // h * h), (self.train.steps // h + 1) * h})
                 raise ValueError(
                     f"train.steps={self.train.steps} is not a multiple of diloco.inner_steps={h}: the run must end "
-                    f"on an outer step. Fix: set train.steps to {max(h, self.train.steps // h * h)} or "
-                    f"{(self.train.steps // h + 1) * h}"
+                    f"on an outer step. Fix: set train.steps to {' or '.join(map(str, fits))}, or change "
+                    "diloco.inner_steps"
                 )
             if self.checkpoint.interval % h:
                 raise ValueError(

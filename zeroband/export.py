@@ -16,6 +16,9 @@ from zeroband.models.llama import Llama
 
 def load_for_export(cfg: Config, checkpoint_path: Path) -> Llama:
     """An unsharded CPU model holding a checkpoint's weights (DCP reshards any rank count onto one)."""
+    if not checkpoint_path.is_dir():
+        raise ckpt.CheckpointError(f"--checkpoint {checkpoint_path}: no such directory; pass a step_* directory "
+                                   f"(e.g. under {cfg.checkpoint_dir}), or leave it out for the newest")
     manifest = ckpt.verify_checkpoint(checkpoint_path)
     info = ckpt.CheckpointInfo(checkpoint_path, manifest["step"], manifest)
     from zeroband.train import checkpoint_meta  # the trainer defines what a checkpoint must match
@@ -35,7 +38,8 @@ def latest_checkpoint(cfg: Config) -> Path:
         info = ckpt.find_checkpoint(root, "auto")
         if info is not None:
             return info.path
-    raise FileNotFoundError(f"no complete checkpoint under {cfg.checkpoint_dir}; train first or pass --checkpoint PATH")
+    raise FileNotFoundError(f"no complete checkpoint under {cfg.checkpoint_dir}; train first (zeroband train "
+                            "CONFIG) or pass --checkpoint PATH, with the same config and overrides as the training")
 
 
 def export(cfg: Config, checkpoint_path: Path | None, out_dir: Path, verify: bool = True) -> dict[str, float | str]:

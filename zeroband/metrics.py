@@ -110,7 +110,7 @@ class MetricsLogger:
             if self.bar is None:  # with a bar, train records show in its postfix
                 log.info("step %d %s", step, _short(metrics))
         elif self.bar is not None:  # above the bar: tqdm.write keeps the bar intact
-            self.bar.write(f"{kind} step {step} {_short(metrics)}")
+            self.bar.write(f"{kind} step {step} {_short(metrics)}", file=sys.stderr)
         else:
             log.info("%s step %d %s", kind, step, _short(metrics))
 
