@@ -216,3 +216,19 @@ def test_find_checkpoint_names_what_it_skipped(tmp_path):
     (tmp_path / "step_000000003").mkdir()
     with pytest.raises(CheckpointError, match="did not finish"):
         verify_checkpoint(tmp_path / "step_000000003")
+
+
+def test_diverging_diloco_sites_stop_before_their_outer_step(corpus, tmp_path):
+    from tests.multiproc import run_sites
+    from tests.test_diloco import diloco_tree
+
+    tree = diloco_tree(corpus, tmp_path, train={"steps": 12}, checkpoint={"interval": 2},
+                       optim={"lr": 1e4, "grad_clip": 0.0, "warmup_steps": 20})
+    assert run_sites(_main, 2, 1, (tree,), timeout=100) == {(0, 0): 2, (1, 0): 2}
+    for site in (0, 1):
+        root = tmp_path / "t" / "checkpoints" / f"site{site}"
+        assert sorted(p.name for p in root.iterdir()) == ["step_000000002", "step_000000004"]
+        assert all(verify_checkpoint(p) for p in root.iterdir())
+        records = _records(tmp_path / "t" / f"site{site}")
+        [bad] = [r for r in records if r["kind"] == "nonfinite"]
+        assert [r["step"] for r in records if r["kind"] == "outer"] == [2, 4] and bad["step"] == 6
