@@ -149,7 +149,7 @@ def save_checkpoint(
     dist.barrier()
     if rank == 0:
         _seal(tmp, final, step, world, meta, site)
-        _prune(root, keep_last, meta["run_id"], step)
+        _prune(root, keep_last, meta.get("run_id", ""), step)
     dist.barrier()
     return final
 
