@@ -85,9 +85,10 @@ class MetricsLogger:
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = run_dir / "metrics.jsonl"
         if keep_through is not None:
-            truncate_after(run_dir / "metrics.jsonl", keep_through)
-        self.file = open(run_dir / "metrics.jsonl", "a", buffering=1)
+            truncate_after(self.path, keep_through)
+        self.file = open(self.path, "a", buffering=1)
         if cfg.log.progress_bar and sys.stderr.isatty() or os.environ.get("ZEROBAND_FORCE_BAR"):
             from tqdm import tqdm
             from tqdm.contrib.logging import logging_redirect_tqdm
@@ -113,6 +114,14 @@ class MetricsLogger:
             self.bar.write(f"{kind} step {step} {_short(metrics)}", file=sys.stderr)
         else:
             log.info("%s step %d %s", kind, step, _short(metrics))
+
+    def rewind(self, step: int) -> None:
+        """Drop the records after `step` (a rollback will redo those steps)."""
+        if not self.enabled:
+            return
+        self.file.close()
+        truncate_after(self.path, step)
+        self.file = open(self.path, "a", buffering=1)
 
     def progress(self, step: int, loss: float, tokens_per_s: float, lr: float, eta_s: float) -> None:
         if self.bar is None:

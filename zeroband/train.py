@@ -463,6 +463,7 @@ def on_nonfinite(run: Run, metrics: MetricsLogger, loss: float, grad_norm: float
         ckpt.load_checkpoint(good, run.model, run.optimizer, keep)
         log.warning("step %d: non-finite loss or gradient norm (%s, %s); rolled back to %s (rollback %d of %d)",
                     step, loss, grad_norm, good.path, rollbacks + 1, run.cfg.train.max_rollbacks)
+        metrics.rewind(run.progress.step)  # the steps after it are redone: no step logged twice
         metrics.log(run.progress.step, {"from": str(good.path), "diverged_at": step}, "rollback")
         return rollbacks + 1
     run.outer.leave()
