@@ -230,9 +230,9 @@ def test_diverging_diloco_sites_stop_before_their_outer_step(corpus, tmp_path):
                        optim={"lr": 1e4, "grad_clip": 0.0, "warmup_steps": 20})
     assert run_sites(_main, 2, 1, (tree,), timeout=100) == {(0, 0): 2, (1, 0): 2}
     for site in (0, 1):
-        root = tmp_path / "t" / "checkpoints" / f"site{site}"
-        assert sorted(p.name for p in root.iterdir()) == ["step_000000002", "step_000000004"]
-        assert all(verify_checkpoint(p) for p in root.iterdir())
         records = _records(tmp_path / "t" / f"site{site}")
-        [bad] = [r for r in records if r["kind"] == "nonfinite"]
-        assert [r["step"] for r in records if r["kind"] == "outer"] == [2, 4] and bad["step"] == 6
+        [bad] = [r["step"] for r in records if r["kind"] == "nonfinite"]  # step 6 on this machine
+        outer = [r["step"] for r in records if r["kind"] == "outer"]
+        assert outer == list(range(2, bad, 2)) and outer, (outer, bad)  # every outer step before it, none after
+        root = tmp_path / "t" / "checkpoints" / f"site{site}"
+        assert [verify_checkpoint(p)["step"] for p in sorted(root.iterdir())] == outer[-2:]
