@@ -91,3 +91,27 @@ def test_experiment_corpus_location_is_a_flag(tmp_path: Path, monkeypatch: pytes
     monkeypatch.setenv(SHARED_CORPUS_ENV, str(other))
     with pytest.raises(SystemExit, match="sha256 .* != expected"):
         shared_corpus(tmp_path / "cache")
+
+
+def test_ci_runs_the_readme_test_command_and_it_says_what_it_skipped(tmp_path: Path) -> None:
+    """.ci/run is scripts/test.sh; test.sh installs etcd-server or says (first and last) that the etcd
+    tests skip. The venv's tools are stubs that log their arguments: the scripts are under test."""
+    import os
+    import shutil
+
+    venv, calls = tmp_path / "venv", tmp_path / "calls"
+    (venv / "bin").mkdir(parents=True)
+    for tool in ("python", "pip", "ruff"):
+        stub = venv / "bin" / tool
+        stub.write_text(f'#!/bin/sh\necho "{tool} $*" >> {calls}\n')
+        stub.chmod(0o755)
+    env = {**os.environ, "ZEROBAND_VENV": str(venv), "ZEROBAND_NO_APT": "1"}
+    done = subprocess.run(["bash", str(REPO / ".ci" / "run")], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    logged = calls.read_text().splitlines()
+    assert "ruff check ." in logged and logged[-1] == "python -m pytest -p no:cacheprovider", logged
+    skipped = [line for line in done.stdout.splitlines() if "SKIPPED" in line]
+    if shutil.which("etcd"):
+        assert skipped == []
+    else:
+        assert len(skipped) == 2 and "etcd store tests skip" in skipped[0] and "ZEROBAND_NO_APT" in skipped[0], skipped
