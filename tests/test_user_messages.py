@@ -40,9 +40,10 @@ def _with_bad_line(corpus: dict, path: Path, number: int) -> Path:
     return path
 
 
-def test_bad_json_line_is_one_line_naming_file_and_line(corpus, tmp_path):
+@pytest.mark.parametrize("streaming", [False, True])
+def test_bad_json_line_is_one_line_naming_file_and_line(corpus, tmp_path, streaming):
     bad = _with_bad_line(corpus, tmp_path / "broken.jsonl", 7)
-    err = _error(tiny_overrides(corpus, tmp_path, data={"path": str(bad)}))
+    err = _error(tiny_overrides(corpus, tmp_path, data={"path": str(bad), "streaming": streaming}))
     [line] = [x for x in err.splitlines() if "error" in x.lower()]  # (the rest: datasets' progress bar)
     assert f"{bad}:7: not valid JSON" in line and "repair or delete that line" in line, line
 

@@ -17,6 +17,7 @@ import hashlib
 import json
 import logging
 from collections import deque
+from contextlib import contextmanager
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -75,6 +76,7 @@ def load_documents(cfg: DataConfig) -> Any:
 
     if cfg.hub_name:
         ds = datasets.load_dataset(cfg.hub_name, split="train", streaming=cfg.streaming)
+        _check_text_field(ds, cfg)
     else:
         files = resolve_files(cfg.path)
         fmt = infer_format(files, cfg.format)
@@ -89,16 +91,27 @@ def load_documents(cfg: DataConfig) -> Any:
         level = quiet.level
         quiet.setLevel(logging.CRITICAL)
         try:
-            ds = datasets.load_dataset(fmt, data_files=files, split="train", streaming=cfg.streaming, **extra)
-        except Exception:
-            bad = first_bad_json_line(files) if fmt == "json" else None
-            if bad is None:
-                raise
-            raise DataError(bad) from None
+            with bad_rows_named(cfg):
+                ds = datasets.load_dataset(fmt, data_files=files, split="train", streaming=cfg.streaming, **extra)
+                _check_text_field(ds, cfg)  # a streaming dataset reads its first rows here
         finally:
             quiet.setLevel(level)
-    _check_text_field(ds, cfg)
     return ds.select_columns([cfg.text_field])
+
+
+@contextmanager
+def bad_rows_named(cfg: DataConfig) -> Iterator[None]:
+    """A parse failure deep in datasets/pyarrow becomes one DataError naming the file and line."""
+    try:
+        yield
+    except DataError:
+        raise
+    except Exception:
+        files = [] if cfg.hub_name else resolve_files(cfg.path)
+        bad = first_bad_json_line(files) if files and infer_format(files, cfg.format) == "json" else None
+        if bad is None:
+            raise
+        raise DataError(bad) from None
 
 
 class DataError(ConfigError):
@@ -302,7 +315,8 @@ class PackedBatches:
         )
 
     def _texts(self, split: Split, epoch: int, start: int) -> Iterator[list[str]]:
-        return self._source.texts(split, epoch, self.cfg.shuffle_seed, self.dp_rank, self.dp_size, start)
+        with bad_rows_named(self.cfg):  # streaming: a bad row surfaces only when it is read
+            yield from self._source.texts(split, epoch, self.cfg.shuffle_seed, self.dp_rank, self.dp_size, start)
 
     # ----------------------------------------------------------------------------------------
 
