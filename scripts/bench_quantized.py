@@ -33,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench_common import REPO, markdown_table, run_forked, thread_env, write_outputs  # noqa: E402
 
 from zeroband.comm.dense import all_reduce_dense  # noqa: E402
-from zeroband.comm.quantized import DEFAULT_BLOCK, Codec, all_reduce_quantized, chunk_bounds  # noqa: E402
+from zeroband.comm.direct import chunk_bounds  # noqa: E402
+from zeroband.comm.quantized import DEFAULT_BLOCK, Codec, all_reduce_quantized  # noqa: E402
 
 METHODS = ["fp16", "int8", "int4"]
 KINDS = ["gauss", "heavy"]
@@ -155,7 +156,7 @@ def local_study(n: int = 2_000_000, sites: int = 4) -> list[dict]:
             codec = Codec(bits, DEFAULT_BLOCK[bits], book)
             one = codec.decode(codec.encode(xs[0]), n)
             rows.append({
-                "kind": kind, "codec": "int8" if bits == 8 else book, "block": codec.block,
+                "kind": kind, "codec": "int8" if bits == 8 else book, "block": codec.block, "values": n,
                 "one_pass_error": rel_err([one], [xs[0].double()]),
                 "direct_allreduce_error": rel_err([direct(xs, codec)], [exact]),
                 "ring_requantised_error": rel_err([ring_requantised(xs, codec)], [exact]),
@@ -169,10 +170,13 @@ def main() -> None:
     parser.add_argument("--sites", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks")
+    parser.add_argument("--quick", action="store_true", help="200k params, S = 2, 1 repeat (smoke test)")
     args = parser.parse_args()
+    if args.quick:
+        args.params, args.sites, args.repeats = 2e5, [2], 1
     shapes = shapes_for(int(args.params))
     results = [r for s in args.sites for r in distributed(s, shapes, args.repeats)]
-    study = local_study()
+    study = local_study(n=50_000 if args.quick else 2_000_000)
     headers = ["S", "data", "wire", "bytes/param", "ideal", "seconds", "rel. error", "identical"]
     rows = [[r["sites"], r["kind"], r["method"], r["bytes_per_param"], r["ideal_bytes_per_param"], r["seconds"],
              r["rel_error"], r["identical"]] for r in results]
@@ -183,7 +187,7 @@ def main() -> None:
         "Command: `python scripts/bench_quantized.py`. fp16 bytes are the ring estimate 2(S-1)/S x payload; "
         "int8/int4 bytes are counted from the buffers sent. Seconds are CPU cost on loopback.",
         markdown_table(headers, rows),
-        "## Codecs and schedules (local model, S = 4, 2M values)",
+        f"## Codecs and schedules (local model, S = 4, {study[0]['values']:,} values)",
         markdown_table(["data", "codec", "block", "one pass", "direct all-reduce", "ring re-quantising"], study_rows),
     ])
     write_outputs(args.out, "quantized", {"allreduce": results, "local_study": study}, md)

@@ -399,8 +399,10 @@ def verify_all_checkpoints(ckpt_root: Path) -> tuple[int, list[str]]:
 
 
 def final_checkpoint(ckpt_root: Path, site: int) -> Path | None:
-    steps = sorted(p for p in (ckpt_root / f"site{site}").glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
-    return steps[-1] if steps else None
+    from zeroband.checkpoint import step_dirs  # newest first; a sealed step before its aside copy
+
+    found = step_dirs(ckpt_root / f"site{site}")
+    return found[0][0] if found else None
 
 
 def load_weights(config_path: Path, checkpoint: Path) -> dict[str, Any]:

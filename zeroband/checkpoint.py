@@ -19,7 +19,12 @@ DCP's own metadata classes, non-tensor entries with weights_only=True.
 
 Saving writes `step_000100.tmp/` and renames it to `step_000100/` only after the manifest is on
 disk, so a save killed at any moment leaves the previous checkpoint untouched and loadable.
-Loading verifies the manifest before touching the model.
+Saving the same step again first renames the old copy to `step_000100.old/` (the finder accepts
+it), so there is no moment without a valid checkpoint. Loading verifies the manifest first.
+
+Every manifest carries the `run_id` of the run that wrote it (new at a fresh start, kept across
+resumes). Pruning only ever deletes older checkpoints of the same run, never the one just written.
+`checkpoint.resume = "none"` in a directory that holds checkpoints moves them to `old-<run_id>/`.
 """
 
 from __future__ import annotations
@@ -32,8 +37,10 @@ import logging
 import os
 import pickle
 import random
+import re
 import shutil
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -57,6 +64,8 @@ MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 SIGNATURE = "signature"
 SIGN_LABEL = "zeroband-checkpoint-v1"
+ASIDE = ".old"  # the previous copy of a step, while a new copy of the same step is being sealed
+_STEP_DIR = re.compile(r"step_(\d+)(\.old)?")
 
 
 class CheckpointError(RuntimeError):
@@ -78,6 +87,29 @@ class CheckpointInfo:
 
 def step_dir(root: Path, step: int) -> Path:
     return root / f"step_{step:09d}"
+
+
+def new_run_id() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+def step_dirs(root: Path) -> list[tuple[Path, int]]:
+    """Sealed checkpoint directories under root (`step_N` and aside `step_N.old`), newest first;
+    for one step the sealed copy comes before its aside copy. `.tmp` saves are never candidates."""
+    found = []
+    for p in root.glob("step_*"):
+        m = _STEP_DIR.fullmatch(p.name)
+        if m and p.is_dir():
+            found.append((int(m.group(1)), m.group(2) is None, p))
+    return [(p, step) for step, _, p in sorted(found, reverse=True)]
+
+
+def read_run_id(path: Path) -> str | None:
+    """The run id in a checkpoint's manifest; None if it has none (older format) or is unreadable."""
+    try:
+        return json.loads((path / MANIFEST).read_text()).get("run_id")
+    except (OSError, ValueError):
+        return None
 
 
 def sha256_file(path: Path) -> str:
@@ -152,13 +184,14 @@ def save_checkpoint(
     maybe_inject("checkpoint", step, site, rank)  # a kill here must leave the previous checkpoint usable
     dist.barrier()
     if rank == 0:
-        _seal(tmp, final, step, world, meta, secret)
-        _prune(root, keep_last)
+        _seal(tmp, final, step, world, meta, site, secret)
+        _prune(root, keep_last, meta.get("run_id", ""), step)
     dist.barrier()
     return final
 
 
-def _seal(tmp: Path, final: Path, step: int, world: int, meta: dict[str, Any], secret: bytes | None) -> None:
+def _seal(tmp: Path, final: Path, step: int, world: int, meta: dict[str, Any], site: int,
+          secret: bytes | None) -> None:
     files = {
         str(p.relative_to(tmp)): {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
         for p in sorted(tmp.rglob("*"))
@@ -173,15 +206,32 @@ def _seal(tmp: Path, final: Path, step: int, world: int, meta: dict[str, Any], s
         f.flush()
         os.fsync(f.fileno())
     _fsync_dir(tmp)
-    if final.exists():  # the same step saved again (e.g. after a resume): replace it whole
-        shutil.rmtree(final)
+    # The same step saved again (e.g. after a resume): move the old copy aside, seal the new one,
+    # then drop the aside copy. A crash between the renames leaves step_N.old, which the finder takes.
+    aside = Path(str(final) + ASIDE)
+    if final.exists() and read_run_id(final) != meta.get("run_id"):  # another run's work: keep it
+        log.warning("%s belongs to another run; moved it to %s", final, _into_old(final.parent, [final]))
+    if final.exists():
+        shutil.rmtree(aside, ignore_errors=True)  # a stale aside copy of a step that is sealed
+        os.replace(final, aside)
+    maybe_inject("seal", step, site, 0)  # a kill here must leave the aside copy usable
     os.replace(tmp, final)
     _fsync_dir(final.parent)
+    shutil.rmtree(aside, ignore_errors=True)
 
 
-def _prune(root: Path, keep_last: int) -> None:
-    done = sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
-    for old in done[:-keep_last]:
+def prune_victims(entries: list[tuple[Path, int, str | None]], keep_last: int, run_id: str, written: int) -> list[Path]:
+    """Which of `entries` (path, step, run id) to delete after `written` was sealed: this run's
+    checkpoints older than the `keep_last - 1` newest before `written`. Other runs' checkpoints,
+    and steps after `written` (an abandoned future of this run), are left alone."""
+    ours = sorted({step for _, step, rid in entries if rid == run_id and step < written}, reverse=True)
+    doomed = set(ours[keep_last - 1 :])
+    return [path for path, step, rid in entries if rid == run_id and step in doomed]
+
+
+def _prune(root: Path, keep_last: int, run_id: str, written: int) -> None:
+    entries = [(path, step, read_run_id(path)) for path, step in step_dirs(root)]
+    for old in prune_victims(entries, keep_last, run_id, written):
         shutil.rmtree(old, ignore_errors=True)
 
 
@@ -263,8 +313,7 @@ def find_checkpoint(root: Path, resume: str, secret: bytes | None = None, allow_
             raise CheckpointError(f"checkpoint.resume={resume!r} is not a directory")
         manifest = verify_trusted(path, secret, root, allow_unsigned)
         return CheckpointInfo(path, manifest["step"], manifest)
-    candidates = sorted((p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")), reverse=True)
-    for path in candidates:
+    for path, _ in step_dirs(root):
         try:
             manifest = verify_trusted(path, secret, root, allow_unsigned)
         except CheckpointError as e:
@@ -274,14 +323,50 @@ def find_checkpoint(root: Path, resume: str, secret: bytes | None = None, allow_
     return None
 
 
+def resume_checkpoint(root: Path, resume: str, secret: bytes | None = None,
+                      allow_unsigned: bool = False) -> CheckpointInfo | None:
+    """`find_checkpoint` for a training start: auto-resume refuses to silently start from step 0
+    when there are checkpoints but none of them verifies (a crash loop would make no progress)."""
+    found = find_checkpoint(root, resume, secret, allow_unsigned)
+    if found is None and resume == "auto" and step_dirs(root):
+        names = ", ".join(p.name for p, _ in step_dirs(root))
+        raise CheckpointError(
+            f"no checkpoint under {root} passes verification ({names}; reasons logged above). Fix: restore "
+            "a good copy, resume a specific one with --checkpoint.resume PATH, or start fresh with "
+            "--checkpoint.resume none (moves these aside)"
+        )
+    return found
+
+
+def move_aside(root: Path) -> Path | None:
+    """Start-fresh in a directory that holds checkpoints: move them all into `old-<run_id>/` (a new
+    name if taken), so the new run neither loads nor prunes them. Returns where they went."""
+    if not step_dirs(root):
+        return None
+    return _into_old(root, sorted(root.glob("step_*")))
+
+
+def _into_old(root: Path, paths: list[Path]) -> Path:
+    """Move `paths` into a new `root/old-<run id of the newest>[-n]/`; returns it."""
+    label = next((rid for p, _ in step_dirs(root) if p in paths and (rid := read_run_id(p))), "unknown")
+    dest, n = root / f"old-{label}", 1
+    while dest.exists():
+        dest, n = root / f"old-{label}-{n}", n + 1
+    dest.mkdir(parents=True)
+    for path in paths:
+        os.replace(path, dest / path.name)
+    _fsync_dir(root)
+    return dest
+
+
 def check_compatible(info: CheckpointInfo, meta: dict[str, Any], world_size: int) -> None:
     """Refuse a checkpoint of another model shape or batch geometry, saying what differs."""
     theirs, ours = info.manifest.get("model", {}), meta.get("model", {})
     diffs = [f"model.{k}: checkpoint {theirs.get(k)!r} vs config {ours.get(k)!r}" for k in ours if theirs.get(k) != ours.get(k)]
     if diffs:
         raise CheckpointError(
-            f"{info.path} was written for a different model:\n  " + "\n  ".join(diffs)
-            + "\nFix: use the config it was trained with, or start fresh with --checkpoint.resume none"
+            f"{info.path} was written for a different model ({'; '.join(diffs)}). Fix: use the config it was "
+            "trained with, or start fresh with --checkpoint.resume none"
         )
     if info.manifest["world_size"] != world_size:
         raise CheckpointError(

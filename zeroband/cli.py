@@ -45,9 +45,13 @@ def _cmd_launch(args: argparse.Namespace, rest: list[str]) -> int:
     from zeroband.launch import Stopped, WanLink, launch_sites
     from zeroband.report import plot_losses, read_metrics, summarise_site
 
+    # Checked before the site overrides below, which would create a default [diloco] section (and a
+    # confusing "set train.steps to 500" for a one-site config).
+    if load_config(args.config, rest).diloco is None:
+        raise ConfigError(f"{args.config} has no [diloco] section, and `zeroband launch` runs DiLoCo sites. Fix: "
+                          f"train one site with `zeroband train {args.config}`, or add a [diloco] section "
+                          "(see configs/demo_diloco.toml)")
     cfg = load_config(args.config, rest + ["--diloco.site_rank", "0", "--diloco.site_count", str(args.sites)])
-    if cfg.diloco is None:
-        raise ConfigError(f"{args.config} has no [diloco] section; `zeroband launch` runs DiLoCo sites")
     from zeroband.world import check_devices
 
     check_devices(cfg)  # before any site starts: one refused site would leave the others waiting
@@ -87,8 +91,8 @@ def _cmd_export(args: argparse.Namespace, rest: list[str]) -> int:
     out = Path(args.out) if args.out else cfg.run_dir / "hf"
     try:
         result = export(cfg, Path(args.checkpoint) if args.checkpoint else None, out)
-    except CheckpointError as e:
-        print(f"zeroband export: {e}", file=sys.stderr)
+    except (CheckpointError, FileNotFoundError) as e:
+        print(f"zeroband export: error: {e}", file=sys.stderr)
         return 2
     print(json.dumps(result, indent=1))
     return 0

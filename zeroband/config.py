@@ -129,6 +129,11 @@ class TrainConfig(Section):
     # "auto": cuda if available, else cpu. The site group's backend follows the device.
     device: Literal["auto", "cpu", "cuda"] = "auto"
     seed: int = 0
+    # A non-finite loss or gradient norm: "stop" the run with an error (nothing is saved after it),
+    # or "rollback" to this run's last good checkpoint and go on with the batches after the ones
+    # that diverged (one site only: a DiLoCo site cannot rewind alone), at most max_rollbacks times.
+    on_nonfinite: Literal["stop", "rollback"] = "stop"
+    max_rollbacks: int = Field(3, ge=0)
 
 
 class CheckpointConfig(Section):
@@ -288,13 +293,17 @@ class Config(Section):
                 f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}; "
                 "lower data.seq_len or raise model.max_seq_len"
             )
+        if self.diloco is not None and self.train.on_nonfinite == "rollback":
+            raise ValueError("train.on_nonfinite = 'rollback' needs a single-site run (no [diloco]); a DiLoCo "
+                             "site cannot rewind alone. Fix: set train.on_nonfinite = 'stop'")
         if self.diloco is not None:
             h = self.diloco.inner_steps
             if self.train.steps % h:
+                fits = sorted({max(h, self.train.steps // h * h), (self.train.steps // h + 1) * h})
                 raise ValueError(
                     f"train.steps={self.train.steps} is not a multiple of diloco.inner_steps={h}: the run must end "
-                    f"on an outer step. Fix: set train.steps to {max(h, self.train.steps // h * h)} or "
-                    f"{(self.train.steps // h + 1) * h}"
+                    f"on an outer step. Fix: set train.steps to {' or '.join(map(str, fits))}, or change "
+                    "diloco.inner_steps"
                 )
             if self.checkpoint.interval % h:
                 raise ValueError(

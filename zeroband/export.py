@@ -19,6 +19,9 @@ def load_for_export(cfg: Config, checkpoint_path: Path) -> Llama:
     # the trainer defines what a checkpoint must match and what signs it
     from zeroband.train import checkpoint_meta, checkpoint_secret
 
+    if not checkpoint_path.is_dir():
+        raise ckpt.CheckpointError(f"--checkpoint {checkpoint_path}: no such directory; pass a step_* directory "
+                                   f"(e.g. under {cfg.checkpoint_dir}), or leave it out for the newest")
     manifest = ckpt.verify_trusted(checkpoint_path, checkpoint_secret(cfg), cfg.checkpoint_dir,
                                    cfg.checkpoint.allow_unsigned)
     info = ckpt.CheckpointInfo(checkpoint_path, manifest["step"], manifest)
@@ -40,7 +43,8 @@ def latest_checkpoint(cfg: Config) -> Path:
         info = ckpt.find_checkpoint(root, "auto", checkpoint_secret(cfg), cfg.checkpoint.allow_unsigned)
         if info is not None:
             return info.path
-    raise FileNotFoundError(f"no complete checkpoint under {cfg.checkpoint_dir}; train first or pass --checkpoint PATH")
+    raise FileNotFoundError(f"no complete checkpoint under {cfg.checkpoint_dir}; train first (zeroband train "
+                            "CONFIG) or pass --checkpoint PATH, with the same config and overrides as the training")
 
 
 def export(cfg: Config, checkpoint_path: Path | None, out_dir: Path, verify: bool = True) -> dict[str, float | str]:

@@ -3,7 +3,7 @@
     ZEROBAND_FAULTS="site1:step30:allreduce:kill,site0:step20:checkpoint:kill:rank1"
 
 Each entry: site, step (the inner step about to finish, 1-based), point (`inner`, `allreduce`,
-`checkpoint`), action (`kill` = SIGKILL, `term` = SIGTERM, `stop` = SIGSTOP, `raise`, or `nan`:
+`checkpoint`, `seal`: between the two renames that replace a step saved twice), action (`kill` = SIGKILL, `term` = SIGTERM, `stop` = SIGSTOP, `raise`, or `nan`:
 the pseudo-gradient sent at that `allreduce` is poisoned with NaN), and
 optionally the rank inside the site (default: every rank). Unset, this module does nothing.
 """
@@ -15,7 +15,7 @@ import signal
 from dataclasses import dataclass
 
 ENV = "ZEROBAND_FAULTS"
-POINTS = ("inner", "allreduce", "checkpoint")
+POINTS = ("inner", "allreduce", "checkpoint", "seal")
 ACTIONS = {"kill": signal.SIGKILL, "term": signal.SIGTERM, "stop": signal.SIGSTOP}
 
 

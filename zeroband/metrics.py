@@ -71,20 +71,32 @@ class ComputeClock:
 class MetricsLogger:
     """Writes metrics on the site's rank 0 only; other ranks get a logger that does nothing."""
 
-    def __init__(self, cfg: Config, run_dir: Path, enabled: bool, total_steps: int, start_step: int, tag: str = "") -> None:
+    def __init__(self, cfg: Config, run_dir: Path, enabled: bool, total_steps: int, start_step: int, tag: str = "",
+                 keep_through: int | None = None) -> None:
+        """`keep_through`: the step the run resumed from (-1: a fresh start). Records after it in an
+        existing metrics.jsonl belong to work that is about to be redone and are dropped, so a
+        reader never sees a step twice. None keeps the file as it is."""
         self.enabled = enabled
         self.tag = tag
         self.file = None
         self.bar = None
+        self.redirect = None
         self.wandb = None
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
-        self.file = open(run_dir / "metrics.jsonl", "a", buffering=1)
+        self.path = run_dir / "metrics.jsonl"
+        if keep_through is not None:
+            truncate_after(self.path, keep_through)
+        self.file = open(self.path, "a", buffering=1)
         if cfg.log.progress_bar and sys.stderr.isatty() or os.environ.get("ZEROBAND_FORCE_BAR"):
             from tqdm import tqdm
+            from tqdm.contrib.logging import logging_redirect_tqdm
 
             self.bar = tqdm(total=total_steps, initial=start_step, desc=tag or cfg.name, dynamic_ncols=True)
+            # Log lines (validation, outer steps, warnings) print above the bar instead of through it.
+            self.redirect = logging_redirect_tqdm()
+            self.redirect.__enter__()
         if cfg.log.wandb_project and cfg.log.wandb_mode != "disabled":
             self.wandb = _init_wandb(cfg, run_dir, tag)
 
@@ -95,10 +107,21 @@ class MetricsLogger:
         self.file.write(json.dumps(record, default=float) + "\n")
         if self.wandb is not None:
             self.wandb.log({f"{kind}/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
-        if self.bar is None and kind != "train":
+        if kind == "train":
+            if self.bar is None:  # with a bar, train records show in its postfix
+                log.info("step %d %s", step, _short(metrics))
+        elif self.bar is not None:  # above the bar: tqdm.write keeps the bar intact
+            self.bar.write(f"{kind} step {step} {_short(metrics)}", file=sys.stderr)
+        else:
             log.info("%s step %d %s", kind, step, _short(metrics))
-        elif self.bar is None and kind == "train":
-            log.info("step %d %s", step, _short(metrics))
+
+    def rewind(self, step: int) -> None:
+        """Drop the records after `step` (a rollback will redo those steps)."""
+        if not self.enabled:
+            return
+        self.file.close()
+        truncate_after(self.path, step)
+        self.file = open(self.path, "a", buffering=1)
 
     def progress(self, step: int, loss: float, tokens_per_s: float, lr: float, eta_s: float) -> None:
         if self.bar is None:
@@ -107,12 +130,40 @@ class MetricsLogger:
         self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}", lr=f"{lr:.2e}", eta=_fmt_eta(eta_s))
 
     def close(self) -> None:
+        if self.redirect is not None:
+            self.redirect.__exit__(None, None, None)
         if self.bar is not None:
             self.bar.close()
         if self.file is not None:
             self.file.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def records_through(lines: list[str], step: int) -> list[str]:
+    """The JSONL lines whose record is at or before `step` (unparseable lines are dropped too)."""
+    kept = []
+    for line in lines:
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line)
+        except (ValueError, KeyError, TypeError):
+            continue
+    return kept
+
+
+def truncate_after(path: Path, step: int) -> None:
+    """Rewrite `path` without the records after `step` (atomically: a crash keeps the old file)."""
+    if not path.is_file():
+        return
+    lines = path.read_text().splitlines()
+    kept = records_through(lines, step)
+    if len(kept) == len(lines):
+        return
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    tmp.replace(path)
+    log.info("%s: dropped %d records after step %d (work redone after the resume)", path, len(lines) - len(kept), step)
 
 
 def _init_wandb(cfg: Config, run_dir: Path, tag: str) -> Any:

@@ -70,3 +70,18 @@ def plot_losses(series: dict[str, list[dict[str, Any]]], out: Path) -> Path | No
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def run_report(run_dir: Path, ckpt_dir: Path, name: str, wall_s: float) -> str:
+    """The lines a run ends with: what it reached, where its files are, and its loss plot."""
+    records = read_metrics(run_dir / "metrics.jsonl")
+    s = summarise_site(records)
+    plot = plot_losses({name: records}, run_dir / "loss.png")
+    lines = [f"run {name}: {s['steps']} steps, {s.get('tokens', 0):,} tokens in {wall_s:.0f} s"]
+    if "final_loss" in s:
+        lines.append(f"  final train loss {s['final_loss']:.4f}")
+    if "val_loss" in s:
+        lines.append(f"  val loss {s['val_loss']:.4f}, ppl {s['val_ppl']:.2f}, bpb {s['val_bpb']:.3f}")
+    lines += [f"  checkpoints: {ckpt_dir}/", f"  metrics: {run_dir / 'metrics.jsonl'}",
+              f"  loss plot: {plot}" if plot else "  loss plot: skipped (matplotlib is not installed: pip install matplotlib)"]
+    return "\n".join(lines)

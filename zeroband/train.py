@@ -219,6 +219,7 @@ class Run:
     clock: ComputeClock
     run_dir: Path
     ckpt_root: Path
+    run_id: str = ""  # set by resume_or_start: new at a fresh start, the checkpoint's on a resume
 
     @property
     def stateful(self) -> dict[str, Any]:
@@ -249,16 +250,44 @@ def setup(cfg: Config, world: World, topology: Topology) -> Run:
                outer, progress, ComputeClock(), run_dir, ckpt_root)
 
 
-def resume_or_start(run: Run) -> bool:
-    """Load the newest valid checkpoint if there is one (True), else make the sites agree (False)."""
-    found = agreed_checkpoint(run, ckpt.find_checkpoint(run.ckpt_root, run.cfg.checkpoint.resume,
-                                                        checkpoint_secret(run.cfg), run.cfg.checkpoint.allow_unsigned))
+def resume_or_start(run: Run) -> ckpt.CheckpointInfo | None:
+    """Load the newest valid checkpoint if there is one (returned), else make the sites agree."""
+    if run.cfg.checkpoint.resume == "none":
+        start_fresh_here(run)
+    found = agreed_checkpoint(run, ckpt.resume_checkpoint(run.ckpt_root, run.cfg.checkpoint.resume,
+                                                          checkpoint_secret(run.cfg), run.cfg.checkpoint.allow_unsigned))
     if found is not None:
         ckpt.check_compatible(found, checkpoint_meta(run.cfg), run.world.world_size)
         ckpt.load_checkpoint(found, run.model, run.optimizer, run.stateful)
         log.info("resumed from %s (step %d)", found.path, run.progress.step)
+    run.run_id = (found and found.manifest.get("run_id")) or site_agreed(ckpt.new_run_id())
+    if found is not None and run_complete(run):
+        return found  # nothing left to train: no outer start, no collective with the other sites
     run.outer.start(resumed=found is not None)
-    return found is not None
+    return found
+
+
+def start_fresh_here(run: Run) -> None:
+    """`checkpoint.resume = "none"` where checkpoints exist: move them aside (rank 0), and say so."""
+    if run.world.rank == 0:
+        moved = ckpt.move_aside(run.ckpt_root)
+        if moved is not None:
+            log.warning("checkpoint.resume=none: moved the existing checkpoints to %s (not loaded, never pruned)", moved)
+    if run.world.world_size > 1:
+        dist.barrier()
+
+
+def site_agreed(value: str) -> str:
+    """Rank 0's value on every rank of the site."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+    return value
+
+
+def run_complete(run: Run) -> bool:
+    return run.outer.finished(run.progress.step, run.cfg.train.steps)
 
 
 def agreed_checkpoint(run: Run, found: ckpt.CheckpointInfo | None) -> ckpt.CheckpointInfo | None:
@@ -272,7 +301,7 @@ def agreed_checkpoint(run: Run, found: ckpt.CheckpointInfo | None) -> ckpt.Check
     step = agree_resume(store, prefix, world.site_rank, world.site_count, offer, d.timeout_s)
     if step is None or (found is not None and found.step == step):
         return found if step is not None else None
-    path = ckpt.step_dir(run.ckpt_root, step)
+    path = next(p for p, s in ckpt.step_dirs(run.ckpt_root) if s == step)  # step_N, or step_N.old after a crash
     return ckpt.CheckpointInfo(path, step, trusted_manifest(run, path))
 
 
@@ -286,7 +315,7 @@ def verified_steps(run: Run, found: ckpt.CheckpointInfo | None) -> list[int]:
     if run.cfg.checkpoint.resume != "auto":
         return [found.step] if found is not None else []
     steps = []
-    for path in sorted(p for p in run.ckpt_root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")):
+    for path, _ in ckpt.step_dirs(run.ckpt_root):
         try:
             steps.append(trusted_manifest(run, path)["step"])
         except ckpt.CheckpointError:
@@ -330,6 +359,7 @@ def train_loop(run: Run, metrics: MetricsLogger) -> dict[str, Any]:
     losses: list[float] = []
     val: dict[str, float] = {}
     window = StepWindow()
+    rollbacks = 0
     stop = GracefulStop.install()
     while not run.outer.finished(progress.step, cfg.train.steps):
         batches = [run.train_data.next_batch(cfg.train.micro_batch) for _ in range(accum)]
@@ -341,6 +371,10 @@ def train_loop(run: Run, metrics: MetricsLogger) -> dict[str, Any]:
         t2 = time.perf_counter()
         grad_norm = optimizer_step(run.model, run.optimizer, cfg.optim.grad_clip)
         run.scheduler.step()
+        if not finite_on_site(loss, grad_norm, run.topology):  # before any outer step, log or save
+            rollbacks = on_nonfinite(run, metrics, loss, grad_norm, rollbacks)
+            window.reset()
+            continue
         device_sync(world.device)
         run.clock.add_compute((t1 - t0) + (time.perf_counter() - t2))
         progress.step += 1
@@ -379,21 +413,79 @@ def train_loop(run: Run, metrics: MetricsLogger) -> dict[str, Any]:
 
 def _train(cfg: Config, world: World, topology: Topology) -> dict[str, Any]:
     run = setup(cfg, world, topology)
-    resumed = resume_or_start(run)
+    found = resume_or_start(run)
+    if found is not None and run_complete(run):
+        if world.rank == 0:
+            print(f"run complete: {found.path} is step {run.progress.step} of {cfg.train.steps}; nothing to train "
+                  "(raise train.steps to go on, or start a new run with --checkpoint.resume none)", flush=True)
+        return {"losses": [], "val": {}, "steps": run.progress.step, "tokens": run.progress.tokens,
+                "complete": True, "run_dir": str(run.run_dir)}
     tag = f"site{world.site_rank}" if cfg.diloco else ""
-    metrics = MetricsLogger(cfg, run.run_dir, world.rank == 0, cfg.train.steps, run.progress.step, tag=tag)
-    if not resumed:
-        metrics.log(0, {"params": num_params(cfg.model), "ranks": world.world_size, "sites": world.site_count}, "run")
+    keep = run.progress.step if found is not None or run.progress.step else -1
+    metrics = MetricsLogger(cfg, run.run_dir, world.rank == 0, cfg.train.steps, run.progress.step, tag=tag,
+                            keep_through=keep)
+    if found is None:
+        metrics.log(0, {"params": num_params(cfg.model), "ranks": world.world_size, "sites": world.site_count,
+                        "run_id": run.run_id}, "run")
+    else:
+        metrics.log(run.progress.step, {"from": str(found.path), "run_id": run.run_id}, "resumed")
     try:
-        return train_loop(run, metrics)
+        result = train_loop(run, metrics)
     finally:
         metrics.close()
+    if world.rank == 0:
+        print_summary(run)
+    return result
 
 
 def save(run: Run) -> None:
     ckpt.save_checkpoint(run.ckpt_root, run.progress.step, run.model, run.optimizer, run.stateful,
-                         checkpoint_meta(run.cfg), run.cfg.checkpoint.keep_last, site=run.world.site_rank,
-                         secret=checkpoint_secret(run.cfg))
+                         {**checkpoint_meta(run.cfg), "run_id": run.run_id}, run.cfg.checkpoint.keep_last,
+                         site=run.world.site_rank, secret=checkpoint_secret(run.cfg))
+
+
+def print_summary(run: Run) -> None:
+    """The end of a run, from its own metrics.jsonl: summary lines and a loss plot."""
+    from zeroband.report import run_report
+
+    name = f"{run.cfg.name}-site{run.world.site_rank}" if run.cfg.diloco else run.cfg.name
+    print(run_report(run.run_dir, run.ckpt_root, name, run.clock.wall_s), flush=True)
+
+
+class NonFiniteError(RuntimeError):
+    """Training diverged (NaN/inf loss or gradient norm); nothing was saved after it."""
+
+
+def finite_on_site(loss: float, grad_norm: float, topology: Topology) -> bool:
+    """Every rank of the site saw a finite loss and gradient norm (they must all agree to stop)."""
+    bad = torch.tensor([0.0 if math.isfinite(loss) and math.isfinite(grad_norm) else 1.0], device=topology.world.device)
+    topology.site_all_reduce(bad, op=dist.ReduceOp.MAX)
+    return not bad.item()
+
+
+def on_nonfinite(run: Run, metrics: MetricsLogger, loss: float, grad_norm: float, rollbacks: int) -> int:
+    """Stop with an error, or (train.on_nonfinite = "rollback") reload this run's newest good
+    checkpoint with the data stream left where it is. Returns the rollbacks used so far."""
+    step = run.progress.step + 1
+    metrics.log(step, {"loss": loss, "grad_norm": grad_norm}, "nonfinite")
+    good = ckpt.find_checkpoint(run.ckpt_root, "auto", checkpoint_secret(run.cfg), run.cfg.checkpoint.allow_unsigned)
+    good = good if good is not None and good.manifest.get("run_id") == run.run_id else None
+    if run.cfg.train.on_nonfinite == "rollback" and good is not None and rollbacks < run.cfg.train.max_rollbacks:
+        # Everything but the data position (and the wall clock): replaying the same batches would diverge again.
+        keep = {k: v for k, v in run.stateful.items() if k not in ("data", "clock")}
+        ckpt.load_checkpoint(good, run.model, run.optimizer, keep)
+        log.warning("step %d: non-finite loss or gradient norm (%s, %s); rolled back to %s (rollback %d of %d)",
+                    step, loss, grad_norm, good.path, rollbacks + 1, run.cfg.train.max_rollbacks)
+        metrics.rewind(run.progress.step)  # the steps after it are redone: no step logged twice
+        metrics.log(run.progress.step, {"from": str(good.path), "diverged_at": step}, "rollback")
+        return rollbacks + 1
+    run.outer.leave()
+    where = f"the last good checkpoint is {good.path}" if good else "there is no good checkpoint of this run"
+    raise NonFiniteError(
+        f"step {step}: non-finite loss or gradient norm (loss {loss}, grad norm {grad_norm}): training diverged "
+        f"and was stopped before saving or syncing; {where}. Fix: lower optim.lr, set optim.grad_clip (e.g. 1.0), or set "
+        "train.on_nonfinite = \"rollback\""
+    )
 
 
 class GracefulStop:
@@ -448,7 +540,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(path, argv)
         check_devices(cfg)
         train(cfg)
-    except (ConfigError, ckpt.CheckpointError, FileNotFoundError, PeerRefused, ResumeMismatch) as e:
+    except (ConfigError, ckpt.CheckpointError, FileNotFoundError, PeerRefused, ResumeMismatch, NonFiniteError) as e:
         print(f"zeroband: error: {e}", file=sys.stderr)
         return 2
     except (PeerTimeout, PeerLost, Interrupted, StoreUnreachable) as e:  # a peer or the store failed: not our config

@@ -37,7 +37,13 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from exp_data import DEFAULT_CACHE, prepare_tokenizer, shared_corpus, write_train_split  # noqa: E402
+from exp_data import (  # noqa: E402
+    DEFAULT_CACHE,
+    SHARED_CORPUS_ENV,
+    prepare_tokenizer,
+    shared_corpus,
+    write_train_split,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -460,13 +466,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu", action="store_true", help="the CUDA scale: a ~27M-parameter model, 4 sites on one GPU")
     p.add_argument("--out", type=Path, default=REPO / "docs" / "results")
     p.add_argument("--corpus", type=Path, default=None, help="jsonl corpus (default: the shared prose corpus)")
+    p.add_argument("--shared-corpus", type=Path, default=None,
+                   help=f"prose-v1.jsonl.xz to decompress into --cache (default: ${SHARED_CORPUS_ENV})")
     p.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--rows", default="", help="comma-separated row names to keep (default: all)")
     args = p.parse_args(argv)
     scale = QUICK if args.quick else GPU if args.gpu else FULL
     start = time.perf_counter()
-    corpus = args.corpus or shared_corpus(args.cache)
+    corpus = args.corpus or shared_corpus(args.cache, args.shared_corpus)
     tokenizer = prepare_tokenizer(corpus, scale.vocab, 0.02, args.cache)
     if args.phase == "tune":
         corpus = args.cache / "prose-v1-tune.jsonl"  # the report's validation documents removed

@@ -10,12 +10,14 @@ from __future__ import annotations
 import hashlib
 import json
 import lzma
+import os
 import shutil
 from pathlib import Path
 
 from zeroband.checkpoint import sha256_file
 
-SHARED_CORPUS = Path("/work/shared/data/prose-v1.jsonl.xz")
+# The prose-v1 corpus (xz-compressed jsonl) lives wherever a machine keeps it: --shared-corpus or this.
+SHARED_CORPUS_ENV = "ZEROBAND_PROSE_CORPUS"
 SHARED_SHA256 = "52c111d5b419efd06a33d92e812bac307e0bd2301526bcfe180137559d734d46"
 DEFAULT_CACHE = Path.home() / ".cache" / "zeroband"
 
@@ -23,21 +25,25 @@ DEFAULT_CACHE = Path.home() / ".cache" / "zeroband"
 sha256_of = sha256_file  # one implementation, shared with checkpoint verification
 
 
-def shared_corpus(cache: Path) -> Path:
-    """The decompressed shared corpus in `cache`, verified by sha256 (decompressed once)."""
+def shared_corpus(cache: Path, source: Path | None = None) -> Path:
+    """The decompressed shared corpus in `cache`, verified by sha256 (decompressed once) from
+    `source` (default: $ZEROBAND_PROSE_CORPUS)."""
     out = cache / "prose-v1.jsonl"
     if out.is_file() and sha256_of(out) == SHARED_SHA256:
         return out
-    if not SHARED_CORPUS.is_file():
-        raise SystemExit(f"{SHARED_CORPUS} not found: pass --corpus PATH (e.g. `zeroband data` output)")
+    source = source or (Path(os.environ[SHARED_CORPUS_ENV]) if os.environ.get(SHARED_CORPUS_ENV) else None)
+    if source is None or not source.is_file():
+        where = f"{source} not found" if source else f"no shared corpus given (and none decompressed in {cache})"
+        raise SystemExit(f"{where}: pass --shared-corpus PATH/prose-v1.jsonl.xz (or set {SHARED_CORPUS_ENV}), "
+                         "or use any jsonl corpus with --corpus PATH (e.g. data/demo/train.jsonl from `zeroband data`)")
     cache.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
-    with lzma.open(SHARED_CORPUS, "rb") as src, open(tmp, "wb") as dst:
+    with lzma.open(source, "rb") as src, open(tmp, "wb") as dst:
         shutil.copyfileobj(src, dst, 1 << 20)
     got = sha256_of(tmp)
     if got != SHARED_SHA256:
         tmp.unlink()
-        raise SystemExit(f"{SHARED_CORPUS}: sha256 {got} != expected {SHARED_SHA256}")
+        raise SystemExit(f"{source}: sha256 {got} != expected {SHARED_SHA256} (not prose-v1?)")
     tmp.replace(out)
     return out
 

@@ -12,8 +12,12 @@ Sharding is by global dp rank only, so 2 sites x 1 rank reads the same documents
 from __future__ import annotations
 
 import glob
+import gzip
 import hashlib
+import json
+import logging
 from collections import deque
+from contextlib import contextmanager
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -21,7 +25,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from zeroband.config import DataConfig
+from zeroband.config import ConfigError, DataConfig
 from zeroband.data.tokenizer import TextTokenizer
 
 Split = Literal["train", "val"]
@@ -72,6 +76,7 @@ def load_documents(cfg: DataConfig) -> Any:
 
     if cfg.hub_name:
         ds = datasets.load_dataset(cfg.hub_name, split="train", streaming=cfg.streaming)
+        _check_text_field(ds, cfg)
     else:
         files = resolve_files(cfg.path)
         fmt = infer_format(files, cfg.format)
@@ -82,9 +87,59 @@ def load_documents(cfg: DataConfig) -> Any:
             )
         # Paragraphs, not lines, so that prose in a .txt file is not cut into one-line documents.
         extra = {"sample_by": "paragraph"} if fmt == "text" else {}
-        ds = datasets.load_dataset(fmt, data_files=files, split="train", streaming=cfg.streaming, **extra)
-    _check_text_field(ds, cfg)
+        quiet = logging.getLogger("datasets")  # it logs its own multi-line report of a bad row first
+        level = quiet.level
+        quiet.setLevel(logging.CRITICAL)
+        try:
+            with bad_rows_named(cfg):
+                ds = datasets.load_dataset(fmt, data_files=files, split="train", streaming=cfg.streaming, **extra)
+                _check_text_field(ds, cfg)  # a streaming dataset reads its first rows here
+        finally:
+            quiet.setLevel(level)
     return ds.select_columns([cfg.text_field])
+
+
+@contextmanager
+def bad_rows_named(cfg: DataConfig) -> Iterator[None]:
+    """A parse failure deep in datasets/pyarrow becomes one DataError naming the file and line."""
+    try:
+        yield
+    except DataError:
+        raise
+    except Exception:
+        files = [] if cfg.hub_name else resolve_files(cfg.path)
+        bad = first_bad_json_line(files) if files and infer_format(files, cfg.format) == "json" else None
+        if bad is None:
+            raise
+        raise DataError(bad) from None
+
+
+class DataError(ConfigError):
+    """A data file a user must fix: the message names the file, the line and what to do."""
+
+
+def first_bad_json_line(files: list[str]) -> str | None:
+    """'FILE:LINE: what is wrong. Fix: ...' for the first line of a JSON Lines file that is not one
+    JSON object (a .json file is parsed whole); None if every file parses."""
+    for name in files:
+        with (gzip.open if name.endswith(".gz") else open)(name, "rt", encoding="utf-8", errors="replace") as f:
+            if not name.removesuffix(".gz").endswith(".jsonl"):
+                try:
+                    json.load(f)
+                    continue
+                except json.JSONDecodeError as e:
+                    return f"{name}:{e.lineno}: not valid JSON ({e.msg}). Fix that line, or the file's JSON"
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    return (f"{name}:{number}: not valid JSON ({e.msg}, column {e.colno}). Fix: every line of "
+                            'a .jsonl file must be one JSON object, e.g. {"text": "..."}; repair or delete that line')
+                if not isinstance(record, dict):
+                    return f"{name}:{number}: a JSON {type(record).__name__}, not an object. Fix: write it as {{\"text\": ...}}"
+    return None
 
 
 def _check_text_field(ds: Any, cfg: DataConfig) -> None:
@@ -260,7 +315,8 @@ class PackedBatches:
         )
 
     def _texts(self, split: Split, epoch: int, start: int) -> Iterator[list[str]]:
-        return self._source.texts(split, epoch, self.cfg.shuffle_seed, self.dp_rank, self.dp_size, start)
+        with bad_rows_named(self.cfg):  # streaming: a bad row surfaces only when it is read
+            yield from self._source.texts(split, epoch, self.cfg.shuffle_seed, self.dp_rank, self.dp_size, start)
 
     # ----------------------------------------------------------------------------------------
 
