@@ -260,7 +260,7 @@ def test_forged_members_votes_verdict_and_committed_are_refused(store):
             assert decision.members == [0, 1] and decision.generation == 1 and verdict == "commit"
         coordinators[0].mark_committed(0)
         assert coordinators[1].committed_round() == 0
-        assert {"p/r0/a0/members", "p/r0/a0/verdict", "p/committed"} <= coordinators[0].store.refused
+        assert {"p/r0/a0/members", "p/r0/a0/verdict", "p/committed"} <= coordinators[0].store.refused.keys()
         assert forged == 9
     finally:
         [b.stop() for b in beats]

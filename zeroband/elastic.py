@@ -44,7 +44,7 @@ from zeroband.membership.rounds import Decision, RoundCoordinator
 from zeroband.membership.signed import SignedStore
 from zeroband.membership.store import open_store
 from zeroband.mesh import OPEN, SECRET, GlobalGroup, Topology, new_global_group, rendezvous
-from zeroband.watchdog import Watch
+from zeroband.watchdog import Watch, read_by_all
 
 log = logging.getLogger(__name__)
 
@@ -156,12 +156,22 @@ class ElasticDiLoCo(DiLoCo):
         me = self.world.site_rank
         if decision.members != [me] or not self.fresh:
             return
-        unreadable = sorted(s for s in range(self.world.site_count)
-                            if s != me and heartbeat_key(self.prefix, s) in self.liveness.store.refused)
-        if unreadable:
-            self.leave()
-            why = f"wrong shared secret: the store values of sites {unreadable} do not verify under this site's secret"
-            raise PeerRefused(me, Verdict([], {me: why}))
+        refused = self.liveness.store.refused
+        why = {s: refused[heartbeat_key(self.prefix, s)] for s in range(self.world.site_count)
+               if s != me and heartbeat_key(self.prefix, s) in refused}
+        if not why:
+            return
+        self.leave()
+        if "bad-mac" in why.values():
+            reason = f"wrong shared secret: the store values of sites {sorted(why)} do not verify under this site's"
+        else:  # a secret on one side only
+            marks = {me: OPEN if self.secret is None else SECRET} | {s: OPEN if r == "unsigned" else SECRET
+                                                                       for s, r in why.items()}
+            who = ", ".join(f"site {s} {m}" for s, m in sorted(marks.items()))
+            reason = f"sites disagree on admission ({who}); set the same diloco.secret or ZEROBAND_SECRET on every site"
+        # the others see the same mismatch about now; give them time to read it before the store may go
+        read_by_all(self.topology.store, f"{self.prefix}refused/", me, self.world.site_count, 2 * self.cfg.dead_after_s)
+        raise PeerRefused(me, Verdict([], {me: reason}))
 
     def _decide(self, attempt: int) -> Decision:
         expected = set(range(self.world.site_count)) if self.round == 0 else set(self.members)

@@ -38,7 +38,7 @@ class SignedStore:
 
     def __init__(self, store: dist.Store, key: bytes | None = None) -> None:
         self.store, self.key = store, key
-        self.refused: set[str] = set()
+        self.refused: dict[str, str] = {}  # key -> "unsigned", "signed" (we have no secret) or "bad-mac"
 
     def _mac(self, key: str, value: bytes) -> bytes:
         return hmac.new(self.key, _frame(LABEL, key.encode(), value), hashlib.sha256).hexdigest().encode()
@@ -48,14 +48,20 @@ class SignedStore:
         return raw if self.key is None else self._mac(key, raw) + b"." + raw
 
     def open(self, key: str, raw: bytes) -> bytes | None:
-        """The value, or None (logged once per key) if it does not verify."""
-        if self.key is None:
-            return raw
+        """The value, or None (logged once per key) if it does not verify. Without a secret, a signed
+        value is refused too: its writer holds a secret this site lacks."""
         mac, dot, value = raw[:MAC_HEX], raw[MAC_HEX : MAC_HEX + 1], raw[MAC_HEX + 1 :]
-        if dot == b"." and hmac.compare_digest(mac, self._mac(key, value)):
+        sealed = dot == b"." and all(c in b"0123456789abcdef" for c in mac) and len(mac) == MAC_HEX
+        if self.key is None:
+            if not sealed:
+                return raw
+            reason = "signed"
+        elif sealed and hmac.compare_digest(mac, self._mac(key, value)):
             return value
+        else:
+            reason = "bad-mac" if sealed else "unsigned"
         if key not in self.refused:
-            self.refused.add(key)
+            self.refused[key] = reason
             log.warning("store value refused: key=%s (no valid HMAC: forged, copied from another key, or written "
                         "by a site without the secret)", key, extra={"event": "store_value_refused", "key": key})
         return None
