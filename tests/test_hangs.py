@@ -172,7 +172,8 @@ def _train_result(tree: dict) -> dict:
 
 def _diloco(corpus: dict, out: Path, **diloco) -> dict:
     tree = tiny_overrides(corpus, out, train={"steps": 4}, checkpoint={"interval": 2, "keep_last": 5})
-    tree["diloco"] = {"inner_steps": 2, "store": f"tcp://127.0.0.1:{free_port()}", "timeout_s": TIMEOUT_S, **diloco}
+    tree["diloco"] = {"inner_steps": 2, "store": f"tcp://127.0.0.1:{free_port()}", "timeout_s": TIMEOUT_S,
+                      "insecure": True, **diloco}
     return tree
 
 
@@ -180,7 +181,7 @@ def _diloco(corpus: dict, out: Path, **diloco) -> dict:
 @pytest.mark.parametrize("elastic", [True, False])
 def test_one_site_with_secret_one_without_both_stop_naming_the_cause(corpus, tmp_path, elastic):
     extra = {"start_grace_s": 30, "heartbeat_s": 0.5, "dead_after_s": 5} if elastic else {}
-    tree = _diloco(corpus, tmp_path, elastic=elastic, insecure=True, **extra)  # site 1 runs without a secret
+    tree = _diloco(corpus, tmp_path, elastic=elastic, **extra)
     secret = {"ZEROBAND_SECRET": "s" * 32}
     t0 = time.monotonic()
     out = run_sites(_train_error, 2, 1, (tree,), timeout=90, site_env={0: secret})
