@@ -133,7 +133,7 @@ def run_overrides(s: Settings, out: Path, name: str, steps: int) -> list[str]:
         "checkpoint.keep_last": s.keep_last, "diloco.elastic": "true", "diloco.inner_steps": s.inner_steps,
         "diloco.heartbeat_s": s.heartbeat_s, "diloco.dead_after_s": s.dead_after_s, "diloco.grace_s": s.grace_s,
         "diloco.start_grace_s": 120, "diloco.timeout_s": s.timeout_s, "diloco.join_timeout_s": 90,
-        "diloco.log_checksum": "true", "diloco.comm_dtype": "fp32",
+        "diloco.log_checksum": "true", "diloco.comm_dtype": "fp32", "diloco.insecure": "true",
     }
     return [x for k, v in values.items() for x in (f"--{k}", str(v))]
 

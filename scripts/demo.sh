@@ -9,6 +9,11 @@ export OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE HF_HUB_OFFLINE=1 HF_DATASETS_OF
 CONFIG="${1:-configs/demo_diloco.toml}"
 shift || true
 
+# Every cross-site message is authenticated with a shared secret; it reaches the sites through the
+# environment, never the command line.
+ZEROBAND_SECRET="${ZEROBAND_SECRET:-$(python -c 'import secrets; print(secrets.token_urlsafe(32))')}"
+export ZEROBAND_SECRET
+
 zeroband data                                              # corpus + tokenizer -> data/demo/
 zeroband launch "$CONFIG" --sites 2 --nproc 2 "$@"         # 2 sites, each its own torchrun job
 zeroband export "$CONFIG" "$@"                             # -> runs/<name>/hf (checked against transformers)

@@ -26,7 +26,7 @@ def overrides(corpus: dict[str, str], out: Path) -> list[str]:
         "data.val_fraction": 0.1, "train.steps": STEPS, "eval.interval": 0, "eval.batches": 1, "log.interval": 10,
         "checkpoint.interval": 20, "checkpoint.keep_last": 20, "diloco.elastic": "true", "diloco.inner_steps": 2,
         "diloco.heartbeat_s": 0.5, "diloco.dead_after_s": 5, "diloco.grace_s": 1, "diloco.start_grace_s": 60,
-        "diloco.timeout_s": 30, "diloco.join_timeout_s": 60, "diloco.log_checksum": "true",
+        "diloco.timeout_s": 30, "diloco.join_timeout_s": 60, "diloco.log_checksum": "true", "diloco.insecure": "true",
     }
     return [x for k, v in values.items() for x in (f"--{k}", str(v))]
 

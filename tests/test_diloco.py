@@ -16,7 +16,8 @@ from zeroband.config import DilocoConfig, validate_config
 def diloco_tree(corpus: dict, out: Path, **extra) -> dict:
     tree = tiny_overrides(corpus, out, **extra)
     tree.setdefault("diloco", {})
-    tree["diloco"] = {"inner_steps": 2, "store": f"tcp://127.0.0.1:{free_port()}", "timeout_s": 60, **tree["diloco"]}
+    tree["diloco"] = {"inner_steps": 2, "store": f"tcp://127.0.0.1:{free_port()}", "timeout_s": 60, "insecure": True,
+                     **tree["diloco"]}
     return tree
 
 

@@ -36,7 +36,7 @@ def elastic_tree(corpus: dict, out: Path, store: str, steps: int = 10, **diloco)
     tree = tiny_overrides(corpus, out, train={"steps": steps}, eval={"interval": 0, "batches": 1})
     tree["diloco"] = {
         "elastic": True, "host_store": False, "store": store, "inner_steps": 2, "heartbeat_s": 0.25,
-        "dead_after_s": 2.0, "grace_s": 1.0, "start_grace_s": 15.0, "timeout_s": 30, "comm_dtype": "fp16",
+        "dead_after_s": 2.0, "grace_s": 1.0, "start_grace_s": 15.0, "timeout_s": 30, "comm_dtype": "fp16", "insecure": True,
         **diloco,
     }
     return tree

@@ -196,11 +196,12 @@ class DilocoConfig(Section):
     # host_store is true, else by someone else, e.g. `zeroband launch`) or etcd://h1:p1,h2:p2,h3:p3.
     store: str = "tcp://127.0.0.1:29600"
     host_store: bool = True
-    # Shared secret for admitting sites (elastic runs); or ZEROBAND_SECRET. Never written to disk.
+    # Shared secret that authenticates every cross-site message (admission, store values, all-reduce
+    # payloads); or ZEROBAND_SECRET. Never written to disk.
     secret: str | None = Field(None, repr=False, exclude=True)
     # Or a file holding it (mode 0600); never on the command line, where `ps` shows it to everyone.
     secret_file: str | None = None
-    # A multi-site run without a secret must say so: its cross-site traffic is unauthenticated.
+    # A multi-site run without a secret starts only with this set: nothing it receives is authenticated.
     insecure: bool = False
     # Site identity: config or ZEROBAND_SITE_RANK / ZEROBAND_SITE_COUNT in the environment.
     site_rank: int | None = Field(None, ge=0)

@@ -16,7 +16,14 @@ import torch
 
 from zeroband.comm.reduce import reduce_across_sites
 from zeroband.config import DilocoConfig
-from zeroband.diloco import OuterStats, broadcast_from_site0, local_shard, site_stats, verify_identical
+from zeroband.diloco import (
+    OuterStats,
+    agree_on_run,
+    broadcast_from_site0,
+    local_shard,
+    site_stats,
+    verify_identical,
+)
 from zeroband.mesh import Topology
 
 
@@ -32,6 +39,7 @@ class CrossSiteDataParallel:
         pass
 
     def start(self, resumed: bool = False) -> None:
+        agree_on_run(self.topology, self.cfg.timeout_s)
         with torch.no_grad():
             local = [local_shard(p) for p in self.params]
             broadcast_from_site0(local, self.topology)

@@ -49,7 +49,8 @@ import threading
 import time
 import zlib
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -59,6 +60,7 @@ from torch.distributed.tensor import DTensor
 from zeroband.comm.reduce import ReduceResult, SiteStats, reduce_across_sites
 from zeroband.config import DilocoConfig
 from zeroband.faults import maybe_inject, poison_due
+from zeroband.membership.auth import admit
 from zeroband.mesh import GlobalGroup, Topology
 
 log = logging.getLogger(__name__)
@@ -203,6 +205,16 @@ def verify_identical(tensors: list[torch.Tensor], topology: Topology, when: str)
         )
 
 
+def agree_on_run(topology: Topology, timeout_s: float) -> None:
+    """Before anything crosses the global group: every site proves the shared secret and shows the
+    same settings (`topology.fingerprint`); else PeerRefused on every site, naming each differing
+    key with both values (zeroband/membership/auth.py). Settings that agree also fix every
+    message's size, so a misconfigured site can never make gloo abort on a wrong-size message."""
+    group = topology.global_group
+    admit(topology.store, group.prefix, group.rank, group.size, topology.secret, topology.fingerprint,
+          timedelta(seconds=timeout_s))
+
+
 class _InFlight:
     """A pseudo-gradient all-reduce running on a background thread (global group only)."""
 
@@ -263,7 +275,9 @@ class DiLoCo:
     # ------------------------------------------------------------------ start: identical replicas
     @torch.no_grad()
     def start(self, resumed: bool = False) -> None:
-        """Fresh: every site takes site 0's parameters. Resumed: prove all sites loaded the same state."""
+        """Fresh: every site takes site 0's parameters. Resumed: prove all sites loaded the same state.
+        First of all, the sites prove the secret and agree on the run's settings."""
+        agree_on_run(self.topology, self.cfg.timeout_s)
         if resumed:
             verify_identical(self.checksum_tensors(), self.topology, "resume")
             return
@@ -360,6 +374,8 @@ class DiLoCo:
         return grads
 
     def reduce(self, grads: list[torch.Tensor], stats: SiteStats) -> ReduceResult:
+        if self.cfg.log_checksum and not stats.abstain:  # compared across sites by the reduce itself
+            stats = replace(stats, crc=float(crc32_of(self.checksum_tensors())))
         bucket = int(self.cfg.bucket_mb * 2**20)
         return reduce_across_sites(grads, stats, self.group, self.cfg.comm_dtype, bucket, self.error_feedback,
                                    self.cfg.outlier_factor, weight_by_tokens=self.cfg.round_seconds > 0)

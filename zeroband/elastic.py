@@ -33,16 +33,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zeroband.comm.mac import WireAuth
 from zeroband.comm.reduce import ReduceResult, SiteStats
 from zeroband.config import DilocoConfig
 from zeroband.diloco import DiLoCo, OuterStats, checksum_table, site_stats
 from zeroband.faults import maybe_inject, poison_due
-from zeroband.membership.auth import PeerRefused, admit, load_secret
-from zeroband.membership.heartbeat import Heartbeat, Liveness, leave_key
+from zeroband.membership.auth import PeerRefused, Verdict, admit
+from zeroband.membership.heartbeat import Heartbeat, Liveness, heartbeat_key, leave_key
 from zeroband.membership.rounds import Decision, RoundCoordinator
+from zeroband.membership.signed import SignedStore
 from zeroband.membership.store import open_store
 from zeroband.mesh import OPEN, SECRET, GlobalGroup, Topology, new_global_group, rendezvous
-from zeroband.watchdog import Watch
+from zeroband.watchdog import Watch, read_by_all
 
 log = logging.getLogger(__name__)
 
@@ -60,15 +62,18 @@ class ElasticDiLoCo(DiLoCo):
         self.progress, self.scheduler, self.fingerprint = progress, scheduler, fingerprint
         self.prefix = f"zeroband/{run_name}/elastic/"
         slots = range(self.world.site_count)
-        self.liveness = Liveness(topology.store, self.prefix, slots, cfg.dead_after_s)
+        self.secret = topology.secret
+        self.auth = WireAuth.from_secret(self.secret, run_name)  # seals all-reduce messages
+        sign_key = self.auth.subkey("store")  # and, independently keyed, the protocol's store values
+        self.signed = SignedStore(topology.store, sign_key)
+        self.liveness = Liveness(topology.store, self.prefix, slots, cfg.dead_after_s, sign_key)
         self.rounds = RoundCoordinator(topology.store, self.prefix, self.world.site_rank, self.world.rank == 0,
-                                       self.liveness)
+                                       self.liveness, sign_key)
         self.heartbeat = None
         if self.world.rank == 0:
             topology.store.delete_key(leave_key(self.prefix, self.world.site_rank))  # back after a leave
             reopen = lambda: open_store(cfg.store, False, timedelta(seconds=cfg.timeout_s))  # noqa: E731
-            self.heartbeat = Heartbeat(reopen, self.prefix, self.world.site_rank, cfg.heartbeat_s).start()
-        self.secret = load_secret(cfg.secret) if cfg.secret or _env_secret() else None
+            self.heartbeat = Heartbeat(reopen, self.prefix, self.world.site_rank, cfg.heartbeat_s, sign_key).start()
         self.watch = Watch(cfg.timeout_s, interruptible=False)  # SIGTERM here means: finish the round, then leave
         self.members: list[int] = []
         self.generation = -1
@@ -91,7 +96,7 @@ class ElasticDiLoCo(DiLoCo):
     def leave(self) -> None:
         """Announce the departure, stop the heartbeat thread and drop the group (clean exit)."""
         if self.world.rank == 0:
-            self.topology.store.set(leave_key(self.prefix, self.world.site_rank), str(self.round))
+            self.signed.set(leave_key(self.prefix, self.world.site_rank), str(self.round))
         if self.heartbeat is not None:
             self.heartbeat.stop()
             self.heartbeat = None
@@ -127,6 +132,7 @@ class ElasticDiLoCo(DiLoCo):
         for attempt in range(self.cfg.max_retries + 1):
             decision = self._decide(attempt)
             log.info("site %d round %d attempt %d: %s", self.world.site_rank, self.round, attempt, decision)
+            self._refuse_if_foreign(decision)
             stale = self.fresh and self.world.site_rank not in decision.fresh  # decided before we (re)started
             if self.world.site_rank not in decision.members or stale:
                 log.warning("round %d: left out (late, presumed dead, or a decision from before a restart); "
@@ -143,6 +149,29 @@ class ElasticDiLoCo(DiLoCo):
         log.error("round %d failed %d times: skipped, local progress kept", self.round, self.cfg.max_retries + 1)
         self.round += 1
         return False, None
+
+    def _refuse_if_foreign(self, decision: Decision) -> None:
+        """Alone, while other slots' heartbeats are there but fail our key: we hold another secret.
+        Stop with the admission error rather than train alone (the others do not see us either)."""
+        me = self.world.site_rank
+        if decision.members != [me] or not self.fresh:
+            return
+        refused = self.liveness.store.refused
+        why = {s: refused[heartbeat_key(self.prefix, s)] for s in range(self.world.site_count)
+               if s != me and heartbeat_key(self.prefix, s) in refused}
+        if not why:
+            return
+        self.leave()
+        if "bad-mac" in why.values():
+            reason = f"wrong shared secret: the store values of sites {sorted(why)} do not verify under this site's"
+        else:  # a secret on one side only
+            marks = {me: OPEN if self.secret is None else SECRET} | {s: OPEN if r == "unsigned" else SECRET
+                                                                       for s, r in why.items()}
+            who = ", ".join(f"site {s} {m}" for s, m in sorted(marks.items()))
+            reason = f"sites disagree on admission ({who}); set the same diloco.secret or ZEROBAND_SECRET on every site"
+        # the others see the same mismatch about now; give them time to read it before the store may go
+        read_by_all(self.topology.store, f"{self.prefix}refused/", me, self.world.site_count, 2 * self.cfg.dead_after_s)
+        raise PeerRefused(me, Verdict([], {me: reason}))
 
     def _decide(self, attempt: int) -> Decision:
         expected = set(range(self.world.site_count)) if self.round == 0 else set(self.members)
@@ -212,10 +241,9 @@ class ElasticDiLoCo(DiLoCo):
         timeout = timedelta(seconds=self.cfg.timeout_s)
         mark = OPEN if self.secret is None else SECRET
         rendezvous(self.topology.store, prefix, index, len(decision.members), self.cfg.timeout_s, mark)
-        if self.secret is not None:
-            admit(self.topology.store, prefix, index, len(decision.members), self.secret, self.fingerprint, timeout)
+        admit(self.topology.store, prefix, index, len(decision.members), self.secret, self.fingerprint, timeout)
         self.group = new_global_group(self.topology.store, prefix, index, len(decision.members), timeout,
-                                      self.cfg.backend, self.watch, mark)
+                                      self.cfg.backend, self.watch, mark, self.auth)
         self.generation, self.members = decision.generation, decision.members
 
     def _watched(self, decision: Decision, work: Callable[[], Any]) -> Any:
@@ -227,13 +255,6 @@ class ElasticDiLoCo(DiLoCo):
 
         self.watch.current = "the members (forming the group)"
         return self.watch.run(work, f"round {self.round} exchange", check)
-
-    def reduce(self, grads: list[torch.Tensor], stats: SiteStats) -> ReduceResult:
-        from zeroband.comm.reduce import reduce_across_sites
-
-        bucket = int(self.cfg.bucket_mb * 2**20)
-        return reduce_across_sites(grads, stats, self.group, self.cfg.comm_dtype, bucket, self.error_feedback,
-                                   self.cfg.outlier_factor, weight_by_tokens=self.cfg.round_seconds > 0)
 
     def _commit(self, decision: Decision, outcome: tuple, elapsed: float) -> OuterStats | None:
         grads, result, stats = outcome
@@ -278,9 +299,3 @@ class ElasticDiLoCo(DiLoCo):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.round = state.get("round", 0)
-
-
-def _env_secret() -> bool:
-    import os
-
-    return bool(os.environ.get("ZEROBAND_SECRET"))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TypeVar
 
@@ -20,7 +20,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from zeroband.comm.mac import NO_AUTH, WireAuth
 from zeroband.membership.auth import SECRET_ENV, PeerRefused, Verdict
+from zeroband.membership.signed import SealedStore
 from zeroband.membership.store import open_store
 from zeroband.watchdog import Watch, read_by_all, wait_keys
 from zeroband.world import World
@@ -36,15 +38,26 @@ class GlobalGroup:
     Every wait goes through `self.watch` (zeroband/watchdog.py), which records whom it waits for;
     `watched(fn, what)` runs blocking cross-site work on a helper thread so that the caller logs
     while it waits and gives up at the deadline with a message naming the phase and the site.
+
+    `auth` seals the messages of `post_scalars` and comm/direct.py (comm/mac.py); `prefix` (the
+    group's store prefix: run, generation, shard) and the call counter `next_call()` bind each
+    message to this group and this call, so a message from an earlier round does not verify.
     """
 
     def __init__(self, pg: dist.ProcessGroup, rank: int, size: int, store: dist.Store | None = None,
-                 watch: Watch | None = None) -> None:
+                 watch: Watch | None = None, prefix: str = "", auth: WireAuth = NO_AUTH) -> None:
         self.pg = pg
         self.store = store  # keeps the store client (and on site 0 its server) alive with the group
         self.rank = rank
         self.size = size
         self.watch = watch or Watch(float("inf"))
+        self.prefix, self.context, self.auth = prefix, prefix.encode(), auth
+        self.calls = 0
+
+    def next_call(self) -> int:
+        """Number of this sealed collective: every member calls the group in the same order."""
+        self.calls += 1
+        return self.calls
 
     def watched(self, fn: Callable[[], T], what: str) -> T:
         return self.watch.run(fn, what)
@@ -81,13 +94,18 @@ class GlobalGroup:
         """
         table = torch.zeros(self.size, len(values), dtype=torch.float64)
         table[self.rank] = torch.tensor(values, dtype=torch.float64)
-        peers = self.peers()
-        works = [(self.pg.recv([table[src]], src, STATS_TAG), src) for src in peers]  # rows are contiguous
-        works += [(self.pg.send([table[self.rank]], dst, STATS_TAG), dst) for dst in peers]
+        call, peers, row = self.next_call(), self.peers(), table[self.rank].view(torch.uint8)
+        inbox = {src: torch.empty(row.numel() + self.auth.tag_bytes, dtype=torch.uint8) for src in peers}
+        works = [(self.pg.recv([inbox[src]], src, STATS_TAG), src) for src in peers]
+        outbox = [self.auth.seal(row, self.context, (call, STATS_TAG, self.rank, dst)) for dst in peers]
+        works += [(self.pg.send([buf], dst, STATS_TAG), dst) for dst, buf in zip(peers, outbox)]
 
         def wait() -> torch.Tensor:
             for work, peer in works:
                 self.wait(work, peer, "statistics")
+            outbox.clear()  # gloo reads a send buffer until the send completes: kept alive until here
+            for src, buf in inbox.items():
+                table[src].view(torch.uint8).copy_(self.auth.open(buf, self.context, (call, STATS_TAG, src, self.rank)))
             return table
 
         return wait
@@ -95,12 +113,14 @@ class GlobalGroup:
 
 def new_global_group(
     store: dist.Store, prefix: str, site_rank: int, site_count: int, timeout: timedelta, backend: str = "gloo",
-    watch: Watch | None = None, mark: str = OPEN,
+    watch: Watch | None = None, mark: str = OPEN, auth: WireAuth = NO_AUTH,
 ) -> GlobalGroup:
     """The group of rank i of every site, after a named, logged, bounded rendezvous (`rendezvous`)."""
     watch = watch or Watch(timeout.total_seconds())
     rendezvous(store, prefix, site_rank, site_count, timeout.total_seconds(), mark)
-    scoped = dist.PrefixStore(prefix, store)
+    # With a secret, gloo's rendezvous values are signed: no process without it can take a site's slot.
+    sealed = SealedStore(store, auth.subkey("rendezvous")) if auth.key else store
+    scoped = dist.PrefixStore(prefix, sealed)
 
     def build() -> dist.ProcessGroup:
         if backend == "nccl":
@@ -110,8 +130,9 @@ def new_global_group(
         return dist.ProcessGroupGloo(scoped, site_rank, site_count, timeout)
 
     watch.current = "every site (connecting the group)"
-    return GlobalGroup(watch.run(build, "rendezvous"), site_rank, site_count, store, watch)
-
+    group = GlobalGroup(watch.run(build, "rendezvous"), site_rank, site_count, store, watch, prefix, auth)
+    group.rendezvous = sealed  # a Python store must outlive the C++ group that may call it
+    return group
 
 
 def admission_mark(secret: str | None) -> str:
@@ -142,6 +163,8 @@ class Topology:
     site_mesh: DeviceMesh
     global_group: GlobalGroup | None  # None for a single-site run, or built per generation (elastic)
     store: dist.Store | None = None  # the coordination store (DiLoCo runs)
+    secret: bytes | None = None  # the run's shared secret (None: diloco.insecure)
+    fingerprint: dict[str, str] = field(default_factory=dict)  # settings every site must share (train.py)
 
     def site_all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> None:
         """Reduce over this site's ranks (a no-op with one rank)."""
@@ -167,7 +190,7 @@ def init_site_group(world: World, timeout: timedelta) -> None:
 
 def init_topology(
     world: World, store_address: str | None, run_name: str, timeout_s: float, backend: str, host_store: bool = True,
-    build_group: bool = True, mark: str = OPEN,
+    build_group: bool = True, mark: str = OPEN, secret: bytes | None = None,
 ) -> Topology:
     """The site mesh, and (for DiLoCo) the store plus, unless `build_group` is False, the fixed global group."""
     timeout = timedelta(seconds=timeout_s)
@@ -180,8 +203,10 @@ def init_topology(
         store = open_store(store_address, is_host, timeout)
         if build_group:
             prefix = f"zeroband/{run_name}/gen0/shard{world.rank}/"
-            group = new_global_group(store, prefix, world.site_rank, world.site_count, timeout, backend, mark=mark)
-    return Topology(world, mesh, group, store)
+            auth = WireAuth.from_secret(secret, run_name)
+            group = new_global_group(store, prefix, world.site_rank, world.site_count, timeout, backend, mark=mark,
+                                     auth=auth)
+    return Topology(world, mesh, group, store, secret)
 
 
 def shutdown() -> None:

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import signal
@@ -23,12 +24,12 @@ from torch.distributed.tensor import DTensor
 from zeroband import checkpoint as ckpt
 from zeroband.config import Config, ConfigError, dump_config, load_config
 from zeroband.cross_site_dp import CrossSiteDataParallel
-from zeroband.data.loader import PackedBatches
+from zeroband.data.loader import PackedBatches, resolve_files
 from zeroband.data.tokenizer import TextTokenizer
 from zeroband.diloco import DiLoCo, SingleSite
 from zeroband.elastic import ElasticDiLoCo
 from zeroband.faults import maybe_inject
-from zeroband.membership.auth import PeerRefused, flatten_fingerprint, optional_secret
+from zeroband.membership.auth import TrustError, flatten_fingerprint, optional_secret, run_secret
 from zeroband.membership.resume import ResumeMismatch, agree_resume
 from zeroband.membership.store import StoreUnreachable
 from zeroband.mesh import Topology, admission_mark, init_topology, shutdown
@@ -157,15 +158,49 @@ def build_outer(cfg: Config, model: torch.nn.Module, topology: Topology, progres
     if cfg.diloco.mode == "data_parallel":
         return CrossSiteDataParallel(model, cfg.diloco, topology)
     if cfg.diloco.elastic:
-        fingerprint = flatten_fingerprint({**checkpoint_meta(cfg), "tokenizer_vocab": vocab_size,
-                                           "diloco": cfg.diloco.model_dump(include=FINGERPRINT_DILOCO_KEYS)})
-        return ElasticDiLoCo(model, cfg.diloco, topology, cfg.name, progress, scheduler, fingerprint, tokens_per_step)
+        return ElasticDiLoCo(model, cfg.diloco, topology, cfg.name, progress, scheduler, topology.fingerprint,
+                             tokens_per_step)
     return DiLoCo(model, cfg.diloco, topology, tokens_per_step,
                   lr_factor=lambda step: lr_factor(step, cfg.train.steps, cfg.optim))
 
 
-# DiLoCo settings every site must share (the rest, like site_rank or the store, are per site).
-FINGERPRINT_DILOCO_KEYS = {"inner_steps", "outer_lr", "outer_momentum", "nesterov", "comm_dtype", "mode"}
+# DiLoCo settings that are each site's own (where it is, how patient it is); every other one must match,
+# so a setting added later is compared by default.
+PER_SITE_DILOCO_KEYS = {"store", "host_store", "secret", "secret_file", "insecure", "site_rank", "timeout_s", "heartbeat_s",
+                        "dead_after_s", "grace_s", "start_grace_s", "join_timeout_s", "max_retries", "log_checksum"}
+
+
+def run_fingerprint(cfg: Config, tokenizer: TextTokenizer, ranks_per_site: int) -> dict[str, str]:
+    """Every setting that must match across sites, as flat `key -> value` (a mismatch names the key).
+    Batch sizes may differ (a slower site trains on less); model, optimiser, schedule, outer
+    settings, wire format, rank count, tokenizer and data may not."""
+    return flatten_fingerprint({
+        "model": cfg.model.model_dump(exclude={"init_from", "preset"}), "optim": cfg.optim.model_dump(),
+        "ranks_per_site": ranks_per_site,
+        "train": cfg.train.model_dump(include={"steps", "seed", "mixed_precision"}),
+        "tokenizer": {"vocab": tokenizer.vocab_size, "sha256": tree_sha256(cfg.data.tokenizer)},
+        "data": cfg.data.model_dump(include={"hub_name", "text_field", "seq_len", "shuffle_seed", "val_fraction"})
+        | {"files": data_identity(cfg.data.path) if not cfg.data.hub_name else []},
+        "diloco": cfg.diloco.model_dump(exclude=PER_SITE_DILOCO_KEYS) if cfg.diloco else {},
+    })
+
+
+def tree_sha256(path: str) -> str:
+    """sha256 over a file, or over a directory's files (names and contents): the tokenizer's identity."""
+    root = Path(path)
+    files = sorted(p for p in root.rglob("*") if p.is_file()) if root.is_dir() else [root] if root.is_file() else []
+    digest = hashlib.sha256()
+    for f in files:
+        digest.update(str(f.relative_to(root) if root.is_dir() else f.name).encode() + b"\0" + f.read_bytes())
+    return digest.hexdigest()
+
+
+def data_identity(path: str | list[str]) -> list[str]:
+    """`name:size` of every training file: the same corpus under another mount point still matches."""
+    try:
+        return [f"{Path(f).name}:{Path(f).stat().st_size}" for f in resolve_files(path)]
+    except FileNotFoundError:
+        return [str(path)]
 
 
 @torch.no_grad()
@@ -192,9 +227,11 @@ def device_sync(device: torch.device) -> None:
 def train(cfg: Config) -> dict[str, Any]:
     world = world_from_env(cfg)
     d = cfg.diloco
+    secret = run_secret(d.secret, d.insecure, world.site_count) if d else None  # before any port opens
     topology = init_topology(world, d.store if d else None, cfg.name, d.timeout_s if d else 600.0,
                              d.backend if d else "gloo", host_store=d.host_store if d else False,
-                             build_group=not (d and d.elastic), mark=admission_mark(d.secret if d else None))
+                             build_group=not (d and d.elastic), mark=admission_mark(d.secret if d else None),
+                             secret=secret)
     try:
         return _train(cfg, world, topology)
     finally:
@@ -236,6 +273,7 @@ def setup(cfg: Config, world: World, topology: Topology) -> Run:
     torch.manual_seed(cfg.train.seed)
     tokenizer = TextTokenizer.load(cfg.data.tokenizer)
     check_vocab(cfg, tokenizer)
+    topology.fingerprint = run_fingerprint(cfg, tokenizer, world.world_size)
     train_data = PackedBatches(cfg.data, tokenizer, world.dp_rank, world.dp_size, "train")
     # Validation is sharded over the site's ranks only, so every site scores the same documents.
     val_data = PackedBatches(cfg.data, tokenizer, world.rank, world.world_size, "val")
@@ -540,7 +578,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(path, argv)
         check_devices(cfg)
         train(cfg)
-    except (ConfigError, ckpt.CheckpointError, FileNotFoundError, PeerRefused, ResumeMismatch, NonFiniteError) as e:
+    except (ConfigError, ckpt.CheckpointError, FileNotFoundError, TrustError, ResumeMismatch, NonFiniteError) as e:
         print(f"zeroband: error: {e}", file=sys.stderr)
         return 2
     except (PeerTimeout, PeerLost, Interrupted, StoreUnreachable) as e:  # a peer or the store failed: not our config

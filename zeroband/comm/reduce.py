@@ -2,7 +2,11 @@
 
 `reduce_across_sites` exchanges per-site statistics first (a few bytes: sum of squares, NaN/inf
 count, largest magnitude over the whole site), decides on every site alike which sites
-contribute, then all-reduces the payload in the configured format:
+contribute, then all-reduces the payload in the configured format. What a site says about itself
+is only a first filter: before any sum is shared, each chunk owner measures what every source
+actually sent, the owners share that table, and every site rejects alike a source that sent
+NaN/inf, more than it declared, or an outlier (`verified_sites`). So a site lying in its
+statistics cannot get huge or NaN values into the average.
 
 | wire  | payload / param | how |
 |-------|-----------------|-----|
@@ -22,6 +26,7 @@ while the main thread's FSDP collectives go on (the overlapped outer step).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -29,10 +34,24 @@ import torch
 from zeroband.comm.dense import DenseCodec
 from zeroband.comm.direct import DirectExchange, WireCodec, flatten
 from zeroband.comm.quantized import DEFAULT_BLOCK, Codec
+from zeroband.membership.auth import TrustError
 from zeroband.mesh import GlobalGroup
 
 QUANTIZED_BITS = {"int8": 8, "int4": 4}
-STAT_COLUMNS = ("sumsq", "nonfinite", "max_abs", "abstain", "tokens")
+STAT_COLUMNS = ("sumsq", "nonfinite", "max_abs", "abstain", "tokens", "crc")
+# A source may send at most this multiple of the norm it declared (quantisation moves a norm by a
+# few percent at most; NF4's coarsest rounding by well under 2x).
+CLAIM_SLACK = 4.0
+FP32_MAX = torch.finfo(torch.float32).max
+
+
+class ReplicaMismatch(TrustError):
+    """Sites entered an outer step with different outer states: they diverged."""
+
+
+class PeerMisbehaved(TrustError):
+    """A site's messages contradict each other: it lied about what it received, or shared a sum
+    that its inputs cannot add up to. Raised alike on every site that can see it."""
 
 
 @dataclass
@@ -44,9 +63,10 @@ class SiteStats:
     max_abs: float
     abstain: bool = False  # takes part in the collective but contributes nothing (e.g. a joiner)
     tokens: float = 0.0  # tokens this site trained on since the last outer step
+    crc: float = -1.0  # crc32 of the outer state entering the step (-1: not computed)
 
     def as_list(self) -> list[float]:
-        return [self.sumsq, self.nonfinite, self.max_abs, float(self.abstain), self.tokens]
+        return [self.sumsq, self.nonfinite, self.max_abs, float(self.abstain), self.tokens, self.crc]
 
 
 @dataclass
@@ -87,6 +107,105 @@ def site_weight(table: torch.Tensor, use: list[bool], me: int, by_tokens: bool) 
     return 1.0 / sum(use)
 
 
+def verified_sites(claims: torch.Tensor, use: list[bool], weights: list[float], sent: torch.Tensor,
+                   outlier_factor: float = 0.0) -> list[bool]:
+    """`use`, less the sources whose bytes betray them; `sent[s]` = (sum of squares, non-finite
+    count) of what source s sent on this group (its weighted shard), summed over the chunk owners.
+
+    Rejected: any NaN/inf; a norm that could overflow the fp32 sum; a norm above CLAIM_SLACK x the
+    site-wide norm it declared (its shard's can only be smaller); with `outlier_factor` and 3+
+    candidates, a norm above `outlier_factor` x the median of the others. Pure: every site feeds
+    the same tables, so every site rejects the same sources.
+    """
+    keep, norms = list(use), {}
+    for s, ok in enumerate(use):
+        if not ok:
+            continue
+        sumsq, nonfinite = float(sent[s, 0]), float(sent[s, 1])
+        weighted = math.sqrt(sumsq) if math.isfinite(sumsq) else math.inf
+        norms[s] = weighted / weights[s] if weights[s] > 0 else (math.inf if weighted else 0.0)
+        declared = math.sqrt(max(float(claims[s, 0]), 0.0))
+        if nonfinite or weighted > FP32_MAX / len(use) or norms[s] > CLAIM_SLACK * declared * (1 + 1e-6) + 1e-30:
+            keep[s] = False
+    candidates = [s for s, ok in enumerate(keep) if ok]
+    if outlier_factor > 0 and len(candidates) >= 3:
+        for s in candidates:
+            others = sorted(norms[o] for o in candidates if o != s)
+            if norms[s] > outlier_factor * float(torch.tensor(others).median()):
+                keep[s] = False
+    return keep
+
+
+def check_replicas(table: torch.Tensor) -> None:
+    """Every site that takes part must enter the step with the same outer state (crc column)."""
+    crcs = {s: int(table[s, 5]) for s in range(table.shape[0]) if table[s, 5] >= 0 and table[s, 3] == 0}
+    if len(set(crcs.values())) > 1:
+        raise ReplicaMismatch(f"sites diverged: checksums of the outer state entering this step are {crcs}")
+
+
+def disputes(seen: torch.Tensor, sent: torch.Tensor) -> list[tuple[int, int]]:
+    """(owner, source) pairs where what the owner says it received (`seen[owner, source]`) is not
+    what the source says it sent (`sent[source, owner]`): both are statistics of the same decoded
+    bytes, so they differ only if one of the two lies."""
+    size = seen.shape[0]
+    out = []
+    for c in range(size):
+        for s in range(size):
+            a, b = seen[c, s], sent[s, c]
+            if c != s and (a[1] != b[1] or not _close(float(a[0]), float(b[0]))):
+                out.append((c, s))
+    return out
+
+
+def _close(a: float, b: float) -> bool:
+    # the same bytes on both sides; only another CPU's summation order could move the last bits
+    return (math.isnan(a) and math.isnan(b)) or a == b or abs(a - b) <= 1e-4 * max(abs(a), abs(b))
+
+
+def gather_bounds(seen: torch.Tensor, keep: list[bool], scale: float | None) -> list[float]:
+    """Largest norm each owner's shared sum can have: the norms of the kept inputs it saw, added up
+    (triangle inequality), rescaled, with room for one rounding of the wire format."""
+    return [CLAIM_SLACK * (scale or 1.0) * sum(math.sqrt(max(float(seen[c, s, 0]), 0.0))
+                                               for s, ok in enumerate(keep) if ok) + 1e-30
+            for c in range(seen.shape[0])]
+
+
+@dataclass
+class SentReview:
+    """comm/direct.py's Review: judge every source on what it sent, identically on every site."""
+
+    group: GlobalGroup
+    claims: torch.Tensor
+    use: list[bool]
+    weights: list[float]
+    outlier_factor: float
+    keep: list[bool] = field(default_factory=list)
+    bounds: list[float] = field(default_factory=list)
+
+    def decide(self, seen: torch.Tensor, sent: torch.Tensor) -> tuple[list[bool], float | None]:
+        size = self.group.size
+        table = self.group.gather_scalars(torch.cat([seen.reshape(-1), sent.reshape(-1)]).tolist())
+        owners, senders = table[:, : 2 * size].view(size, size, 2), table[:, 2 * size :].view(size, size, 2)
+        if bad := disputes(owners, senders):
+            raise PeerMisbehaved("; ".join(f"site {c} says site {s} sent it other values than site {s} says it sent"
+                                           for c, s in bad) + ": one of each pair lies, the step cannot be trusted")
+        # each owner saw its own chunk: sum the owners' tables, in the same order on every site
+        self.keep = verified_sites(self.claims, self.use, self.weights, owners.sum(dim=0), self.outlier_factor)
+        scale = None
+        if self.keep != self.use:
+            kept = sum(w for w, ok in zip(self.weights, self.keep) if ok)
+            scale = 1.0 / kept if kept > 0 else 0.0  # the survivors' weights sum to 1 again
+        self.bounds = gather_bounds(owners, self.keep, scale)
+        return self.keep, scale
+
+    def check_gathered(self, got: torch.Tensor) -> None:
+        for c in range(self.group.size):
+            sumsq, nonfinite = float(got[c, 0]), float(got[c, 1])
+            if nonfinite or not math.sqrt(sumsq) <= self.bounds[c]:
+                raise PeerMisbehaved(f"site {c} shared a sum of norm {math.sqrt(sumsq):.3g} (non-finite values: "
+                                     f"{nonfinite:.0f}) that its inputs bound by {self.bounds[c]:.3g}")
+
+
 def wire_codec(wire: str) -> WireCodec:
     if wire in QUANTIZED_BITS:
         bits = QUANTIZED_BITS[wire]
@@ -111,15 +230,17 @@ def reduce_across_sites(
     table_ready = group.post_scalars(stats.as_list())
     flat = flatten(grads)  # meanwhile: CPU work that does not depend on the table
     table = table_ready()
+    check_replicas(table)
     use = contributing_sites(table, outlier_factor)
-    n = sum(use)
-    weight = site_weight(table, use, group.rank, weight_by_tokens)
-    wire_bytes = exchange.run(grads, weight, error_feedback, flat)
+    weights = [site_weight(table, use, s, weight_by_tokens) for s in range(group.size)]
+    review = SentReview(group, table, use, weights, outlier_factor)
+    wire_bytes = exchange.run(grads, weights[group.rank], error_feedback, flat, review if group.size > 1 else None)
+    keep = review.keep or use
     payload = codec.nbytes(numel) - codec.header  # a per-message header is wire bytes, not payload
     return ReduceResult(
         payload_bytes=payload,
         wire_bytes=wire_bytes,
-        sites_used=n,
-        excluded_sites=[s for s, ok in enumerate(use) if not ok and table[s, 3] == 0],
+        sites_used=sum(keep),
+        excluded_sites=[s for s, ok in enumerate(keep) if not ok and table[s, 3] == 0],
         site_norms=[float(v) for v in table[:, 0].sqrt()],
     )

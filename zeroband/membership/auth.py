@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import logging
 import os
 import secrets
 from collections.abc import Iterable, Mapping
@@ -37,13 +38,20 @@ from typing import Any
 
 import torch.distributed as dist
 
+log = logging.getLogger(__name__)
+
 SECRET_ENV = "ZEROBAND_SECRET"
 MIN_SECRET_BYTES = 16
 LABEL = b"zeroband-admit-v1"
 NONCE_BYTES = 32
 
 
-class PeerRefused(RuntimeError):
+class TrustError(RuntimeError):
+    """A peer failed a check of what it sent or who it is (refused admission, forged or replayed
+    message, lying statistics, diverged replica): the run cannot go on as is. One clear line."""
+
+
+class PeerRefused(TrustError):
     """Admission failed. Raised on every site, with the same `admitted`/`refused` on all honest ones."""
 
     def __init__(self, site: int, verdict: Verdict) -> None:
@@ -81,6 +89,33 @@ def load_secret(config_value: str | None = None) -> bytes:
 def optional_secret(config_value: str | None = None) -> bytes | None:
     """The shared secret if one is configured (config or environment), else None."""
     return load_secret(config_value) if config_value or os.environ.get(SECRET_ENV) else None
+
+
+def run_secret(config_value: str | None, insecure: bool, site_count: int) -> bytes | None:
+    """The secret a multi-site run authenticates with; None only for one site or `diloco.insecure`."""
+    from zeroband.config import ConfigError
+
+    if config_value or os.environ.get(SECRET_ENV):
+        try:
+            return load_secret(config_value)
+        except ValueError as e:
+            raise ConfigError(f"diloco.secret: {e}") from None
+    if site_count <= 1:
+        return None
+    if not insecure:
+        raise ConfigError(
+            f"diloco.secret: a {site_count}-site run needs a shared secret, or anyone who reaches the ports can "
+            f"join and corrupt it. Fix: export {SECRET_ENV}=<random string, same on every site>, or set "
+            "diloco.insecure = true to run unauthenticated (trusted networks only)"
+        )
+    if not _warned:
+        _warned.append(True)
+        log.warning("diloco.insecure = true: cross-site messages are NOT authenticated; anyone who can reach the "
+                    "store or the sites' ports can join the run or forge its messages")
+    return None
+
+
+_warned: list[bool] = []
 
 
 def flatten_fingerprint(tree: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
@@ -171,16 +206,23 @@ def fingerprint_diff(theirs: Mapping[str, str], reference: Mapping[str, str], la
 
 # ---- protocol over the store ----------------------------------------------------------------------
 
-def admit(store: dist.Store, prefix: str, site_rank: int, site_count: int, secret: bytes,
+def admit(store: dist.Store, prefix: str, site_rank: int, site_count: int, secret: bytes | None,
           fingerprint: Mapping[str, str], timeout: timedelta) -> list[int]:
     """Run the handshake for one generation on every site; returns the admitted sites (all of
-    them), or raises PeerRefused everywhere if any site is refused. `prefix` must be fresh."""
+    them), or raises PeerRefused everywhere if any site is refused. `prefix` must be fresh.
+    Without a secret (diloco.insecure) only the fingerprints are compared."""
     scoped = dist.PrefixStore(f"{prefix.rstrip('/')}/admit", store)  # PrefixStore adds the "/"
-    key = derive_key(secret, prefix)
     fp = {str(k): str(v) for k, v in fingerprint.items()}
-    _publish_once(scoped, f"nonce/{site_rank}", secrets.token_bytes(NONCE_BYTES).hex())
     scoped.set(f"fingerprint/{site_rank}", _canonical(fp))
     sites = range(site_count)
+    if secret is None:
+        fps = {s: json.loads(v) for s, v in _read_all(scoped, "fingerprint", sites, timeout).items()}
+        verdict = decide(site_count, site_rank, sites, fps)
+        if verdict.refused:
+            raise PeerRefused(site_rank, verdict)
+        return verdict.admitted
+    key = derive_key(secret, prefix)
+    _publish_once(scoped, f"nonce/{site_rank}", secrets.token_bytes(NONCE_BYTES).hex())
     nonces = {s: bytes.fromhex(v.decode()) for s, v in _read_all(scoped, "nonce", sites, timeout).items()}
     fps = {s: json.loads(v) for s, v in _read_all(scoped, "fingerprint", sites, timeout).items()}
     mine = {j: proof(key, prefix, site_rank, j, nonces, fp) for j in sites if j != site_rank}

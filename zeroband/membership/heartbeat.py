@@ -1,5 +1,9 @@
 """Liveness without a leader: every site bumps its own counter in the store; everyone watches.
 
+Beats and leave notices are signed with the shared secret (zeroband/membership/signed.py): a
+forged beat or leave notice reads as absent, so nobody can keep a dead site alive or make a live
+one look gone. A beat is `<process nonce>:<count>`, so a restarted site never repeats a value.
+
 A site's rank 0 runs `Heartbeat` on its own thread and its own store connection, so a long inner
 step never delays it, while a hung (SIGSTOP) or partitioned site stops bumping. Observers use
 `Liveness`, which remembers, on its own clock, when each counter last changed: no clock is shared
@@ -10,11 +14,14 @@ and is dead at once, without waiting for `dead_after_s`.
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable
 
 import torch.distributed as dist
+
+from zeroband.membership.signed import SignedStore
 
 log = logging.getLogger(__name__)
 
@@ -28,8 +35,10 @@ def leave_key(prefix: str, site: int) -> str:
 
 
 class Heartbeat:
-    def __init__(self, open_client: Callable[[], dist.Store], prefix: str, site: int, interval_s: float) -> None:
+    def __init__(self, open_client: Callable[[], dist.Store], prefix: str, site: int, interval_s: float,
+                 sign_key: bytes | None = None) -> None:
         self.open_client, self.key, self.interval_s = open_client, heartbeat_key(prefix, site), interval_s
+        self.sign_key = sign_key
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._run, name="zeroband-heartbeat", daemon=True)
 
@@ -38,10 +47,11 @@ class Heartbeat:
         return self
 
     def _run(self) -> None:
-        store = self.open_client()
+        store, nonce, count = SignedStore(self.open_client(), self.sign_key), secrets.token_hex(8), 0
         while not self.stopped.is_set():
+            count += 1
             try:
-                store.add(self.key, 1)
+                store.set(self.key, f"{nonce}:{count}")
             except Exception as e:  # a store hiccup must not kill the thread: the next beat retries
                 log.warning("heartbeat %s failed: %s", self.key, e)
             self.stopped.wait(self.interval_s)
@@ -55,10 +65,11 @@ class Heartbeat:
 class Liveness:
     """Which sites are alive, as seen from here."""
 
-    def __init__(self, store: dist.Store, prefix: str, sites: Iterable[int], dead_after_s: float) -> None:
-        self.store, self.prefix, self.dead_after_s = store, prefix, dead_after_s
+    def __init__(self, store: dist.Store, prefix: str, sites: Iterable[int], dead_after_s: float,
+                 sign_key: bytes | None = None) -> None:
+        self.store, self.prefix, self.dead_after_s = SignedStore(store, sign_key), prefix, dead_after_s
         self.sites = list(sites)
-        self.seen: dict[int, tuple[int, float]] = {}  # site -> (counter, local time it last changed)
+        self.seen: dict[int, tuple[bytes, float]] = {}  # site -> (last beat, local time it last changed)
         self.left: set[int] = set()
 
     def poll(self) -> None:
@@ -69,9 +80,9 @@ class Liveness:
                 self.left.add(site)
                 continue
             self.left.discard(site)
-            count = self.store.add(heartbeat_key(self.prefix, site), 0)
-            if count and (site not in self.seen or self.seen[site][0] != count):
-                self.seen[site] = (count, now)
+            beat = self.store.read(heartbeat_key(self.prefix, site))
+            if beat and (site not in self.seen or self.seen[site][0] != beat):
+                self.seen[site] = (beat, now)
 
     def alive(self) -> set[int]:
         now = time.monotonic()

@@ -14,7 +14,9 @@ Every outer round r (round 0 is the start) may take several attempts a. For each
    applied by every member; an aborted one by none, and the round is retried as attempt a+1 in
    a new generation. So no two survivors ever apply different results.
 
-The store is linearizable (one TCPStore server, or etcd), which is all the agreement needs.
+The store is linearizable (one TCPStore server, or etcd), which is all the agreement needs. Every
+value is signed with the shared secret (zeroband/membership/signed.py): a forged arrival, member
+list, vote or verdict reads as absent, and an honest site takes a forged write-once slot back.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 import torch.distributed as dist
 
 from zeroband.membership.heartbeat import Liveness
+from zeroband.membership.signed import SignedStore
 from zeroband.watchdog import Ticker
 
 POLL_S = 0.05
@@ -99,15 +102,17 @@ def decide_verdict(members: list[int], votes: dict[int, str], gone: set[int]) ->
 class RoundCoordinator:
     """The store protocol of one site (all its ranks use it; only rank 0 writes)."""
 
-    def __init__(self, store: dist.Store, prefix: str, site: int, is_leader: bool, liveness: Liveness) -> None:
-        self.store, self.prefix, self.site, self.is_leader, self.liveness = store, prefix, site, is_leader, liveness
+    def __init__(self, store: dist.Store, prefix: str, site: int, is_leader: bool, liveness: Liveness,
+                 sign_key: bytes | None = None) -> None:
+        self.store = SignedStore(store, sign_key)
+        self.prefix, self.site, self.is_leader, self.liveness = prefix, site, is_leader, liveness
 
     def _key(self, r: int, a: int, *rest: object) -> str:
         return self.prefix + f"r{r}/a{a}/" + "/".join(str(x) for x in rest)
 
     def committed_round(self) -> int:
         """The newest committed round (-1 before the first)."""
-        return self.store.add(self.prefix + "committed", 0) - 1
+        return int(self.store.read(self.prefix + "committed") or 0) - 1
 
     def rendezvous(self, r: int, a: int, expected: set[int], min_sites: int, grace_s: float, fresh: bool,
                    timeout_s: float, new_generation: Callable[[list[int]], int]) -> Decision:
@@ -181,6 +186,5 @@ class RoundCoordinator:
 
     def mark_committed(self, r: int) -> None:
         """Advance the committed-round counter to r (once per round: the donor writes it)."""
-        current = self.committed_round()
-        if r > current:
-            self.store.add(self.prefix + "committed", r - current)
+        if r > self.committed_round():  # the value is r + 1, as a counter started at 0 would read
+            self.store.set(self.prefix + "committed", str(r + 1))

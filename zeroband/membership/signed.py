@@ -1,0 +1,147 @@
+"""The membership protocol's view of the store: every value carries an HMAC-SHA256 bound to its key.
+
+Heartbeats, arrivals, member lists, votes, verdicts, leave notices and the committed-round counter
+(zeroband/membership/heartbeat.py, rounds.py, zeroband/elastic.py) are written as
+    hex(HMAC-SHA256(K, label | key | value)) "." value
+with K derived from the shared secret (comm/mac.py). A value that does not verify, written by
+someone without the secret or copied from another key, reads as absent and is logged once per key
+(event `store_value_refused`); a write-once slot that holds one is taken back by the first honest
+writer (`compare_set`). Only the generation counter stays a bare `add`: it merely hands out fresh
+numbers, and the number a generation uses travels inside the signed member list.
+
+Without a secret (`key=None`, diloco.insecure) values are stored as they are.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from zeroband.membership.auth import TrustError, _frame
+
+log = logging.getLogger(__name__)
+
+LABEL = b"zeroband-store-v1"
+MAC_HEX = 64
+
+
+class ForgedValue(TrustError):
+    """A store value that should be there failed authentication."""
+
+
+class SignedStore:
+    """Wraps a c10d store (TCPStore, EtcdStore, PrefixStore) for the protocol's own keys."""
+
+    def __init__(self, store: dist.Store, key: bytes | None = None) -> None:
+        self.store, self.key = store, key
+        self.refused: dict[str, str] = {}  # key -> "unsigned", "signed" (we have no secret) or "bad-mac"
+
+    def _mac(self, key: str, value: bytes) -> bytes:
+        return hmac.new(self.key, _frame(LABEL, key.encode(), value), hashlib.sha256).hexdigest().encode()
+
+    def seal(self, key: str, value: str | bytes) -> bytes:
+        raw = value.encode() if isinstance(value, str) else value
+        return raw if self.key is None else self._mac(key, raw) + b"." + raw
+
+    def open(self, key: str, raw: bytes) -> bytes | None:
+        """The value, or None (logged once per key) if it does not verify. Without a secret, a signed
+        value is refused too: its writer holds a secret this site lacks."""
+        mac, dot, value = raw[:MAC_HEX], raw[MAC_HEX : MAC_HEX + 1], raw[MAC_HEX + 1 :]
+        sealed = dot == b"." and all(c in b"0123456789abcdef" for c in mac) and len(mac) == MAC_HEX
+        if self.key is None:
+            if not sealed:
+                return raw
+            reason = "signed"
+        elif sealed and hmac.compare_digest(mac, self._mac(key, value)):
+            return value
+        else:
+            reason = "bad-mac" if sealed else "unsigned"
+        if key not in self.refused:
+            self.refused[key] = reason
+            log.warning("store value refused: key=%s (no valid HMAC: forged, copied from another key, or written "
+                        "by a site without the secret)", key, extra={"event": "store_value_refused", "key": key})
+        return None
+
+    # ---- the operations the protocol uses -------------------------------------------------------
+    def set(self, key: str, value: str | bytes) -> None:
+        self.store.set(key, self.seal(key, value))
+
+    def read(self, key: str) -> bytes | None:
+        """The verified value, or None if the key is absent or its value is refused."""
+        return self.open(key, self.store.get(key)) if self.store.check([key]) else None
+
+    def check(self, keys: list[str]) -> bool:
+        return all(self.read(k) is not None for k in keys)
+
+    def get(self, key: str) -> bytes:
+        value = self.open(key, self.store.get(key))
+        if value is None:
+            raise ForgedValue(f"store key {key!r} holds a value without a valid HMAC")
+        return value
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        """Write-once (`expected` ""): the first *authentic* value wins; a refused one is replaced."""
+        sealed = self.seal(key, desired)
+        raw = self.store.compare_set(key, expected, sealed)
+        for _ in range(16):  # a forger racing us forever is a denial of service, reported below
+            value = self.open(key, raw)
+            if value is not None:
+                return value
+            raw = self.store.compare_set(key, raw, sealed)
+        raise ForgedValue(f"store key {key!r}: forged values keep replacing the protocol's")
+
+    def add(self, key: str, amount: int) -> int:
+        return self.store.add(key, amount)
+
+    def delete_key(self, key: str) -> bool:
+        return self.store.delete_key(key)
+
+
+class SealedStore(dist.Store):
+    """A c10d store whose values are signed (SignedStore's format), for stores that C++ reads: the
+    gloo rendezvous of a global group. A peer without the secret cannot publish an address there;
+    a forged one fails `get` with ForgedValue before any connection is made."""
+
+    def __init__(self, inner: dist.Store, key: bytes) -> None:
+        super().__init__()  # required by the pybind trampoline
+        self.signed = SignedStore(inner, key)
+        self.set_timeout(inner.timeout)
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self.signed.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        value = self.signed.open(key, self.signed.store.get(key))
+        if value is None:
+            raise ForgedValue(f"global-group rendezvous key {key!r} was written without the shared secret: a site "
+                              "holds another secret (or an outsider took its slot); check ZEROBAND_SECRET on every site")
+        return value
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return [self.get(k) for k in keys]
+
+    def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
+        for k, v in zip(keys, values):
+            self.set(k, v)
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        return self.signed.compare_set(key, expected, desired)
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        self.signed.store.wait(keys, self.timeout if timeout is None else timeout)
+
+    def check(self, keys: list[str]) -> bool:
+        return self.signed.check(keys)
+
+    def add(self, key: str, amount: int) -> int:
+        return self.signed.add(key, amount)
+
+    def delete_key(self, key: str) -> bool:
+        return self.signed.delete_key(key)
+
+    def num_keys(self) -> int:
+        return self.signed.store.num_keys()
