@@ -93,7 +93,7 @@ def test_fixed_mode_frozen_peer_then_resume(corpus, tmp_path):
         "data.path": corpus["path"], "data.tokenizer": corpus["tokenizer"], "data.seq_len": 32,
         "data.val_fraction": 0.1, "train.steps": 40, "eval.interval": 0, "eval.batches": 1, "log.interval": 2,
         "checkpoint.interval": 4, "checkpoint.keep_last": 3, "diloco.inner_steps": 2,
-        "diloco.timeout_s": timeout_s,
+        "diloco.timeout_s": timeout_s, "diloco.insecure": "true",
     }
     run = chaos.FixedRun(str(ROOT / "configs" / "debug.toml"), [x for k, v in values.items() for x in (f"--{k}", str(v))],
                          tmp_path, "f")

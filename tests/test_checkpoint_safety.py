@@ -94,7 +94,9 @@ def test_same_step_of_another_run_is_moved_aside_not_replaced(corpus, tmp_path):
     start = _tree(corpus, tmp_path / "start", train={"steps": 1}, checkpoint={"interval": 1})
     run_ranks(_train, 1, (start,))
     elsewhere = tmp_path / "start" / "t" / "checkpoints" / "step_000000001"
-    run_ranks(_train, 1, (_tree(corpus, tmp_path, train={"steps": 2}, checkpoint={"resume": str(elsewhere)}),))
+    # Unsigned and outside this run's directory: loading it must be a deliberate act (issue 12).
+    resumed = _tree(corpus, tmp_path, train={"steps": 2}, checkpoint={"resume": str(elsewhere), "allow_unsigned": True})
+    run_ranks(_train, 1, (resumed,))
     [aside] = root.glob("old-*")
     assert _snapshot(aside) == before and read_run_id(root / "step_000000002") == read_run_id(elsewhere)
 

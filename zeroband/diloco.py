@@ -25,8 +25,8 @@ boundary k, with outer copy g_k and the local shard's snapshot s_{k-1} from the 
      background thread; s_k = local; go on training.
 A blocking boundary first completes the pending round the same way, then runs a blocking step.
 
-That is the "delayed" rule (`diloco.overlap_rule`). It loses quality: every outer step acts on
-progress one round old. The "eager" rule (default; Kale et al. 2025, arXiv 2502.12996, Sec. 3) does
+That is the "delayed" rule (`diloco.overlap_rule`, the default). The "eager" rule (after Kale et al.
+2025, arXiv 2502.12996, Sec. 3; measured worse here, docs/results/convergence.md) does
 steps 1-4, then moves the local model at once to where the outer step would take it if the average
 of round k were known, using as its estimate this site's fresh pseudo-gradient plus the others'
 from round k-1:
