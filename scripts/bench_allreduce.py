@@ -98,6 +98,9 @@ def worker(args: argparse.Namespace) -> None:
             t0 = time.perf_counter()
             res = reduce_across_sites(grads, stats, group, wire, int(args.bucket_mb * 2**20))
             seconds = time.perf_counter() - t0
+            # A send completes once the kernel has the bytes, which may still sit in the rate limiter's
+            # queue: after this round trip the peer has everything, so all our bytes have left wan0.
+            group.gather_scalars([0.0])
             tx1, rx1 = wan_bytes()
             results.append({"wire": wire, "repeat": rep, "seconds": seconds, "tx": tx1 - tx0, "rx": rx1 - rx0,
                             "payload": res.payload_bytes})
