@@ -344,10 +344,9 @@ class DiLoCo:
     def _move_to_estimate(self, fresh: list[torch.Tensor], previous: _InFlight | None) -> None:
         """Eager rule, steps 5-6: local <- the outer step on (own fresh + others' previous) pseudo-gradient."""
         group = self.optimizer.param_groups[0]
-        weight = 1.0
+        weight, own_prev = 1.0, 0.0  # nothing known of the others yet: this site's own d_k stands for all
         if previous is not None and previous.result is not None and previous.result.sites_used > 0:
-            used = previous.result.sites_used
-            weight = 1.0 / used
+            weight = 1.0 / previous.result.sites_used
             own_prev = 0.0 if self.group.rank in previous.result.excluded_sites else weight
         for i, (t, o) in enumerate(zip(self.local, self.outer)):
             est = fresh[i] * weight

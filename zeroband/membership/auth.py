@@ -87,21 +87,25 @@ def load_secret(config_value: str | None = None) -> bytes:
 
 
 def optional_secret(config_value: str | None = None) -> bytes | None:
-    """The shared secret if one is configured (config or environment), else None."""
-    return load_secret(config_value) if config_value or os.environ.get(SECRET_ENV) else None
+    """The shared secret if one is configured (config or environment), else None. One that is set but
+    unusable (too short) is a one-line ConfigError that never echoes it."""
+    from zeroband.config import ConfigError
+
+    if not (config_value or os.environ.get(SECRET_ENV)):
+        return None
+    try:
+        return load_secret(config_value)
+    except ValueError as e:
+        raise ConfigError(f"diloco.secret: {e}") from None
 
 
 def run_secret(config_value: str | None, insecure: bool, site_count: int) -> bytes | None:
     """The secret a multi-site run authenticates with; None only for one site or `diloco.insecure`."""
     from zeroband.config import ConfigError
 
-    if config_value or os.environ.get(SECRET_ENV):
-        try:
-            return load_secret(config_value)
-        except ValueError as e:
-            raise ConfigError(f"diloco.secret: {e}") from None
-    if site_count <= 1:
-        return None
+    secret = optional_secret(config_value)
+    if secret is not None or site_count <= 1:
+        return secret
     if not insecure:
         raise ConfigError(
             f"diloco.secret: a {site_count}-site run needs a shared secret, or anyone who reaches the ports can "
