@@ -246,9 +246,10 @@ def _outer_by_hand_scheduled(store: str, deltas: list[list[float]], mu: float, l
                           outer_momentum_warmup=2)
 
 
-def test_eager_overlap_follows_the_rule_by_hand():
-    """Eager: the consensus takes the average one round late; each site's model moves at once to the
-    outer step on (own fresh + others' previous) pseudo-gradient; the last boundary is blocking."""
+@pytest.mark.parametrize("rule, weight, first", [("eager", 1.0, 0.734), ("eager_share", 0.5, 0.867)])
+def test_eager_overlap_follows_the_rule_by_hand(rule, weight, first):
+    """Eager: the consensus takes the average one round late; each site's model moves at once by the
+    outer step previewed on weight x its fresh pseudo-gradient; the last boundary is blocking."""
     deltas = [[0.2, -0.1, 0.4, 0.1], [0.4, 0.3, 0.0, -0.2]]
     lr, mu = 0.7, 0.9
     g, buf, local, snap, pending = 1.0, None, [1.0, 1.0], [1.0, 1.0], None
@@ -256,22 +257,21 @@ def test_eager_overlap_follows_the_rule_by_hand():
     for t in range(4):
         local = [local[s] - deltas[s][t] for s in (0, 1)]
         if pending is not None:  # the previous average arrives: consensus step, rebase local progress
-            g, buf = sgd_step(g, buf, pending[0], lr, mu)
+            g, buf = sgd_step(g, buf, pending, lr, mu)
             local = [g + (local[s] - snap[s]) for s in (0, 1)]
         fresh = [g - x for x in local]
         if t < 3:
-            est = [fresh[s] / 2 + pending[0] - pending[1][s] / 2 if pending else fresh[s] for s in (0, 1)]
-            local = [sgd_step(g, buf, est[s], lr, mu)[0] for s in (0, 1)]  # a preview: buf unchanged
-            snap, pending = list(local), (sum(fresh) / 2, fresh)
+            local = [sgd_step(g, buf, weight * fresh[s], lr, mu)[0] for s in (0, 1)]  # a preview: buf unchanged
+            snap, pending = list(local), sum(fresh) / 2
         else:
             g, buf = sgd_step(g, buf, sum(fresh) / 2, lr, mu)
             local = [g, g]
         for s in (0, 1):
             expected[s].append(local[s])
-    # By hand, boundary 1 (nothing known of site 1): site 0 steps on its own 0.2 -> 1 - 0.7 * 1.9 * 0.2.
-    assert expected[0][1] == pytest.approx(0.734)
+    # By hand, boundary 1: site 0 previews the step on weight x 0.2 -> 1 - 0.7 * 1.9 * 0.2 * weight.
+    assert expected[0][1] == pytest.approx(first)
     store = f"tcp://127.0.0.1:{free_port()}"
-    out = run_sites(_outer_by_hand, 2, 1, (store, deltas, mu, True, lr, True, "eager"), timeout=60)
+    out = run_sites(_outer_by_hand, 2, 1, (store, deltas, mu, True, lr, True, rule), timeout=60)
     for site in (0, 1):
         assert out[(site, 0)] == pytest.approx(expected[site], abs=1e-6)
     assert out[(0, 0)][-1] == out[(1, 0)][-1]

@@ -187,11 +187,11 @@ class DilocoConfig(Section):
     # Launch the all-reduce in the background and apply it one outer step late (see diloco.py).
     overlap: bool = False
     # How an overlapped boundary uses the average that has not arrived yet (see diloco.py):
-    # "delayed" applies the previous round's average one round late and keeps the local progress;
-    # "eager" (after Kale et al. 2025) steps on an estimate, this site's fresh pseudo-gradient with
-    # the others' previous one. Measured (convergence_tuning.md): delayed +1.2%, eager +5.5% val
-    # loss against blocking, so "delayed" is the default.
-    overlap_rule: Literal["eager", "delayed"] = "delayed"
+    # What a site trains on while the average is in flight (zeroband/diloco.py has the exact rules):
+    # "delayed" keeps its own progress on the consensus; "eager" previews the outer step with its own
+    # fresh pseudo-gradient in place of the average; "eager_share" with its 1/n share (Kale et al.
+    # 2025). Measured in docs/results/convergence_tuning.md; the default is the best there.
+    overlap_rule: Literal["delayed", "eager", "eager_share"] = "delayed"
     # "data_parallel" averages gradients across sites every step instead (the baseline).
     mode: Literal["diloco", "data_parallel"] = "diloco"
     # Coordination store for the global groups: tcp://host:port (hosted by site 0's rank 0 when

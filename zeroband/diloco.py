@@ -25,17 +25,20 @@ boundary k, with outer copy g_k and the local shard's snapshot s_{k-1} from the 
      background thread; s_k = local; go on training.
 A blocking boundary first completes the pending round the same way, then runs a blocking step.
 
-That is the "delayed" rule (`diloco.overlap_rule`, the default). The "eager" rule (after Kale et al.
-2025, arXiv 2502.12996, Sec. 3; measured worse here, docs/results/convergence.md) does
-steps 1-4, then moves the local model at once to where the outer step would take it if the average
-of round k were known, using as its estimate this site's fresh pseudo-gradient plus the others'
-from round k-1:
-  5. est_k = d_k^own / n + (d_{k-1} - d_{k-1}^own / n)     (n = sites in the average of round k-1)
-  6. local = OuterOpt_preview(g_k, est_k); s_k = local     -- the outer state itself is not changed
-The outer copy g stays the exact consensus (true averages, one round late), identical on every
-site, so the estimate's error never accumulates; only the working model between boundaries differs
-per site, and a blocking boundary makes every site identical again. At the first overlapped
-boundary there is no d_{k-1}: the estimate is this site's own d_k.
+That is the "delayed" rule (`diloco.overlap_rule`, the default): during round k+1 a site trains
+from g_k plus its own progress of round k, at full weight and outside the outer optimizer. The
+two eager rules do steps 1-4, then move the local model at once by an outer step previewed on an
+estimate of round k's average, which has not arrived yet:
+  5. local = OuterOpt_preview(g_k, w * d_k^own); s_k = local    -- the outer state is not changed
+     "eager":       w = 1: this site's own fresh pseudo-gradient stands in for the average;
+     "eager_share": w = 1/n (n = sites in the group): only this site's own share of the average,
+                    which is what Kale et al. 2025 (arXiv 2502.12996, Sec. 3) apply early.
+Kale et al. keep one outer state per site and feed it d_k^own / n + (others' d_{k-1}) / n; summed
+over rounds that applies every pseudo-gradient once, own ones a round early. Here the outer copy g
+stays the exact consensus (true averages, one round late), identical on every site, and only the
+working model carries the estimate: for momentum 0, "eager_share" is the same model as theirs.
+The estimate's error never accumulates: boundary k+1 replaces the preview with the real step, and
+a blocking boundary makes every site identical again. Measured: docs/results/convergence*.md.
 
 Outer hyperparameters per step: `outer_lr_schedule = "inner"` multiplies outer_lr by the inner
 schedule's factor at the boundary, and `outer_momentum_warmup` ramps the momentum from 0 over that
@@ -218,10 +221,8 @@ def agree_on_run(topology: Topology, timeout_s: float) -> None:
 class _InFlight:
     """A pseudo-gradient all-reduce running on a background thread (global group only)."""
 
-    def __init__(self, grads: list[torch.Tensor], stats: SiteStats, diloco: DiLoCo, snapshot: list[torch.Tensor],
-                 own: list[torch.Tensor] | None = None):
-        # grads become the average in place; own keeps this site's contribution (eager rule only)
-        self.grads, self.stats, self.snapshot, self.own = grads, stats, snapshot, own
+    def __init__(self, grads: list[torch.Tensor], stats: SiteStats, diloco: DiLoCo, snapshot: list[torch.Tensor]):
+        self.grads, self.stats, self.snapshot = grads, stats, snapshot  # grads become the average in place
         self.result: ReduceResult | None = None
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, args=(diloco,), name="zeroband-outer-allreduce", daemon=True)
@@ -331,28 +332,20 @@ class DiLoCo:
         waited = self._complete_in_flight() if previous else 0.0
         grads = self._pseudo_gradient()
         stats = site_stats(grads, self.topology, self.clock.take_tokens())
-        eager = self.cfg.overlap_rule == "eager"
-        own = [g.clone() for g in grads] if eager else None
-        if eager:
-            self._move_to_estimate(grads, previous)
+        if self.cfg.overlap_rule != "delayed":
+            self._move_to_estimate(grads, 1.0 if self.cfg.overlap_rule == "eager" else 1.0 / self.group.size)
         snapshot = [t.detach().to("cpu", torch.float32, copy=True) for t in self.local]
-        self.in_flight = _InFlight(grads, stats, self, snapshot, own)
+        self.in_flight = _InFlight(grads, stats, self, snapshot)
         if previous is None:
             return None  # nothing applied yet: the first round's average is still in flight
         return self._stats(previous.result, previous.stats, previous.grads, waited, time.perf_counter() - t0, True)
 
-    def _move_to_estimate(self, fresh: list[torch.Tensor], previous: _InFlight | None) -> None:
-        """Eager rule, steps 5-6: local <- the outer step on (own fresh + others' previous) pseudo-gradient."""
+    def _move_to_estimate(self, fresh: list[torch.Tensor], weight: float) -> None:
+        """Eager rules, step 5: local <- the outer step previewed on weight x this site's d_k."""
         group = self.optimizer.param_groups[0]
-        weight, own_prev = 1.0, 0.0  # nothing known of the others yet: this site's own d_k stands for all
-        if previous is not None and previous.result is not None and previous.result.sites_used > 0:
-            weight = 1.0 / previous.result.sites_used
-            own_prev = 0.0 if self.group.rank in previous.result.excluded_sites else weight
-        for i, (t, o) in enumerate(zip(self.local, self.outer)):
-            est = fresh[i] * weight
-            if weight < 1.0:  # others' share of the previous average: d_{k-1} - own_{k-1} / n
-                est = est + previous.grads[i] - own_prev * previous.own[i]
+        for t, o, d in zip(self.local, self.outer, fresh):
             buf = self.optimizer.state.get(o, {}).get("momentum_buffer")
+            est = d * weight if weight != 1.0 else d
             t.copy_(outer_preview(o, buf, est, group["lr"], group["momentum"], group["nesterov"]).to(t.device, t.dtype))
 
     def _complete_in_flight(self) -> float:
