@@ -65,8 +65,8 @@ def _outer_by_hand(store: str, deltas: list[list[float]], momentum: float, neste
     model = torch.nn.Linear(1, 1, bias=False)
     with torch.no_grad():
         model.weight.fill_(1.0 if site == 0 else 5.0)  # site 0's value must win the initial broadcast
-    cfg = DilocoConfig(inner_steps=1, outer_lr=lr, outer_momentum=momentum, nesterov=nesterov, comm_dtype="fp32",
-                       store=store, overlap=overlap, overlap_rule=rule, **{"outer_momentum_warmup": 0, **outer})
+    cfg = DilocoConfig(outer_lr=lr, outer_momentum=momentum, nesterov=nesterov, comm_dtype="fp32", store=store,
+                       overlap=overlap, overlap_rule=rule, **{"inner_steps": 1, "outer_momentum_warmup": 0, **outer})
     outer = DiLoCo(model, cfg, topology, lr_factor=lr_factor)
     outer.start()
     seen = [float(model.weight)]
@@ -272,6 +272,44 @@ def test_eager_overlap_follows_the_rule_by_hand(rule, weight, first):
     assert expected[0][1] == pytest.approx(first)
     store = f"tcp://127.0.0.1:{free_port()}"
     out = run_sites(_outer_by_hand, 2, 1, (store, deltas, mu, True, lr, True, rule), timeout=60)
+    for site in (0, 1):
+        assert out[(site, 0)] == pytest.approx(expected[site], abs=1e-6)
+    assert out[(0, 0)][-1] == out[(1, 0)][-1]
+
+
+def _outer_by_hand_tau(store: str, deltas: list[list[float]], mu: float, lr: float, rule: str) -> list:
+    return _outer_by_hand(store, deltas, mu, True, lr, True, rule, inner_steps=2, overlap_steps=1)
+
+
+@pytest.mark.parametrize("rule, weight", [("delayed", 0.0), ("eager", 1.0)])
+def test_overlap_steps_apply_the_average_tau_steps_after_launch(rule, weight):
+    """overlap_steps = 1 with H = 2: each round's average lands one inner step after its boundary
+    (consensus step, then local progress since the boundary rebased onto it); the last boundary blocks."""
+    deltas = [[0.2, -0.1, 0.4, 0.1, 0.3, -0.2], [0.4, 0.3, 0.0, -0.2, 0.1, 0.2]]  # per inner step
+    lr, mu = 0.7, 0.9
+    g, buf, local, snap, pending = 1.0, None, [1.0, 1.0], [1.0, 1.0], None
+    expected = [[1.0], [1.0]]
+    for t in range(6):
+        local = [local[s] - deltas[s][t] for s in (0, 1)]
+        if (t + 1) % 2 and pending is not None:  # one step after the boundary: the average lands
+            g, buf = sgd_step(g, buf, pending, lr, mu)
+            local, pending = [g + (local[s] - snap[s]) for s in (0, 1)], None
+        elif not (t + 1) % 2 and t < 5:  # overlapped boundary: launch, move by the rule's estimate
+            fresh = [g - x for x in local]
+            if weight:
+                local = [sgd_step(g, buf, weight * fresh[s], lr, mu)[0] for s in (0, 1)]
+            snap, pending = list(local), sum(fresh) / 2
+        elif t == 5:  # last boundary: blocking
+            g, buf = sgd_step(g, buf, sum(g - x for x in local) / 2, lr, mu)
+            local = [g, g]
+        for s in (0, 1):
+            expected[s].append(local[s])
+    # By hand, step 3 (delayed): the average (0.1 + 0.7) / 2 of steps 1-2 lands -> g = 1 - 0.7 * 1.9 * 0.4
+    # = 0.468, plus site 0's own step-3 progress -0.4 -> 0.068.
+    if rule == "delayed":
+        assert expected[0][3] == pytest.approx(0.068)
+    store = f"tcp://127.0.0.1:{free_port()}"
+    out = run_sites(_outer_by_hand_tau, 2, 1, (store, deltas, mu, lr, rule), timeout=60)
     for site in (0, 1):
         assert out[(site, 0)] == pytest.approx(expected[site], abs=1e-6)
     assert out[(0, 0)][-1] == out[(1, 0)][-1]

@@ -186,7 +186,11 @@ class DilocoConfig(Section):
     bucket_mb: float = Field(4.0, gt=0)
     # Launch the all-reduce in the background and apply it one outer step late (see diloco.py).
     overlap: bool = False
-    # How an overlapped boundary uses the average that has not arrived yet (see diloco.py):
+    # Inner steps after the boundary at which the overlapped average is applied (Streaming DiLoCo's
+    # tau): 0 = at the next boundary, a whole round late (hides the most communication); 1 <= tau <
+    # inner_steps applies it sooner (fresher, as long as the all-reduce takes under tau inner steps,
+    # else the step waits for it). Every site applies it at the same step, so they stay identical.
+    overlap_steps: int = Field(0, ge=0)
     # What a site trains on while the average is in flight (zeroband/diloco.py has the exact rules):
     # "delayed" keeps its own progress on the consensus; "eager" previews the outer step with its own
     # fresh pseudo-gradient in place of the average; "eager_share" with its 1/n share (Kale et al.
@@ -243,6 +247,9 @@ class DilocoConfig(Section):
             raise ValueError(f"site_rank={self.site_rank} must be < site_count={self.site_count}")
         if not (self.store.startswith("tcp://") and ":" in self.store[6:]) and not self.store.startswith("etcd://"):
             raise ValueError(f"store={self.store!r} must look like tcp://host:port or etcd://h1:p1,h2:p2,h3:p3")
+        if self.overlap_steps and self.overlap_steps >= self.inner_steps:
+            raise ValueError(f"diloco.overlap_steps={self.overlap_steps} must be < diloco.inner_steps="
+                             f"{self.inner_steps} (0 applies the average at the next boundary)")
         if self.elastic and self.overlap:
             raise ValueError("diloco.elastic and diloco.overlap cannot be combined yet; choose one")
         if self.round_seconds and (self.overlap or self.mode != "diloco"):

@@ -24,6 +24,8 @@ boundary k, with outer copy g_k and the local shard's snapshot s_{k-1} from the 
   4. d_k = g_k - local (= minus this round's local progress); launch its all-reduce on a
      background thread; s_k = local; go on training.
 A blocking boundary first completes the pending round the same way, then runs a blocking step.
+With `overlap_steps = tau` > 0, steps 1-3 run tau inner steps after the launch instead of at the
+next boundary (Streaming DiLoCo's overlap of tau steps): the average is a fraction of a round late.
 
 That is the "delayed" rule (`diloco.overlap_rule`, the default): during round k+1 a site trains
 from g_k plus its own progress of round k, at full weight and outside the outer optimizer. The
@@ -303,7 +305,7 @@ class DiLoCo:
 
     def after_inner_step(self, step: int, sync_point: bool = False) -> OuterStats | None:
         if not self.clock.tick(step):
-            return None
+            return self._land_in_flight(step) if self.in_flight else None
         self.boundary_step = step + 1
         maybe_inject("allreduce", step + 1, self.topology.world.site_rank, self.topology.world.rank)
         self.poison = poison_due(step + 1, self.topology.world.site_rank, self.topology.world.rank)
@@ -339,6 +341,15 @@ class DiLoCo:
         if previous is None:
             return None  # nothing applied yet: the first round's average is still in flight
         return self._stats(previous.result, previous.stats, previous.grads, waited, time.perf_counter() - t0, True)
+
+    @torch.no_grad()
+    def _land_in_flight(self, step: int) -> OuterStats | None:
+        """overlap_steps = tau: apply the pending average tau inner steps after its launch."""
+        if not self.cfg.overlap_steps or step + 1 - self.boundary_step < self.cfg.overlap_steps:
+            return None
+        t0, pending = time.perf_counter(), self.in_flight
+        waited = self._complete_in_flight()
+        return self._stats(pending.result, pending.stats, pending.grads, waited, time.perf_counter() - t0, True)
 
     def _move_to_estimate(self, fresh: list[torch.Tensor], weight: float) -> None:
         """Eager rules, step 5: local <- the outer step previewed on weight x this site's d_k."""

@@ -135,7 +135,7 @@ def config_tree(spec: Spec, base: dict[str, Any], out_dir: Path) -> dict[str, An
                           "outer_momentum_warmup": spec.outer_momentum_warmup, "overlap": spec.overlap,
                           "overlap_rule": spec.overlap_rule, "error_feedback": spec.error_feedback}
     if "diloco" in tree:
-        tree["diloco"].update({"timeout_s": 300, "insecure": True})
+        tree["diloco"].update({"timeout_s": 300, "insecure": True, **spec.extra.get("diloco", {})})
     return tree
 
 
@@ -247,6 +247,10 @@ def tune_specs(scale: Scale, seed: int = 100) -> list[Spec]:
     default = shipped_default()
     specs += [Spec(f"default_overlap_{rule}_{regime}", "diloco", k, t, seed, h=h, regime=regime, overlap=True,
                    overlap_rule=rule, **default) for regime, h in regimes(scale).items() for rule in ("eager", "eager_share", "delayed")]
+    # Fourth round: the average applied tau inner steps after its launch instead of a round later.
+    specs += [Spec(f"default_overlap_eager_tau{tau}_{regime}", "diloco", k, t, seed, h=h, regime=regime, overlap=True,
+                   overlap_rule="eager", extra={"diloco": {"overlap_steps": tau}}, **default)
+              for regime, h in regimes(scale).items() for tau in sorted({1, h // 2})]
     # Why a gap may remain: averaging every step (H = 1) is the ceiling of any outer optimizer here.
     specs.append(Spec("plain_avg_H1", "diloco", k, t, seed, h=1, regime="H1", **PLAIN_AVERAGING))
     return specs
