@@ -1,6 +1,6 @@
 """DiLoCo's outer loop (Douillard et al. 2023) for one rank's shard.
 
-Contract (shared by `SingleSite`, `DiLoCo` and `CrossSiteDataParallel`, so the training loop has
+Contract (shared by `NoOuter`, `DiLoCo` and `CrossSiteDataParallel`, so the training loop has
 no branches on the method):
 - `start()` once, on a fresh run: every site takes site 0's parameters (broadcast, then verified
   by checksum);
@@ -49,7 +49,7 @@ import threading
 import time
 import zlib
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -57,11 +57,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from zeroband.comm.group import GlobalGroup
 from zeroband.comm.reduce import ReduceResult, SiteStats, reduce_across_sites
 from zeroband.config import DilocoConfig
 from zeroband.faults import maybe_inject, poison_due
 from zeroband.membership.auth import admit
-from zeroband.mesh import GlobalGroup, Topology
+from zeroband.mesh import Topology
+from zeroband.outer.base import OuterStats, RoundClock
 
 log = logging.getLogger(__name__)
 
@@ -70,89 +72,6 @@ def local_shard(param: torch.nn.Parameter) -> torch.Tensor:
     """The tensor this rank owns: the local shard of an FSDP2 DTensor, or the tensor itself."""
     data = param.data
     return data.to_local() if isinstance(data, DTensor) else data
-
-
-@dataclass
-class OuterStats:
-    outer_step: int
-    allreduce_s: float  # time the main thread waited for communication
-    outer_step_s: float  # whole outer step on the main thread, communication included
-    payload_bytes: int  # bytes this rank put into the all-reduce
-    wire_bytes_est: int  # bytes this rank sends (measured for int8/int4, 2(S-1)/S x payload otherwise)
-    pseudo_grad_norm: float  # this site's, before averaging
-    avg_pseudo_grad_norm: float  # of the averaged pseudo-gradient
-    outer_lr: float
-    sites_used: int
-    excluded_sites: list[int] = field(default_factory=list)
-    overlapped: bool = False
-    outer_crc: int | None = None  # crc32 of this rank's outer state (diloco.log_checksum)
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-class SingleSite:
-    """No outer loop: a plain one-site run."""
-
-    def start(self, resumed: bool = False) -> None:
-        pass
-
-    def leave(self) -> None:
-        pass
-
-    def sync_gradients(self) -> None:
-        pass
-
-    def after_inner_step(self, step: int, sync_point: bool = False) -> OuterStats | None:
-        return None
-
-    def finished(self, step: int, total_steps: int) -> bool:
-        return step >= total_steps
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
-
-
-class RoundClock:
-    """When an outer step is due: every `inner_steps` steps, or (time budget) every `round_seconds`.
-
-    With a time budget the sites' own clocks decide, each site running as many inner steps as
-    fit, and the run ends after train.steps // inner_steps rounds instead of after train.steps.
-    """
-
-    def __init__(self, cfg: DilocoConfig, tokens_per_step: int) -> None:
-        self.cfg, self.tokens_per_step = cfg, tokens_per_step
-        self.rounds, self.steps_in_round, self.round_start = 0, 0, time.monotonic()
-
-    def tick(self, step: int) -> bool:
-        """Count one inner step; True if this step ends a round."""
-        self.steps_in_round += 1
-        if self.cfg.round_seconds:
-            due = time.monotonic() - self.round_start >= self.cfg.round_seconds
-        else:
-            due = (step + 1) % self.cfg.inner_steps == 0
-        if due:
-            self.rounds += 1
-        return due
-
-    def take_tokens(self) -> float:
-        tokens = self.steps_in_round * self.tokens_per_step
-        self.steps_in_round, self.round_start = 0, time.monotonic()
-        return float(tokens)
-
-    def finished(self, step: int, total_steps: int) -> bool:
-        if self.cfg.round_seconds:
-            return self.rounds >= total_steps // self.cfg.inner_steps
-        return step >= total_steps
-
-    def state_dict(self) -> dict[str, int]:
-        return {"rounds": self.rounds}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.rounds = state["rounds"]
 
 
 def site_stats(tensors: list[torch.Tensor], topology: Topology, tokens: float = 0.0) -> SiteStats:

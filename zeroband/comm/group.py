@@ -1,35 +1,32 @@
-"""The two kinds of process group a rank belongs to, owned by one object.
+"""The global group: rank i of every site (axis "site"), and every point-to-point tag used on it.
 
-- the **site mesh** (axis "fsdp"): every rank of this site, over the fast local network; FSDP2
-  shards the model over it. It is the default process group that torchrun sets up.
-- the **global group**: rank i of every site (axis "site"). FSDP rank i holds the same shard on
-  every site, so rank i only ever exchanges its own shard: S-way groups, W of them in parallel.
-  Only these groups cross the WAN. They are built from a separate coordination store, never from
-  torchrun's rendezvous, because each site is its own torchrun job.
+FSDP rank i holds the same shard on every site, so rank i only ever exchanges its own shard: S-way
+groups, W of them in parallel. Only these groups cross the WAN. They are built from a separate
+coordination store, never from torchrun's rendezvous, because each site is its own torchrun job.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TypeVar
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from zeroband.comm.mac import NO_AUTH, WireAuth
 from zeroband.membership.auth import SECRET_ENV, PeerRefused, Verdict
 from zeroband.membership.signed import SealedStore
-from zeroband.membership.store import open_store
 from zeroband.watchdog import Watch, read_by_all, wait_keys
-from zeroband.world import World
 
 T = TypeVar("T")
 OPEN, SECRET = "without a shared secret", "with a shared secret"  # how a site admits peers (rendezvous)
-STATS_TAG = 3 << 24  # point-to-point tags of the global group: comm/direct.py uses 1 << 24 and 2 << 24
+# Point-to-point tags of the global group, one place for all of them so none collide. comm/direct.py
+# adds the piece number (< MAX_PIECES) to RS_TAG / AG_TAG.
+MAX_PIECES = 1 << 24
+RS_TAG, AG_TAG = 1 << 24, 2 << 24  # reduce-scatter and all-gather pieces (comm/direct.py)
+STATS_TAG = 3 << 24  # post_scalars rows
 
 
 class GlobalGroup:
@@ -155,60 +152,3 @@ def rendezvous(store: dist.Store, prefix: str, site_rank: int, site_count: int, 
         read_by_all(store, f"{prefix}zeroband-marks/", site_rank, site_count, timeout_s)
         raise PeerRefused(site_rank, Verdict([], {site_rank: f"sites disagree on admission ({who}); set the same "
                                                              "diloco.secret or ZEROBAND_SECRET on every site"}))
-
-
-@dataclass
-class Topology:
-    world: World
-    site_mesh: DeviceMesh
-    global_group: GlobalGroup | None  # None for a single-site run, or built per generation (elastic)
-    store: dist.Store | None = None  # the coordination store (DiLoCo runs)
-    secret: bytes | None = None  # the run's shared secret (None: diloco.insecure)
-    fingerprint: dict[str, str] = field(default_factory=dict)  # settings every site must share (train.py)
-
-    def site_all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> None:
-        """Reduce over this site's ranks (a no-op with one rank)."""
-        if self.world.world_size > 1:
-            dist.all_reduce(tensor, op=op)
-
-    def site_barrier(self) -> None:
-        if self.world.world_size > 1:
-            dist.barrier()
-
-
-def init_site_group(world: World, timeout: timedelta) -> None:
-    """The site's default process group: torchrun's env:// rendezvous, or a 1-rank group."""
-    if dist.is_initialized():
-        return
-    if world.device.type == "cuda":
-        torch.cuda.set_device(world.device)
-    if "MASTER_ADDR" in os.environ and world.world_size > 1:
-        dist.init_process_group(world.backend, rank=world.rank, world_size=world.world_size, timeout=timeout)
-    else:
-        dist.init_process_group(world.backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-
-
-def init_topology(
-    world: World, store_address: str | None, run_name: str, timeout_s: float, backend: str, host_store: bool = True,
-    build_group: bool = True, mark: str = OPEN, secret: bytes | None = None,
-) -> Topology:
-    """The site mesh, and (for DiLoCo) the store plus, unless `build_group` is False, the fixed global group."""
-    timeout = timedelta(seconds=timeout_s)
-    init_site_group(world, timeout)
-    mesh = init_device_mesh(world.device.type, (world.world_size,), mesh_dim_names=("fsdp",))
-    group = None
-    store = None
-    if store_address is not None:
-        is_host = host_store and world.site_rank == 0 and world.rank == 0
-        store = open_store(store_address, is_host, timeout)
-        if build_group:
-            prefix = f"zeroband/{run_name}/gen0/shard{world.rank}/"
-            auth = WireAuth.from_secret(secret, run_name)
-            group = new_global_group(store, prefix, world.site_rank, world.site_count, timeout, backend, mark=mark,
-                                     auth=auth)
-    return Topology(world, mesh, group, store, secret)
-
-
-def shutdown() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
