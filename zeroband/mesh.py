@@ -1,0 +1,82 @@
+"""The two kinds of process group a rank belongs to, owned by one object.
+
+- the **site mesh** (axis "fsdp"): every rank of this site, over the fast local network; FSDP2
+  shards the model over it. It is the default process group that torchrun sets up.
+- the **global group** (zeroband/comm/group.py): rank i of every site, built from the
+  coordination store; only these groups cross the WAN.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from zeroband.comm.group import OPEN, SECRET, GlobalGroup, admission_mark, new_global_group, rendezvous
+from zeroband.comm.mac import WireAuth
+from zeroband.membership.store import open_store
+from zeroband.world import World
+
+__all__ = ["OPEN", "SECRET", "GlobalGroup", "Topology", "admission_mark", "init_site_group", "init_topology",
+           "new_global_group", "rendezvous", "shutdown"]
+
+
+@dataclass
+class Topology:
+    world: World
+    site_mesh: DeviceMesh
+    global_group: GlobalGroup | None  # None for a single-site run, or built per generation (elastic)
+    store: dist.Store | None = None  # the coordination store (DiLoCo runs)
+    secret: bytes | None = None  # the run's shared secret (None: diloco.insecure)
+    fingerprint: dict[str, str] = field(default_factory=dict)  # settings every site must share (train.py)
+
+    def site_all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> None:
+        """Reduce over this site's ranks (a no-op with one rank)."""
+        if self.world.world_size > 1:
+            dist.all_reduce(tensor, op=op)
+
+    def site_barrier(self) -> None:
+        if self.world.world_size > 1:
+            dist.barrier()
+
+
+def init_site_group(world: World, timeout: timedelta) -> None:
+    """The site's default process group: torchrun's env:// rendezvous, or a 1-rank group."""
+    if dist.is_initialized():
+        return
+    if world.device.type == "cuda":
+        torch.cuda.set_device(world.device)
+    if "MASTER_ADDR" in os.environ and world.world_size > 1:
+        dist.init_process_group(world.backend, rank=world.rank, world_size=world.world_size, timeout=timeout)
+    else:
+        dist.init_process_group(world.backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+
+
+def init_topology(
+    world: World, store_address: str | None, run_name: str, timeout_s: float, backend: str, host_store: bool = True,
+    build_group: bool = True, mark: str = OPEN, secret: bytes | None = None,
+) -> Topology:
+    """The site mesh, and (for DiLoCo) the store plus, unless `build_group` is False, the fixed global group."""
+    timeout = timedelta(seconds=timeout_s)
+    init_site_group(world, timeout)
+    mesh = init_device_mesh(world.device.type, (world.world_size,), mesh_dim_names=("fsdp",))
+    group = None
+    store = None
+    if store_address is not None:
+        is_host = host_store and world.site_rank == 0 and world.rank == 0
+        store = open_store(store_address, is_host, timeout)
+        if build_group:
+            prefix = f"zeroband/{run_name}/gen0/shard{world.rank}/"
+            auth = WireAuth.from_secret(secret, run_name)
+            group = new_global_group(store, prefix, world.site_rank, world.site_count, timeout, backend, mark=mark,
+                                     auth=auth)
+    return Topology(world, mesh, group, store, secret)
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
