@@ -78,9 +78,9 @@ def model_like(numel: int, seed: int) -> list[Any]:
 def worker(args: argparse.Namespace) -> None:
     from datetime import timedelta
 
+    from zeroband.comm.group import new_global_group
     from zeroband.comm.reduce import SiteStats, reduce_across_sites
     from zeroband.membership.store import open_store
-    from zeroband.mesh import new_global_group
 
     site, sites = int(os.environ["ZB_WAN_SITE"]), args.sites
     timeout = timedelta(seconds=600)

@@ -64,9 +64,9 @@ def _wire_site(port: int, secrets_: dict[int, str], rogue: str, rounds: int, out
     pieces. The site named by `rogue` ("replay@1", "truncate@1", "lie-huge@2", "crc@1", ...) misbehaves."""
     import torch.distributed as dist
 
+    from zeroband.comm.group import new_global_group
     from zeroband.comm.mac import WireAuth
     from zeroband.comm.reduce import reduce_across_sites
-    from zeroband.mesh import new_global_group
 
     site, sites = int(os.environ["ZEROBAND_SITE_RANK"]), int(os.environ["ZEROBAND_SITE_COUNT"])
     how, _, who = rogue.partition("@")
@@ -127,9 +127,9 @@ def _foreign_sender(port: int) -> str:
     """A site that got into the group, then sends under another secret (sealed with its own key)."""
     import torch.distributed as dist
 
+    from zeroband.comm.group import new_global_group
     from zeroband.comm.mac import WireAuth
     from zeroband.comm.reduce import reduce_across_sites
-    from zeroband.mesh import new_global_group
 
     site = int(os.environ["ZEROBAND_SITE_RANK"])
     timeout = timedelta(seconds=5 if site else 20)
@@ -348,9 +348,9 @@ def test_mismatched_setting_stops_every_site_naming_it(corpus, tmp_path):
 
 
 def _agree(fingerprints: dict, secret: str | None) -> str:
-    from zeroband.diloco import agree_on_run
     from zeroband.membership.auth import PeerRefused
     from zeroband.mesh import init_topology, shutdown
+    from zeroband.outer.diloco import agree_on_run
     from zeroband.world import World
 
     site = int(os.environ["ZEROBAND_SITE_RANK"])

@@ -57,7 +57,7 @@ def test_pieces_cover_everything_on_block_boundaries():
 def _group(port: int, prefix: str):
     import torch.distributed as dist
 
-    from zeroband.mesh import new_global_group
+    from zeroband.comm.group import new_global_group
 
     site, sites = int(os.environ["ZEROBAND_SITE_RANK"]), int(os.environ["ZEROBAND_SITE_COUNT"])
     timeout = timedelta(seconds=30)

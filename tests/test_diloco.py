@@ -55,8 +55,8 @@ def _outer_by_hand(store: str, deltas: list[list[float]], momentum: float, neste
     after every boundary. `outer`: more [diloco] settings; `lr_factor(step)`: the inner schedule."""
     import os
 
-    from zeroband.diloco import DiLoCo
     from zeroband.mesh import init_topology, shutdown
+    from zeroband.outer.diloco import DiLoCo
     from zeroband.world import World
 
     site = int(os.environ["ZEROBAND_SITE_RANK"])

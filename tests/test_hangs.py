@@ -41,8 +41,8 @@ class _Lines(logging.Handler):
 
 
 def _group(store_port: int, timeout_s: float, log_every_s: float = 1.0):
+    from zeroband.comm.group import new_global_group
     from zeroband.membership.store import open_store
-    from zeroband.mesh import new_global_group
     from zeroband.watchdog import Watch
 
     site = int(os.environ["ZEROBAND_SITE_RANK"])

@@ -47,7 +47,7 @@ def rel_err(got: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
 def _group(port: int, prefix: str):
     import torch.distributed as dist
 
-    from zeroband.mesh import new_global_group
+    from zeroband.comm.group import new_global_group
 
     site, sites = int(os.environ["ZEROBAND_SITE_RANK"]), int(os.environ["ZEROBAND_SITE_COUNT"])
     timeout = timedelta(seconds=30)

@@ -96,7 +96,7 @@ def test_log_lines_print_above_the_progress_bar(tmp_path, monkeypatch, capsys):
         metrics = MetricsLogger(cfg, tmp_path, True, 10, 0)
         metrics.progress(5, 3.0, 100.0, 1e-3, 5.0)
         metrics.log(5, {"val_loss": 2.5}, "val")
-        logging.getLogger("zeroband.elastic").warning("a warning while the bar is up")
+        logging.getLogger("zeroband.membership.elastic").warning("a warning while the bar is up")
         metrics.close()
     finally:
         logging.getLogger().removeHandler(console)

@@ -214,7 +214,7 @@ class DilocoConfig(Section):
     site_count: int | None = Field(None, gt=0)
     backend: Literal["gloo", "nccl"] = "gloo"
     timeout_s: float = Field(600.0, gt=0)
-    # Fault tolerance (membership generations, heartbeats, commit step, joins; zeroband/elastic.py).
+    # Fault tolerance (membership generations, heartbeats, commit step, joins; zeroband/membership/elastic.py).
     elastic: bool = False
     min_sites: int = Field(1, gt=0)  # quorum: an outer step needs at least this many sites
     grace_s: float = Field(5.0, ge=0)  # once a quorum is in, wait this long for the others

@@ -2,159 +2,27 @@
 
 - the **site mesh** (axis "fsdp"): every rank of this site, over the fast local network; FSDP2
   shards the model over it. It is the default process group that torchrun sets up.
-- the **global group**: rank i of every site (axis "site"). FSDP rank i holds the same shard on
-  every site, so rank i only ever exchanges its own shard: S-way groups, W of them in parallel.
-  Only these groups cross the WAN. They are built from a separate coordination store, never from
-  torchrun's rendezvous, because each site is its own torchrun job.
+- the **global group** (zeroband/comm/group.py): rank i of every site, built from the
+  coordination store; only these groups cross the WAN.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from zeroband.comm.mac import NO_AUTH, WireAuth
-from zeroband.membership.auth import SECRET_ENV, PeerRefused, Verdict
-from zeroband.membership.signed import SealedStore
+from zeroband.comm.group import OPEN, SECRET, GlobalGroup, admission_mark, new_global_group, rendezvous
+from zeroband.comm.mac import WireAuth
 from zeroband.membership.store import open_store
-from zeroband.watchdog import Watch, read_by_all, wait_keys
 from zeroband.world import World
 
-T = TypeVar("T")
-OPEN, SECRET = "without a shared secret", "with a shared secret"  # how a site admits peers (rendezvous)
-STATS_TAG = 3 << 24  # point-to-point tags of the global group: comm/direct.py uses 1 << 24 and 2 << 24
-
-
-class GlobalGroup:
-    """Rank `rank` of `size` sites; every collective is bounded by the group's timeout.
-
-    Every wait goes through `self.watch` (zeroband/watchdog.py), which records whom it waits for;
-    `watched(fn, what)` runs blocking cross-site work on a helper thread so that the caller logs
-    while it waits and gives up at the deadline with a message naming the phase and the site.
-
-    `auth` seals the messages of `post_scalars` and comm/direct.py (comm/mac.py); `prefix` (the
-    group's store prefix: run, generation, shard) and the call counter `next_call()` bind each
-    message to this group and this call, so a message from an earlier round does not verify.
-    """
-
-    def __init__(self, pg: dist.ProcessGroup, rank: int, size: int, store: dist.Store | None = None,
-                 watch: Watch | None = None, prefix: str = "", auth: WireAuth = NO_AUTH) -> None:
-        self.pg = pg
-        self.store = store  # keeps the store client (and on site 0 its server) alive with the group
-        self.rank = rank
-        self.size = size
-        self.watch = watch or Watch(float("inf"))
-        self.prefix, self.context, self.auth = prefix, prefix.encode(), auth
-        self.calls = 0
-
-    def next_call(self) -> int:
-        """Number of this sealed collective: every member calls the group in the same order."""
-        self.calls += 1
-        return self.calls
-
-    def watched(self, fn: Callable[[], T], what: str) -> T:
-        return self.watch.run(fn, what)
-
-    def wait(self, work: dist.Work, peer: int | str, phase: str) -> None:
-        self.watch.wait(work, peer, phase)
-
-    def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> None:
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = op
-        self.wait(self.pg.allreduce([tensor], opts), "every site", "all-reduce")
-
-    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
-        opts = dist.BroadcastOptions()
-        opts.rootRank = src
-        opts.rootTensor = 0
-        self.wait(self.pg.broadcast([tensor], opts), src if src != self.rank else "every site", "broadcast")
-
-    def peers(self) -> list[int]:
-        """The other sites, starting after this one: rotating the order spreads the load instead of
-        every site sending to site 0 first."""
-        return [(self.rank + k) % self.size for k in range(1, self.size)]
-
-    def gather_scalars(self, values: list[float]) -> torch.Tensor:
-        """Every site's `values` as a [size, len(values)] float64 table, identical on all sites."""
-        return self.post_scalars(values)()
-
-    def post_scalars(self, values: list[float]) -> Callable[[], torch.Tensor]:
-        """Start `gather_scalars`; the returned function waits for and returns the table.
-
-        Each site sends its row straight to every peer: one round trip (gloo sends after the
-        receiver announced its buffer), where gloo's all-reduce of even a few bytes takes two
-        (0.2 s at 100 ms RTT, measured). Work done before waiting hides that round trip.
-        """
-        table = torch.zeros(self.size, len(values), dtype=torch.float64)
-        table[self.rank] = torch.tensor(values, dtype=torch.float64)
-        call, peers, row = self.next_call(), self.peers(), table[self.rank].view(torch.uint8)
-        inbox = {src: torch.empty(row.numel() + self.auth.tag_bytes, dtype=torch.uint8) for src in peers}
-        works = [(self.pg.recv([inbox[src]], src, STATS_TAG), src) for src in peers]
-        outbox = [self.auth.seal(row, self.context, (call, STATS_TAG, self.rank, dst)) for dst in peers]
-        works += [(self.pg.send([buf], dst, STATS_TAG), dst) for dst, buf in zip(peers, outbox)]
-
-        def wait() -> torch.Tensor:
-            for work, peer in works:
-                self.wait(work, peer, "statistics")
-            outbox.clear()  # gloo reads a send buffer until the send completes: kept alive until here
-            for src, buf in inbox.items():
-                table[src].view(torch.uint8).copy_(self.auth.open(buf, self.context, (call, STATS_TAG, src, self.rank)))
-            return table
-
-        return wait
-
-
-def new_global_group(
-    store: dist.Store, prefix: str, site_rank: int, site_count: int, timeout: timedelta, backend: str = "gloo",
-    watch: Watch | None = None, mark: str = OPEN, auth: WireAuth = NO_AUTH,
-) -> GlobalGroup:
-    """The group of rank i of every site, after a named, logged, bounded rendezvous (`rendezvous`)."""
-    watch = watch or Watch(timeout.total_seconds())
-    rendezvous(store, prefix, site_rank, site_count, timeout.total_seconds(), mark)
-    # With a secret, gloo's rendezvous values are signed: no process without it can take a site's slot.
-    sealed = SealedStore(store, auth.subkey("rendezvous")) if auth.key else store
-    scoped = dist.PrefixStore(prefix, sealed)
-
-    def build() -> dist.ProcessGroup:
-        if backend == "nccl":
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = timeout
-            return dist.ProcessGroupNCCL(scoped, site_rank, site_count, opts)
-        return dist.ProcessGroupGloo(scoped, site_rank, site_count, timeout)
-
-    watch.current = "every site (connecting the group)"
-    group = GlobalGroup(watch.run(build, "rendezvous"), site_rank, site_count, store, watch, prefix, auth)
-    group.rendezvous = sealed  # a Python store must outlive the C++ group that may call it
-    return group
-
-
-def admission_mark(secret: str | None) -> str:
-    """How this site admits peers, from the config value or the environment (never the secret)."""
-    return SECRET if secret or os.environ.get(SECRET_ENV) else OPEN
-
-
-def rendezvous(store: dist.Store, prefix: str, site_rank: int, site_count: int, timeout_s: float,
-               mark: str = OPEN) -> None:
-    """Every site announces itself under the group's prefix and waits for the others, naming the
-    missing ones in its log and error. `mark` says how the site admits peers: sites that disagree
-    (one has a shared secret, one has none) would otherwise wait for each other in different
-    protocols until the timeout, so they are refused here, at once, on both sides."""
-    keys = {s: f"{prefix}zeroband-arrive/{s}" for s in range(site_count)}
-    store.set(keys[site_rank], mark)
-    wait_keys(store, keys, "rendezvous", timeout_s)
-    marks = {s: store.get(k).decode() for s, k in keys.items()}
-    if len(set(marks.values())) > 1:
-        who = ", ".join(f"site {s} {m}" for s, m in sorted(marks.items()))
-        read_by_all(store, f"{prefix}zeroband-marks/", site_rank, site_count, timeout_s)
-        raise PeerRefused(site_rank, Verdict([], {site_rank: f"sites disagree on admission ({who}); set the same "
-                                                             "diloco.secret or ZEROBAND_SECRET on every site"}))
+__all__ = ["OPEN", "SECRET", "GlobalGroup", "Topology", "admission_mark", "init_site_group", "init_topology",
+           "new_global_group", "rendezvous", "shutdown"]
 
 
 @dataclass

@@ -25,8 +25,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zeroband.comm.group import new_global_group
 from zeroband.config import Config, deep_merge, validate_config
-from zeroband.mesh import Topology, new_global_group
+from zeroband.mesh import Topology
 from zeroband.world import World
 
 

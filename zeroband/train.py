@@ -23,13 +23,11 @@ from torch.distributed.tensor import DTensor
 
 from zeroband import checkpoint as ckpt
 from zeroband.config import Config, ConfigError, dump_config, load_config
-from zeroband.cross_site_dp import CrossSiteDataParallel
 from zeroband.data.loader import PackedBatches, resolve_files
 from zeroband.data.tokenizer import TextTokenizer
-from zeroband.diloco import DiLoCo, SingleSite
-from zeroband.elastic import ElasticDiLoCo
 from zeroband.faults import maybe_inject
 from zeroband.membership.auth import TrustError, flatten_fingerprint, optional_secret, run_secret
+from zeroband.membership.elastic import ElasticDiLoCo
 from zeroband.membership.resume import ResumeMismatch, agree_resume
 from zeroband.membership.store import StoreUnreachable
 from zeroband.mesh import Topology, admission_mark, init_topology, shutdown
@@ -45,6 +43,9 @@ from zeroband.models.llama import (
     num_params,
 )
 from zeroband.optim import build_optimizer, build_scheduler, lr_factor
+from zeroband.outer.base import NoOuter
+from zeroband.outer.data_parallel import CrossSiteDataParallel
+from zeroband.outer.diloco import DiLoCo
 from zeroband.watchdog import Interrupted, PeerLost, PeerTimeout, request_stop
 from zeroband.world import World, check_devices, world_from_env
 
@@ -144,14 +145,14 @@ def inner_step(model: torch.nn.Module, micro_batches: list[tuple[torch.Tensor, t
     return loss, optimizer_step(model, optimizer, grad_clip)
 
 
-Outer = DiLoCo | ElasticDiLoCo | CrossSiteDataParallel | SingleSite
+Outer = DiLoCo | ElasticDiLoCo | CrossSiteDataParallel | NoOuter
 
 
 def build_outer(cfg: Config, model: torch.nn.Module, topology: Topology, progress: Progress,
                 scheduler: torch.optim.lr_scheduler.LRScheduler, vocab_size: int) -> Outer:
     tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
     if cfg.diloco is None:
-        return SingleSite()
+        return NoOuter()
     if cfg.diloco.mode == "data_parallel":
         return CrossSiteDataParallel(model, cfg.diloco, topology)
     if cfg.diloco.elastic:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from zeroband.comm.direct import DEFAULT_PIECE_VALUES, all_reduce_direct
-from zeroband.mesh import GlobalGroup
+from zeroband.comm.group import GlobalGroup
 
 WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FP16_HEADROOM = 2.0**15  # half of fp16's max: rounding up the largest value cannot overflow

@@ -34,11 +34,9 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from zeroband.mesh import GlobalGroup
-
 # Tag = phase base + piece index: a fast site's all-gather never matches a scatter receive.
-RS_TAG, AG_TAG = 1 << 24, 2 << 24
-MAX_PIECES = 1 << 24
+from zeroband.comm.group import AG_TAG, MAX_PIECES, RS_TAG, GlobalGroup
+
 DEFAULT_PIECE_VALUES = 1 << 20  # 4 MB of fp32 per piece (diloco.bucket_mb)
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from zeroband.comm.direct import DEFAULT_PIECE_VALUES, all_reduce_direct
-from zeroband.mesh import GlobalGroup
+from zeroband.comm.group import GlobalGroup
 
 SCALE_DTYPE = torch.bfloat16  # fp32's exponent range in 2 bytes: no overflow/underflow of scales
 SCALE_BYTES = 2

@@ -33,9 +33,9 @@ import torch
 
 from zeroband.comm.dense import DenseCodec
 from zeroband.comm.direct import DirectExchange, WireCodec, flatten
+from zeroband.comm.group import GlobalGroup
 from zeroband.comm.quantized import DEFAULT_BLOCK, Codec
 from zeroband.membership.auth import TrustError
-from zeroband.mesh import GlobalGroup
 
 QUANTIZED_BITS = {"int8": 8, "int4": 4}
 STAT_COLUMNS = ("sumsq", "nonfinite", "max_abs", "abstain", "tokens", "crc")

@@ -1,7 +1,7 @@
 """The membership protocol's view of the store: every value carries an HMAC-SHA256 bound to its key.
 
 Heartbeats, arrivals, member lists, votes, verdicts, leave notices and the committed-round counter
-(zeroband/membership/heartbeat.py, rounds.py, zeroband/elastic.py) are written as
+(zeroband/membership/heartbeat.py, rounds.py, zeroband/membership/elastic.py) are written as
     hex(HMAC-SHA256(K, label | key | value)) "." value
 with K derived from the shared secret (comm/mac.py). A value that does not verify, written by
 someone without the secret or copied from another key, reads as absent and is logged once per key

@@ -1,6 +1,6 @@
 """DiLoCo that survives sites dying, hanging, joining and leaving, with no master.
 
-Same contract as `DiLoCo` (zeroband/diloco.py); what changes is how an outer step is carried out:
+Same contract as `DiLoCo` (zeroband/outer/diloco.py); what changes is how an outer step is carried out:
 each round goes through `RoundCoordinator` (zeroband/membership/rounds.py): the sites agree on the
 members, form this generation's global groups (fresh store prefix; survivors keep their processes
 and state), hand the outer state to members that lack it (joiners, restarted or dropped sites),
@@ -33,17 +33,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zeroband.comm.group import OPEN, SECRET, GlobalGroup, new_global_group, rendezvous
 from zeroband.comm.mac import WireAuth
 from zeroband.comm.reduce import ReduceResult, SiteStats
 from zeroband.config import DilocoConfig
-from zeroband.diloco import DiLoCo, OuterStats, checksum_table, site_stats
 from zeroband.faults import maybe_inject, poison_due
 from zeroband.membership.auth import PeerRefused, Verdict, admit
 from zeroband.membership.heartbeat import Heartbeat, Liveness, heartbeat_key, leave_key
 from zeroband.membership.rounds import Decision, RoundCoordinator
 from zeroband.membership.signed import SignedStore
 from zeroband.membership.store import open_store
-from zeroband.mesh import OPEN, SECRET, GlobalGroup, Topology, new_global_group, rendezvous
+from zeroband.mesh import Topology
+from zeroband.outer.base import OuterStats
+from zeroband.outer.diloco import DiLoCo, checksum_table, site_stats
 from zeroband.watchdog import Watch, read_by_all
 
 log = logging.getLogger(__name__)

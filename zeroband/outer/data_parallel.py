@@ -16,15 +16,15 @@ import torch
 
 from zeroband.comm.reduce import reduce_across_sites
 from zeroband.config import DilocoConfig
-from zeroband.diloco import (
-    OuterStats,
+from zeroband.mesh import Topology
+from zeroband.outer.base import OuterStats
+from zeroband.outer.diloco import (
     agree_on_run,
     broadcast_from_site0,
     local_shard,
     site_stats,
     verify_identical,
 )
-from zeroband.mesh import Topology
 
 
 class CrossSiteDataParallel:

@@ -1,0 +1,95 @@
+"""What every outer method shares: the statistics of an outer step, the round clock, and `NoOuter`."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from zeroband.config import DilocoConfig
+
+
+@dataclass
+class OuterStats:
+    outer_step: int
+    allreduce_s: float  # time the main thread waited for communication
+    outer_step_s: float  # whole outer step on the main thread, communication included
+    payload_bytes: int  # bytes this rank put into the all-reduce
+    wire_bytes_est: int  # bytes this rank sends (measured for int8/int4, 2(S-1)/S x payload otherwise)
+    pseudo_grad_norm: float  # this site's, before averaging
+    avg_pseudo_grad_norm: float  # of the averaged pseudo-gradient
+    outer_lr: float
+    sites_used: int
+    excluded_sites: list[int] = field(default_factory=list)
+    overlapped: bool = False
+    outer_crc: int | None = None  # crc32 of this rank's outer state (diloco.log_checksum)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class NoOuter:
+    """No outer loop: a plain one-site run."""
+
+    def start(self, resumed: bool = False) -> None:
+        pass
+
+    def leave(self) -> None:
+        pass
+
+    def sync_gradients(self) -> None:
+        pass
+
+    def after_inner_step(self, step: int, sync_point: bool = False) -> OuterStats | None:
+        return None
+
+    def finished(self, step: int, total_steps: int) -> bool:
+        return step >= total_steps
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+class RoundClock:
+    """When an outer step is due: every `inner_steps` steps, or (time budget) every `round_seconds`.
+
+    With a time budget the sites' own clocks decide, each site running as many inner steps as
+    fit, and the run ends after train.steps // inner_steps rounds instead of after train.steps.
+    """
+
+    def __init__(self, cfg: DilocoConfig, tokens_per_step: int) -> None:
+        self.cfg, self.tokens_per_step = cfg, tokens_per_step
+        self.rounds, self.steps_in_round, self.round_start = 0, 0, time.monotonic()
+
+    def tick(self, step: int) -> bool:
+        """Count one inner step; True if this step ends a round."""
+        self.steps_in_round += 1
+        if self.cfg.round_seconds:
+            due = time.monotonic() - self.round_start >= self.cfg.round_seconds
+        else:
+            due = (step + 1) % self.cfg.inner_steps == 0
+        if due:
+            self.rounds += 1
+        return due
+
+    def take_tokens(self) -> float:
+        tokens = self.steps_in_round * self.tokens_per_step
+        self.steps_in_round, self.round_start = 0, time.monotonic()
+        return float(tokens)
+
+    def finished(self, step: int, total_steps: int) -> bool:
+        if self.cfg.round_seconds:
+            return self.rounds >= total_steps // self.cfg.inner_steps
+        return step >= total_steps
+
+    def state_dict(self) -> dict[str, int]:
+        return {"rounds": self.rounds}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.rounds = state["rounds"]
+
+
+SingleSite = NoOuter  # the old name

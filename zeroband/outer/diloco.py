@@ -1,0 +1,356 @@
+"""DiLoCo's outer loop (Douillard et al. 2023) for one rank's shard.
+
+Contract (shared by `NoOuter`, `DiLoCo` and `CrossSiteDataParallel`, so the training loop has
+no branches on the method):
+- `start()` once, on a fresh run: every site takes site 0's parameters (broadcast, then verified
+  by checksum);
+- `sync_gradients()` between backward and the inner optimizer step (a no-op here);
+- `after_inner_step(step, sync_point)` after every inner step; every `inner_steps` steps it runs
+  an outer step and returns `OuterStats`, otherwise None. `sync_point=True` asks for a blocking
+  outer step (checkpoints and the last step), after which all sites are bitwise identical.
+
+The outer step (blocking): pseudo-gradient = outer copy - local shard (fp32, CPU), averaged over
+the sites on this rank's global group (comm/reduce.py), applied by the outer optimizer (SGD,
+Nesterov by default) to the CPU fp32 outer copy, which is copied back into the local shard. Every
+site receives the same all-reduce bytes and runs the same CPU arithmetic, so all end identical.
+
+The overlapped outer step (`diloco.overlap = true`): a one-step-delayed outer update, as in
+Streaming DiLoCo's overlapped communication (Douillard et al. 2025, arXiv 2501.18512, Sec. 2.3,
+with the overlap set to a whole round) and eager updates (Kale et al. 2025, arXiv 2502.12996). At
+boundary k, with outer copy g_k and the local shard's snapshot s_{k-1} from the previous boundary:
+  1. wait for the average d_{k-1} launched at boundary k-1 (it had a whole round to arrive);
+  2. g_k = OuterOpt(g_{k-1}, d_{k-1})             -- the outer update, one round late;
+  3. local = g_k + (local - s_{k-1})              -- keep the progress made while it was in flight;
+  4. d_k = g_k - local (= minus this round's local progress); launch its all-reduce on a
+     background thread; s_k = local; go on training.
+A blocking boundary first completes the pending round the same way, then runs a blocking step.
+With `overlap_steps = tau` > 0, steps 1-3 run tau inner steps after the launch instead of at the
+next boundary (Streaming DiLoCo's overlap of tau steps): the average is a fraction of a round late.
+
+That is the "delayed" rule (`diloco.overlap_rule`, the default): during round k+1 a site trains
+from g_k plus its own progress of round k, at full weight and outside the outer optimizer. The
+two eager rules do steps 1-4, then move the local model at once by an outer step previewed on an
+estimate of round k's average, which has not arrived yet:
+  5. local = OuterOpt_preview(g_k, w * d_k^own); s_k = local    -- the outer state is not changed
+     "eager":       w = 1: this site's own fresh pseudo-gradient stands in for the average;
+     "eager_share": w = 1/n (n = sites in the group): only this site's own share of the average,
+                    which is what Kale et al. 2025 (arXiv 2502.12996, Sec. 3) apply early.
+Kale et al. keep one outer state per site and feed it d_k^own / n + (others' d_{k-1}) / n; summed
+over rounds that applies every pseudo-gradient once, own ones a round early. Here the outer copy g
+stays the exact consensus (true averages, one round late), identical on every site, and only the
+working model carries the estimate: for momentum 0, "eager_share" is the same model as theirs.
+The estimate's error never accumulates: boundary k+1 replaces the preview with the real step, and
+a blocking boundary makes every site identical again. Measured: docs/results/convergence*.md.
+
+Outer hyperparameters per step: `outer_lr_schedule = "inner"` multiplies outer_lr by the inner
+schedule's factor at the boundary, and `outer_momentum_warmup` ramps the momentum from 0 over that
+many outer steps (why: docs/results/diloco_convergence.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import replace
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from zeroband.comm.group import GlobalGroup
+from zeroband.comm.reduce import ReduceResult, SiteStats, reduce_across_sites
+from zeroband.config import DilocoConfig
+from zeroband.faults import maybe_inject, poison_due
+from zeroband.membership.auth import admit
+from zeroband.mesh import Topology
+from zeroband.outer.base import OuterStats, RoundClock
+
+log = logging.getLogger(__name__)
+
+
+def local_shard(param: torch.nn.Parameter) -> torch.Tensor:
+    """The tensor this rank owns: the local shard of an FSDP2 DTensor, or the tensor itself."""
+    data = param.data
+    return data.to_local() if isinstance(data, DTensor) else data
+
+
+def site_stats(tensors: list[torch.Tensor], topology: Topology, tokens: float = 0.0) -> SiteStats:
+    """Sum of squares, non-finite count and max |x| over the whole site (a site-group reduction)."""
+    sumsq = sum((t.double().square().sum() for t in tensors), torch.zeros((), dtype=torch.float64))
+    nonfinite = sum(int((~torch.isfinite(t)).sum()) for t in tensors)
+    max_abs = max((float(t.abs().max()) for t in tensors if t.numel()), default=0.0)
+    device = topology.world.device
+    summed = torch.tensor([float(sumsq), float(nonfinite)], dtype=torch.float64, device=device)
+    topology.site_all_reduce(summed)
+    peak = torch.tensor([max_abs], dtype=torch.float64, device=device)
+    topology.site_all_reduce(peak, op=dist.ReduceOp.MAX)
+    return SiteStats(summed[0].item(), summed[1].item(), peak.item(), tokens=tokens)
+
+
+def broadcast_from_site0(tensors: list[torch.Tensor], topology: Topology) -> None:
+    group = topology.global_group
+    bufs = [t.detach().to("cpu", torch.float32, copy=True) for t in tensors]
+
+    def send() -> None:
+        for buf in bufs:
+            group.broadcast(buf, src=0)
+
+    group.watched(send, "initial broadcast")
+    for t, buf in zip(tensors, bufs):
+        t.copy_(buf)
+
+
+def crc32_of(tensors: list[torch.Tensor]) -> int:
+    crc = 0
+    for t in tensors:
+        crc = zlib.crc32(t.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes(), crc)
+    return crc
+
+
+def checksum_table(tensors: list[torch.Tensor], group: GlobalGroup) -> list[int]:
+    """crc32 of this rank's tensors (their bytes) on every member of the group (global group only)."""
+    return [int(c) for c in group.gather_scalars([float(crc32_of(tensors))])[:, 0].tolist()]
+
+
+def verify_identical(tensors: list[torch.Tensor], topology: Topology, when: str) -> None:
+    """crc32 of this rank's tensors on every site must agree (on every shard); raises if not."""
+    group = topology.global_group
+    table = group.watched(lambda: checksum_table(tensors, group), f"checksum after {when}")
+    mismatch = torch.tensor([float(len(set(table)) > 1)], device=topology.world.device)
+    topology.site_all_reduce(mismatch, op=dist.ReduceOp.MAX)
+    if mismatch.item():
+        raise RuntimeError(
+            f"sites disagree after {when}: checksums of shard {topology.world.rank} per site are {table}"
+        )
+
+
+def agree_on_run(topology: Topology, timeout_s: float) -> None:
+    """Before anything crosses the global group: every site proves the shared secret and shows the
+    same settings (`topology.fingerprint`); else PeerRefused on every site, naming each differing
+    key with both values (zeroband/membership/auth.py). Settings that agree also fix every
+    message's size, so a misconfigured site can never make gloo abort on a wrong-size message."""
+    group = topology.global_group
+    admit(topology.store, group.prefix, group.rank, group.size, topology.secret, topology.fingerprint,
+          timedelta(seconds=timeout_s))
+
+
+class _InFlight:
+    """A pseudo-gradient all-reduce running on a background thread (global group only)."""
+
+    def __init__(self, grads: list[torch.Tensor], stats: SiteStats, diloco: DiLoCo, snapshot: list[torch.Tensor]):
+        self.grads, self.stats, self.snapshot = grads, stats, snapshot  # grads become the average in place
+        self.result: ReduceResult | None = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(diloco,), name="zeroband-outer-allreduce", daemon=True)
+        self.thread.start()
+
+    def _run(self, diloco: DiLoCo) -> None:
+        try:
+            self.result = diloco.reduce(self.grads, self.stats)
+        except BaseException as e:  # re-raised on the main thread by wait()
+            self.error = e
+
+    def wait(self, group: GlobalGroup) -> ReduceResult:
+        group.watch.join(self.thread, "overlapped outer all-reduce")
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+def outer_preview(theta: torch.Tensor, buf: torch.Tensor | None, d: torch.Tensor, lr: float, momentum: float,
+                  nesterov: bool) -> torch.Tensor:
+    """Where torch's SGD (dampening 0, no weight decay) would move `theta` with gradient `d`, leaving
+    its state alone: buf' = momentum * buf + d; step = d + momentum * buf' (Nesterov) or buf'."""
+    if momentum == 0:
+        return theta - lr * d
+    new_buf = d if buf is None else buf * momentum + d
+    return theta - lr * (d + momentum * new_buf if nesterov else new_buf)
+
+
+class DiLoCo:
+    def __init__(self, model: torch.nn.Module, cfg: DilocoConfig, topology: Topology, tokens_per_step: int = 0,
+                 lr_factor: Callable[[int], float] | None = None) -> None:
+        """`topology.global_group` is the fixed cross-site group (None only for ElasticDiLoCo, which
+        builds one per generation). `lr_factor(step)` is the inner schedule's multiplier (used by
+        `outer_lr_schedule = "inner"`)."""
+        self.cfg = cfg
+        self.topology = topology
+        self.group = topology.global_group
+        self.local = [local_shard(p) for p in model.parameters()]
+        self.outer = [t.detach().to("cpu", torch.float32, copy=True) for t in self.local]
+        self.optimizer = torch.optim.SGD(
+            self.outer, lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=cfg.nesterov and cfg.outer_momentum > 0
+        )
+        self.outer_step = 0
+        self.error_feedback: dict[int, torch.Tensor] | None = {} if cfg.error_feedback else None
+        self.in_flight: _InFlight | None = None
+        self.poison = False
+        self.clock = RoundClock(cfg, tokens_per_step)
+        self.lr_factor = lr_factor or (lambda step: 1.0)
+        self.boundary_step = 0  # inner steps done at the current boundary
+
+    # ------------------------------------------------------------------ start: identical replicas
+    @torch.no_grad()
+    def start(self, resumed: bool = False) -> None:
+        """Fresh: every site takes site 0's parameters. Resumed: prove all sites loaded the same state.
+        First of all, the sites prove the secret and agree on the run's settings."""
+        agree_on_run(self.topology, self.cfg.timeout_s)
+        if resumed:
+            verify_identical(self.checksum_tensors(), self.topology, "resume")
+            return
+        broadcast_from_site0(self.local, self.topology)
+        for o, t in zip(self.outer, self.local):
+            o.copy_(t.detach().to("cpu", torch.float32))
+        verify_identical(self.outer, self.topology, "initial broadcast")
+
+    def leave(self) -> None:
+        pass  # a fixed group has no membership: the others will fail at the next all-reduce
+
+    def sync_gradients(self) -> None:
+        pass
+
+    def checksum_tensors(self) -> list[torch.Tensor]:
+        bufs = [self.optimizer.state.get(o, {}).get("momentum_buffer") for o in self.outer]
+        return self.outer + [b for b in bufs if b is not None]
+
+    # ------------------------------------------------------------------ the outer step
+    def finished(self, step: int, total_steps: int) -> bool:
+        return self.clock.finished(step, total_steps)
+
+    def after_inner_step(self, step: int, sync_point: bool = False) -> OuterStats | None:
+        if not self.clock.tick(step):
+            return self._land_in_flight(step) if self.in_flight else None
+        self.boundary_step = step + 1
+        maybe_inject("allreduce", step + 1, self.topology.world.site_rank, self.topology.world.rank)
+        self.poison = poison_due(step + 1, self.topology.world.site_rank, self.topology.world.rank)
+        if self.cfg.overlap and not sync_point:
+            return self._overlapped_boundary()
+        return self._blocking_boundary()
+
+    @torch.no_grad()
+    def _blocking_boundary(self) -> OuterStats:
+        t0 = time.perf_counter()
+        waited = self._complete_in_flight() if self.in_flight else 0.0
+        grads = self._pseudo_gradient()
+        stats = site_stats(grads, self.topology, self.clock.take_tokens())
+        t1 = time.perf_counter()
+        result = self.group.watched(lambda: self.reduce(grads, stats), "outer all-reduce")
+        comm_s = waited + time.perf_counter() - t1
+        self._apply(grads, result)
+        for t, o in zip(self.local, self.outer):
+            t.copy_(o.to(t.device, t.dtype))
+        return self._stats(result, stats, grads, comm_s, time.perf_counter() - t0, overlapped=False)
+
+    @torch.no_grad()
+    def _overlapped_boundary(self) -> OuterStats | None:
+        t0 = time.perf_counter()
+        previous = self.in_flight
+        waited = self._complete_in_flight() if previous else 0.0
+        grads = self._pseudo_gradient()
+        stats = site_stats(grads, self.topology, self.clock.take_tokens())
+        if self.cfg.overlap_rule != "delayed":
+            self._move_to_estimate(grads, 1.0 if self.cfg.overlap_rule == "eager" else 1.0 / self.group.size)
+        snapshot = [t.detach().to("cpu", torch.float32, copy=True) for t in self.local]
+        self.in_flight = _InFlight(grads, stats, self, snapshot)
+        if previous is None:
+            return None  # nothing applied yet: the first round's average is still in flight
+        return self._stats(previous.result, previous.stats, previous.grads, waited, time.perf_counter() - t0, True)
+
+    @torch.no_grad()
+    def _land_in_flight(self, step: int) -> OuterStats | None:
+        """overlap_steps = tau: apply the pending average tau inner steps after its launch."""
+        if not self.cfg.overlap_steps or step + 1 - self.boundary_step < self.cfg.overlap_steps:
+            return None
+        t0, pending = time.perf_counter(), self.in_flight
+        waited = self._complete_in_flight()
+        return self._stats(pending.result, pending.stats, pending.grads, waited, time.perf_counter() - t0, True)
+
+    def _move_to_estimate(self, fresh: list[torch.Tensor], weight: float) -> None:
+        """Eager rules, step 5: local <- the outer step previewed on weight x this site's d_k."""
+        group = self.optimizer.param_groups[0]
+        for t, o, d in zip(self.local, self.outer, fresh):
+            buf = self.optimizer.state.get(o, {}).get("momentum_buffer")
+            est = d * weight if weight != 1.0 else d
+            t.copy_(outer_preview(o, buf, est, group["lr"], group["momentum"], group["nesterov"]).to(t.device, t.dtype))
+
+    def _complete_in_flight(self) -> float:
+        """Wait for the pending average, apply it, and rebase local progress onto the new outer copy."""
+        pending, self.in_flight = self.in_flight, None
+        t0 = time.perf_counter()
+        result = pending.wait(self.group)
+        waited = time.perf_counter() - t0
+        self._apply(pending.grads, result)
+        for t, o, s in zip(self.local, self.outer, pending.snapshot):
+            t.copy_((o + (t.detach().to("cpu", torch.float32) - s)).to(t.device, t.dtype))
+        return waited
+
+    def _pseudo_gradient(self) -> list[torch.Tensor]:
+        grads = [o - t.detach().to("cpu", torch.float32) for o, t in zip(self.outer, self.local)]
+        if self.poison:  # injected fault: a site whose pseudo-gradient went bad
+            grads[0].view(-1)[0] = float("nan")
+        return grads
+
+    def reduce(self, grads: list[torch.Tensor], stats: SiteStats) -> ReduceResult:
+        if self.cfg.log_checksum and not stats.abstain:  # compared across sites by the reduce itself
+            stats = replace(stats, crc=float(crc32_of(self.checksum_tensors())))
+        bucket = int(self.cfg.bucket_mb * 2**20)
+        return reduce_across_sites(grads, stats, self.group, self.cfg.comm_dtype, bucket, self.error_feedback,
+                                   self.cfg.outlier_factor, weight_by_tokens=self.cfg.round_seconds > 0)
+
+    def _apply(self, grads: list[torch.Tensor], result: ReduceResult) -> None:
+        if result.excluded_sites:
+            log.error("outer step %d: excluded sites %s (non-finite pseudo-gradient)", self.outer_step, result.excluded_sites)
+        if result.sites_used == 0:
+            return  # nobody had a usable pseudo-gradient: keep the outer copy, drop the round
+        self._set_hyperparameters()
+        for o, g in zip(self.outer, grads):
+            o.grad = g
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.outer_step += 1
+
+    def _set_hyperparameters(self) -> None:
+        """Outer lr and momentum of the step about to be taken (schedule and warm-up)."""
+        cfg, group = self.cfg, self.optimizer.param_groups[0]
+        factor = self.lr_factor(self.boundary_step - 1) if cfg.outer_lr_schedule == "inner" else 1.0
+        group["lr"] = cfg.outer_lr * factor
+        if cfg.outer_momentum_warmup:
+            group["momentum"] = cfg.outer_momentum * min(1.0, (self.outer_step + 1) / cfg.outer_momentum_warmup)
+
+    def _stats(self, result: ReduceResult, stats: SiteStats, grads: list[torch.Tensor], comm_s: float,
+               total_s: float, overlapped: bool) -> OuterStats:
+        return OuterStats(
+            outer_step=self.outer_step,
+            allreduce_s=comm_s,
+            outer_step_s=total_s,
+            payload_bytes=result.payload_bytes,
+            wire_bytes_est=result.wire_bytes,
+            pseudo_grad_norm=stats.sumsq**0.5,
+            avg_pseudo_grad_norm=site_stats(grads, self.topology).sumsq ** 0.5,
+            outer_lr=self.optimizer.param_groups[0]["lr"],
+            sites_used=result.sites_used,
+            excluded_sites=result.excluded_sites,
+            overlapped=overlapped,
+            outer_crc=crc32_of(self.checksum_tensors()) if self.cfg.log_checksum else None,
+        )
+
+    # ------------------------------------------------------------------ checkpointing
+    def state_dict(self) -> dict[str, Any]:
+        if self.in_flight is not None:
+            raise RuntimeError("checkpoint with an outer all-reduce in flight: save only at sync points")
+        return {"outer": [o.clone() for o in self.outer], "optimizer": self.optimizer.state_dict(),
+                "outer_step": self.outer_step, "error_feedback": self.error_feedback, "clock": self.clock.state_dict()}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for o, saved in zip(self.outer, state["outer"], strict=True):
+            o.copy_(saved)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.outer_step = state["outer_step"]
+        self.error_feedback = state.get("error_feedback", self.error_feedback)
+        self.clock.load_state_dict(state.get("clock", {"rounds": 0}))
