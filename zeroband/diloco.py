@@ -59,9 +59,9 @@ from torch.distributed.tensor import DTensor
 
 from zeroband.comm.reduce import ReduceResult, SiteStats, reduce_across_sites
 from zeroband.config import DilocoConfig
-from zeroband.faults import maybe_inject, poison_due
 from zeroband.membership.auth import admit
 from zeroband.mesh import GlobalGroup, Topology
+from zeroband.testing.faults import maybe_inject, poison_due
 
 log = logging.getLogger(__name__)
 

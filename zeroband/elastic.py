@@ -37,13 +37,13 @@ from zeroband.comm.mac import WireAuth
 from zeroband.comm.reduce import ReduceResult, SiteStats
 from zeroband.config import DilocoConfig
 from zeroband.diloco import DiLoCo, OuterStats, checksum_table, site_stats
-from zeroband.faults import maybe_inject, poison_due
 from zeroband.membership.auth import PeerRefused, Verdict, admit
 from zeroband.membership.heartbeat import Heartbeat, Liveness, heartbeat_key, leave_key
 from zeroband.membership.rounds import Decision, RoundCoordinator
 from zeroband.membership.signed import SignedStore
 from zeroband.membership.store import open_store
 from zeroband.mesh import OPEN, SECRET, GlobalGroup, Topology, new_global_group, rendezvous
+from zeroband.testing.faults import maybe_inject, poison_due
 from zeroband.watchdog import Watch, read_by_all
 
 log = logging.getLogger(__name__)
