@@ -91,7 +91,7 @@ def config_h() -> int:
 
 def links(args: argparse.Namespace) -> dict[str, Any]:
     """{name: None (loopback) or WanLink}."""
-    from zeroband.launch import WanLink
+    from zeroband.tools.launch import WanLink
 
     out: dict[str, Any] = {} if args.no_loopback else {"loopback": None}
     if args.rate_mbit is not None:
@@ -273,7 +273,7 @@ class emulator:  # noqa: N801  (a context manager used like a function)
 
 
 def run_zeroband(args: argparse.Namespace, link: Any | None, dtype: str, work: Path) -> dict[str, Any]:
-    from zeroband.launch import launch_sites
+    from zeroband.tools.launch import launch_sites
 
     sampler = Sampler()
 

@@ -3,7 +3,7 @@
     flock /tmp/zeroband-bench.lock python scripts/bench_wan.py              # full run, ~19 min
     python scripts/bench_wan.py --quick --out /tmp/wan                      # CI smoke test, < 60 s
 
-Every row is a real multi-site run: S torchrun jobs (`zeroband.launch.launch_sites`), each site in
+Every row is a real multi-site run: S torchrun jobs (`zeroband.tools.launch.launch_sites`), each site in
 its own network namespace behind a fresh emulated link (`WanLink`: per-site uplink rate, one-way
 delay, jitter, loss). Needs root. Definitions (also written into the markdown):
 
@@ -45,8 +45,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import REPO, ensure_demo_data, load_average, load_note, markdown_table, write_outputs
 
-from zeroband.launch import WanLink, launch_sites
-from zeroband.plan import PlanInput, predict, predict_data_parallel, ring_factor
+from zeroband.tools.launch import WanLink, launch_sites
+from zeroband.tools.plan import PlanInput, predict, predict_data_parallel, ring_factor
 
 CONFIG = str(REPO / "configs/demo_diloco.toml")
 # Inside a namespace without DNS, c10d warns that it cannot resolve a hostname; launch's store process
@@ -347,7 +347,7 @@ def chatter_rate(args: argparse.Namespace, runs: list[dict[str, Any]]) -> float:
 
 
 def predicted(args: argparse.Namespace, m: dict[str, Any]) -> dict[str, Any]:
-    """zeroband.plan's prediction for this row, from the measured compute per step."""
+    """zeroband.tools.plan's prediction for this row, from the measured compute per step."""
     # tcp_ramp off: the emulator sets tcp_slow_start_after_idle=0 in every site namespace, so the
     # steady rounds compared here start with the window the previous sync left.
     p = PlanInput(m["shard_params"] * args.nproc, m["compute_s_per_step"], args.sites, m["rate_mbit"] / 1e3,
@@ -462,7 +462,7 @@ def render(data: dict[str, Any]) -> str:
         + ("Each site pinned to its own CPU core(s), as on separate machines (`--no-pin-cpus` to share)."
            if meta.get("pin_cpus") else "Sites share all CPUs."),
         "### Measured", markdown_table(MEASURED_HEADERS, measured_rows(results)),
-        "### Predicted by zeroband.plan (from each row's measured compute per step)",
+        "### Predicted by zeroband.tools.plan (from each row's measured compute per step)",
         markdown_table(PREDICTED_HEADERS, predicted_rows(results)),
         "### Targets", markdown_table(["target", "measured", "status"], targets_from_meta(data)),
         NOTES.format(chatter=meta["chatter_bytes_per_s"]),
@@ -488,7 +488,7 @@ NOTES = (
     "divided by ranks per site; they include IP/TCP headers and the ACKs this site sends for what it receives. "
     "B/param/sync = wire bytes per rank per sync / (shard parameters x 2(S-1)/S). all-reduce BW / rate = wire "
     "bytes per site / A_k (last arrival) / link rate (A_k includes the site-statistics exchange and round trips); on-wire BW = the same "
-    "bytes over only the time the counter was rising. Predicted = zeroband.plan with the link's rate, one-way delay "
+    "bytes over only the time the counter was rising. Predicted = zeroband.tools.plan with the link's rate, one-way delay "
     "and MTU, no TCP slow start after idle (the emulator disables it, as a WAN site would), and the row's measured compute s per step; for overlapped rows the "
     "communication column is the predicted wait, max(0, T_comm - H x step), compared with the measured wait."
 )
@@ -510,7 +510,7 @@ def plot(results: list[dict[str, Any]], out: Path) -> Path | None:
     ax.set_xscale("log")
     ax.set_xlabel("link bandwidth per site (Mbit/s, log)")
     ax.set_ylabel("compute utilisation, steady (%)")
-    ax.set_title("solid: measured, dotted x: zeroband.plan prediction")
+    ax.set_title("solid: measured, dotted x: zeroband.tools.plan prediction")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7)
     fig.tight_layout()

@@ -39,8 +39,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from zeroband import chaos  # noqa: E402
-from zeroband.launch import WanLink, free_port, store_process  # noqa: E402
+from zeroband.testing import chaos  # noqa: E402
+from zeroband.tools.launch import WanLink, free_port, store_process  # noqa: E402
 
 ENV_KINDS = {"kill_inner": "inner", "kill_allreduce": "allreduce", "kill_checkpoint": "checkpoint"}
 SITE_KINDS = ["kill_inner", "kill_allreduce", "kill_checkpoint", "kill_external", "term", "hang", "partition"]
@@ -661,7 +661,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
 
 
 def run_fixed(rounds: int, workdir: Path, seed: int, data: list[str]) -> list[chaos.ScenarioResult]:
-    """Default-mode faults (zeroband/chaos.py, "fixed-mode scenarios"), each on a fresh run directory;
+    """Default-mode faults (zeroband/testing/chaos.py, "fixed-mode scenarios"), each on a fresh run directory;
     every scenario ends with a relaunch that must resume and finish with identical, verified checkpoints."""
     rng, timeout_s, steps, h = random.Random(seed), 15.0, 40, 2
     results = []

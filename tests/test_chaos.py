@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from zeroband import chaos
-from zeroband.launch import free_port, store_process
+from zeroband.testing import chaos
+from zeroband.tools.launch import free_port, store_process
 
 SITES, STEPS, KILL_STEP = 3, 160, 9
 ROOT = Path(__file__).resolve().parents[1]

@@ -24,8 +24,8 @@ import pytest
 from tests.conftest import tiny_overrides
 from tests.multiproc import Died, free_port, run_sites
 from zeroband.config import validate_config
-from zeroband.launch import last_error_line, progress_line
 from zeroband.membership.resume import ResumeMismatch, decide_resume
+from zeroband.tools.launch import last_error_line, progress_line
 
 TIMEOUT_S = 4.0
 
@@ -261,7 +261,7 @@ def test_launcher_lines():
 def test_sigterm_to_launcher_stops_every_site(corpus, tmp_path):
     import tomli_w
 
-    from zeroband.launch import descendants
+    from zeroband.tools.launch import descendants
 
     tree = _diloco(corpus, tmp_path, timeout_s=60)
     tree["train"]["steps"] = 100_000

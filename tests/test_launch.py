@@ -13,7 +13,7 @@ import torch
 
 from tests.conftest import tiny_overrides
 from tests.multiproc import free_port
-from zeroband.launch import site_cpus
+from zeroband.tools.launch import site_cpus
 
 
 def _zeroband(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:

@@ -1,11 +1,11 @@
-"""zeroband.plan: the arithmetic against values worked out by hand, and the `zeroband plan` command."""
+"""zeroband.tools.plan: the arithmetic against values worked out by hand, and the `zeroband plan` command."""
 
 from __future__ import annotations
 
 import pytest
 
 from zeroband.cli import main as cli_main
-from zeroband.plan import (
+from zeroband.tools.plan import (
     DTYPE_BYTES,
     PlanInput,
     dtype_bytes,

@@ -22,7 +22,7 @@ def _train(tree: dict) -> dict:
 
 
 def _train_expecting_fault(tree: dict) -> str:
-    from zeroband.faults import InjectedFault
+    from zeroband.testing.faults import InjectedFault
 
     try:
         _train(tree)

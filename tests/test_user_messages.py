@@ -115,7 +115,7 @@ def test_run_ends_with_summary_and_plot(corpus, tmp_path, capfd, monkeypatch):
                  f"metrics: {run}/metrics.jsonl", f"loss plot: {run}/loss.png"):
         assert text in out, (text, out)
     assert (run / "loss.png").stat().st_size > 0
-    from zeroband.report import run_report
+    from zeroband.tools.report import run_report
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
     assert "loss plot: skipped (matplotlib is not installed" in run_report(run, run / "checkpoints", "t", 1.0)

@@ -55,8 +55,8 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from zeroband.faults import maybe_inject
 from zeroband.membership.auth import derive_key
+from zeroband.testing.faults import maybe_inject
 
 log = logging.getLogger(__name__)
 

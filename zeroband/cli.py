@@ -42,8 +42,8 @@ def _cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def _cmd_launch(args: argparse.Namespace, rest: list[str]) -> int:
-    from zeroband.launch import Stopped, WanLink, launch_sites
-    from zeroband.report import plot_losses, read_metrics, summarise_site
+    from zeroband.tools.launch import Stopped, WanLink, launch_sites
+    from zeroband.tools.report import plot_losses, read_metrics, summarise_site
 
     # Checked before the site overrides below, which would create a default [diloco] section (and a
     # confusing "set train.steps to 500" for a one-site config).
@@ -99,7 +99,7 @@ def _cmd_export(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace, rest: list[str]) -> int:
-    from zeroband.plan import input_from_args, predict, prediction_text, table_markdown
+    from zeroband.tools.plan import input_from_args, predict, prediction_text, table_markdown
 
     if rest:
         print(f"zeroband plan: unknown arguments {rest}", file=sys.stderr)
@@ -140,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config")
     p.add_argument("--checkpoint", default=None, help="a step_* directory (default: newest)")
     p.add_argument("--out", default=None, help="default: <run_dir>/hf")
-    from zeroband.plan import add_arguments as add_plan_arguments
+    from zeroband.tools.plan import add_arguments as add_plan_arguments
 
     add_plan_arguments(sub.add_parser("plan", help="predict DiLoCo sync cost and compute utilisation over a WAN"))
     return parser

@@ -25,7 +25,6 @@ from zeroband import checkpoint as ckpt
 from zeroband.config import Config, ConfigError, dump_config, load_config
 from zeroband.data.loader import PackedBatches, resolve_files
 from zeroband.data.tokenizer import TextTokenizer
-from zeroband.faults import maybe_inject
 from zeroband.membership.auth import TrustError, flatten_fingerprint, optional_secret, run_secret
 from zeroband.membership.elastic import ElasticDiLoCo
 from zeroband.membership.resume import ResumeMismatch, agree_resume
@@ -46,6 +45,7 @@ from zeroband.optim import build_optimizer, build_scheduler, lr_factor
 from zeroband.outer.base import NoOuter
 from zeroband.outer.data_parallel import CrossSiteDataParallel
 from zeroband.outer.diloco import DiLoCo
+from zeroband.testing.faults import maybe_inject
 from zeroband.watchdog import Interrupted, PeerLost, PeerTimeout, request_stop
 from zeroband.world import World, check_devices, world_from_env
 
@@ -482,7 +482,7 @@ def save(run: Run) -> None:
 
 def print_summary(run: Run) -> None:
     """The end of a run, from its own metrics.jsonl: summary lines and a loss plot."""
-    from zeroband.report import run_report
+    from zeroband.tools.report import run_report
 
     name = f"{run.cfg.name}-site{run.world.site_rank}" if run.cfg.diloco else run.cfg.name
     print(run_report(run.run_dir, run.ckpt_root, name, run.clock.wall_s), flush=True)

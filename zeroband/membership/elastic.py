@@ -37,7 +37,6 @@ from zeroband.comm.group import OPEN, SECRET, GlobalGroup, new_global_group, ren
 from zeroband.comm.mac import WireAuth
 from zeroband.comm.reduce import ReduceResult, SiteStats
 from zeroband.config import DilocoConfig
-from zeroband.faults import maybe_inject, poison_due
 from zeroband.membership.auth import PeerRefused, Verdict, admit
 from zeroband.membership.heartbeat import Heartbeat, Liveness, heartbeat_key, leave_key
 from zeroband.membership.rounds import Decision, RoundCoordinator
@@ -46,6 +45,7 @@ from zeroband.membership.store import open_store
 from zeroband.mesh import Topology
 from zeroband.outer.base import OuterStats
 from zeroband.outer.diloco import DiLoCo, checksum_table, site_stats
+from zeroband.testing.faults import maybe_inject, poison_due
 from zeroband.watchdog import Watch, read_by_all
 
 log = logging.getLogger(__name__)

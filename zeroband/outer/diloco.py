@@ -65,10 +65,10 @@ from torch.distributed.tensor import DTensor
 from zeroband.comm.group import GlobalGroup
 from zeroband.comm.reduce import ReduceResult, SiteStats, reduce_across_sites
 from zeroband.config import DilocoConfig
-from zeroband.faults import maybe_inject, poison_due
 from zeroband.membership.auth import admit
 from zeroband.mesh import Topology
 from zeroband.outer.base import OuterStats, RoundClock
+from zeroband.testing.faults import maybe_inject, poison_due
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from zeroband.launch import free_port, site_command
+from zeroband.tools.launch import free_port, site_command
 
 DECISION = re.compile(
     r"^(?P<ts>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \S+ INFO site (?P<site>\d+) round (?P<round>\d+) "
@@ -470,7 +470,7 @@ class FixedRun:
 
     def workers(self, launcher: subprocess.Popen, site: int) -> list[int]:
         """The training ranks of `site` (not its torchrun agent), found below the launcher."""
-        from zeroband.launch import descendants
+        from zeroband.tools.launch import descendants
 
         out = []
         for pid in descendants(launcher.pid):
@@ -520,7 +520,7 @@ def wait_for(cond: Callable[[], bool], bound_s: float, tick: float = 0.2) -> boo
 
 
 def _kill_tree(proc: subprocess.Popen) -> None:
-    from zeroband.launch import descendants
+    from zeroband.tools.launch import descendants
 
     for pid in [proc.pid, *descendants(proc.pid)]:
         for sig in (signal.SIGCONT, signal.SIGKILL):
@@ -578,7 +578,7 @@ def frozen_peer(run: FixedRun, at_step: int, timeout_s: float, then: str, bound_
 
 def launcher_sigterm(run: FixedRun, at_step: int, bound_s: float) -> ScenarioResult:
     """SIGTERM to `zeroband launch` mid-run: every site must be gone within the grace; a relaunch resumes."""
-    from zeroband.launch import descendants
+    from zeroband.tools.launch import descendants
 
     result = ScenarioResult("launcher_sigterm")
     proc = run.launch()
