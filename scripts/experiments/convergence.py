@@ -271,9 +271,13 @@ def report_specs(scale: Scale, default: dict[str, Any]) -> list[Spec]:
         many = dict(h=hs["many"], regime="many", **default)
         specs += [Spec("diloco_default_many_fp32", "diloco", k, t, s, comm="fp32", **many),
                   Spec("diloco_default_many_int8_ef", "diloco", k, t, s, comm="int8", error_feedback=True, **many)]
-        for regime, h in hs.items():  # overlapped, both rules, at the same H as the blocking rows
-            specs += [Spec(f"diloco_default_{regime}_{rule}", "diloco", k, t, s, h=h, regime=regime, overlap=True,
-                           overlap_rule=rule, **default) for rule in ("eager", "delayed")]
+        for regime, h in hs.items():  # overlapped, at the same H as the blocking rows
+            over = dict(h=h, regime=regime, overlap=True, **default)
+            specs += [Spec(f"diloco_default_{regime}_{rule}", "diloco", k, t, s, overlap_rule=rule, **over)
+                      for rule in ("eager", "delayed")]
+            if h > 1:  # tau = 1: the average lands one inner step after its launch
+                specs.append(Spec(f"diloco_default_{regime}_eager_tau1", "diloco", k, t, s, overlap_rule="eager",
+                                  extra={"diloco": {"overlap_steps": 1}}, **over))
     first = 0
     many = dict(h=hs["many"], regime="many", **default)
     specs += [Spec("single_kx", "single", 1, k * t, first),
@@ -283,6 +287,13 @@ def report_specs(scale: Scale, default: dict[str, Any]) -> list[Spec]:
               Spec("muon_diloco_many_fp16", "diloco", k, t, first, optim="muon", **many),
               Spec("muon_diloco_many_int4_ef", "diloco", k, t, first, optim="muon", comm="int4", error_feedback=True,
                    **many)]
+    for regime, h in hs.items():
+        over = dict(h=h, regime=regime, overlap=True, **default)
+        specs.append(Spec(f"diloco_default_{regime}_eager_share", "diloco", k, t, first, overlap_rule="eager_share",
+                          **over))
+        if h // 2 > 1:  # tau = half a round
+            specs.append(Spec(f"diloco_default_{regime}_eager_tau{h // 2}", "diloco", k, t, first, overlap_rule="eager",
+                              extra={"diloco": {"overlap_steps": h // 2}}, **over))
     for ks in scale.sweep_sites:
         specs += [Spec(f"dp_k{ks}", "dp", ks, t, first),
                   Spec(f"diloco_default_many_k{ks}", "diloco", ks, t, first, h=hs["many"], regime="many", **default)]
@@ -402,7 +413,8 @@ def checks(rows: dict[str, list[dict[str, Any]]], single: float, dp: float) -> l
         spread = mean_std([r["val_loss"] for r in rows[name]])[1]
         out.append(f"- {name}: largest end-of-run change over the last evaluation interval {rise:+.4f}, "
                    f"this row's seed spread (std) {spread:.4f}: {'ok' if rise <= spread else 'RISES MORE'}.")
-    overlap = [(f"diloco_default_{r}_{rule}", 0.02) for r in ("many", "few") for rule in ("eager", "delayed")]
+    overlap = [(n, 0.02) for n in rows if n.startswith(("diloco_default_many_e", "diloco_default_many_d",
+                                                          "diloco_default_few_e", "diloco_default_few_d"))]
     for name, limit in (("diloco_default_many_fp32", 0.005), ("diloco_default_many_int8_ef", 0.01), *overlap):
         v, base = m(name), m("diloco_default_few" if "_few_" in name else "diloco_default_many")
         if v is None or base is None:

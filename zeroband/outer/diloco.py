@@ -27,12 +27,12 @@ A blocking boundary first completes the pending round the same way, then runs a 
 With `overlap_steps = tau` > 0, steps 1-3 run tau inner steps after the launch instead of at the
 next boundary (Streaming DiLoCo's overlap of tau steps): the average is a fraction of a round late.
 
-That is the "delayed" rule (`diloco.overlap_rule`, the default): during round k+1 a site trains
+That is the "delayed" rule (`diloco.overlap_rule`): during round k+1 a site trains
 from g_k plus its own progress of round k, at full weight and outside the outer optimizer. The
 two eager rules do steps 1-4, then move the local model at once by an outer step previewed on an
 estimate of round k's average, which has not arrived yet:
   5. local = OuterOpt_preview(g_k, w * d_k^own); s_k = local    -- the outer state is not changed
-     "eager":       w = 1: this site's own fresh pseudo-gradient stands in for the average;
+     "eager" (the default): w = 1, this site's own fresh pseudo-gradient stands in for the average;
      "eager_share": w = 1/n (n = sites in the group): only this site's own share of the average,
                     which is what Kale et al. 2025 (arXiv 2502.12996, Sec. 3) apply early.
 Kale et al. keep one outer state per site and feed it d_k^own / n + (others' d_{k-1}) / n; summed
