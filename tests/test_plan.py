@@ -101,3 +101,11 @@ def test_cli_table_and_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert "| 100B |" in out and "MFU" in out
     assert cli_main(["plan"]) == 2  # neither --params nor --preset
     assert cli_main(["plan", "--preset", "demo", "--step-time", "0.1"]) == 0
+
+
+def test_overlap_steps_cover_the_all_reduce() -> None:
+    from zeroband.tools.plan import overlap_steps
+
+    assert overlap_steps(2.5, 1.0, 500) == 3  # 2.5 s of all-reduce over 1 s steps: lands at step 3
+    assert overlap_steps(0.01, 1.0, 500) == 1  # the earliest it can land
+    assert overlap_steps(600.0, 1.0, 500) == 0  # longer than a round: a whole round (the default)

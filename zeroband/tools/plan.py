@@ -27,6 +27,7 @@ Per-step data parallel is the same model with H = 1, fp32, blocking.
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -98,6 +99,14 @@ def utilisation(compute_s: float, comm_s: float, overlap: bool) -> float:
     if overlap:
         return compute_s / max(compute_s, comm_s)
     return compute_s / (compute_s + comm_s)
+
+
+def overlap_steps(comm_s: float, step_time_s: float, inner_steps: int) -> int:
+    """The `diloco.overlap_steps` (tau) that hides one all-reduce: the inner steps it takes, rounded
+    up; 0 (a whole round) when it takes a round or more. Smaller tau trains closer to blocking
+    (docs/results/convergence_tuning.md), so this is the freshest setting that costs no waiting."""
+    steps = max(1, math.ceil(comm_s / step_time_s))
+    return steps if steps < inner_steps else 0
 
 
 def traffic_reduction(inner_steps: int, dtype: str) -> float:
@@ -210,6 +219,8 @@ def prediction_text(p: PlanInput, pred: Prediction) -> str:
         f"{pred.latency_s:.3f} + TCP ramp {pred.ramp_s:.3f})",
         f"  inner compute per round        {pred.compute_s:.1f} s",
         f"  compute utilisation            {100 * pred.utilisation:.2f}%",
+        *([f"  diloco.overlap_steps to set    {overlap_steps(pred.comm_s, p.step_time_s, p.inner_steps)}"
+           "  (inner steps one all-reduce takes; 0 = a whole round)"] if p.overlap else []),
         f"  per-step fp32 data parallel    {pred.dp_comm_s:.3f} s comm/step, {100 * pred.dp_utilisation:.2f}% utilisation",
         f"  traffic reduction vs DP        {pred.traffic_reduction:.0f}x",
     ])
