@@ -349,8 +349,8 @@ def test_mismatched_setting_stops_every_site_naming_it(corpus, tmp_path):
 
 def _agree(fingerprints: dict, secret: str | None) -> str:
     from zeroband.membership.auth import PeerRefused
+    from zeroband.membership.base import agree_on_run
     from zeroband.mesh import init_topology, shutdown
-    from zeroband.outer.diloco import agree_on_run
     from zeroband.world import World
 
     site = int(os.environ["ZEROBAND_SITE_RANK"])

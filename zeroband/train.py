@@ -26,7 +26,7 @@ from zeroband.config import Config, ConfigError, dump_config, load_config
 from zeroband.data.loader import PackedBatches, resolve_files
 from zeroband.data.tokenizer import TextTokenizer
 from zeroband.membership.auth import TrustError, flatten_fingerprint, optional_secret, run_secret
-from zeroband.membership.elastic import ElasticDiLoCo
+from zeroband.membership.elastic import ElasticMembership
 from zeroband.membership.resume import ResumeMismatch, agree_resume
 from zeroband.membership.store import StoreUnreachable
 from zeroband.mesh import Topology, admission_mark, init_topology, shutdown
@@ -42,7 +42,7 @@ from zeroband.models.llama import (
     num_params,
 )
 from zeroband.optim import build_optimizer, build_scheduler, lr_factor
-from zeroband.outer.base import NoOuter
+from zeroband.outer.base import NoOuter, Outer
 from zeroband.outer.data_parallel import CrossSiteDataParallel
 from zeroband.outer.diloco import DiLoCo
 from zeroband.testing.faults import maybe_inject
@@ -145,7 +145,20 @@ def inner_step(model: torch.nn.Module, micro_batches: list[tuple[torch.Tensor, t
     return loss, optimizer_step(model, optimizer, grad_clip)
 
 
-Outer = DiLoCo | ElasticDiLoCo | CrossSiteDataParallel | NoOuter
+class Schedule:
+    """The inner schedule as a joining site takes it from a peer: the scheduler's state, and the
+    learning rates it set on the optimizer (load_state_dict alone leaves those as they were)."""
+
+    def __init__(self, scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
+        self.scheduler = scheduler
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(state)
+        for group, lr in zip(self.scheduler.optimizer.param_groups, self.scheduler.get_last_lr()):
+            group["lr"] = lr
 
 
 def build_outer(cfg: Config, model: torch.nn.Module, topology: Topology, progress: Progress,
@@ -155,9 +168,11 @@ def build_outer(cfg: Config, model: torch.nn.Module, topology: Topology, progres
         return NoOuter()
     if cfg.diloco.mode == "data_parallel":
         return CrossSiteDataParallel(model, cfg.diloco, topology)
-    if cfg.diloco.elastic:
-        return ElasticDiLoCo(model, cfg.diloco, topology, cfg.name, progress, scheduler, topology.fingerprint,
-                             tokens_per_step)
+    if cfg.diloco.elastic:  # a joiner takes the outer state, progress and schedule from a peer
+        membership = ElasticMembership(cfg.diloco, topology, cfg.name, topology.fingerprint)
+        for key, state in (("progress", progress), ("scheduler", Schedule(scheduler))):
+            membership.register_state_dict_fn(key, state.load_state_dict, state.state_dict)
+        return DiLoCo(model, cfg.diloco, topology, tokens_per_step, membership=membership)
     return DiLoCo(model, cfg.diloco, topology, tokens_per_step,
                   lr_factor=lambda step: lr_factor(step, cfg.train.steps, cfg.optim))
 
@@ -460,6 +475,7 @@ def _train(cfg: Config, world: World, topology: Topology) -> dict[str, Any]:
     keep = run.progress.step if found is not None or run.progress.step else -1
     metrics = MetricsLogger(cfg, run.run_dir, world.rank == 0, cfg.train.steps, run.progress.step, tag=tag,
                             keep_through=keep)
+    run.outer.attach(lambda event: metrics.log(run.progress.step, event, "membership"))
     if found is None:
         metrics.log(0, {"params": num_params(cfg.model), "ranks": world.world_size, "sites": world.site_count,
                         "run_id": run.run_id}, "run")

@@ -8,6 +8,7 @@ coordination store, never from torchrun's rendezvous, because each site is its o
 from __future__ import annotations
 
 import os
+import zlib
 from collections.abc import Callable
 from datetime import timedelta
 from typing import TypeVar
@@ -73,6 +74,20 @@ class GlobalGroup:
         opts.rootTensor = 0
         self.wait(self.pg.broadcast([tensor], opts), src if src != self.rank else "every site", "broadcast")
 
+    def broadcast_bytes(self, payload: bytes | None, src: int) -> bytes:
+        """`src`'s bytes on every member, sealed with the group's key (`payload` is read on `src` only)."""
+        fields = (self.next_call(), "broadcast", src, "all")
+        if self.rank == src:
+            sealed = self.auth.seal(torch.frombuffer(bytearray(payload), dtype=torch.uint8), self.context, fields)
+            size = torch.tensor([sealed.numel()], dtype=torch.int64)
+        else:
+            size = torch.zeros(1, dtype=torch.int64)
+        self.broadcast(size, src)
+        if self.rank != src:
+            sealed = torch.empty(int(size.item()), dtype=torch.uint8)
+        self.broadcast(sealed, src)
+        return bytes(self.auth.open(sealed, self.context, fields).numpy())
+
     def peers(self) -> list[int]:
         """The other sites, starting after this one: rotating the order spreads the load instead of
         every site sending to site 0 first."""
@@ -106,6 +121,18 @@ class GlobalGroup:
             return table
 
         return wait
+
+
+def crc32_of(tensors: list[torch.Tensor]) -> int:
+    crc = 0
+    for t in tensors:
+        crc = zlib.crc32(t.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes(), crc)
+    return crc
+
+
+def checksum_table(tensors: list[torch.Tensor], group: GlobalGroup) -> list[int]:
+    """crc32 of this rank's tensors (their bytes) on every member of the group (global group only)."""
+    return [int(c) for c in group.gather_scalars([float(crc32_of(tensors))])[:, 0].tolist()]
 
 
 def new_global_group(

@@ -1,6 +1,6 @@
-"""DiLoCo that survives sites dying, hanging, joining and leaving, with no master.
+"""Membership that survives sites dying, hanging, joining and leaving, with no master.
 
-Same contract as `DiLoCo` (zeroband/outer/diloco.py); what changes is how an outer step is carried out:
+`DiLoCo` (zeroband/outer/diloco.py) computes the outer step; this decides who takes part in it:
 each round goes through `RoundCoordinator` (zeroband/membership/rounds.py): the sites agree on the
 members, form this generation's global groups (fresh store prefix; survivors keep their processes
 and state), hand the outer state to members that lack it (joiners, restarted or dropped sites),
@@ -9,23 +9,26 @@ in a new generation with the same pseudo-gradients, never applying a partial res
 
 - Crash, hang or partition of a site: its heartbeat stops; waits and the all-reduce are abandoned
   as soon as a member is seen dead (within `dead_after_s`), or at the group timeout at worst.
-- Join: a site that starts while a run is going on waits for the next boundary, receives the outer
-  parameters, outer momentum and progress counters from a live peer over the global group,
-  checks them by checksum against every member, and trains from there. Sites keep fixed slots
+- Join: a site that starts while a run is going on waits for the next boundary, receives the state
+  dicts registered with `register_state_dict_fn` (the outer state, progress, schedule: what a
+  checkpoint saves) from a live peer over the global group, checks the outer state by checksum
+  against every member, and trains from there. Sites keep fixed slots
   (`site_rank` < `site_count`), and a slot's documents belong to it alone, so no shard is read by
   two sites; a re-joining slot continues from the data position it last published.
 - Leave (SIGTERM): the site writes `leave/<site>`, so nobody waits for its heartbeat to time out.
 - Quorum: a round proceeds with at least `min_sites` members once every expected live site has
   arrived or `grace_s` has passed; a late site's pseudo-gradient is dropped and it re-syncs from a
   peer at the next boundary (its local progress of that round is discarded).
+- Events: every decision the site acts on is also a structured record (`attach(sink)`; the loop
+  writes them to metrics.jsonl as kind "membership", shapes in docs/architecture.md).
 - Trust: members of a new generation admit each other with a challenge-response on the shared
   secret and compare config fingerprints (zeroband/membership/auth.py) before forming groups.
 """
 
 from __future__ import annotations
 
+import io
 import logging
-import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -33,19 +36,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zeroband.comm.group import OPEN, SECRET, GlobalGroup, new_global_group, rendezvous
+from zeroband.comm.group import OPEN, SECRET, GlobalGroup, checksum_table, new_global_group, rendezvous
 from zeroband.comm.mac import WireAuth
-from zeroband.comm.reduce import ReduceResult, SiteStats
 from zeroband.config import DilocoConfig
 from zeroband.membership.auth import PeerRefused, Verdict, admit
+from zeroband.membership.base import NOT_DONE, Event, Prepare
 from zeroband.membership.heartbeat import Heartbeat, Liveness, heartbeat_key, leave_key
 from zeroband.membership.rounds import Decision, RoundCoordinator
 from zeroband.membership.signed import SignedStore
 from zeroband.membership.store import open_store
 from zeroband.mesh import Topology
-from zeroband.outer.base import OuterStats
-from zeroband.outer.diloco import DiLoCo, checksum_table, site_stats
-from zeroband.testing.faults import maybe_inject, poison_due
 from zeroband.watchdog import Watch, read_by_all
 
 log = logging.getLogger(__name__)
@@ -55,13 +55,14 @@ class MemberLost(RuntimeError):
     pass
 
 
-class ElasticDiLoCo(DiLoCo):
-    def __init__(self, model: torch.nn.Module, cfg: DilocoConfig, topology: Topology, run_name: str,
-                 progress: Any, scheduler: Any, fingerprint: dict[str, str], tokens_per_step: int = 0) -> None:
-        super().__init__(model, cfg, topology, tokens_per_step)  # outer copy, outer optimizer, round clock
-        self.world = topology.world
-        self.boundary_step, self.round_tokens = 0, 0.0
-        self.progress, self.scheduler, self.fingerprint = progress, scheduler, fingerprint
+class LeftOut(Exception):
+    """This site was not in the round's decision: it joins the next boundary as a fresh site."""
+
+
+class ElasticMembership:
+    def __init__(self, cfg: DilocoConfig, topology: Topology, run_name: str, fingerprint: dict[str, str]) -> None:
+        self.cfg, self.topology, self.world, self.fingerprint = cfg, topology, topology.world, fingerprint
+        self.checksums: list[Callable[[], list[torch.Tensor]]] = []  # what must agree after a hand-over
         self.prefix = f"zeroband/{run_name}/elastic/"
         slots = range(self.world.site_count)
         self.secret = topology.secret
@@ -82,18 +83,51 @@ class ElasticDiLoCo(DiLoCo):
         self.group: GlobalGroup | None = None
         self.fresh = True  # until this site holds the run's current outer state
         self.round = 0
+        self.may_retry = True
+        self.handed: dict[str, tuple[Callable[[Any], None], Callable[[], Any]]] = {}
+        self.events: list[Event] = []
+        self.sink: Callable[[Event], None] | None = None
+
+    # ------------------------------------------------------------------ the protocol's small parts
+    @property
+    def holds_state(self) -> bool:
+        return not self.fresh
+
+    def rounds_done(self, local_rounds: int) -> int:
+        return self.round - 1  # rounds are the shared clock; round 0 was the start
+
+    def register_state_dict_fn(self, key: str, load_fn: Callable[[Any], None], save_fn: Callable[[], Any],
+                               checksum_fn: Callable[[], list[torch.Tensor]] | None = None) -> None:
+        self.handed[key] = (load_fn, save_fn)
+        if checksum_fn is not None:
+            self.checksums.append(checksum_fn)
+
+    def attach(self, sink: Callable[[Event], None]) -> None:
+        self.sink = sink
+        for event in self.events:
+            sink(event)
+        self.events.clear()
+
+    def emit(self, event: str, **fields: Any) -> None:
+        record = {"event": event, "site": self.world.site_rank, "round": self.round, **fields}
+        if self.sink is None:
+            self.events.append(record)
+        else:
+            self.sink(record)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"round": self.round}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.round = state.get("round", 0)
 
     # ------------------------------------------------------------------ start / join / leave
-    def start(self, resumed: bool = False) -> None:
-        """Take part in the round being formed: round 0 at launch, the next boundary when joining.
-
-        A resumed site is still fresh: the live run (or, after a full restart, the lowest site)
-        decides the state, so sites restarted from different checkpoints cannot diverge.
-        """
+    def start(self, resumed: bool) -> None:
+        """Find the round being formed: round 0 at launch, the next boundary when joining. A resumed
+        site is still fresh: the live run (or, after a full restart, the lowest site) decides the
+        state, so sites restarted from different checkpoints cannot diverge."""
         self.liveness.poll()
         self.round = self.rounds.committed_round() + 1
-        while self.fresh:
-            self._round(pseudo_gradient=None)
 
     def leave(self) -> None:
         """Announce the departure, stop the heartbeat thread and drop the group (clean exit)."""
@@ -104,54 +138,43 @@ class ElasticDiLoCo(DiLoCo):
             self.heartbeat = None
         self.group = None
 
-    # ------------------------------------------------------------------ the outer step
-    def finished(self, step: int, total_steps: int) -> bool:
-        if self.cfg.round_seconds:  # rounds are the shared clock; round 0 was the start
-            return self.round > total_steps // self.cfg.inner_steps
-        return step >= total_steps
-
-    def after_inner_step(self, step: int, sync_point: bool = False) -> OuterStats | None:
-        if not self.clock.tick(step):
-            return None
-        self.boundary_step = step + 1
-        self.poison = poison_due(step + 1, self.world.site_rank, self.world.rank)
-        self.round_tokens = self.clock.take_tokens()
-        with torch.no_grad():
-            grads = None if self.fresh else self._pseudo_gradient()
-            return self._round(grads)
-
-    @torch.no_grad()
-    def _round(self, pseudo_gradient: list[torch.Tensor] | None) -> OuterStats | None:
-        """One outer step; a site left out of it waits for the next boundary as a joiner."""
+    # ------------------------------------------------------------------ one round
+    def run_round(self, prepare: Prepare) -> Any:
+        """One outer round; a site left out of it waits for the next boundary as a joiner."""
         while True:
-            left_out, stats = self._try_round(pseudo_gradient)
-            if not left_out:
-                return stats
-            pseudo_gradient = None  # fresh now: its own progress of this round is dropped
+            try:
+                return self._try_round(prepare)
+            except LeftOut:
+                continue  # fresh now: its own progress of this round is dropped
 
-    def _try_round(self, pseudo_gradient: list[torch.Tensor] | None) -> tuple[bool, OuterStats | None]:
-        t0 = time.perf_counter()
+    def _try_round(self, prepare: Prepare) -> Any:
         for attempt in range(self.cfg.max_retries + 1):
             decision = self._decide(attempt)
             log.info("site %d round %d attempt %d: %s", self.world.site_rank, self.round, attempt, decision)
+            self.emit("decision", attempt=attempt, members=decision.members, fresh=decision.fresh,
+                      generation=decision.generation)
             self._refuse_if_foreign(decision)
             stale = self.fresh and self.world.site_rank not in decision.fresh  # decided before we (re)started
             if self.world.site_rank not in decision.members or stale:
                 log.warning("round %d: left out (late, presumed dead, or a decision from before a restart); "
                             "joining the next boundary", self.round)
+                self.emit("left_out", attempt=attempt, members=decision.members, fresh=decision.fresh,
+                          generation=decision.generation)
                 self.fresh, self.round = True, self.round + 1
-                return True, None
-            outcome = self._attempt(decision, pseudo_gradient)
-            verdict = self.rounds.vote_and_verdict(self.round, attempt, decision, self._site_ok(outcome is not None),
-                                                   self.cfg.timeout_s)
+                raise LeftOut
+            work = prepare(not self.fresh, self.round > 0)
+            outcome = self._attempt(decision, work)
+            verdict = self.rounds.vote_and_verdict(self.round, attempt, decision,
+                                                   self._site_ok(outcome is not NOT_DONE), self.cfg.timeout_s)
             if verdict == "commit":
-                return False, self._commit(decision, outcome, time.perf_counter() - t0)
+                return self._commit(decision, attempt, outcome)
             log.warning("round %d attempt %d aborted (members %s); retrying", self.round, attempt, decision.members)
+            self.emit("aborted", attempt=attempt, members=decision.members, generation=decision.generation)
             self.group = None  # a group that saw a failure is not trusted again
         log.error("round %d failed %d times: skipped, local progress kept", self.round, self.cfg.max_retries + 1)
+        self.emit("skipped", attempts=self.cfg.max_retries + 1)
         self.round += 1
-        return False, None
-
+        return NOT_DONE
     def _refuse_if_foreign(self, decision: Decision) -> None:
         """Alone, while other slots' heartbeats are there but fail our key: we hold another secret.
         Stop with the admission error rather than train alone (the others do not see us either)."""
@@ -188,47 +211,35 @@ class ElasticDiLoCo(DiLoCo):
             return self.generation
         return self.topology.store.add(self.prefix + "generation", 1)
 
-    def _attempt(self, decision: Decision, pseudo_gradient: list[torch.Tensor] | None) -> tuple | None:
-        """Groups, state hand-over, all-reduce; None if anything failed (the vote then aborts).
-
-        Site-group collectives happen only here on the main thread, before and after the watched
-        thread: an abandoned thread must never hold a site collective that the others would then
-        match with a different one.
-        """
-        if self.round == 0:
-            grads, stats = None, None
-        elif pseudo_gradient is None:  # fresh: takes part, contributes nothing
-            grads, stats = [torch.zeros_like(o) for o in self.outer], SiteStats(0.0, 0.0, 0.0, abstain=True)
-        else:
-            grads = [g.clone() for g in pseudo_gradient]  # the original survives an aborted attempt
-            stats = site_stats(grads, self.topology, self.round_tokens)
+    def _attempt(self, decision: Decision, work: Callable[[GlobalGroup], Any]) -> Any:
+        """Groups, state hand-over, the outer loop's `work`; NOT_DONE if anything failed (the vote
+        then aborts). Site-group collectives happen only on the main thread, before and after the
+        watched thread: an abandoned thread must never hold a site collective that the others would
+        then match with a different one."""
         try:
-            crcs, result = self._watched(decision, lambda: self._exchange(decision, grads, stats))
+            crcs, result = self._watched(decision, lambda: self._exchange(decision, work))
         except PeerRefused as e:
             if self.world.site_rank not in [decision.members[i] for i in e.admitted]:
                 self.leave()  # we are the foreign peer: stop, and let the others go on without us
                 raise
             log.error("round %d: %s", self.round, e)
             self.group = None
-            return None
+            return NOT_DONE
         except Exception as e:  # every failure is voted on, never applied
             log.warning("round %d: attempt failed on site %d rank %d: %s", self.round, self.world.site_rank,
                         self.world.rank, e)
             self.group = None
-            return None
+            return NOT_DONE
         if crcs is not None and len(set(crcs)) > 1:
             log.error("round %d: outer state differs between members after hand-over: %s", self.round, crcs)
-            return None
-        return (grads, result, stats)
+            return NOT_DONE
+        return result
 
-    def _exchange(self, decision: Decision, grads: list[torch.Tensor] | None,
-                  stats: SiteStats | None) -> tuple[list[int] | None, ReduceResult | None]:
+    def _exchange(self, decision: Decision, work: Callable[[GlobalGroup], Any]) -> tuple[list[int] | None, Any]:
         """Everything that crosses sites in one attempt (global groups and the store only)."""
         self._ensure_group(decision)
-        maybe_inject("allreduce", self.boundary_step, self.world.site_rank, self.world.rank)
-        crcs = self._transfer_state(decision) if decision.fresh else None
-        result = self.reduce(grads, stats) if grads is not None else None
-        return crcs, result
+        crcs = self._hand_over(decision) if decision.fresh else None
+        return crcs, work(self.group)
 
     def _site_ok(self, ok: bool) -> bool:
         flag = torch.tensor([1.0 if ok else 0.0], device=self.world.device)
@@ -258,46 +269,27 @@ class ElasticDiLoCo(DiLoCo):
         self.watch.current = "the members (forming the group)"
         return self.watch.run(work, f"round {self.round} exchange", check)
 
-    def _commit(self, decision: Decision, outcome: tuple, elapsed: float) -> OuterStats | None:
-        grads, result, stats = outcome
+    def _commit(self, decision: Decision, attempt: int, outcome: Any) -> Any:
         self.fresh, self.members = False, decision.members
         if self.world.site_rank == decision.donor and self.world.rank == 0:
             self.rounds.mark_committed(self.round)
+        self.emit("commit", attempt=attempt, members=decision.members, generation=decision.generation,
+                  joined=decision.fresh)
         self.round += 1
-        if result is None:  # round 0: the state hand-over was the whole round
-            for t, o in zip(self.local, self.outer):
-                t.copy_(o.to(t.device, t.dtype))
-            return None
-        self._apply(grads, result)
-        for t, o in zip(self.local, self.outer):
-            t.copy_(o.to(t.device, t.dtype))
-        return self._stats(result, stats, grads, elapsed, elapsed, overlapped=False)
+        return outcome
 
     # ------------------------------------------------------------------ state hand-over
-    def _transfer_state(self, decision: Decision) -> list[int]:
-        """The donor's outer parameters, momentum and counters to every member; returns the members' checksums."""
+    def _hand_over(self, decision: Decision) -> list[int]:
+        """The donor's registered state dicts (what a checkpoint saves) to every member, sealed with
+        the run's key and read with weights_only=True; returns the members' checksums."""
         src = decision.members.index(decision.donor)
-        for o in self.outer:
-            self.group.broadcast(o, src)
-        for o in self.outer:
-            state = self.optimizer.state[o]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(o)
-            self.group.broadcast(state["momentum_buffer"], src)
-        counters = torch.tensor([self.outer_step, self.progress.step, self.progress.tokens], dtype=torch.float64)
-        self.group.broadcast(counters, src)
-        self.outer_step, self.progress.step, self.progress.tokens = (int(x) for x in counters.tolist())
-        self.scheduler.last_epoch = self.progress.step
-        for group, lr in zip(self.scheduler.optimizer.param_groups, self.scheduler.get_lr()):
-            group["lr"] = lr
-        return checksum_table(self.checksum_tensors(), self.group)
-
-    # ------------------------------------------------------------------ checkpointing
-    def state_dict(self) -> dict[str, Any]:
-        state = super().state_dict()
-        state["round"] = self.round
-        return state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
-        self.round = state.get("round", 0)
+        payload = None
+        if self.group.rank == src:
+            buf = io.BytesIO()
+            torch.save({key: save() for key, (_, save) in self.handed.items()}, buf)
+            payload = buf.getvalue()
+        state = torch.load(io.BytesIO(self.group.broadcast_bytes(payload, src)), weights_only=True)
+        if self.group.rank != src:
+            for key, (load, _) in self.handed.items():
+                load(state[key])
+        return checksum_table([t for fn in self.checksums for t in fn()], self.group)

@@ -1,10 +1,20 @@
-"""What every outer method shares: the statistics of an outer step, the round clock, and `NoOuter`."""
+"""What every outer method shares: the `Outer` protocol the loop talks to, the statistics of an
+outer step, the round clock, and `NoOuter`.
+
+The loop (zeroband/train.py) calls, and nothing else: `start(resumed)` once before the first
+step; `sync_gradients()` between backward and the inner optimizer step; `after_inner_step(step,
+sync_point)` after every inner step (an outer step when a round ends; `sync_point` asks for a
+blocking one, after which every site holds the same bits); `finished(step, total_steps)`;
+`leave()` on the way out; `attach(sink)` for structured events; `state_dict` / `load_state_dict`
+for checkpoints. Nothing below the loop writes the loop's own state (progress, schedule).
+"""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from zeroband.config import DilocoConfig
 
@@ -28,8 +38,29 @@ class OuterStats:
         return asdict(self)
 
 
+class Outer(Protocol):
+    def start(self, resumed: bool = False) -> None: ...
+
+    def leave(self) -> None: ...
+
+    def sync_gradients(self) -> None: ...
+
+    def after_inner_step(self, step: int, sync_point: bool = False) -> OuterStats | None: ...
+
+    def finished(self, step: int, total_steps: int) -> bool: ...
+
+    def attach(self, sink: Callable[[dict[str, Any]], None]) -> None: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
 class NoOuter:
     """No outer loop: a plain one-site run."""
+
+    def attach(self, sink: Callable[[dict[str, Any]], None]) -> None:
+        pass
 
     def start(self, resumed: bool = False) -> None:
         pass
@@ -80,9 +111,13 @@ class RoundClock:
         self.steps_in_round, self.round_start = 0, time.monotonic()
         return float(tokens)
 
-    def finished(self, step: int, total_steps: int) -> bool:
+    def finished(self, step: int, total_steps: int, rounds_done: int | None = None) -> bool:
+        """The one rule for when a run ends: after train.steps inner steps, or with a time budget
+        after train.steps // inner_steps rounds (`rounds_done`: the run's, when a membership keeps
+        the shared count; this site's own otherwise)."""
         if self.cfg.round_seconds:
-            return self.rounds >= total_steps // self.cfg.inner_steps
+            done = self.rounds if rounds_done is None else rounds_done
+            return done >= total_steps // self.cfg.inner_steps
         return step >= total_steps
 
     def state_dict(self) -> dict[str, int]:

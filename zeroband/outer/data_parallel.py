@@ -10,16 +10,17 @@ communication totals are reported.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from zeroband.comm.reduce import reduce_across_sites
 from zeroband.config import DilocoConfig
+from zeroband.membership.base import agree_on_run
 from zeroband.mesh import Topology
 from zeroband.outer.base import OuterStats
 from zeroband.outer.diloco import (
-    agree_on_run,
     broadcast_from_site0,
     local_shard,
     site_stats,
@@ -36,6 +37,9 @@ class CrossSiteDataParallel:
         self.reports = 0
 
     def leave(self) -> None:
+        pass
+
+    def attach(self, sink: Callable[[dict[str, Any]], None]) -> None:
         pass
 
     def start(self, resumed: bool = False) -> None:

@@ -52,23 +52,20 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import zlib
 from collections.abc import Callable
 from dataclasses import replace
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from zeroband.comm.group import GlobalGroup
+from zeroband.comm.group import GlobalGroup, checksum_table, crc32_of
 from zeroband.comm.reduce import ReduceResult, SiteStats, reduce_across_sites
 from zeroband.config import DilocoConfig
-from zeroband.membership.auth import admit
+from zeroband.membership.base import NOT_DONE, FixedMembership, Membership
 from zeroband.mesh import Topology
 from zeroband.outer.base import OuterStats, RoundClock
-from zeroband.testing.faults import maybe_inject, poison_due
 
 log = logging.getLogger(__name__)
 
@@ -105,18 +102,6 @@ def broadcast_from_site0(tensors: list[torch.Tensor], topology: Topology) -> Non
         t.copy_(buf)
 
 
-def crc32_of(tensors: list[torch.Tensor]) -> int:
-    crc = 0
-    for t in tensors:
-        crc = zlib.crc32(t.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes(), crc)
-    return crc
-
-
-def checksum_table(tensors: list[torch.Tensor], group: GlobalGroup) -> list[int]:
-    """crc32 of this rank's tensors (their bytes) on every member of the group (global group only)."""
-    return [int(c) for c in group.gather_scalars([float(crc32_of(tensors))])[:, 0].tolist()]
-
-
 def verify_identical(tensors: list[torch.Tensor], topology: Topology, when: str) -> None:
     """crc32 of this rank's tensors on every site must agree (on every shard); raises if not."""
     group = topology.global_group
@@ -127,16 +112,6 @@ def verify_identical(tensors: list[torch.Tensor], topology: Topology, when: str)
         raise RuntimeError(
             f"sites disagree after {when}: checksums of shard {topology.world.rank} per site are {table}"
         )
-
-
-def agree_on_run(topology: Topology, timeout_s: float) -> None:
-    """Before anything crosses the global group: every site proves the shared secret and shows the
-    same settings (`topology.fingerprint`); else PeerRefused on every site, naming each differing
-    key with both values (zeroband/membership/auth.py). Settings that agree also fix every
-    message's size, so a misconfigured site can never make gloo abort on a wrong-size message."""
-    group = topology.global_group
-    admit(topology.store, group.prefix, group.rank, group.size, topology.secret, topology.fingerprint,
-          timedelta(seconds=timeout_s))
 
 
 class _InFlight:
@@ -174,13 +149,13 @@ def outer_preview(theta: torch.Tensor, buf: torch.Tensor | None, d: torch.Tensor
 
 class DiLoCo:
     def __init__(self, model: torch.nn.Module, cfg: DilocoConfig, topology: Topology, tokens_per_step: int = 0,
-                 lr_factor: Callable[[int], float] | None = None) -> None:
-        """`topology.global_group` is the fixed cross-site group (None only for ElasticDiLoCo, which
-        builds one per generation). `lr_factor(step)` is the inner schedule's multiplier (used by
-        `outer_lr_schedule = "inner"`)."""
+                 lr_factor: Callable[[int], float] | None = None, membership: Membership | None = None) -> None:
+        """`membership` says who takes part in each round; by default every site, on the fixed
+        `topology.global_group` (zeroband/membership/). `lr_factor(step)` is the inner schedule's
+        multiplier (used by `outer_lr_schedule = "inner"`)."""
         self.cfg = cfg
         self.topology = topology
-        self.group = topology.global_group
+        self.membership = membership or FixedMembership(topology, cfg.timeout_s)
         self.local = [local_shard(p) for p in model.parameters()]
         self.outer = [t.detach().to("cpu", torch.float32, copy=True) for t in self.local]
         self.optimizer = torch.optim.SGD(
@@ -189,17 +164,31 @@ class DiLoCo:
         self.outer_step = 0
         self.error_feedback: dict[int, torch.Tensor] | None = {} if cfg.error_feedback else None
         self.in_flight: _InFlight | None = None
-        self.poison = False
         self.clock = RoundClock(cfg, tokens_per_step)
         self.lr_factor = lr_factor or (lambda step: 1.0)
         self.boundary_step = 0  # inner steps done at the current boundary
+        self.membership.register_state_dict_fn("outer", self.load_shared_state_dict, self.shared_state_dict,
+                                               self.checksum_tensors)
+
+    def attach(self, sink: Callable[[dict[str, Any]], None]) -> None:
+        self.membership.attach(sink)
+
+    @property
+    def group(self) -> GlobalGroup | None:
+        """The cross-site group of the current round."""
+        return self.membership.group
 
     # ------------------------------------------------------------------ start: identical replicas
     @torch.no_grad()
     def start(self, resumed: bool = False) -> None:
         """Fresh: every site takes site 0's parameters. Resumed: prove all sites loaded the same state.
-        First of all, the sites prove the secret and agree on the run's settings."""
-        agree_on_run(self.topology, self.cfg.timeout_s)
+        First of all, the sites prove the secret and agree on the run's settings. A site that does
+        not hold the run's state (elastic) takes rounds until a peer handed it over."""
+        self.membership.start(resumed)
+        if not self.membership.holds_state:
+            while not self.membership.holds_state:
+                self._round(None, 0.0, time.perf_counter(), 0.0)
+            return
         if resumed:
             verify_identical(self.checksum_tensors(), self.topology, "resume")
             return
@@ -209,7 +198,7 @@ class DiLoCo:
         verify_identical(self.outer, self.topology, "initial broadcast")
 
     def leave(self) -> None:
-        pass  # a fixed group has no membership: the others will fail at the next all-reduce
+        self.membership.leave()
 
     def sync_gradients(self) -> None:
         pass
@@ -220,31 +209,52 @@ class DiLoCo:
 
     # ------------------------------------------------------------------ the outer step
     def finished(self, step: int, total_steps: int) -> bool:
-        return self.clock.finished(step, total_steps)
+        return self.clock.finished(step, total_steps, self.membership.rounds_done(self.clock.rounds))
 
     def after_inner_step(self, step: int, sync_point: bool = False) -> OuterStats | None:
         if not self.clock.tick(step):
             return self._land_in_flight(step) if self.in_flight else None
         self.boundary_step = step + 1
-        maybe_inject("allreduce", step + 1, self.topology.world.site_rank, self.topology.world.rank)
-        self.poison = poison_due(step + 1, self.topology.world.site_rank, self.topology.world.rank)
         if self.cfg.overlap and not sync_point:
             return self._overlapped_boundary()
         return self._blocking_boundary()
 
     @torch.no_grad()
-    def _blocking_boundary(self) -> OuterStats:
+    def _blocking_boundary(self) -> OuterStats | None:
         t0 = time.perf_counter()
         waited = self._complete_in_flight() if self.in_flight else 0.0
-        grads = self._pseudo_gradient()
-        stats = site_stats(grads, self.topology, self.clock.take_tokens())
+        grads = self.pseudo_gradient() if self.membership.holds_state else None
+        return self._round(grads, self.clock.take_tokens(), t0, waited)
+
+    def _round(self, grads: list[torch.Tensor] | None, tokens: float, t0: float, waited: float) -> OuterStats | None:
+        """One blocking outer step through the membership; `grads` None: this site has no
+        pseudo-gradient (it waits for the run's state) and takes part without contributing."""
+        kept: dict[str, Any] = {"stats_s": 0.0}
+
+        def prepare(contribute: bool, reduce: bool) -> Callable[[GlobalGroup], ReduceResult | None]:
+            if not reduce:  # elastic round 0: the state hand-over is the whole round
+                return lambda group: None
+            t1 = time.perf_counter()
+            if contribute and grads is not None:  # a retried attempt starts again from the originals
+                mine = [g.clone() for g in grads] if self.membership.may_retry else grads
+                stats = site_stats(mine, self.topology, tokens)
+            else:
+                mine, stats = [torch.zeros_like(o) for o in self.outer], SiteStats(0.0, 0.0, 0.0, abstain=True)
+            kept.update(grads=mine, stats=stats, stats_s=kept["stats_s"] + time.perf_counter() - t1)
+            return lambda group: self.reduce(mine, stats, group)
+
         t1 = time.perf_counter()
-        result = self.group.watched(lambda: self.reduce(grads, stats), "outer all-reduce")
-        comm_s = waited + time.perf_counter() - t1
-        self._apply(grads, result)
+        result = self.membership.run_round(prepare)
+        comm_s = waited + time.perf_counter() - t1 - kept["stats_s"]
+        if result is NOT_DONE:
+            return None  # the round did not count: local progress kept
+        if result is not None:
+            self._apply(kept["grads"], result)
         for t, o in zip(self.local, self.outer):
             t.copy_(o.to(t.device, t.dtype))
-        return self._stats(result, stats, grads, comm_s, time.perf_counter() - t0, overlapped=False)
+        if result is None:
+            return None
+        return self._stats(result, kept["stats"], kept["grads"], comm_s, time.perf_counter() - t0, overlapped=False)
 
     @torch.no_grad()
     def _overlapped_boundary(self) -> OuterStats | None:
@@ -289,17 +299,18 @@ class DiLoCo:
             t.copy_((o + (t.detach().to("cpu", torch.float32) - s)).to(t.device, t.dtype))
         return waited
 
-    def _pseudo_gradient(self) -> list[torch.Tensor]:
-        grads = [o - t.detach().to("cpu", torch.float32) for o, t in zip(self.outer, self.local)]
-        if self.poison:  # injected fault: a site whose pseudo-gradient went bad
-            grads[0].view(-1)[0] = float("nan")
-        return grads
+    def pseudo_gradient(self) -> list[torch.Tensor]:
+        """Outer copy - local shard (fp32, CPU): the list about to be averaged (fixed and elastic)."""
+        return [o - t.detach().to("cpu", torch.float32) for o, t in zip(self.outer, self.local)]
 
-    def reduce(self, grads: list[torch.Tensor], stats: SiteStats) -> ReduceResult:
+    def _pseudo_gradient(self) -> list[torch.Tensor]:
+        return self.pseudo_gradient()  # through the attribute, so a wrapped pseudo_gradient is seen
+
+    def reduce(self, grads: list[torch.Tensor], stats: SiteStats, group: GlobalGroup | None = None) -> ReduceResult:
         if self.cfg.log_checksum and not stats.abstain:  # compared across sites by the reduce itself
             stats = replace(stats, crc=float(crc32_of(self.checksum_tensors())))
         bucket = int(self.cfg.bucket_mb * 2**20)
-        return reduce_across_sites(grads, stats, self.group, self.cfg.comm_dtype, bucket, self.error_feedback,
+        return reduce_across_sites(grads, stats, group or self.group, self.cfg.comm_dtype, bucket, self.error_feedback,
                                    self.cfg.outlier_factor, weight_by_tokens=self.cfg.round_seconds > 0)
 
     def _apply(self, grads: list[torch.Tensor], result: ReduceResult) -> None:
@@ -344,13 +355,24 @@ class DiLoCo:
         if self.in_flight is not None:
             raise RuntimeError("checkpoint with an outer all-reduce in flight: save only at sync points")
         return {"outer": [o.clone() for o in self.outer], "optimizer": self.optimizer.state_dict(),
-                "outer_step": self.outer_step, "error_feedback": self.error_feedback, "clock": self.clock.state_dict()}
+                "outer_step": self.outer_step, "error_feedback": self.error_feedback, "clock": self.clock.state_dict(),
+                **self.membership.state_dict()}
+
+    def shared_state_dict(self) -> dict[str, Any]:
+        """What a site joining the run takes from a peer: the state dict less this site's own parts
+        (quantisation residual, round clock, membership)."""
+        own = {"error_feedback", "clock", *self.membership.state_dict()}
+        return {k: v for k, v in self.state_dict().items() if k not in own}
 
     @torch.no_grad()
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_shared_state_dict(self, state: dict[str, Any]) -> None:
         for o, saved in zip(self.outer, state["outer"], strict=True):
             o.copy_(saved)
         self.optimizer.load_state_dict(state["optimizer"])
         self.outer_step = state["outer_step"]
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.load_shared_state_dict(state)
         self.error_feedback = state.get("error_feedback", self.error_feedback)
         self.clock.load_state_dict(state.get("clock", {"rounds": 0}))
+        self.membership.load_state_dict(state)
