@@ -187,7 +187,7 @@ def summarise(args: argparse.Namespace, dtype: str, outer: list[dict[str, Any]],
     # The last site to arrive waits least: the minimum over sites is closest to the outer step's own work.
     outer_min_s = statistics.fmean(min(v) for v in by_step.values())
     return {
-        "payload_bytes": payload, "wire_bytes_ring_est": ring * payload, "wire_bytes_logged": outer[-1]["wire_bytes_est"],
+        "payload_bytes": payload, "wire_bytes_ring_est": ring * payload, "wire_bytes_logged": outer[-1]["wire_bytes"],
         "shard_numel_from_payload": shard_numel, "dp_fp32_ring_bytes_over_h": dp_bytes,
         "reduction_factor": dp_bytes / (ring * payload),
         "outer_step_s_mean": outer_s, "outer_step_s_max": max(r["outer_step_s"] for r in outer),

@@ -390,7 +390,7 @@ def summarise_zeroband(args: argparse.Namespace, records: list[list[dict[str, An
     out = {
         "system": "zeroband", **st, "sync_s": statistics.fmean(o["outer_step_s"] for o in in_window),
         "allreduce_s": statistics.fmean(o["allreduce_s"] for o in in_window),
-        "payload_bytes": outer[0][-1]["payload_bytes"], "computed_wire_bytes_per_sync": outer[0][-1]["wire_bytes_est"],
+        "payload_bytes": outer[0][-1]["payload_bytes"], "computed_wire_bytes_per_sync": outer[0][-1]["wire_bytes"],
         "startup_s": None, **final_losses(args, [[r["loss"] for r in t] for t in train]),
         "val_loss": val[-1]["val_loss"] if val else None,
     }

@@ -432,7 +432,6 @@ def train_loop(run: Run, metrics: MetricsLogger) -> dict[str, Any]:
         progress.tokens += tokens_per_step
         losses.append(loss)
         window.add(loss, tokens_per_step)
-        maybe_inject("inner", progress.step, world.site_rank, world.rank)
 
         sync_point = should_save(cfg, progress.step, False) or progress.step == cfg.train.steps
         outer_stats = run.outer.after_inner_step(progress.step - 1, sync_point=sync_point)

@@ -163,11 +163,11 @@ def summarise(spec: Spec, records: list[dict[str, Any]], tokens_per_site_step: i
     for v in val:
         done = [o for o in outer if o["step"] <= v["step"]]
         curve.append({"step": v["step"], "tokens": v["step"] * tokens_per_site_step * spec.sites,
-                      "val_loss": v["val_loss"], "wire_bytes": sum(o["wire_bytes_est"] for o in done)})
+                      "val_loss": v["val_loss"], "wire_bytes": sum(o["wire_bytes"] for o in done)})
     return {**asdict(spec), "val_loss": val[-1]["val_loss"], "val_bpb": val[-1]["val_bpb"],
             "tokens": spec.steps * tokens_per_site_step * spec.sites, "wall_s": wall_s,
             "payload_bytes": sum(o["payload_bytes"] for o in outer),
-            "wire_bytes": sum(o["wire_bytes_est"] for o in outer), "outer_steps": len(outer), "curve": curve}
+            "wire_bytes": sum(o["wire_bytes"] for o in outer), "outer_steps": len(outer), "curve": curve}
 
 
 def run_all(specs: list[Spec], base: dict[str, Any], cache: Path, workers: int) -> list[dict[str, Any]]:

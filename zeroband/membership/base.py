@@ -28,6 +28,27 @@ NOT_DONE = object()  # run_round's result when the round did not count
 Event = dict[str, Any]
 
 
+class EventLog:
+    """Structured membership events ("membership" records of metrics.jsonl, shapes in
+    docs/architecture.md); events before `attach` (the join inside `start`) are kept until then."""
+
+    def __init__(self, site: int) -> None:
+        self.site, self.pending, self.sink = site, [], None
+
+    def attach(self, sink: Callable[[Event], None]) -> None:
+        self.sink = sink
+        for event in self.pending:
+            sink(event)
+        self.pending.clear()
+
+    def emit(self, event: str, **fields: Any) -> None:
+        record = {"event": event, "site": self.site, **fields}
+        if self.sink is None:
+            self.pending.append(record)
+        else:
+            self.sink(record)
+
+
 def agree_on_run(topology: Topology, timeout_s: float) -> None:
     """Before anything crosses the global group: every site proves the shared secret and shows the
     same settings (`topology.fingerprint`); else PeerRefused on every site, naming each differing

@@ -40,7 +40,7 @@ from zeroband.comm.group import OPEN, SECRET, GlobalGroup, checksum_table, new_g
 from zeroband.comm.mac import WireAuth
 from zeroband.config import DilocoConfig
 from zeroband.membership.auth import PeerRefused, Verdict, admit
-from zeroband.membership.base import NOT_DONE, Event, Prepare
+from zeroband.membership.base import NOT_DONE, Event, EventLog, Prepare
 from zeroband.membership.heartbeat import Heartbeat, Liveness, heartbeat_key, leave_key
 from zeroband.membership.rounds import Decision, RoundCoordinator
 from zeroband.membership.signed import SignedStore
@@ -85,8 +85,7 @@ class ElasticMembership:
         self.round = 0
         self.may_retry = True
         self.handed: dict[str, tuple[Callable[[Any], None], Callable[[], Any]]] = {}
-        self.events: list[Event] = []
-        self.sink: Callable[[Event], None] | None = None
+        self.events = EventLog(self.world.site_rank)
 
     # ------------------------------------------------------------------ the protocol's small parts
     @property
@@ -103,17 +102,10 @@ class ElasticMembership:
             self.checksums.append(checksum_fn)
 
     def attach(self, sink: Callable[[Event], None]) -> None:
-        self.sink = sink
-        for event in self.events:
-            sink(event)
-        self.events.clear()
+        self.events.attach(sink)
 
     def emit(self, event: str, **fields: Any) -> None:
-        record = {"event": event, "site": self.world.site_rank, "round": self.round, **fields}
-        if self.sink is None:
-            self.events.append(record)
-        else:
-            self.sink(record)
+        self.events.emit(event, round=self.round, **fields)
 
     def state_dict(self) -> dict[str, Any]:
         return {"round": self.round}
@@ -153,7 +145,7 @@ class ElasticMembership:
             log.info("site %d round %d attempt %d: %s", self.world.site_rank, self.round, attempt, decision)
             self.emit("decision", attempt=attempt, members=decision.members, fresh=decision.fresh,
                       generation=decision.generation)
-            self._refuse_if_foreign(decision)
+            refuse_if_foreign(self, decision)
             stale = self.fresh and self.world.site_rank not in decision.fresh  # decided before we (re)started
             if self.world.site_rank not in decision.members or stale:
                 log.warning("round %d: left out (late, presumed dead, or a decision from before a restart); "
@@ -175,28 +167,6 @@ class ElasticMembership:
         self.emit("skipped", attempts=self.cfg.max_retries + 1)
         self.round += 1
         return NOT_DONE
-    def _refuse_if_foreign(self, decision: Decision) -> None:
-        """Alone, while other slots' heartbeats are there but fail our key: we hold another secret.
-        Stop with the admission error rather than train alone (the others do not see us either)."""
-        me = self.world.site_rank
-        if decision.members != [me] or not self.fresh:
-            return
-        refused = self.liveness.store.refused
-        why = {s: refused[heartbeat_key(self.prefix, s)] for s in range(self.world.site_count)
-               if s != me and heartbeat_key(self.prefix, s) in refused}
-        if not why:
-            return
-        self.leave()
-        if "bad-mac" in why.values():
-            reason = f"wrong shared secret: the store values of sites {sorted(why)} do not verify under this site's"
-        else:  # a secret on one side only
-            marks = {me: OPEN if self.secret is None else SECRET} | {s: OPEN if r == "unsigned" else SECRET
-                                                                       for s, r in why.items()}
-            who = ", ".join(f"site {s} {m}" for s, m in sorted(marks.items()))
-            reason = f"sites disagree on admission ({who}); set the same diloco.secret or ZEROBAND_SECRET on every site"
-        # the others see the same mismatch about now; give them time to read it before the store may go
-        read_by_all(self.topology.store, f"{self.prefix}refused/", me, self.world.site_count, 2 * self.cfg.dead_after_s)
-        raise PeerRefused(me, Verdict([], {me: reason}))
 
     def _decide(self, attempt: int) -> Decision:
         expected = set(range(self.world.site_count)) if self.round == 0 else set(self.members)
@@ -280,16 +250,45 @@ class ElasticMembership:
 
     # ------------------------------------------------------------------ state hand-over
     def _hand_over(self, decision: Decision) -> list[int]:
-        """The donor's registered state dicts (what a checkpoint saves) to every member, sealed with
-        the run's key and read with weights_only=True; returns the members' checksums."""
-        src = decision.members.index(decision.donor)
-        payload = None
-        if self.group.rank == src:
-            buf = io.BytesIO()
-            torch.save({key: save() for key, (_, save) in self.handed.items()}, buf)
-            payload = buf.getvalue()
-        state = torch.load(io.BytesIO(self.group.broadcast_bytes(payload, src)), weights_only=True)
-        if self.group.rank != src:
-            for key, (load, _) in self.handed.items():
-                load(state[key])
+        """The donor's registered state to every member; returns the members' checksums."""
+        hand_over(self.group, decision.members.index(decision.donor), self.handed)
         return checksum_table([t for fn in self.checksums for t in fn()], self.group)
+
+
+def hand_over(group: GlobalGroup, src: int, handed: dict[str, tuple[Callable[[Any], None], Callable[[], Any]]]) -> None:
+    """Member `src`'s registered state dicts (what a checkpoint saves) loaded on every other member:
+    sealed with the run's key (a forged or replayed payload fails before it is read) and read
+    with weights_only=True (tensors and plain values only)."""
+    payload = None
+    if group.rank == src:
+        buf = io.BytesIO()
+        torch.save({key: save() for key, (_, save) in handed.items()}, buf)
+        payload = buf.getvalue()
+    state = torch.load(io.BytesIO(group.broadcast_bytes(payload, src)), weights_only=True)
+    if group.rank != src:
+        for key, (load, _) in handed.items():
+            load(state[key])
+
+
+def refuse_if_foreign(member: ElasticMembership, decision: Decision) -> None:
+    """Alone, while other slots' heartbeats are there but fail our key: we hold another secret.
+    Stop with the admission error rather than train alone (the others do not see us either)."""
+    me = member.world.site_rank
+    if decision.members != [me] or not member.fresh:
+        return
+    refused = member.liveness.store.refused
+    why = {s: refused[heartbeat_key(member.prefix, s)] for s in range(member.world.site_count)
+           if s != me and heartbeat_key(member.prefix, s) in refused}
+    if not why:
+        return
+    member.leave()
+    if "bad-mac" in why.values():
+        reason = f"wrong shared secret: the store values of sites {sorted(why)} do not verify under this site's"
+    else:  # a secret on one side only
+        marks = {me: OPEN if member.secret is None else SECRET} | {s: OPEN if r == "unsigned" else SECRET
+                                                                   for s, r in why.items()}
+        who = ", ".join(f"site {s} {m}" for s, m in sorted(marks.items()))
+        reason = f"sites disagree on admission ({who}); set the same diloco.secret or ZEROBAND_SECRET on every site"
+    # the others see the same mismatch about now; give them time to read it before the store may go
+    read_by_all(member.topology.store, f"{member.prefix}refused/", me, member.world.site_count, 2 * member.cfg.dead_after_s)
+    raise PeerRefused(me, Verdict([], {me: reason}))

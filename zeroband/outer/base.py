@@ -25,7 +25,7 @@ class OuterStats:
     allreduce_s: float  # time the main thread waited for communication
     outer_step_s: float  # whole outer step on the main thread, communication included
     payload_bytes: int  # bytes this rank put into the all-reduce
-    wire_bytes_est: int  # bytes this rank sends (measured for int8/int4, 2(S-1)/S x payload otherwise)
+    wire_bytes: int  # bytes this rank sent (what the all-reduce reports; 2(S-1)/S x payload for a dense ring)
     pseudo_grad_norm: float  # this site's, before averaging
     avg_pseudo_grad_norm: float  # of the averaged pseudo-gradient
     outer_lr: float

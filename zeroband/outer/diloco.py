@@ -147,6 +147,33 @@ def outer_preview(theta: torch.Tensor, buf: torch.Tensor | None, d: torch.Tensor
     return theta - lr * (d + momentum * new_buf if nesterov else new_buf)
 
 
+def outer_hyperparameters(cfg: DilocoConfig, outer_step: int, inner_factor: float) -> tuple[float, float]:
+    """Outer lr and momentum of outer step `outer_step` + 1: outer_lr x the inner schedule's factor
+    at the boundary (`outer_lr_schedule = "inner"`), momentum ramped over `outer_momentum_warmup`."""
+    lr = cfg.outer_lr * (inner_factor if cfg.outer_lr_schedule == "inner" else 1.0)
+    ramp = min(1.0, (outer_step + 1) / cfg.outer_momentum_warmup) if cfg.outer_momentum_warmup else 1.0
+    return lr, cfg.outer_momentum * ramp
+
+
+def outer_stats(diloco: DiLoCo, result: ReduceResult, stats: SiteStats, grads: list[torch.Tensor], comm_s: float,
+                total_s: float, overlapped: bool) -> OuterStats:
+    """The "outer" metrics record of the step just applied (the norms and crc are site-group reductions)."""
+    return OuterStats(
+        outer_step=diloco.outer_step,
+        allreduce_s=comm_s,
+        outer_step_s=total_s,
+        payload_bytes=result.payload_bytes,
+        wire_bytes=result.wire_bytes,
+        pseudo_grad_norm=stats.sumsq**0.5,
+        avg_pseudo_grad_norm=site_stats(grads, diloco.topology).sumsq ** 0.5,
+        outer_lr=diloco.optimizer.param_groups[0]["lr"],
+        sites_used=result.sites_used,
+        excluded_sites=result.excluded_sites,
+        overlapped=overlapped,
+        outer_crc=crc32_of(diloco.checksum_tensors()) if diloco.cfg.log_checksum else None,
+    )
+
+
 class DiLoCo:
     def __init__(self, model: torch.nn.Module, cfg: DilocoConfig, topology: Topology, tokens_per_step: int = 0,
                  lr_factor: Callable[[int], float] | None = None, membership: Membership | None = None) -> None:
@@ -318,37 +345,18 @@ class DiLoCo:
             log.error("outer step %d: excluded sites %s (non-finite pseudo-gradient)", self.outer_step, result.excluded_sites)
         if result.sites_used == 0:
             return  # nobody had a usable pseudo-gradient: keep the outer copy, drop the round
-        self._set_hyperparameters()
+        group = self.optimizer.param_groups[0]
+        group["lr"], momentum = outer_hyperparameters(self.cfg, self.outer_step, self.lr_factor(self.boundary_step - 1))
+        if self.cfg.outer_momentum_warmup:
+            group["momentum"] = momentum
         for o, g in zip(self.outer, grads):
             o.grad = g
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.outer_step += 1
 
-    def _set_hyperparameters(self) -> None:
-        """Outer lr and momentum of the step about to be taken (schedule and warm-up)."""
-        cfg, group = self.cfg, self.optimizer.param_groups[0]
-        factor = self.lr_factor(self.boundary_step - 1) if cfg.outer_lr_schedule == "inner" else 1.0
-        group["lr"] = cfg.outer_lr * factor
-        if cfg.outer_momentum_warmup:
-            group["momentum"] = cfg.outer_momentum * min(1.0, (self.outer_step + 1) / cfg.outer_momentum_warmup)
-
-    def _stats(self, result: ReduceResult, stats: SiteStats, grads: list[torch.Tensor], comm_s: float,
-               total_s: float, overlapped: bool) -> OuterStats:
-        return OuterStats(
-            outer_step=self.outer_step,
-            allreduce_s=comm_s,
-            outer_step_s=total_s,
-            payload_bytes=result.payload_bytes,
-            wire_bytes_est=result.wire_bytes,
-            pseudo_grad_norm=stats.sumsq**0.5,
-            avg_pseudo_grad_norm=site_stats(grads, self.topology).sumsq ** 0.5,
-            outer_lr=self.optimizer.param_groups[0]["lr"],
-            sites_used=result.sites_used,
-            excluded_sites=result.excluded_sites,
-            overlapped=overlapped,
-            outer_crc=crc32_of(self.checksum_tensors()) if self.cfg.log_checksum else None,
-        )
+    def _stats(self, *args: Any, **kwargs: Any) -> OuterStats:
+        return outer_stats(self, *args, **kwargs)
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:

@@ -26,7 +26,7 @@ def summarise_site(records: list[dict[str, Any]]) -> dict[str, Any]:
         out.update(
             outer_steps=len(outer),
             payload_bytes_per_outer_step=outer[-1]["payload_bytes"],
-            wire_bytes_per_outer_step=outer[-1]["wire_bytes_est"],
+            wire_bytes_per_outer_step=outer[-1]["wire_bytes"],
             allreduce_s_mean=sum(r["allreduce_s"] for r in outer) / len(outer),
         )
     return out
