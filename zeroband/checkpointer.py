@@ -1,0 +1,65 @@
+"""When a site saves, and what: the one place for the save policy.
+
+The loop calls `checkpointer.maybe_save(step, last)` after every step, `maybe_save(step, last,
+stopping=True)` when it leaves on SIGTERM, and `maybe_save(step, last=True)` once after the loop
+(a site that joined at the very last boundary trained no step and is saved there). `should_save`
+is the pure rule; `save` writes through `zeroband.checkpoint.save_checkpoint`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from zeroband import checkpoint as ckpt
+from zeroband.config import CheckpointConfig, Config
+from zeroband.membership.auth import optional_secret
+
+
+def should_save(cfg: CheckpointConfig, step: int, last: bool, stopping: bool = False,
+                saved_at: int | None = None) -> bool:
+    """Save at every `interval` steps, at the end with `save_at_end`, always when stopping early;
+    never the same step twice (`saved_at`: the step saved last in this process)."""
+    if saved_at == step:
+        return False
+    if stopping:
+        return True
+    if last:
+        return cfg.save_at_end
+    return bool(cfg.interval) and step % cfg.interval == 0
+
+
+def sync_due(cfg: CheckpointConfig, step: int, total_steps: int) -> bool:
+    """An outer step must be blocking here (all sites bitwise identical): a checkpoint or the end."""
+    return should_save(cfg, step, False) or step == total_steps
+
+
+def checkpoint_meta(cfg: Config) -> dict[str, Any]:
+    return {"model": cfg.model.model_dump(exclude={"init_from", "preset"}), "fingerprint": cfg.fingerprint()}
+
+
+def checkpoint_secret(cfg: Config) -> bytes | None:
+    """What checkpoints are signed and verified with: the run's shared secret, if it has one."""
+    return optional_secret(cfg.diloco.secret if cfg.diloco else None)
+
+
+class Checkpointer:
+    def __init__(self, cfg: Config, root: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 stateful: dict[str, ckpt.Stateful], site: int) -> None:
+        self.cfg, self.root, self.model, self.optimizer, self.stateful = cfg, root, model, optimizer, stateful
+        self.site, self.run_id = site, ""
+        self.saved_at: int | None = None
+
+    def maybe_save(self, step: int, last: bool, stopping: bool = False) -> bool:
+        if not should_save(self.cfg.checkpoint, step, last, stopping, self.saved_at):
+            return False
+        self.save(step)
+        return True
+
+    def save(self, step: int) -> None:
+        ckpt.save_checkpoint(self.root, step, self.model, self.optimizer, self.stateful,
+                             {**checkpoint_meta(self.cfg), "run_id": self.run_id}, self.cfg.checkpoint.keep_last,
+                             site=self.site, secret=checkpoint_secret(self.cfg))
+        self.saved_at = step
