@@ -128,7 +128,7 @@ def _outer_state_rank(overrides: list[str]) -> dict[str, Any]:
     """Build the model and DiLoCo as the trainer does, take one outer step, sum the outer state's bytes."""
     from zeroband.mesh import init_topology, shutdown
     from zeroband.outer.diloco import DiLoCo, local_shard
-    from zeroband.train import build_model
+    from zeroband.parallelize import build_model
     from zeroband.world import world_from_env
 
     cfg = load_rank_config(overrides)

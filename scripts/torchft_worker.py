@@ -135,7 +135,7 @@ def run_steps(args: argparse.Namespace, cfg: Any, rec: Recorder) -> tuple[Any, l
     import torch
     from torchft.local_sgd import DiLoCo
 
-    from zeroband.train import forward_backward, optimizer_step
+    from zeroband.step import forward_backward, optimizer_step
 
     model, (optimizer, scheduler), data, val = build(cfg, args.replica, args.replicas)
     store, manager = make_manager(args)

@@ -402,7 +402,7 @@ MISMATCHES = ["model.n_layers", "model.rope_theta", "optim.lr", "optim.schedule"
 @pytest.mark.parametrize("what", MISMATCHES)
 def test_every_setting_that_must_match_is_compared(corpus, tmp_path, what):
     from zeroband.data.tokenizer import TextTokenizer
-    from zeroband.train import run_fingerprint
+    from zeroband.fingerprint import run_fingerprint
 
     def fingerprint(tree: dict, ranks: int) -> dict:
         cfg = validate_config(tree)

@@ -56,7 +56,8 @@ def _fsdp_steps(tree: dict, batches: list, steps: int, dtype: torch.dtype = torc
     from zeroband.mesh import init_topology, shutdown
     from zeroband.models.llama import gather_full_state
     from zeroband.optim import build_optimizer
-    from zeroband.train import build_model, forward_backward, optimizer_step
+    from zeroband.parallelize import build_model
+    from zeroband.step import forward_backward, optimizer_step
     from zeroband.world import world_from_env
 
     cfg = validate_config(tree)
@@ -64,7 +65,7 @@ def _fsdp_steps(tree: dict, batches: list, steps: int, dtype: torch.dtype = torc
     topology = init_topology(world, None, "t", 60, "gloo")
     model = build_model(cfg, topology).to(dtype)
     opt = build_optimizer(list(model.parameters()), cfg.optim)
-    per_rank = len(batches) // world.world_size
+    per_rank = len(batches) // world.ranks_per_site
     mine = batches[world.rank * per_rank : (world.rank + 1) * per_rank]
     before = gather_full_state(model)
     for _ in range(steps):

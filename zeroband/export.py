@@ -17,7 +17,7 @@ def load_for_export(cfg: Config, checkpoint_path: Path) -> Llama:
     """An unsharded CPU model holding a checkpoint's weights (DCP reshards any rank count onto one).
     The checkpoint must pass the same trust check as a resume (signature, or the run's own dir)."""
     # the trainer defines what a checkpoint must match and what signs it
-    from zeroband.train import checkpoint_meta, checkpoint_secret
+    from zeroband.checkpointer import checkpoint_meta, checkpoint_secret
 
     if not checkpoint_path.is_dir():
         raise ckpt.CheckpointError(f"--checkpoint {checkpoint_path}: no such directory; pass a step_* directory "
@@ -36,7 +36,7 @@ def load_for_export(cfg: Config, checkpoint_path: Path) -> Llama:
 
 
 def latest_checkpoint(cfg: Config) -> Path:
-    from zeroband.train import checkpoint_secret
+    from zeroband.checkpointer import checkpoint_secret
 
     roots = [cfg.checkpoint_dir] + sorted(cfg.checkpoint_dir.glob("site*"))
     for root in roots:

@@ -36,12 +36,8 @@ class Topology:
 
     def site_all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> None:
         """Reduce over this site's ranks (a no-op with one rank)."""
-        if self.world.world_size > 1:
+        if self.world.ranks_per_site > 1:
             dist.all_reduce(tensor, op=op)
-
-    def site_barrier(self) -> None:
-        if self.world.world_size > 1:
-            dist.barrier()
 
 
 def init_site_group(world: World, timeout: timedelta) -> None:
@@ -50,8 +46,8 @@ def init_site_group(world: World, timeout: timedelta) -> None:
         return
     if world.device.type == "cuda":
         torch.cuda.set_device(world.device)
-    if "MASTER_ADDR" in os.environ and world.world_size > 1:
-        dist.init_process_group(world.backend, rank=world.rank, world_size=world.world_size, timeout=timeout)
+    if "MASTER_ADDR" in os.environ and world.ranks_per_site > 1:
+        dist.init_process_group(world.backend, rank=world.rank, world_size=world.ranks_per_site, timeout=timeout)
     else:
         dist.init_process_group(world.backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
 
@@ -63,7 +59,7 @@ def init_topology(
     """The site mesh, and (for DiLoCo) the store plus, unless `build_group` is False, the fixed global group."""
     timeout = timedelta(seconds=timeout_s)
     init_site_group(world, timeout)
-    mesh = init_device_mesh(world.device.type, (world.world_size,), mesh_dim_names=("fsdp",))
+    mesh = init_device_mesh(world.device.type, (world.ranks_per_site,), mesh_dim_names=("fsdp",))
     group = None
     store = None
     if store_address is not None:

@@ -5,9 +5,7 @@
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import math
 import signal
 import sys
 import threading
@@ -18,34 +16,34 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 
 from zeroband import checkpoint as ckpt
+from zeroband.checkpointer import Checkpointer, checkpoint_meta, checkpoint_secret, sync_due
 from zeroband.config import Config, ConfigError, dump_config, load_config
-from zeroband.data.loader import PackedBatches, resolve_files
+from zeroband.data.loader import PackedBatches
 from zeroband.data.tokenizer import TextTokenizer
-from zeroband.membership.auth import TrustError, flatten_fingerprint, optional_secret, run_secret
+from zeroband.fingerprint import run_fingerprint
+from zeroband.membership.auth import TrustError, run_secret
 from zeroband.membership.elastic import ElasticMembership
 from zeroband.membership.resume import ResumeMismatch, agree_resume
 from zeroband.membership.store import StoreUnreachable
 from zeroband.mesh import Topology, admission_mark, init_topology, shutdown
 from zeroband.metrics import ComputeClock, MetricsLogger, peak_flops, peak_memory_mb
-from zeroband.models.hf import load_hf_state
-from zeroband.models.llama import (
-    Llama,
-    apply_activation_checkpointing,
-    cross_entropy_loss,
-    flops_per_token,
-    load_full_state,
-    model_blocks,
-    num_params,
-)
+from zeroband.models.llama import Llama, flops_per_token, num_params
 from zeroband.optim import build_optimizer, build_scheduler, lr_factor
 from zeroband.outer.base import NoOuter, Outer
 from zeroband.outer.data_parallel import CrossSiteDataParallel
 from zeroband.outer.diloco import DiLoCo
-from zeroband.testing.faults import maybe_inject
+from zeroband.parallelize import build_model
+from zeroband.step import (
+    device_sync,
+    evaluate,
+    finite_on_site,
+    forward_backward,
+    optimizer_step,
+    site_mean,
+    validation_metrics,
+)
 from zeroband.watchdog import Interrupted, PeerLost, PeerTimeout, request_stop
 from zeroband.world import World, check_devices, world_from_env
 
@@ -69,33 +67,6 @@ class Progress:
 # ---------------------------------------------------------------------------------- building
 
 
-def build_model(cfg: Config, topology: Topology) -> Llama:
-    """Fixed order: meta device -> activation checkpointing -> compile -> FSDP2 -> weights."""
-    with torch.device("meta"):
-        model = Llama(cfg.model)
-    if cfg.train.activation_checkpointing:
-        apply_activation_checkpointing(model)
-    # FSDP2 shards over the site's ranks and casts for bf16 mixed precision; a 1-rank fp32 site has
-    # nothing to shard, and the wrapping would only cost hooks and DTensor dispatch (~30% per step
-    # on the demo model), so like torchtitan we wrap only when there is a degree to shard over.
-    shard = topology.world.world_size > 1 or cfg.train.mixed_precision == "bf16"
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cfg.train.mixed_precision == "bf16" else MixedPrecisionPolicy()
-    for block in model_blocks(model):
-        if cfg.train.compile:
-            block.compile()
-        if shard:
-            fully_shard(block, mesh=topology.site_mesh, mp_policy=mp)
-    if shard:
-        fully_shard(model, mesh=topology.site_mesh, mp_policy=mp)
-    model.to_empty(device=topology.world.device)
-    if cfg.model.init_from:
-        model.reset_rope(topology.world.device)
-        load_full_state(model, load_hf_state(cfg.model.init_from, cfg.model))
-    else:
-        model.init_weights(cfg.train.seed)
-    return model
-
-
 def check_vocab(cfg: Config, tokenizer: TextTokenizer) -> None:
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ConfigError(
@@ -105,44 +76,7 @@ def check_vocab(cfg: Config, tokenizer: TextTokenizer) -> None:
         )
 
 
-def checkpoint_meta(cfg: Config) -> dict[str, Any]:
-    return {"model": cfg.model.model_dump(exclude={"init_from", "preset"}), "fingerprint": cfg.fingerprint()}
-
-
-def checkpoint_secret(cfg: Config) -> bytes | None:
-    """What checkpoints are signed and verified with: the run's shared secret, if it has one."""
-    return optional_secret(cfg.diloco.secret if cfg.diloco else None)
-
-
 # ---------------------------------------------------------------------------------- one step
-
-
-def forward_backward(model: torch.nn.Module, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
-                     device: torch.device) -> float:
-    """Accumulate gradients over the micro-batches; returns the mean loss on this rank."""
-    total = torch.zeros((), device=device)
-    for inputs, targets in micro_batches:
-        loss = cross_entropy_loss(model(inputs.to(device)), targets.to(device)) / len(micro_batches)
-        loss.backward()
-        total += loss.detach()
-    return total.item()
-
-
-def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float) -> float:
-    """Clip (0 = no clipping, norm still reported), step, zero. Returns the gradient norm."""
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return norm.item()
-
-
-def inner_step(model: torch.nn.Module, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
-               optimizer: torch.optim.Optimizer, grad_clip: float, device: torch.device) -> tuple[float, float]:
-    """One single-site optimizer step. Returns (mean loss on this rank, grad norm)."""
-    loss = forward_backward(model, micro_batches, device)
-    return loss, optimizer_step(model, optimizer, grad_clip)
 
 
 class Schedule:
@@ -162,7 +96,7 @@ class Schedule:
 
 
 def build_outer(cfg: Config, model: torch.nn.Module, topology: Topology, progress: Progress,
-                scheduler: torch.optim.lr_scheduler.LRScheduler, vocab_size: int) -> Outer:
+                scheduler: torch.optim.lr_scheduler.LRScheduler) -> Outer:
     tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
     if cfg.diloco is None:
         return NoOuter()
@@ -175,63 +109,6 @@ def build_outer(cfg: Config, model: torch.nn.Module, topology: Topology, progres
         return DiLoCo(model, cfg.diloco, topology, tokens_per_step, membership=membership)
     return DiLoCo(model, cfg.diloco, topology, tokens_per_step,
                   lr_factor=lambda step: lr_factor(step, cfg.train.steps, cfg.optim))
-
-
-# DiLoCo settings that are each site's own (where it is, how patient it is); every other one must match,
-# so a setting added later is compared by default.
-PER_SITE_DILOCO_KEYS = {"store", "host_store", "secret", "secret_file", "insecure", "site_rank", "timeout_s", "heartbeat_s",
-                        "dead_after_s", "grace_s", "start_grace_s", "join_timeout_s", "max_retries", "log_checksum"}
-
-
-def run_fingerprint(cfg: Config, tokenizer: TextTokenizer, ranks_per_site: int) -> dict[str, str]:
-    """Every setting that must match across sites, as flat `key -> value` (a mismatch names the key).
-    Batch sizes may differ (a slower site trains on less); model, optimiser, schedule, outer
-    settings, wire format, rank count, tokenizer and data may not."""
-    return flatten_fingerprint({
-        "model": cfg.model.model_dump(exclude={"init_from", "preset"}), "optim": cfg.optim.model_dump(),
-        "ranks_per_site": ranks_per_site,
-        "train": cfg.train.model_dump(include={"steps", "seed", "mixed_precision"}),
-        "tokenizer": {"vocab": tokenizer.vocab_size, "sha256": tree_sha256(cfg.data.tokenizer)},
-        "data": cfg.data.model_dump(include={"hub_name", "text_field", "seq_len", "shuffle_seed", "val_fraction"})
-        | {"files": data_identity(cfg.data.path) if not cfg.data.hub_name else []},
-        "diloco": cfg.diloco.model_dump(exclude=PER_SITE_DILOCO_KEYS) if cfg.diloco else {},
-    })
-
-
-def tree_sha256(path: str) -> str:
-    """sha256 over a file, or over a directory's files (names and contents): the tokenizer's identity."""
-    root = Path(path)
-    files = sorted(p for p in root.rglob("*") if p.is_file()) if root.is_dir() else [root] if root.is_file() else []
-    digest = hashlib.sha256()
-    for f in files:
-        digest.update(str(f.relative_to(root) if root.is_dir() else f.name).encode() + b"\0" + f.read_bytes())
-    return digest.hexdigest()
-
-
-def data_identity(path: str | list[str]) -> list[str]:
-    """`name:size` of every training file: the same corpus under another mount point still matches."""
-    try:
-        return [f"{Path(f).name}:{Path(f).stat().st_size}" for f in resolve_files(path)]
-    except FileNotFoundError:
-        return [str(path)]
-
-
-@torch.no_grad()
-def evaluate(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], topology: Topology) -> float:
-    """Mean validation loss (nats/token) over the site: every rank evaluates its own share."""
-    model.eval()
-    total = torch.zeros(2, dtype=torch.float64, device=topology.world.device)
-    for inputs, targets in batches:
-        loss = cross_entropy_loss(model(inputs.to(topology.world.device)), targets.to(topology.world.device))
-        total += torch.tensor([loss.item() * targets.numel(), targets.numel()], dtype=torch.float64, device=total.device)
-    model.train()
-    topology.site_all_reduce(total)
-    return (total[0] / total[1]).item()
-
-
-def device_sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 # ---------------------------------------------------------------------------------- the loop
@@ -269,13 +146,13 @@ class Run:
     clock: ComputeClock
     run_dir: Path
     ckpt_root: Path
+    checkpointer: Checkpointer
     run_id: str = ""  # set by resume_or_start: new at a fresh start, the checkpoint's on a resume
 
     @property
     def stateful(self) -> dict[str, Any]:
         """Per-rank state a checkpoint carries beside the model and inner optimizer."""
-        return {"scheduler": self.scheduler, "data": self.train_data, "outer": self.outer,
-                "progress": self.progress, "clock": self.clock}
+        return self.checkpointer.stateful
 
 
 def setup(cfg: Config, world: World, topology: Topology) -> Run:
@@ -286,19 +163,22 @@ def setup(cfg: Config, world: World, topology: Topology) -> Run:
     torch.manual_seed(cfg.train.seed)
     tokenizer = TextTokenizer.load(cfg.data.tokenizer)
     check_vocab(cfg, tokenizer)
-    topology.fingerprint = run_fingerprint(cfg, tokenizer, world.world_size)
+    topology.fingerprint = run_fingerprint(cfg, tokenizer, world.ranks_per_site)
     train_data = PackedBatches(cfg.data, tokenizer, world.dp_rank, world.dp_size, "train")
     # Validation is sharded over the site's ranks only, so every site scores the same documents.
-    val_data = PackedBatches(cfg.data, tokenizer, world.rank, world.world_size, "val")
+    val_data = PackedBatches(cfg.data, tokenizer, world.rank, world.ranks_per_site, "val")
     eval_set = val_data.val_batches(cfg.eval.batches, cfg.train.micro_batch)
     model = build_model(cfg, topology)
     named = list(model.named_parameters())
     optimizer = build_optimizer([p for _, p in named], cfg.optim, [n for n, _ in named])
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
     progress = Progress()
-    outer = build_outer(cfg, model, topology, progress, scheduler, tokenizer.vocab_size)
+    outer = build_outer(cfg, model, topology, progress, scheduler)
+    clock = ComputeClock()
+    stateful = {"scheduler": scheduler, "data": train_data, "outer": outer, "progress": progress, "clock": clock}
+    checkpointer = Checkpointer(cfg, ckpt_root, model, optimizer, stateful, world.site_rank)
     return Run(cfg, world, topology, model, optimizer, scheduler, train_data, eval_set, val_data.bytes_per_token,
-               outer, progress, ComputeClock(), run_dir, ckpt_root)
+               outer, progress, clock, run_dir, ckpt_root, checkpointer)
 
 
 def resume_or_start(run: Run) -> ckpt.CheckpointInfo | None:
@@ -308,10 +188,11 @@ def resume_or_start(run: Run) -> ckpt.CheckpointInfo | None:
     found = agreed_checkpoint(run, ckpt.resume_checkpoint(run.ckpt_root, run.cfg.checkpoint.resume,
                                                           checkpoint_secret(run.cfg), run.cfg.checkpoint.allow_unsigned))
     if found is not None:
-        ckpt.check_compatible(found, checkpoint_meta(run.cfg), run.world.world_size)
+        ckpt.check_compatible(found, checkpoint_meta(run.cfg), run.world.ranks_per_site)
         ckpt.load_checkpoint(found, run.model, run.optimizer, run.stateful)
         log.info("resumed from %s (step %d)", found.path, run.progress.step)
     run.run_id = (found and found.manifest.get("run_id")) or site_agreed(ckpt.new_run_id())
+    run.checkpointer.run_id = run.run_id
     if found is not None and run_complete(run):
         return found  # nothing left to train: no outer start, no collective with the other sites
     run.outer.start(resumed=found is not None)
@@ -324,7 +205,7 @@ def start_fresh_here(run: Run) -> None:
         moved = ckpt.move_aside(run.ckpt_root)
         if moved is not None:
             log.warning("checkpoint.resume=none: moved the existing checkpoints to %s (not loaded, never pruned)", moved)
-    if run.world.world_size > 1:
+    if run.world.ranks_per_site > 1:
         dist.barrier()
 
 
@@ -398,14 +279,14 @@ class StepWindow:
         }
         peak = peak_flops(run.world.device)
         if peak:
-            rec["mfu"] = flops_per_token(run.cfg.model, run.cfg.data.seq_len) * tok_s / (peak * run.world.world_size)
+            rec["mfu"] = flops_per_token(run.cfg.model, run.cfg.data.seq_len) * tok_s / (peak * run.world.ranks_per_site)
         self.reset()
         return rec
 
 
 def train_loop(run: Run, metrics: MetricsLogger) -> dict[str, Any]:
-    cfg, world, progress = run.cfg, run.world, run.progress
-    accum = cfg.grad_accum_steps(world.world_size)
+    cfg, world, progress, saver = run.cfg, run.world, run.progress, run.checkpointer
+    accum = cfg.grad_accum_steps(world.ranks_per_site)
     tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
     losses: list[float] = []
     val: dict[str, float] = {}
@@ -433,7 +314,7 @@ def train_loop(run: Run, metrics: MetricsLogger) -> dict[str, Any]:
         losses.append(loss)
         window.add(loss, tokens_per_step)
 
-        sync_point = should_save(cfg, progress.step, False) or progress.step == cfg.train.steps
+        sync_point = sync_due(cfg.checkpoint, progress.step, cfg.train.steps)
         outer_stats = run.outer.after_inner_step(progress.step - 1, sync_point=sync_point)
         last = run.outer.finished(progress.step, cfg.train.steps)
         if outer_stats is not None:
@@ -445,17 +326,14 @@ def train_loop(run: Run, metrics: MetricsLogger) -> dict[str, Any]:
         if (cfg.eval.interval and progress.step % cfg.eval.interval == 0) or last:
             val = validation_metrics(evaluate(run.model, run.eval_set, run.topology), run.bytes_per_token)
             metrics.log(progress.step, val, "val")
-        if should_save(cfg, progress.step, last):
-            save(run)
+        saver.maybe_save(progress.step, last)
         if stop.agreed(run.topology):  # SIGTERM on any rank of the site: leave cleanly
             log.info("SIGTERM: leaving at step %d after a checkpoint", progress.step)
             run.outer.leave()
-            if not should_save(cfg, progress.step, last):
-                save(run)
+            saver.maybe_save(progress.step, last, stopping=True)
             break
     stop.uninstall()
-    if not losses and cfg.checkpoint.save_at_end:  # a site that joined at the very last boundary
-        save(run)
+    saver.maybe_save(progress.step, last=True)  # a site that joined at the very last boundary trained no step
     run.outer.leave()  # finished: nobody should wait for this site any more
     return {"losses": losses, "val": val, "steps": progress.step, "tokens": progress.tokens,
             "compute_utilisation": run.clock.utilisation, "run_dir": str(run.run_dir)}
@@ -476,7 +354,7 @@ def _train(cfg: Config, world: World, topology: Topology) -> dict[str, Any]:
                             keep_through=keep)
     run.outer.attach(lambda event: metrics.log(run.progress.step, event, "membership"))
     if found is None:
-        metrics.log(0, {"params": num_params(cfg.model), "ranks": world.world_size, "sites": world.site_count,
+        metrics.log(0, {"params": num_params(cfg.model), "ranks": world.ranks_per_site, "sites": world.site_count,
                         "run_id": run.run_id}, "run")
     else:
         metrics.log(run.progress.step, {"from": str(found.path), "run_id": run.run_id}, "resumed")
@@ -489,12 +367,6 @@ def _train(cfg: Config, world: World, topology: Topology) -> dict[str, Any]:
     return result
 
 
-def save(run: Run) -> None:
-    ckpt.save_checkpoint(run.ckpt_root, run.progress.step, run.model, run.optimizer, run.stateful,
-                         {**checkpoint_meta(run.cfg), "run_id": run.run_id}, run.cfg.checkpoint.keep_last,
-                         site=run.world.site_rank, secret=checkpoint_secret(run.cfg))
-
-
 def print_summary(run: Run) -> None:
     """The end of a run, from its own metrics.jsonl: summary lines and a loss plot."""
     from zeroband.tools.report import run_report
@@ -505,13 +377,6 @@ def print_summary(run: Run) -> None:
 
 class NonFiniteError(RuntimeError):
     """Training diverged (NaN/inf loss or gradient norm); nothing was saved after it."""
-
-
-def finite_on_site(loss: float, grad_norm: float, topology: Topology) -> bool:
-    """Every rank of the site saw a finite loss and gradient norm (they must all agree to stop)."""
-    bad = torch.tensor([0.0 if math.isfinite(loss) and math.isfinite(grad_norm) else 1.0], device=topology.world.device)
-    topology.site_all_reduce(bad, op=dist.ReduceOp.MAX)
-    return not bad.item()
 
 
 def on_nonfinite(run: Run, metrics: MetricsLogger, loss: float, grad_norm: float, rollbacks: int) -> int:
@@ -565,22 +430,6 @@ class GracefulStop:
     def uninstall(self) -> None:
         if self.previous is not None:
             signal.signal(signal.SIGTERM, self.previous)
-
-
-def site_mean(value: float, topology: Topology) -> float:
-    t = torch.tensor([value], dtype=torch.float64, device=topology.world.device)
-    topology.site_all_reduce(t)
-    return t.item() / topology.world.world_size
-
-
-def validation_metrics(loss: float, bytes_per_token: float) -> dict[str, float]:
-    return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0)), "val_bpb": loss / math.log(2) / bytes_per_token}
-
-
-def should_save(cfg: Config, step: int, last: bool) -> bool:
-    if last:
-        return cfg.checkpoint.save_at_end
-    return bool(cfg.checkpoint.interval) and step % cfg.checkpoint.interval == 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,7 +18,7 @@ from zeroband.config import Config, ConfigError
 @dataclass(frozen=True)
 class World:
     rank: int  # rank inside the site (the FSDP rank)
-    world_size: int  # ranks per site
+    ranks_per_site: int  # torchrun's WORLD_SIZE: one site is one torchrun job
     local_rank: int  # rank on this node (picks the GPU)
     site_rank: int
     site_count: int
@@ -32,15 +32,11 @@ class World:
     @property
     def dp_rank(self) -> int:
         """Position among every data-parallel reader of every site: decides which documents we read."""
-        return self.site_rank * self.world_size + self.rank
+        return self.site_rank * self.ranks_per_site + self.rank
 
     @property
     def dp_size(self) -> int:
-        return self.site_count * self.world_size
-
-    @property
-    def is_site_leader(self) -> bool:
-        return self.rank == 0
+        return self.site_count * self.ranks_per_site
 
 
 def _env_int(name: str, default: int | None) -> int | None:

@@ -75,7 +75,6 @@ class ReduceResult:
     wire_bytes: int  # what this rank sent: 2(S-1)/S of the encoded payload
     sites_used: int
     excluded_sites: list[int] = field(default_factory=list)
-    site_norms: list[float] = field(default_factory=list)
 
 
 def contributing_sites(table: torch.Tensor, outlier_factor: float = 0.0) -> list[bool]:
@@ -242,5 +241,4 @@ def reduce_across_sites(
         wire_bytes=wire_bytes,
         sites_used=sum(keep),
         excluded_sites=[s for s, ok in enumerate(keep) if not ok and table[s, 3] == 0],
-        site_norms=[float(v) for v in table[:, 0].sqrt()],
     )
