@@ -76,9 +76,6 @@ def check_vocab(cfg: Config, tokenizer: TextTokenizer) -> None:
         )
 
 
-# ---------------------------------------------------------------------------------- one step
-
-
 class Schedule:
     """The inner schedule as a joining site takes it from a peer: the scheduler's state, and the
     learning rates it set on the optimizer (load_state_dict alone leaves those as they were)."""
@@ -106,6 +103,7 @@ def build_outer(cfg: Config, model: torch.nn.Module, topology: Topology, progres
         membership = ElasticMembership(cfg.diloco, topology, cfg.name, topology.fingerprint)
         for key, state in (("progress", progress), ("scheduler", Schedule(scheduler))):
             membership.register_state_dict_fn(key, state.load_state_dict, state.state_dict)
+        # no lr_factor, as before the split: an elastic run's outer_lr_schedule = "inner" uses factor 1
         return DiLoCo(model, cfg.diloco, topology, tokens_per_step, membership=membership)
     return DiLoCo(model, cfg.diloco, topology, tokens_per_step,
                   lr_factor=lambda step: lr_factor(step, cfg.train.steps, cfg.optim))
