@@ -288,7 +288,7 @@ class DiLoCo:
         t0 = time.perf_counter()
         previous = self.in_flight
         waited = self._complete_in_flight() if previous else 0.0
-        grads = self._pseudo_gradient()
+        grads = self.pseudo_gradient()
         stats = site_stats(grads, self.topology, self.clock.take_tokens())
         if self.cfg.overlap_rule != "delayed":
             self._move_to_estimate(grads, 1.0 if self.cfg.overlap_rule == "eager" else 1.0 / self.group.size)
@@ -329,9 +329,6 @@ class DiLoCo:
     def pseudo_gradient(self) -> list[torch.Tensor]:
         """Outer copy - local shard (fp32, CPU): the list about to be averaged (fixed and elastic)."""
         return [o - t.detach().to("cpu", torch.float32) for o, t in zip(self.outer, self.local)]
-
-    def _pseudo_gradient(self) -> list[torch.Tensor]:
-        return self.pseudo_gradient()  # through the attribute, so a wrapped pseudo_gradient is seen
 
     def reduce(self, grads: list[torch.Tensor], stats: SiteStats, group: GlobalGroup | None = None) -> ReduceResult:
         if self.cfg.log_checksum and not stats.abstain:  # compared across sites by the reduce itself
