@@ -25,9 +25,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(fn: Callable, env: dict[str, str], queue: Any, key: tuple[int, int], args: tuple) -> None:
+def _child(fn: Callable, env: dict[str, str], queue: Any, key: tuple[int, int], args: tuple, faults: str) -> None:
     os.environ.update(env)
     import torch
+
+    if faults:  # this rank's entries of the schedule, wrapped around the code under test from outside
+        from zeroband.testing.faults import install
+
+        install(faults)
 
     torch.set_num_threads(1)
     try:
@@ -40,9 +45,10 @@ def _child(fn: Callable, env: dict[str, str], queue: Any, key: tuple[int, int], 
 
 def run_sites(
     fn: Callable, sites: int, ranks: int, args: tuple = (), timeout: float = 120, env: dict | None = None,
-    allow_death: bool = False, site_env: dict[int, dict] | None = None,
+    allow_death: bool = False, site_env: dict[int, dict] | None = None, faults: str = "",
 ) -> dict:
     """fn(*args) on `sites` x `ranks` forked processes; returns {(site, rank): result or Died}.
+    `faults`: a zeroband.testing.faults schedule armed in every child (each keeps its own entries).
 
     Raises if a rank raised, hung past `timeout`, or (unless allow_death) died without reporting.
     """
@@ -60,7 +66,7 @@ def run_sites(
                 "ZEROBAND_TEST_STORE": f"tcp://127.0.0.1:{store_port}", "OMP_NUM_THREADS": "1",
                 **(env or {}), **((site_env or {}).get(site, {})),
             }
-            p = ctx.Process(target=_child, args=(fn, child_env, queue, (site, rank), args), daemon=True)
+            p = ctx.Process(target=_child, args=(fn, child_env, queue, (site, rank), args, faults), daemon=True)
             p._zb_key = (site, rank)
             p.start()
             procs.append(p)
@@ -105,8 +111,9 @@ def _collect(procs: list, queue: Any, timeout: float, allow_death: bool) -> dict
 
 
 def run_ranks(
-    fn: Callable, ranks: int, args: tuple = (), timeout: float = 120, env: dict | None = None, allow_death: bool = False
+    fn: Callable, ranks: int, args: tuple = (), timeout: float = 120, env: dict | None = None, allow_death: bool = False,
+    faults: str = "",
 ) -> list:
     """fn(*args) on one site of `ranks` forked processes; results in rank order."""
-    out = run_sites(fn, 1, ranks, args, timeout, env, allow_death)
+    out = run_sites(fn, 1, ranks, args, timeout, env, allow_death, faults=faults)
     return [out[(0, r)] for r in range(ranks)]

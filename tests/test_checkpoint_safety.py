@@ -172,7 +172,7 @@ def test_crash_between_the_seal_renames_keeps_a_valid_checkpoint(corpus, tmp_pat
     original = (root / "step_000000004" / "manifest.json").read_bytes()
     # Replay steps 3-4 from step 2: saving step 4 again is killed between the two renames.
     replay = deep_merge(tree, {"checkpoint": {"resume": str(root / "step_000000002")}})
-    out = run_ranks(_train, 1, (replay,), env={"ZEROBAND_FAULTS": "site0:step4:seal:kill"}, allow_death=True)
+    out = run_ranks(_train, 1, (replay,), faults="site0:step4:seal:kill", allow_death=True)
     assert out == [Died(-9)]
     assert not (root / "step_000000004").exists() and (root / "step_000000004.tmp").is_dir()
     info = find_checkpoint(root, "auto")
@@ -201,7 +201,7 @@ def test_metrics_after_resume_have_no_duplicates(corpus, tmp_path):
 
     tree = _tree(corpus, tmp_path, train={"steps": 8}, checkpoint={"interval": 4})
     assert "injected fault" in run_ranks(_train_expecting_fault, 1, (tree,),
-                                         env={"ZEROBAND_FAULTS": "site0:step7:inner:raise"})[0]
+                                         faults="site0:step7:inner:raise")[0]
     assert max(r["step"] for r in _records(tmp_path / "t")) == 6  # steps 5-6 logged, then lost
     run_ranks(_train, 1, (tree,))
     records = _records(tmp_path / "t")

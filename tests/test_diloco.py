@@ -133,8 +133,8 @@ def test_diloco_resume_is_exact(corpus, tmp_path):
 
     reference = run_sites(_train, 2, 1, (tree("full"),))
     cut = tree("cut")
-    faults = {"ZEROBAND_FAULTS": "site0:step6:inner:raise,site1:step6:inner:raise"}
-    run_sites(_train_expecting_fault, 2, 1, (cut,), env=faults)
+    faults = "site0:step6:inner:raise,site1:step6:inner:raise"
+    run_sites(_train_expecting_fault, 2, 1, (cut,), faults=faults)
     resumed = run_sites(_train, 2, 1, (cut,))
     for site in (0, 1):
         assert resumed[(site, 0)]["losses"] == reference[(site, 0)]["losses"][4:]

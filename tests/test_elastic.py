@@ -56,7 +56,7 @@ def assert_identical(tree: dict, sites: list[int], step: int) -> None:
 
 def test_kill_during_inner_steps(corpus, tmp_path, store_address):
     tree = elastic_tree(corpus, tmp_path, store_address)
-    out = run_sites(_train, 3, 1, (tree,), env={"ZEROBAND_FAULTS": "site2:step5:inner:kill"}, allow_death=True,
+    out = run_sites(_train, 3, 1, (tree,), faults="site2:step5:inner:kill", allow_death=True,
                     timeout=120)
     assert isinstance(out[(2, 0)], Died) and out[(2, 0)].exitcode == -9
     assert out[(0, 0)]["steps"] == out[(1, 0)]["steps"] == 10
@@ -67,7 +67,7 @@ def test_kill_during_inner_steps(corpus, tmp_path, store_address):
 
 def test_kill_during_all_reduce_retries_without_partial_result(corpus, tmp_path, store_address):
     tree = elastic_tree(corpus, tmp_path, store_address, comm_dtype="fp32")
-    out = run_sites(_train, 3, 1, (tree,), env={"ZEROBAND_FAULTS": "site1:step6:allreduce:kill"}, allow_death=True,
+    out = run_sites(_train, 3, 1, (tree,), faults="site1:step6:allreduce:kill", allow_death=True,
                     timeout=120)
     assert isinstance(out[(1, 0)], Died)
     records = outer_records(tmp_path, 0)
@@ -101,7 +101,7 @@ def test_join_mid_run_receives_state(corpus, tmp_path, store_address):
 
 def test_graceful_leave_does_not_wait_for_timeout(corpus, tmp_path, store_address):
     tree = elastic_tree(corpus, tmp_path, store_address, dead_after_s=20.0)
-    out = run_sites(_train, 3, 1, (tree,), env={"ZEROBAND_FAULTS": "site2:step5:inner:term"}, timeout=120)
+    out = run_sites(_train, 3, 1, (tree,), faults="site2:step5:inner:term", timeout=120)
     assert out[(2, 0)]["steps"] == 5  # it stopped, wrote its checkpoint and returned normally
     assert (tmp_path / "t" / "checkpoints" / "site2" / "step_000000005" / "manifest.json").is_file()
     records = outer_records(tmp_path, 0)
@@ -112,7 +112,7 @@ def test_graceful_leave_does_not_wait_for_timeout(corpus, tmp_path, store_addres
 
 def test_nan_pseudo_gradient_excluded(corpus, tmp_path, store_address):
     tree = elastic_tree(corpus, tmp_path, store_address, steps=6)
-    out = run_sites(_train, 3, 1, (tree,), env={"ZEROBAND_FAULTS": "site1:step4:allreduce:nan"}, timeout=120)
+    out = run_sites(_train, 3, 1, (tree,), faults="site1:step4:allreduce:nan", timeout=120)
     by_step = {r["step"]: r for r in outer_records(tmp_path, 0)}
     assert by_step[4]["excluded_sites"] == [1] and by_step[4]["sites_used"] == 2
     assert by_step[2]["excluded_sites"] == [] and by_step[6]["excluded_sites"] == []
@@ -181,17 +181,19 @@ def test_time_budget_rounds_weight_by_tokens(corpus, tmp_path, store_address):
 def _leave_then_return(tree: dict) -> dict:
     import os
 
+    from zeroband.testing.faults import uninstall
+
     first = _train(tree)
     if int(os.environ["ZEROBAND_SITE_RANK"]) != 2:
         return first
     assert first["steps"] == 5  # left on SIGTERM ...
-    os.environ.pop("ZEROBAND_FAULTS")
+    uninstall()  # the same slot comes back without the fault
     return _train(tree)  # ... and came back in the same slot
 
 
 def test_site_that_left_can_rejoin(corpus, tmp_path, store_address):
     tree = elastic_tree(corpus, tmp_path, store_address, steps=40)
-    out = run_sites(_leave_then_return, 3, 1, (tree,), env={"ZEROBAND_FAULTS": "site2:step5:inner:term"}, timeout=150)
+    out = run_sites(_leave_then_return, 3, 1, (tree,), faults="site2:step5:inner:term", timeout=150)
     assert out[(2, 0)]["steps"] == out[(0, 0)]["steps"] == 40
     assert outer_records(tmp_path, 0)[-1]["sites_used"] == 3
     assert_identical(tree, [0, 1, 2], 40)

@@ -133,15 +133,15 @@ def test_resume_is_exact_on_two_ranks(corpus, tmp_path):
     reference = run_ranks(_train, 2, (full,))[0]["losses"]
 
     cut = tiny_overrides(corpus, tmp_path / "cut", train={"steps": 8}, checkpoint={"interval": 4})
-    faults = {"ZEROBAND_FAULTS": "site0:step6:inner:raise"}
-    assert "injected fault" in run_ranks(_train_expecting_fault, 2, (cut,), env=faults)[0]
+    faults = "site0:step6:inner:raise"
+    assert "injected fault" in run_ranks(_train_expecting_fault, 2, (cut,), faults=faults)[0]
     resumed = run_ranks(_train, 2, (cut,))[0]["losses"]
     assert resumed == reference[4:], (resumed, reference)
 
 
 def test_killed_save_leaves_previous_checkpoint_loadable(corpus, tmp_path):
     tree = tiny_overrides(corpus, tmp_path, train={"steps": 8}, checkpoint={"interval": 4})
-    out = run_ranks(_train, 2, (tree,), env={"ZEROBAND_FAULTS": "site0:step8:checkpoint:kill"}, allow_death=True)
+    out = run_ranks(_train, 2, (tree,), faults="site0:step8:checkpoint:kill", allow_death=True)
     assert all(isinstance(r, Died) and r.exitcode == -9 for r in out), out
     root = tmp_path / "t" / "checkpoints"
     assert (root / "step_000000008.tmp").is_dir() and not (root / "step_000000008").exists()

@@ -56,7 +56,6 @@ from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from zeroband.membership.auth import derive_key
-from zeroband.testing.faults import maybe_inject
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +164,6 @@ def save_checkpoint(
     extras: dict[str, Stateful],
     meta: dict[str, Any],
     keep_last: int,
-    site: int = 0,
     secret: bytes | None = None,
 ) -> Path:
     """Collective over the site group: every rank of the site calls it with the same step.
@@ -181,17 +179,15 @@ def save_checkpoint(
     own = {name: obj.state_dict() for name, obj in extras.items()}
     own["rng"] = rng_state()
     torch.save(own, tmp / f"rank_{rank:05d}.pt")
-    maybe_inject("checkpoint", step, site, rank)  # a kill here must leave the previous checkpoint usable
     dist.barrier()
     if rank == 0:
-        _seal(tmp, final, step, world, meta, site, secret)
+        _seal(tmp, final, step, world, meta, secret)
         _prune(root, keep_last, meta.get("run_id", ""), step)
     dist.barrier()
     return final
 
 
-def _seal(tmp: Path, final: Path, step: int, world: int, meta: dict[str, Any], site: int,
-          secret: bytes | None) -> None:
+def _seal(tmp: Path, final: Path, step: int, world: int, meta: dict[str, Any], secret: bytes | None) -> None:
     files = {
         str(p.relative_to(tmp)): {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
         for p in sorted(tmp.rglob("*"))
@@ -214,7 +210,6 @@ def _seal(tmp: Path, final: Path, step: int, world: int, meta: dict[str, Any], s
     if final.exists():
         shutil.rmtree(aside, ignore_errors=True)  # a stale aside copy of a step that is sealed
         os.replace(final, aside)
-    maybe_inject("seal", step, site, 0)  # a kill here must leave the aside copy usable
     os.replace(tmp, final)
     _fsync_dir(final.parent)
     shutil.rmtree(aside, ignore_errors=True)

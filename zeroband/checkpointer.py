@@ -47,9 +47,9 @@ def checkpoint_secret(cfg: Config) -> bytes | None:
 
 class Checkpointer:
     def __init__(self, cfg: Config, root: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 stateful: dict[str, ckpt.Stateful], site: int) -> None:
+                 stateful: dict[str, ckpt.Stateful]) -> None:
         self.cfg, self.root, self.model, self.optimizer, self.stateful = cfg, root, model, optimizer, stateful
-        self.site, self.run_id = site, ""
+        self.run_id = ""
         self.saved_at: int | None = None
 
     def maybe_save(self, step: int, last: bool, stopping: bool = False) -> bool:
@@ -61,5 +61,5 @@ class Checkpointer:
     def save(self, step: int) -> None:
         ckpt.save_checkpoint(self.root, step, self.model, self.optimizer, self.stateful,
                              {**checkpoint_meta(self.cfg), "run_id": self.run_id}, self.cfg.checkpoint.keep_last,
-                             site=self.site, secret=checkpoint_secret(self.cfg))
+                             secret=checkpoint_secret(self.cfg))
         self.saved_at = step

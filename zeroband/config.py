@@ -164,8 +164,8 @@ class DilocoConfig(Section):
     """Present only for multi-site runs: how this site talks to the others."""
 
     inner_steps: int = Field(500, gt=0)  # H
-    # Outer optimizer: SGD with Nesterov momentum on the CPU fp32 copy. The defaults were measured
-    # (docs/results/convergence_tuning.md, README "The outer optimizer's defaults"): the paper's 0.9
+    # Outer optimizer: SGD with Nesterov momentum on the CPU fp32 copy. The default values were measured
+    # (docs/results/convergence_tuning.md, and the README section on the outer optimizer): the paper's 0.9
     # momentum multiplies consistent pseudo-gradients up to 7x and loses to one site when a run has
     # tens of outer steps; lr 0.7 with momentum 0.5, warmed up over 5 outer steps, held up with
     # 10 and with 40 outer steps.

@@ -174,7 +174,7 @@ def setup(cfg: Config, world: World, topology: Topology) -> Run:
     outer = build_outer(cfg, model, topology, progress, scheduler)
     clock = ComputeClock()
     stateful = {"scheduler": scheduler, "data": train_data, "outer": outer, "progress": progress, "clock": clock}
-    checkpointer = Checkpointer(cfg, ckpt_root, model, optimizer, stateful, world.site_rank)
+    checkpointer = Checkpointer(cfg, ckpt_root, model, optimizer, stateful)
     return Run(cfg, world, topology, model, optimizer, scheduler, train_data, eval_set, val_data.bytes_per_token,
                outer, progress, clock, run_dir, ckpt_root, checkpointer)
 

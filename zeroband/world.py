@@ -1,7 +1,7 @@
 """Who this process is: its rank inside its site, its site among the sites, and its device.
 
 Sources, in order: the config's `[diloco]` section, then the environment
-(`ZEROBAND_SITE_RANK`, `ZEROBAND_SITE_COUNT`), then single-site defaults. Inside a site the
+(`ZEROBAND_SITE_RANK`, `ZEROBAND_SITE_COUNT`), then a single site of one rank. Inside a site the
 ranks come from torchrun (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`); a plain `python -m` run is rank 0 of 1.
 """
 

@@ -58,7 +58,7 @@ class FetchError(RuntimeError):
 def download_sdists(cache_dir: Path, pins: dict[str, str] = PINNED_SDISTS,
                     indexes: list[str] | None = None) -> dict[str, Path]:
     """Download (or reuse) the pinned sdists into `cache_dir`; a file enters the cache only once its
-    sha256 matches the pin. `indexes` defaults to pip's configured ones (`pip_indexes`)."""
+    sha256 matches the pin. `indexes` falls back to pip's configured ones (`pip_indexes`)."""
     cache_dir.mkdir(parents=True, exist_ok=True)
     paths = {}
     for name, digest in pins.items():

@@ -1,0 +1,60 @@
+"""Run the `zeroband` command with faults armed (test side only).
+
+    python -m zeroband.testing.inject --faults site1:step6:allreduce:kill -- train CONFIG --k v ...
+    python -m zeroband.testing.inject --faults site1:step6:allreduce:nan -- launch CONFIG --sites 2
+
+The wrappers of zeroband.testing.faults are installed in this process, then the command runs
+in-process (`zeroband.cli.main`). Under `launch`, every site's ranks are started through this entry
+point too, with the same schedule; each rank keeps the entries of its own site and rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from zeroband.testing.faults import install
+
+ENTRY = "zeroband.testing.inject"
+
+
+def inject_command(command: list[str], faults: str) -> list[str]:
+    """`command` (a site command that runs `-m zeroband.train ARGS`) with the faults armed."""
+    at = next(i for i in range(len(command) - 1) if command[i:i + 2] == ["-m", "zeroband.train"])
+    return [*command[:at], "-m", ENTRY, "--faults", faults, "--", "train", *command[at + 2:]]
+
+
+def site_of(argv: list[str]) -> int | None:
+    """The site a trainer's arguments name (`--<section>.site_rank N`), if any."""
+    for flag, value in zip(argv, argv[1:]):
+        if flag.startswith("--") and flag.endswith(".site_rank"):
+            return int(value)
+    return None
+
+
+def _wrap_site_commands(faults: str) -> None:
+    """`zeroband launch` starts its sites through `site_command`: arm the faults in them too."""
+    from zeroband.tools import launch
+
+    plain = launch.site_command
+    launch.site_command = lambda *args, **kwargs: inject_command(plain(*args, **kwargs), faults)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=f"python -m {ENTRY}", description=__doc__.splitlines()[0])
+    parser.add_argument("--faults", required=True, help="site<N>:step<N>:<point>:<action>[:rank<N>],...")
+    parser.add_argument("--site", type=int, default=None, help="this process's site (default: from the arguments)")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the `zeroband` command's arguments")
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    site = args.site if args.site is not None else site_of(command)
+    install(args.faults, site=site if site is not None else int(os.environ.get("ZEROBAND_SITE_RANK", "0")))
+    _wrap_site_commands(args.faults)
+    from zeroband.cli import main as zeroband_main
+
+    return zeroband_main(command)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
