@@ -5,7 +5,7 @@ was lost, and whether every surviving replica stayed bitwise identical.
     flock /tmp/zeroband-bench.lock python scripts/chaos.py --faults 32 --sites 4 --wan rate=1000 --etcd
 
 Fault kinds (each a few times, round-robin in a seeded order):
-  kill_inner / kill_allreduce / kill_checkpoint  phase-exact SIGKILL via ZEROBAND_FAULTS (only in the
+  kill_inner / kill_allreduce / kill_checkpoint  phase-exact SIGKILL armed by zeroband.testing.inject (only in the
                                                  victim's incarnation that is due to hit that step)
   kill_external   os.kill(worker, SIGKILL) at a random moment
   term            SIGTERM: graceful leave (checkpoint, exit 0); the site is restarted later (a join)
@@ -199,7 +199,7 @@ class Controller:
         self.events: list[str] = []
         self.stuck: list[str] = []
         self.lost_slots: set[int] = set()
-        self.tail = chaos.DecisionTail([p.log_path for p in self.sites])
+        self.tail = chaos.DecisionTail(self.metrics)
 
     # ----- helpers
     def step(self) -> int:
@@ -438,7 +438,7 @@ class Controller:
 
 
 def analyse(s: Settings, c: Controller, out: Path, baseline: dict[str, Any] | None, wall_s: float) -> dict[str, Any]:
-    decisions = chaos.read_decisions(p.log_path for p in c.sites)
+    decisions = chaos.read_decisions(c.metrics)
     detect(c.faults, decisions)
     for j in c.joins:
         d = chaos.first_inclusion(decisions, j.site, j.started)
@@ -455,8 +455,8 @@ def analyse(s: Settings, c: Controller, out: Path, baseline: dict[str, Any] | No
         "faults_injected": sum(f.injected for f in c.faults), "faults_planned": len(c.faults),
         "expected_outer_steps": expected, "committed_outer_steps": len(committed),
         "outer_steps_lost": expected - len(committed),
-        "aborted_attempts": chaos.count_lines((p.log_path for p in c.sites), "aborted (members"),
-        "skipped_rounds": chaos.count_lines((p.log_path for p in c.sites), "skipped, local progress kept"),
+        "aborted_attempts": chaos.count_events(c.metrics, "aborted"),
+        "skipped_rounds": chaos.count_events(c.metrics, "skipped"),
         "crc_compared_steps": sum(1 for by in table.values() if len(by) > 1),
         "crc_mismatch_steps": chaos.crc_mismatches(table),
         "sites_finished": sorted(c.finished), "hangs": stranded(c) + c.stuck, "lost_slots": sorted(c.lost_slots),

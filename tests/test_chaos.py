@@ -68,7 +68,7 @@ def test_killed_site_rejoins_identical(corpus, tmp_path):
     table = chaos.crc_table(records)
     assert chaos.crc_mismatches(table) == []
     assert len(table[STEPS]) == SITES, "the restarted site did not log the final outer step"
-    decisions = chaos.read_decisions(p.log_path for p in sites)
+    decisions = chaos.read_decisions(tmp_path / "c" / f"site{i}" / "metrics.jsonl" for i in range(SITES))
     rejoin = chaos.first_inclusion(decisions, 2, victim.incarnations[1].started)
     assert rejoin is not None and 2 in rejoin.fresh, "site 2 was not re-admitted as a fresh joiner"
 

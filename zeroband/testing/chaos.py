@@ -1,6 +1,6 @@
 """Helpers for the chaos suite (scripts/chaos.py, tests/test_chaos.py): site processes, an etcd
 cluster that can live inside the sites' network namespaces, and the post-mortem of a run
-(membership decisions from the site logs, outer checksums, checkpoints).
+(membership decisions and outer checksums from the sites' metrics.jsonl records, checkpoints).
 
 Nothing here is used by training itself.
 """
@@ -21,15 +21,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from zeroband.testing.inject import ENTRY, inject_command
 from zeroband.tools.launch import free_port, site_command
-
-DECISION = re.compile(
-    r"^(?P<ts>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \S+ INFO site (?P<site>\d+) round (?P<round>\d+) "
-    r"attempt (?P<attempt>\d+): Decision\(members=\[(?P<members>[\d, ]*)\], fresh=\[(?P<fresh>[\d, ]*)\], "
-    r"generation=(?P<gen>\d+)\)"
-)
-LOG_TS = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
-
 
 # ---------------------------------------------------------------------------------- site processes
 
@@ -66,7 +59,8 @@ class Incarnation:
 
 @dataclass
 class SiteProcess:
-    """One site slot: restarted with the same command (and a per-incarnation ZEROBAND_FAULTS)."""
+    """One site slot: restarted with the same command (with a per-incarnation fault schedule armed
+    through zeroband.testing.inject)."""
 
     site: int
     command: list[str]
@@ -84,13 +78,12 @@ class SiteProcess:
         return inc is not None and inc.proc.poll() is None
 
     def start(self, faults: str = "") -> Incarnation:
-        env = {**self.env, "ZEROBAND_FAULTS": faults} if faults else {k: v for k, v in self.env.items()
-                                                                        if k != "ZEROBAND_FAULTS"}
+        command = inject_command(self.command, faults) if faults else self.command
         number = len(self.incarnations)
         with open(self.log_path, "a") as log:
             log.write(f"{_now_stamp()} chaos INFO incarnation {number} of site {self.site} faults={faults!r}\n")
             log.flush()
-            proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=env,
+            proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=self.env,
                                     start_new_session=True)
         inc = Incarnation(number, time.time(), faults, proc)
         self.incarnations.append(inc)
@@ -268,32 +261,46 @@ class LoggedDecision:
     generation: int
 
 
-def parse_stamp(stamp: str) -> float:
-    return datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+def read_records(path: Path, kind: str) -> list[dict[str, Any]]:
+    """The `kind` records of one metrics.jsonl (a line cut short by a kill is skipped)."""
+    if not path.is_file():
+        return []
+    return _parse_records(path.read_bytes(), kind)
 
 
-def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split(",") if x.strip())
-
-
-def read_decisions(log_paths: Iterable[Path]) -> list[LoggedDecision]:
-    """Every `Decision(...)` line of the site logs, sorted by time."""
-    out = []
-    for path in log_paths:
-        if not path.is_file():
+def _parse_records(data: bytes, kind: str) -> list[dict[str, Any]]:
+    records = []
+    for line in data.decode(errors="replace").splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
             continue
-        for line in path.read_text(errors="replace").splitlines():
-            m = DECISION.match(line)
-            if m:
-                out.append(_decision(m))
-    return sorted(out, key=lambda d: d.time)
+        if isinstance(rec, dict) and rec.get("kind") == kind:
+            records.append(rec)
+    return records
+
+
+def _decision(rec: dict[str, Any]) -> LoggedDecision:
+    return LoggedDecision(float(rec["time"]), int(rec["site"]), int(rec["round"]), int(rec["attempt"]),
+                          tuple(rec["members"]), tuple(rec["fresh"]), int(rec["generation"]))
+
+
+def membership_events(metrics_paths: Iterable[Path], event: str) -> list[dict[str, Any]]:
+    """The `membership` records of one `event` the sites wrote (see notes: events.md), sorted by time."""
+    found = [r for p in metrics_paths for r in read_records(p, "membership") if r.get("event") == event]
+    return sorted(found, key=lambda r: r["time"])
+
+
+def read_decisions(metrics_paths: Iterable[Path]) -> list[LoggedDecision]:
+    """Every membership decision the sites recorded in their metrics.jsonl, sorted by time."""
+    return [_decision(r) for r in membership_events(metrics_paths, "decision")]
 
 
 class DecisionTail:
-    """`read_decisions` for a growing set of logs, reading only what was appended since last time."""
+    """`read_decisions` for growing metrics files, reading only what was appended since last time."""
 
-    def __init__(self, log_paths: list[Path]) -> None:
-        self.paths, self.offsets = log_paths, [0] * len(log_paths)
+    def __init__(self, metrics_paths: list[Path]) -> None:
+        self.paths, self.offsets = metrics_paths, [0] * len(metrics_paths)
         self.decisions: list[LoggedDecision] = []
 
     def read(self) -> list[LoggedDecision]:
@@ -301,25 +308,20 @@ class DecisionTail:
             if not path.is_file():
                 continue
             with open(path, "rb") as f:
+                if f.seek(0, 2) < self.offsets[i]:  # truncated by a restart that resumed earlier
+                    self.offsets[i] = 0
                 f.seek(self.offsets[i])
                 chunk = f.read()
             end = chunk.rfind(b"\n") + 1
             self.offsets[i] += end
-            for line in chunk[:end].decode(errors="replace").splitlines():
-                m = DECISION.match(line)
-                if m:
-                    self.decisions.append(_decision(m))
+            self.decisions += [_decision(r) for r in _parse_records(chunk[:end], "membership")
+                               if r.get("event") == "decision"]
         self.decisions.sort(key=lambda d: d.time)
         return self.decisions
 
 
-def _decision(m: re.Match) -> LoggedDecision:
-    return LoggedDecision(parse_stamp(m["ts"]), int(m["site"]), int(m["round"]), int(m["attempt"]),
-                          _ints(m["members"]), _ints(m["fresh"]), int(m["gen"]))
-
-
-def count_lines(log_paths: Iterable[Path], needle: str) -> int:
-    return sum(p.read_text(errors="replace").count(needle) for p in log_paths if p.is_file())
+def count_events(metrics_paths: Iterable[Path], event: str) -> int:
+    return len(membership_events(metrics_paths, event))
 
 
 def first_exclusion(decisions: list[LoggedDecision], victim: int, since: float, until: float | None = None
@@ -339,17 +341,7 @@ def first_inclusion(decisions: list[LoggedDecision], site: int, since: float) ->
 
 
 def outer_records(metrics_path: Path) -> list[dict[str, Any]]:
-    if not metrics_path.is_file():
-        return []
-    records = []
-    for line in metrics_path.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:  # a line cut short by a kill
-            continue
-        if rec.get("kind") == "outer":
-            records.append(rec)
-    return records
+    return read_records(metrics_path, "outer")
 
 
 def last_step(metrics_path: Path) -> int:
@@ -456,12 +448,13 @@ class FixedRun:
     def run_dir(self) -> Path:
         return self.out / self.name
 
-    def launch(self, env: dict[str, str] | None = None) -> subprocess.Popen:
+    def launch(self, faults: str = "") -> subprocess.Popen:
+        """`zeroband launch`; with `faults`, through zeroband.testing.inject, which arms them in every site."""
         self.launches += 1
         log = open(self.run_dir.parent / f"{self.name}-launch{self.launches}.log", "w")  # noqa: SIM115
-        cmd = [sys.executable, "-m", "zeroband", "launch", self.config, "--sites", str(self.sites), "--grace", "20",
-               *self.overrides]
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        entry = [sys.executable, "-m", ENTRY, "--faults", faults, "--"] if faults else [sys.executable, "-m", "zeroband"]
+        cmd = [*entry, "launch", self.config, "--sites", str(self.sites), "--grace", "20", *self.overrides]
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
         log.close()
         return proc
 
@@ -478,7 +471,7 @@ class FixedRun:
                 argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if b"zeroband.train" in argv and b"torch.distributed.run" not in argv and \
+            if (b"zeroband.train" in argv or ENTRY.encode() in argv) and b"torch.distributed.run" not in argv and \
                     argv[argv.index(b"--diloco.site_rank") + 1] == str(site).encode():
                 out.append(pid)
         return out
@@ -639,16 +632,16 @@ def resume_refused(run: FixedRun, bound_s: float) -> ScenarioResult:
 
 
 def nan_divergence(run: FixedRun, step: int, bound_s: float, inner_steps: int) -> ScenarioResult:
-    """Site 1's pseudo-gradient turns NaN at one outer step (the existing ZEROBAND_FAULTS schedule):
+    """Site 1's pseudo-gradient turns NaN at one outer step (zeroband.testing.faults schedule):
     it is excluded from that average on every site alike, the run ends, nothing non-finite is kept."""
     result = ScenarioResult("nan_divergence", injected=1)
-    proc = run.launch({"ZEROBAND_FAULTS": f"site1:step{step}:allreduce:nan"})
+    proc = run.launch(f"site1:step{step}:allreduce:nan")
     code = wait_exit(proc, bound_s)
     if code is None:
         result.hung += 1
         _kill_tree(proc)
         return result
-    excluded = "excluded sites [1]" in run.site_log(0)
+    excluded = any(1 in r.get("excluded_sites", []) for r in outer_records(run.run_dir / "site0" / "metrics.jsonl"))
     result.detected_s = 0.0 if excluded else None
     result.lost_steps = inner_steps if excluded else 0  # site 1's round of local work was dropped
     result.data_lost += 0 if code == 0 and run.finals_ok() else 1
