@@ -28,11 +28,8 @@ from tests.attackers import (
     lie_as_source,
     lie_on_the_wire,
 )
-from tests.conftest import tiny_overrides
+from tests.helpers import _train, elastic_tree, final_params, outer_records, tiny_overrides
 from tests.multiproc import free_port, run_sites
-from tests.test_diloco import final_params
-from tests.test_elastic import elastic_tree, outer_records
-from tests.test_train import _train
 from zeroband.comm.reduce import ReplicaMismatch, SiteStats, check_replicas, verified_sites
 from zeroband.config import ConfigError, validate_config
 from zeroband.membership.auth import run_secret

@@ -8,9 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import tiny_overrides
+from tests.helpers import _corrupt, tiny_overrides
 from tests.multiproc import Died, run_ranks
-from tests.test_errors import _corrupt
 from zeroband.checkpoint import (
     CheckpointError,
     find_checkpoint,
@@ -197,7 +196,7 @@ def test_rerunning_a_finished_run_does_not_rewrite_it(corpus, tmp_path, capfd):
 
 
 def test_metrics_after_resume_have_no_duplicates(corpus, tmp_path):
-    from tests.test_train import _train_expecting_fault
+    from tests.helpers import _train_expecting_fault
 
     tree = _tree(corpus, tmp_path, train={"steps": 8}, checkpoint={"interval": 4})
     assert "injected fault" in run_ranks(_train_expecting_fault, 1, (tree,),
@@ -225,8 +224,8 @@ def test_find_checkpoint_names_what_it_skipped(tmp_path):
 
 
 def test_diverging_diloco_sites_stop_before_their_outer_step(corpus, tmp_path):
+    from tests.helpers import diloco_tree
     from tests.multiproc import run_sites
-    from tests.test_diloco import diloco_tree
 
     tree = diloco_tree(corpus, tmp_path, train={"steps": 12}, checkpoint={"interval": 2},
                        optim={"lr": 1e4, "grad_clip": 0.0, "warmup_steps": 20})

@@ -18,10 +18,8 @@ import pytest
 import tomli_w
 import torch
 
-from tests.conftest import tiny_overrides
+from tests.helpers import _args, _main, _train, tiny_overrides
 from tests.multiproc import run_ranks
-from tests.test_errors import _args, _main
-from tests.test_train import _train
 from zeroband.checkpoint import MANIFEST, CheckpointError, check_trust, sha256_file, step_dir, verify_trusted
 
 SECRET = "checkpoint-trust-test-secret-7f3a9c"

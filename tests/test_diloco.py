@@ -2,31 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
-from tests.conftest import tiny_overrides
+from tests.helpers import _train, _train_expecting_fault, diloco_tree, final_params, tiny_overrides
 from tests.multiproc import free_port, run_sites
-from tests.test_train import _train, _train_expecting_fault
 from zeroband.config import DilocoConfig, validate_config
-
-
-def diloco_tree(corpus: dict, out: Path, **extra) -> dict:
-    tree = tiny_overrides(corpus, out, **extra)
-    tree.setdefault("diloco", {})
-    tree["diloco"] = {"inner_steps": 2, "store": f"tcp://127.0.0.1:{free_port()}", "timeout_s": 60, "insecure": True,
-                     **tree["diloco"]}
-    return tree
-
-
-def final_params(tree: dict, site: int | None, step: int) -> dict[str, torch.Tensor]:
-    from zeroband.export import load_for_export
-
-    cfg = validate_config({k: v for k, v in tree.items() if k != "diloco"})
-    root = cfg.checkpoint_dir / (f"site{site}" if site is not None else "")
-    return dict(load_for_export(cfg, root / f"step_{step:09d}").state_dict())
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -10,15 +10,12 @@ import json
 import threading
 import time
 from datetime import timedelta
-from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import tiny_overrides
+from tests.helpers import _train, elastic_tree, final_params, outer_records
 from tests.multiproc import Died, free_port, run_sites
-from tests.test_diloco import final_params
-from tests.test_train import _train
 from zeroband.membership.store import open_store
 
 SECRET = "correct horse battery staple"
@@ -30,21 +27,6 @@ def store_address():
     host = open_store(address, True, timedelta(seconds=60))
     yield address
     del host
-
-
-def elastic_tree(corpus: dict, out: Path, store: str, steps: int = 10, **diloco) -> dict:
-    tree = tiny_overrides(corpus, out, train={"steps": steps}, eval={"interval": 0, "batches": 1})
-    tree["diloco"] = {
-        "elastic": True, "host_store": False, "store": store, "inner_steps": 2, "heartbeat_s": 0.25,
-        "dead_after_s": 2.0, "grace_s": 1.0, "start_grace_s": 15.0, "timeout_s": 30, "comm_dtype": "fp16", "insecure": True,
-        **diloco,
-    }
-    return tree
-
-
-def outer_records(out: Path, site: int) -> list[dict]:
-    lines = (out / "t" / f"site{site}" / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r["kind"] == "outer"]
 
 
 def assert_identical(tree: dict, sites: list[int], step: int) -> None:

@@ -2,43 +2,11 @@
 
 from __future__ import annotations
 
-import io
-import json
-import sys
-from pathlib import Path
-
 import pytest
 
-from tests.conftest import tiny_overrides
+from tests.helpers import _corrupt, _error, _train, tiny_overrides
 from tests.multiproc import run_ranks
-from tests.test_train import _train
 from zeroband.checkpoint import CheckpointError, find_checkpoint, verify_checkpoint
-
-
-def _main(argv: list[str]) -> tuple[int, str]:
-    """zeroband.train.main in a forked rank, with stderr captured."""
-    from zeroband.train import main
-
-    sys.stderr = io.StringIO()
-    code = main(argv)
-    return code, sys.stderr.getvalue()
-
-
-def _args(tree: dict, prefix: str = "") -> list[str]:
-    out = []
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out += _args(value, f"{prefix}{key}.")
-        else:
-            out += [f"--{prefix}{key}", json.dumps(value) if isinstance(value, str) else str(value).lower()]
-    return out
-
-
-def _error(tree: dict, ranks: int = 1) -> str:
-    code, err = run_ranks(_main, ranks, (_args(tree),))[0]
-    assert code == 2, err
-    assert "Traceback" not in err
-    return err
 
 
 def test_missing_data_path(corpus, tmp_path):
@@ -60,13 +28,6 @@ def test_checkpoint_of_another_model_shape(corpus, tmp_path):
     run_ranks(_train, 1, (tiny_overrides(corpus, tmp_path, train={"steps": 2}),))
     err = _error(tiny_overrides(corpus, tmp_path, train={"steps": 4}, model={"n_layers": 3}))
     assert "model.n_layers: checkpoint 2 vs config 3" in err and "--checkpoint.resume none" in err
-
-
-def _corrupt(ckpt: Path) -> None:
-    victim = next(p for p in sorted((ckpt / "dcp").iterdir()) if p.suffix == ".distcp")
-    data = bytearray(victim.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    victim.write_bytes(bytes(data))
 
 
 def test_corrupt_and_partial_checkpoints(corpus, tmp_path):

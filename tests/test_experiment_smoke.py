@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import make_corpus
+from tests.helpers import make_corpus
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "experiments" / "convergence.py"

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import tomli_w
 
-from tests.conftest import tiny_overrides
+from tests.helpers import tiny_overrides
 
 SECRET = "Zb-distinctive-secret-4e1f0c93a7d2"
 LOOPBACK = ("127.0.0.1", "::1", "[::1]")

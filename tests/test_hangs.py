@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import tiny_overrides
+from tests.helpers import tiny_overrides
 from tests.multiproc import Died, free_port, run_sites
 from zeroband.config import validate_config
 from zeroband.membership.resume import ResumeMismatch, decide_resume

@@ -11,7 +11,7 @@ from pathlib import Path
 import tomli_w
 import torch
 
-from tests.conftest import tiny_overrides
+from tests.helpers import tiny_overrides
 from tests.multiproc import free_port
 from zeroband.tools.launch import site_cpus
 

@@ -6,9 +6,8 @@ import shutil
 
 import torch
 
-from tests.conftest import tiny_overrides
+from tests.helpers import _train, tiny_overrides
 from tests.multiproc import run_ranks
-from tests.test_train import _train
 from zeroband.config import ModelConfig, OptimConfig
 from zeroband.models.llama import Llama
 from zeroband.optim import MuonAdamW, build_optimizer

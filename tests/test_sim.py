@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers import _train, diloco_tree, final_params
 from tests.multiproc import run_ranks
 from tests.multiproc import run_sites as run_forked
-from tests.test_diloco import diloco_tree, final_params
-from tests.test_train import _train
 
 
 def _simulate(tree: dict, sites: int) -> dict:

@@ -9,26 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import tiny_overrides
+from tests.helpers import _train, _train_expecting_fault, tiny_overrides
 from tests.multiproc import Died, run_ranks
 from zeroband.checkpoint import find_checkpoint, verify_checkpoint
 from zeroband.config import validate_config
-
-
-def _train(tree: dict) -> dict:
-    from zeroband.train import train
-
-    return train(validate_config(tree))
-
-
-def _train_expecting_fault(tree: dict) -> str:
-    from zeroband.testing.faults import InjectedFault
-
-    try:
-        _train(tree)
-    except InjectedFault as e:
-        return str(e)
-    return "no fault"
 
 
 def test_single_rank_learns_and_writes_run_dir(corpus, tmp_path):

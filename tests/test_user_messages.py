@@ -10,10 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import tiny_overrides
+from tests.helpers import _error, _train, tiny_overrides
 from tests.multiproc import run_ranks
-from tests.test_errors import _error
-from tests.test_train import _train
 from zeroband.cli import main as cli_main
 from zeroband.config import ConfigError, deep_merge, dump_config, load_config, validate_config
 
