@@ -24,3 +24,73 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return {"path": str(jsonl), "tokenizer": str(root / "tokenizer")}
 
 
+
+
+# ------------------------------------------------------------------------------------------ test tiers
+# `pytest -m unit`: in-process only (no child processes; a loopback store at most), the whole tier in
+# well under a minute. `pytest -m integration`: real forked ranks, torchrun, launchers, etcd, network
+# namespaces; each test under the global 120 s timeout (pyproject.toml). `slow` marks the end-to-end
+# integration tests that take tens of seconds (`-m "not slow"` leaves them out). A test not listed
+# below is integration, so a new test can only make the unit tier faster, never slower.
+UNIT_MODULES = {"test_config", "test_data", "test_model", "test_plan", "test_rounds", "test_faults", "test_fetch_safety"}
+UNIT_TESTS = {
+    "test_attacks": {"test_verified_sites_rule", "test_forged_heartbeat_and_leave_are_refused",
+                     "test_forged_members_votes_verdict_and_committed_are_refused",
+                     "test_multi_site_without_a_secret_needs_insecure"},
+    "test_auth": {"test_proofs_verify_only_with_the_same_secret", "test_old_or_copied_proofs_do_not_verify",
+                  "test_decide_all_admitted", "test_decide_wrong_secret_is_refused_by_the_majority",
+                  "test_decide_two_sites_that_disagree_admit_nobody", "test_decide_fingerprint_majority_and_tie",
+                  "test_load_secret", "test_flatten_fingerprint", "test_reused_prefix_is_rejected"},
+    "test_checkpoint_safety": {"test_prune_victims_only_this_runs_older_checkpoints",
+                               "test_find_checkpoint_names_what_it_skipped"},
+    "test_checkpoint_trust": {"test_trust_rule_without_a_secret",
+                              "test_rng_state_is_plain_data_and_old_tuples_still_restore"},
+    "test_comm": {"test_dense_codec_round_trip", "test_pieces_cover_everything_on_block_boundaries"},
+    "test_exposure": {"test_config_errors_never_echo_a_secret"},
+    "test_hangs": {"test_store_survives_a_flood_of_idle_connections",
+                   "test_decide_resume_takes_the_newest_common_step_or_names_who_has_what", "test_launcher_lines",
+                   "test_store_waits_name_the_missing_sites_and_log_while_waiting"},
+    "test_launch": {"test_site_cpus_are_disjoint_and_refuse_too_many_sites"},
+    "test_optim": {"test_muon_takes_hidden_matrices_adamw_the_rest"},
+    "test_quantized": {"test_nearest_level_table_equals_bucketize", "test_codec_round_trip_sizes",
+                       "test_codec_rejects_non_finite", "test_chunks_cover_everything_on_block_boundaries"},
+    "test_scripts_smoke": {"test_experiment_corpus_location_is_a_flag"},
+    "test_store": {"test_set_get_check_delete[tcp]", "test_add_and_compare_set[tcp]",
+                   "test_add_is_atomic_across_clients[tcp]", "test_wait_and_blocking_get[tcp]",
+                   "test_missing_key_times_out_clearly[tcp]"},  # the etcd variants start an etcd cluster
+    "test_train": {"test_wsd_schedule_shape"},
+    "test_user_messages": {"test_launch_without_a_diloco_section",
+                           "test_steps_not_a_multiple_of_inner_steps_names_each_fix_once",
+                           "test_first_bad_json_line_kinds", "test_log_lines_print_above_the_progress_bar",
+                           "test_records_through_drops_redone_steps"},
+}
+# Measured at 15-60 s each on a loaded 2-core machine (besides the modules that mark themselves slow).
+SLOW_TESTS = {
+    "test_chaos": {"test_killed_site_rejoins_identical", "test_fixed_mode_frozen_peer_then_resume"},
+    "test_launch": {"test_launch_two_sites_then_export", "test_train_command_runs_torchrun_with_two_ranks"},
+    "test_hangs": {"test_one_site_with_secret_one_without_both_stop_naming_the_cause",
+                   "test_sigterm_to_launcher_stops_every_site", "test_sigterm_interrupts_a_wait_on_a_frozen_peer"},
+    "test_exposure": {"test_default_launch_listens_on_loopback_and_never_shows_its_secret"},
+    "test_checkpoint_trust": {"test_crafted_checkpoint_is_refused_by_resume_and_export"},
+    "test_checkpoint_safety": {"test_foreign_checkpoint_is_never_pruned_and_the_new_one_is_kept"},
+    "test_elastic": {"test_foreign_peer_refused"},
+}
+UNIT_TIMEOUT_S = 30  # a unit test that needs longer is doing integration work
+
+
+def tier(module: str, name: str) -> str:
+    """`unit` or `integration` for test `name` (with its parameters, e.g. `test_x[tcp]`) of `module`."""
+    if module in UNIT_MODULES or name in UNIT_TESTS.get(module, ()):
+        return "unit"
+    return "integration"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        module, base = item.module.__name__.rpartition(".")[2], item.name.partition("[")[0]
+        kind = tier(module, item.name)
+        item.add_marker(kind)
+        if kind == "unit" and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(UNIT_TIMEOUT_S))
+        if base in SLOW_TESTS.get(module, ()):
+            item.add_marker(pytest.mark.slow)

@@ -18,6 +18,7 @@ DATA = REPO / "data" / "demo"
 pytest.importorskip("torchft", reason="torchft not installed (optional benchmark peer: pip install torchft)")
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.timeout(250),  # not measured here (needs torchft and the demo corpus); the bound it had
     pytest.mark.skipif(not (DATA / "train.jsonl").is_file() or not (DATA / "tokenizer").is_dir(),
                        reason="demo corpus missing: run `zeroband data`"),
 ]

@@ -22,7 +22,7 @@ def test_convergence_quick(tmp_path: Path) -> None:
     out = tmp_path / "results"
     cmd = [sys.executable, str(SCRIPT), "--quick", "--out", str(out), "--corpus", str(corpus),
            "--cache", str(tmp_path / "cache")]
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=290)
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=110)
     assert done.returncode == 0, done.stderr[-4000:]
     for name in ("convergence.md", "convergence_vs_tokens.png", "convergence_vs_bytes.png"):
         assert (out / name).stat().st_size > 0, name

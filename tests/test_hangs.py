@@ -199,7 +199,7 @@ def test_decide_resume_takes_the_newest_common_step_or_names_who_has_what():
         decide_resume({0: [10], 1: []})
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(120)
 def test_sites_agree_on_the_resume_step_or_stop(corpus, tmp_path):
     tree = _diloco(corpus, tmp_path)
     run_sites(_train_result, 2, 1, (tree,), timeout=90)  # checkpoints at steps 2 and 4 on both sites
@@ -256,7 +256,7 @@ def test_launcher_lines():
     assert last_error_line(log) == "RuntimeError: boom"
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(120)
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs /proc to find the site processes")
 def test_sigterm_to_launcher_stops_every_site(corpus, tmp_path):
     import tomli_w
@@ -271,7 +271,7 @@ def test_sigterm_to_launcher_stops_every_site(corpus, tmp_path):
     cmd = [sys.executable, "-m", "zeroband", "launch", str(tmp_path / "run.toml"), "--sites", "2", "--grace", "30"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        seen = _read_until(proc, "site 0 step ", 150)
+        seen = _read_until(proc, "site 0 step ", 80)
         tree_pids = descendants(proc.pid)
         assert len(tree_pids) >= 5, tree_pids  # the store, two torchrun agents and their ranks
         t0 = time.monotonic()

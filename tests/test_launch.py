@@ -16,7 +16,7 @@ from tests.multiproc import free_port
 from zeroband.tools.launch import site_cpus
 
 
-def _zeroband(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def _zeroband(*args: str, timeout: float = 110) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "zeroband", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
 
@@ -31,7 +31,7 @@ def test_launch_two_sites_then_export(corpus, tmp_path):
     tree["diloco"] = {"inner_steps": 3, "timeout_s": 120, "insecure": True}
     config = _write(tree, tmp_path / "run.toml")
     pin = ["--pin-cpus"] if len(os.sched_getaffinity(0)) >= 2 else []  # each site on its own core
-    out = _zeroband("launch", config, "--sites", "2", "--nproc", "1", "--timeout", "240", *pin)
+    out = _zeroband("launch", config, "--sites", "2", "--nproc", "1", "--timeout", "100", *pin)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "DiLoCo 2 sites x 1 ranks: val ppl" in out.stdout
     summary = json.loads(out.stdout[out.stdout.index("{") : out.stdout.rindex("}") + 1])
