@@ -32,7 +32,7 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 # namespaces; each test under the global 120 s timeout (pyproject.toml). `slow` marks the end-to-end
 # integration tests that take tens of seconds (`-m "not slow"` leaves them out). A test not listed
 # below is integration, so a new test can only make the unit tier faster, never slower.
-UNIT_MODULES = {"test_config", "test_data", "test_model", "test_plan", "test_rounds", "test_faults", "test_fetch_safety"}
+UNIT_MODULES = {"test_config", "test_data", "test_model", "test_plan", "test_rounds", "test_fetch_safety"}
 UNIT_TESTS = {
     "test_attacks": {"test_verified_sites_rule", "test_forged_heartbeat_and_leave_are_refused",
                      "test_forged_members_votes_verdict_and_committed_are_refused",
@@ -47,6 +47,9 @@ UNIT_TESTS = {
                               "test_rng_state_is_plain_data_and_old_tuples_still_restore"},
     "test_comm": {"test_dense_codec_round_trip", "test_pieces_cover_everything_on_block_boundaries"},
     "test_exposure": {"test_config_errors_never_echo_a_secret"},
+    "test_faults": {"test_parse_faults", "test_inner_fault_fires_at_its_step_on_its_site_and_rank_only",
+                    "test_seal_fault_fires_between_the_two_renames", "test_uninstall_restores_every_seam",
+                    "test_inject_command_wraps_the_trainer_of_a_site_command"},
     "test_hangs": {"test_store_survives_a_flood_of_idle_connections",
                    "test_decide_resume_takes_the_newest_common_step_or_names_who_has_what", "test_launcher_lines",
                    "test_store_waits_name_the_missing_sites_and_log_while_waiting"},
@@ -74,6 +77,7 @@ SLOW_TESTS = {
     "test_checkpoint_trust": {"test_crafted_checkpoint_is_refused_by_resume_and_export"},
     "test_checkpoint_safety": {"test_foreign_checkpoint_is_never_pruned_and_the_new_one_is_kept"},
     "test_elastic": {"test_foreign_peer_refused"},
+    "test_faults": {"test_inject_under_launch_arms_the_sites"},
 }
 UNIT_TIMEOUT_S = 30  # a unit test that needs longer is doing integration work
 
