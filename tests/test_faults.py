@@ -81,9 +81,9 @@ def test_uninstall_restores_every_seam():
 
 def test_inject_command_wraps_the_trainer_of_a_site_command():
     cmd = ["torchrun", "--nproc-per-node", "1", "-m", "zeroband.train", "c.toml", "--diloco.site_rank", "2"]
-    assert inject_command(cmd, "site2:step5:inner:kill") == [
+    assert inject_command(cmd, "site2:step5:inner:kill", 2) == [
         "torchrun", "--nproc-per-node", "1", "-m", "zeroband.testing.inject", "--faults", "site2:step5:inner:kill",
-        "--", "train", "c.toml", "--diloco.site_rank", "2"]
+        "--site", "2", "--", "train", "c.toml", "--diloco.site_rank", "2"]
     assert site_of(cmd[5:]) == 2 and site_of(["c.toml"]) is None
 
 

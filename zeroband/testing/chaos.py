@@ -78,7 +78,7 @@ class SiteProcess:
         return inc is not None and inc.proc.poll() is None
 
     def start(self, faults: str = "") -> Incarnation:
-        command = inject_command(self.command, faults) if faults else self.command
+        command = inject_command(self.command, faults, self.site) if faults else self.command
         number = len(self.incarnations)
         with open(self.log_path, "a") as log:
             log.write(f"{_now_stamp()} chaos INFO incarnation {number} of site {self.site} faults={faults!r}\n")

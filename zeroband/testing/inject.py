@@ -19,10 +19,11 @@ from zeroband.testing.faults import install
 ENTRY = "zeroband.testing.inject"
 
 
-def inject_command(command: list[str], faults: str) -> list[str]:
+def inject_command(command: list[str], faults: str, site: int | None = None) -> list[str]:
     """`command` (a site command that runs `-m zeroband.train ARGS`) with the faults armed."""
     at = next(i for i in range(len(command) - 1) if command[i:i + 2] == ["-m", "zeroband.train"])
-    return [*command[:at], "-m", ENTRY, "--faults", faults, "--", "train", *command[at + 2:]]
+    own = [] if site is None else ["--site", str(site)]
+    return [*command[:at], "-m", ENTRY, "--faults", faults, *own, "--", "train", *command[at + 2:]]
 
 
 def site_of(argv: list[str]) -> int | None:
@@ -38,7 +39,11 @@ def _wrap_site_commands(faults: str) -> None:
     from zeroband.tools import launch
 
     plain = launch.site_command
-    launch.site_command = lambda *args, **kwargs: inject_command(plain(*args, **kwargs), faults)
+
+    def site_command(config: str, site: int, *args: object, **kwargs: object) -> list[str]:
+        return inject_command(plain(config, site, *args, **kwargs), faults, site)
+
+    launch.site_command = site_command
 
 
 def main(argv: list[str] | None = None) -> int:
