@@ -32,7 +32,8 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 # namespaces; each test under the global 120 s timeout (pyproject.toml). `slow` marks the end-to-end
 # integration tests that take tens of seconds (`-m "not slow"` leaves them out). A test not listed
 # below is integration, so a new test can only make the unit tier faster, never slower.
-UNIT_MODULES = {"test_config", "test_data", "test_model", "test_plan", "test_rounds", "test_fetch_safety"}
+UNIT_MODULES = {"test_config", "test_data", "test_model", "test_plan", "test_rounds", "test_fetch_safety",
+                "test_outer_units", "test_save_policy"}
 UNIT_TESTS = {
     "test_attacks": {"test_verified_sites_rule", "test_forged_heartbeat_and_leave_are_refused",
                      "test_forged_members_votes_verdict_and_committed_are_refused",
