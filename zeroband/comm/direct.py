@@ -29,6 +29,7 @@ contribution, so over many calls the outputs sum to the exact sums up to the las
 
 from __future__ import annotations
 
+import math
 from typing import Protocol
 
 import torch
@@ -36,6 +37,7 @@ import torch.distributed as dist
 
 # Tag = phase base + piece index: a fast site's all-gather never matches a scatter receive.
 from zeroband.comm.group import AG_TAG, MAX_PIECES, RS_TAG, GlobalGroup
+from zeroband.comm.timing import Parts
 
 DEFAULT_PIECE_VALUES = 1 << 20  # 4 MB of fp32 per piece (diloco.bucket_mb)
 
@@ -50,9 +52,9 @@ class WireCodec(Protocol):
 
     def nbytes(self, n: int) -> int: ...
 
-    def encode(self, x: torch.Tensor) -> torch.Tensor: ...  # uint8, owns its memory
+    def encode(self, x: torch.Tensor, tail: int = 0) -> torch.Tensor: ...  # uint8, owns its memory, + tail bytes
 
-    def decode(self, buf: torch.Tensor, n: int) -> torch.Tensor: ...  # fp32
+    def decode(self, buf: torch.Tensor, n: int, out: torch.Tensor | None = None) -> torch.Tensor: ...  # fp32
 
 
 def chunk_bounds(n: int, sites: int, block: int) -> list[tuple[int, int]]:
@@ -96,10 +98,15 @@ class DirectExchange:
     exchange); `run` then scatters, reduces, shares and gathers.
 
     Every message is sealed with the group's `auth` (comm/mac.py) and opened before it is decoded:
-    a forged, replayed or truncated message raises WireAuthError here, in Python."""
+    a forged, replayed or truncated message raises WireAuthError here, in Python.
 
-    def __init__(self, numel: int, group: GlobalGroup, codec: WireCodec, piece_values: int = DEFAULT_PIECE_VALUES) -> None:
-        self.numel, self.codec = numel, codec
+    `parts` (comm/timing.py) receives the seconds spent encoding, sealing and opening (mac),
+    waiting for peers (network_wait), decoding and summing (decode) and checking what peers sent
+    (review)."""
+
+    def __init__(self, numel: int, group: GlobalGroup, codec: WireCodec, piece_values: int = DEFAULT_PIECE_VALUES,
+                 parts: Parts | None = None) -> None:
+        self.numel, self.codec, self.parts = numel, codec, parts or Parts()
         self.rank, self.size, self.pg, self.group = group.rank, group.size, group.pg, group
         self.auth, self.context, self.call = group.auth, group.context, group.next_call()
         self.chunks = piece_chunks(numel, self.size, codec.block, piece_values) if self.size > 1 else []
@@ -116,6 +123,8 @@ class DirectExchange:
                 a, b = chunk[src]
                 if b > a:
                     self.gather_in[p, src] = self._recv(b - a, src, AG_TAG + p)
+        # decoded peer slices land here, not in fresh memory (reused: no page faults per piece)
+        self.scratch = torch.empty(max((b - a for chunk in self.chunks for a, b in chunk), default=0))
 
     def run(
         self, tensors: list[torch.Tensor], weight: float, error_feedback: dict[int, torch.Tensor] | None = None,
@@ -124,11 +133,12 @@ class DirectExchange:
         """In place: tensors <- sum over sites of (weight_site * tensors_site); bytes this site sent.
         `flat` may be `flatten(tensors)` made earlier (it is consumed). With `review`, owners sum only
         the sources it accepts after seeing what they sent, before any sum is shared."""
-        flat, held = _contribution(flatten(tensors) if flat is None else flat, tensors, weight, error_feedback)
-        if flat.numel() != self.numel:
-            raise ValueError(f"exchange was posted for {self.numel} values, got {flat.numel()}")
-        if not all_finite(flat):  # fail before any message is sent, not halfway through
-            raise ValueError("all-reduce got a non-finite value; exclude the site (weight 0) instead")
+        with self.parts("encode"):
+            flat, held = _contribution(flatten(tensors) if flat is None else flat, tensors, weight, error_feedback)
+            if flat.numel() != self.numel:
+                raise ValueError(f"exchange was posted for {self.numel} values, got {flat.numel()}")
+            if not all_finite(flat):  # fail before any message is sent, not halfway through
+                raise ValueError("all-reduce got a non-finite value; exclude the site (weight 0) instead")
         loss = None if held is None else torch.zeros_like(flat)
         sent = None if review is None else torch.zeros(self.size, 2, dtype=torch.float64)
         self._scatter(flat, loss, sent)
@@ -138,8 +148,10 @@ class DirectExchange:
         else:
             self._reviewed(flat, loss, review, sent)
         self._gather(flat, review)
-        for t, v in zip(tensors, _unflatten(flat, tensors)):
-            t.copy_(v)
+        with self.parts("decode"):
+            for t, v in zip(tensors, _unflatten(flat, tensors)):
+                if t.data_ptr() != v.data_ptr():  # tensors that are views of `flat` hold the result already
+                    t.copy_(v)
         if error_feedback is not None and held is not None and loss is not None:
             for i, r in enumerate(_unflatten(held.add_(loss), tensors)):
                 error_feedback[i] = r.clone()
@@ -149,8 +161,19 @@ class DirectExchange:
         buf = torch.empty(self.codec.nbytes(n) + self.auth.tag_bytes, dtype=torch.uint8)
         return buf, self.pg.recv([buf], src, tag)
 
-    def _send(self, buf: torch.Tensor, dst: int, tag: int) -> None:
-        sealed = self.auth.seal(buf, self.context, (self.call, tag, self.rank, dst))
+    def _encode(self, x: torch.Tensor) -> torch.Tensor:
+        with self.parts("encode"):
+            return self.codec.encode(x, self.auth.tag_bytes)  # room for the tag: sealing copies nothing
+
+    def _send(self, buf: torch.Tensor, dst: int, tag: int, first: bool = True) -> None:
+        """Seal and send `buf` (an `_encode` result); the first send of a buffer seals it in place,
+        later ones (the same bytes to another peer, another tag) a copy, as gloo still reads it."""
+        fields = (self.call, tag, self.rank, dst)
+        with self.parts("mac"):
+            if first:
+                sealed = self.auth.seal_tail(buf, self.context, fields)
+            else:
+                sealed = self.auth.seal(buf[: buf.numel() - self.auth.tag_bytes], self.context, fields)
         self.sends.append((self.pg.send([sealed], dst, tag), sealed, dst))
         self.sent += sealed.numel()
 
@@ -159,8 +182,10 @@ class DirectExchange:
         waited on only once: the verified payload replaces it in `inbox`)."""
         buf, work = inbox[p, src]
         if work is not None:
-            self.group.wait(work, src, f"{'reduce-scatter' if tag < AG_TAG else 'all-gather'} piece {p}")
-            buf = self.auth.open(buf, self.context, (self.call, tag, src, self.rank))
+            with self.parts("network_wait"):
+                self.group.wait(work, src, f"{'reduce-scatter' if tag < AG_TAG else 'all-gather'} piece {p}")
+            with self.parts("mac"):
+                buf = self.auth.open(buf, self.context, (self.call, tag, src, self.rank))
             inbox[p, src] = (buf, None)
         return buf
 
@@ -171,14 +196,15 @@ class DirectExchange:
                 a, b = chunk[dst]
                 if b == a:
                     continue
-                buf = self.codec.encode(flat[a:b])
+                buf = self._encode(flat[a:b])
                 self._send(buf, dst, RS_TAG + p)
                 if loss is not None or sent is not None:
-                    decoded = self.codec.decode(buf, b - a)
-                    if loss is not None:
-                        loss[a:b] = flat[a:b] - decoded
-                    if sent is not None:
-                        sent[dst] += torch.tensor(value_stats(decoded), dtype=torch.float64)
+                    with self.parts("review"):
+                        decoded = self.codec.decode(buf, b - a, out=self.scratch[: b - a])
+                        if loss is not None:
+                            torch.sub(flat[a:b], decoded, out=loss[a:b])
+                        if sent is not None:
+                            add_stats(sent[dst], decoded)
 
     def _sum(self, p: int, flat: torch.Tensor, use: list[bool] | None,
              seen: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -192,11 +218,15 @@ class DirectExchange:
             if src == self.rank:
                 values = flat[lo:hi]
             else:
-                values = self.codec.decode(self._opened(self.scatter_in, p, src, RS_TAG + p), hi - lo)
+                buf = self._opened(self.scatter_in, p, src, RS_TAG + p)
+                with self.parts("decode"):
+                    values = self.codec.decode(buf, hi - lo, out=self.scratch[: hi - lo])
             if seen is not None:
-                seen[src] += torch.tensor(value_stats(values), dtype=torch.float64)
+                with self.parts("review"):
+                    add_stats(seen[src], values)
             if use is None or use[src]:
-                total += values
+                with self.parts("decode"):
+                    total += values
         return total
 
     def _reviewed(self, flat: torch.Tensor, loss: torch.Tensor | None, review: Review, sent: torch.Tensor) -> None:
@@ -215,23 +245,27 @@ class DirectExchange:
         if total is None:
             return
         lo, hi = self.chunks[p][self.rank]
-        buf = self.codec.encode(total)
-        for dst in self.peers:
-            self._send(buf, dst, AG_TAG + p)
-        # The owner keeps exactly what the peers will decode, not its more precise fp32 sum.
-        flat[lo:hi] = self.codec.decode(buf, hi - lo)
+        buf = self._encode(total)
+        for i, dst in enumerate(self.peers):
+            self._send(buf, dst, AG_TAG + p, first=i == 0)
+        with self.parts("decode"):  # the owner keeps exactly what the peers will decode, not its fp32 sum
+            self.codec.decode(buf, hi - lo, out=flat[lo:hi])
         if loss is not None:
-            loss[lo:hi] = total - flat[lo:hi]
+            torch.sub(total, flat[lo:hi], out=loss[lo:hi])
 
     def _gather(self, flat: torch.Tensor, review: Review | None) -> None:
         got = torch.zeros(self.size, 2, dtype=torch.float64)
         for p, src in self.gather_in:
             a, b = self.chunks[p][src]
-            flat[a:b] = self.codec.decode(self._opened(self.gather_in, p, src, AG_TAG + p), b - a)
+            buf = self._opened(self.gather_in, p, src, AG_TAG + p)
+            with self.parts("decode"):
+                self.codec.decode(buf, b - a, out=flat[a:b])
             if review is not None:
-                got[src] += torch.tensor(value_stats(flat[a:b]), dtype=torch.float64)
-        for work, _, dst in self.sends:
-            self.group.wait(work, dst, "sends to drain")
+                with self.parts("review"):
+                    add_stats(got[src], flat[a:b])
+        with self.parts("network_wait"):
+            for work, _, dst in self.sends:
+                self.group.wait(work, dst, "sends to drain")
         if review is not None:
             review.check_gathered(got)
 
@@ -239,14 +273,38 @@ class DirectExchange:
 def value_stats(values: torch.Tensor) -> tuple[float, float]:
     """(sum of squares, count of NaN/inf) of decoded values: what a source really sent. An fp32 dot
     product (~25x faster than an fp64 norm): it overflows only past 1e19 per value, which is then
-    rejected as it should be."""
+    rejected as it should be. One read pass: a NaN/inf anywhere makes the dot non-finite, and
+    only then are the values counted."""
     sumsq = float(torch.dot(values, values)) if values.numel() else 0.0
-    return sumsq, 0.0 if all_finite(values) else float((~torch.isfinite(values)).sum())
+    return sumsq, 0.0 if math.isfinite(sumsq) else float((~torch.isfinite(values)).sum())
+
+
+def add_stats(row: torch.Tensor, values: torch.Tensor) -> None:
+    """row (float64 [sum of squares, non-finite count]) += value_stats(values)."""
+    sumsq, nonfinite = value_stats(values)
+    row[0] += sumsq
+    row[1] += nonfinite
 
 
 def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The tensors as one new fp32 vector (cheap to start early: it does not depend on the weight)."""
-    return torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors])
+    """The tensors as one fp32 vector that the caller may consume (cheap to start early: it does not
+    depend on the weight). Tensors that already are consecutive views of one fp32 vector (the outer
+    step's pseudo-gradient) give that vector itself, with no copy: the result lands in place."""
+    base = flat_base(tensors)
+    return base if base is not None else torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors])
+
+
+def flat_base(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """The 1-D fp32 vector that `tensors` tile exactly, in order, as contiguous views; else None."""
+    if not tensors or any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors):
+        return None
+    first, offset = tensors[0], tensors[0].storage_offset()
+    for t in tensors:
+        if t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or t.storage_offset() != offset:
+            return None
+        offset += t.numel()
+    numel = offset - first.storage_offset()
+    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (numel,))
 
 
 def all_finite(flat: torch.Tensor) -> bool:

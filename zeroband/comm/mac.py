@@ -1,4 +1,4 @@
-"""Message authentication for everything the global groups carry: HMAC-SHA256 keyed by the secret.
+"""Message authentication for everything the global groups carry: keyed BLAKE3 under a key from the secret.
 
 Each message ends with a 32-byte tag over
     (label, group context, call number, gloo tag (phase + piece), source, destination, payload).
@@ -10,6 +10,11 @@ raises `WireAuthError` in Python, where the fault-tolerance code can catch it.
 
 Without a secret (`diloco.insecure = true`) `NO_AUTH` adds nothing, so messages keep the plain
 format. The key is derived once per process (scrypt, zeroband/membership/auth.py), never stored.
+
+Why BLAKE3 in keyed mode (a PRF, hence a MAC, like HMAC-SHA256): one pass over the bytes at
+~7 GB/s on one core against ~2 GB/s for HMAC-SHA256 with SHA-NI (measured, 50 MB fp16 payload).
+The outer step seals and opens every byte of its payload twice per phase, so at 100M parameters
+HMAC alone took ~4 passes over the parameters' memory, BLAKE3 ~1 (docs/results/outer_step.md).
 """
 
 from __future__ import annotations
@@ -17,12 +22,14 @@ from __future__ import annotations
 import hashlib
 import hmac
 from dataclasses import dataclass
+from functools import cached_property
 
+import blake3
 import torch
 
 from zeroband.membership.auth import TrustError, _frame, derive_key
 
-LABEL = b"zeroband-wire-v1"
+LABEL = b"zeroband-wire-v2"  # v2: keyed BLAKE3 (v1: HMAC-SHA256)
 TAG_BYTES = 32
 
 
@@ -48,8 +55,13 @@ class WireAuth:
         """An independent key for another use of the same secret (e.g. store values)."""
         return hmac.new(self.key, LABEL + b"|" + purpose.encode(), hashlib.sha256).digest() if self.key else None
 
+    @cached_property
+    def mac_key(self) -> bytes:
+        """The 32-byte BLAKE3 key of the message tags (its own subkey: no other use shares it)."""
+        return self.subkey("message-tags")
+
     def tag(self, context: bytes, fields: tuple[object, ...], payload: torch.Tensor) -> bytes:
-        mac = hmac.new(self.key, _frame(LABEL, context, *(str(f).encode() for f in fields)), hashlib.sha256)
+        mac = blake3.blake3(_frame(LABEL, context, *(str(f).encode() for f in fields)), key=self.mac_key)
         mac.update(payload.numpy())  # the tensor's bytes, no copy
         return mac.digest()
 
@@ -59,6 +71,13 @@ class WireAuth:
             return buf
         tag = torch.frombuffer(bytearray(self.tag(context, fields, buf)), dtype=torch.uint8)
         return torch.cat([buf, tag])
+
+    def seal_tail(self, buf: torch.Tensor, context: bytes, fields: tuple[object, ...]) -> torch.Tensor:
+        """`seal` without the copy: `buf` ends with `tag_bytes` spare bytes, which receive the tag."""
+        if self.key:
+            body = buf[: buf.numel() - TAG_BYTES]
+            buf[body.numel() :] = torch.frombuffer(bytearray(self.tag(context, fields, body)), dtype=torch.uint8)
+        return buf
 
     def open(self, buf: torch.Tensor, context: bytes, fields: tuple[object, ...]) -> torch.Tensor:
         """The payload of a sealed message; raises WireAuthError unless its tag verifies."""

@@ -119,7 +119,8 @@ class Codec:
         codes = n if self.bits == 8 else (n + 1) // 2
         return blocks * SCALE_BYTES + codes
 
-    def encode(self, x: torch.Tensor) -> torch.Tensor:
+    def encode(self, x: torch.Tensor, tail: int = 0) -> torch.Tensor:
+        """The chunk's bytes, followed by `tail` spare bytes (room for a message tag)."""
         rows = _blocks(x, self.block)
         absmax = rows.abs().amax(dim=1)
         if not bool(torch.isfinite(absmax).all()):
@@ -128,9 +129,9 @@ class Codec:
         # An all-zero block has scale 0: divide by 1 instead, its codes are exactly 0 anyway.
         divisor = torch.where(scale > 0, scale.to(torch.float32), 1.0)
         codes = self._codes((rows / divisor[:, None]).view(-1)[: x.numel()])
-        out = torch.empty(self.nbytes(x.numel()), dtype=torch.uint8)
+        out = torch.empty(self.nbytes(x.numel()) + tail, dtype=torch.uint8)
         out[: scale.numel() * SCALE_BYTES] = scale.view(torch.uint8)
-        out[scale.numel() * SCALE_BYTES :] = codes
+        out[scale.numel() * SCALE_BYTES : out.numel() - tail] = codes
         return out
 
     def _codes(self, y: torch.Tensor) -> torch.Tensor:
@@ -141,16 +142,18 @@ class Codec:
             idx = torch.cat([idx, idx.new_zeros(1)])
         return idx[0::2] | (idx[1::2] << 4)
 
-    def decode(self, buf: torch.Tensor, n: int) -> torch.Tensor:
-        """The fp32 values of an encoded chunk: level x scale, one rounding, the same on every site."""
+    def decode(self, buf: torch.Tensor, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The fp32 values of an encoded chunk: level x scale, one rounding, the same on every site
+        (copied into `out` when given)."""
         nb = -(-n // self.block)
         scale = buf[: nb * SCALE_BYTES].view(SCALE_DTYPE).to(torch.float32)
-        codes = buf[nb * SCALE_BYTES :]
+        codes = buf[nb * SCALE_BYTES : nb * SCALE_BYTES + (n if self.bits == 8 else (n + 1) // 2)]
         if self.bits == 8:
             values = codes.view(torch.int8).to(torch.float32)
         else:
             values = _PAIRS[self.codebook].index_select(0, codes.long()).view(-1)[:n]
-        return _blocks(values, self.block).mul_(scale[:, None]).view(-1)[:n]
+        values = _blocks(values, self.block).mul_(scale[:, None]).view(-1)[:n]
+        return values if out is None else out.copy_(values)
 
 
 def all_reduce_quantized(

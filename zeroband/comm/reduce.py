@@ -35,6 +35,7 @@ from zeroband.comm.dense import DenseCodec
 from zeroband.comm.direct import DirectExchange, WireCodec, flatten
 from zeroband.comm.group import GlobalGroup
 from zeroband.comm.quantized import DEFAULT_BLOCK, Codec
+from zeroband.comm.timing import Parts
 from zeroband.membership.auth import TrustError
 
 QUANTIZED_BITS = {"int8": 8, "int4": 4}
@@ -75,6 +76,7 @@ class ReduceResult:
     wire_bytes: int  # what this rank sent: 2(S-1)/S of the encoded payload
     sites_used: int
     excluded_sites: list[int] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)  # seconds per part (comm/timing.py)
 
 
 def contributing_sites(table: torch.Tensor, outlier_factor: float = 0.0) -> list[bool]:
@@ -178,12 +180,14 @@ class SentReview:
     use: list[bool]
     weights: list[float]
     outlier_factor: float
+    parts: Parts = field(default_factory=Parts)
     keep: list[bool] = field(default_factory=list)
     bounds: list[float] = field(default_factory=list)
 
     def decide(self, seen: torch.Tensor, sent: torch.Tensor) -> tuple[list[bool], float | None]:
         size = self.group.size
-        table = self.group.gather_scalars(torch.cat([seen.reshape(-1), sent.reshape(-1)]).tolist())
+        with self.parts("network_wait"):
+            table = self.group.gather_scalars(torch.cat([seen.reshape(-1), sent.reshape(-1)]).tolist())
         owners, senders = table[:, : 2 * size].view(size, size, 2), table[:, 2 * size :].view(size, size, 2)
         if bad := disputes(owners, senders):
             raise PeerMisbehaved("; ".join(f"site {c} says site {s} sent it other values than site {s} says it sent"
@@ -223,16 +227,18 @@ def reduce_across_sites(
     weight_by_tokens: bool = False,
 ) -> ReduceResult:
     """In place: grads <- mean over contributing sites. Returns what it cost and who took part."""
-    codec = wire_codec(wire)
+    codec, parts = wire_codec(wire), Parts()
     numel = sum(g.numel() for g in grads)
-    exchange = DirectExchange(numel, group, codec, max(1, bucket_bytes // 4))  # receives posted first
+    exchange = DirectExchange(numel, group, codec, max(1, bucket_bytes // 4), parts)  # receives posted first
     table_ready = group.post_scalars(stats.as_list())
-    flat = flatten(grads)  # meanwhile: CPU work that does not depend on the table
-    table = table_ready()
+    with parts("encode"):
+        flat = flatten(grads)  # meanwhile: CPU work that does not depend on the table (none: grads share one vector)
+    with parts("network_wait"):
+        table = table_ready()
     check_replicas(table)
     use = contributing_sites(table, outlier_factor)
     weights = [site_weight(table, use, s, weight_by_tokens) for s in range(group.size)]
-    review = SentReview(group, table, use, weights, outlier_factor)
+    review = SentReview(group, table, use, weights, outlier_factor, parts)
     wire_bytes = exchange.run(grads, weights[group.rank], error_feedback, flat, review if group.size > 1 else None)
     keep = review.keep or use
     payload = codec.nbytes(numel) - codec.header  # a per-message header is wire bytes, not payload
@@ -241,4 +247,5 @@ def reduce_across_sites(
         wire_bytes=wire_bytes,
         sites_used=sum(keep),
         excluded_sites=[s for s, ok in enumerate(keep) if not ok and table[s, 3] == 0],
+        timings=parts.seconds,
     )

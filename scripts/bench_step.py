@@ -1,0 +1,174 @@
+#!/usr/bin/env python
+"""Where the time of one step goes: DiLoCo's outer step by part, against one fused pass over the parameters.
+
+    flock /tmp/zeroband-bench.lock python scripts/bench_step.py            # 102M params, ~1-2 min
+    python scripts/bench_step.py --quick                                  # tiny preset (CI smoke test)
+    python scripts/bench_step.py --inner                                  # CUDA only: inner step vs a plain loop
+
+Outer step (CPU): 2 sites x 1 rank on this host, two forked processes over loopback gloo, each
+driving `DiLoCo` directly (no trainer) on `--layers` x Linear(`--width`, `--width`) (default
+10 x 3200^2 = 102M fp32 parameters), fp16 wire, a shared secret (every message authenticated).
+Before each blocking outer step every site moves its parameters by its own fixed random delta.
+For each thread count in `--threads` (torch threads of the outer step; 1 is the acceptance case):
+one warm-up step, then `--repeats` steps; per step the parts of OuterStats.timings (device->host,
+pseudo-gradient, statistics, encode, MAC, network wait, decode, review, outer optimizer,
+host->device) and the whole step. In the same process, with the same threads: the fastest of 3
+`torch._foreach_add_(params, others)`, one read-modify-write pass over all parameters. Reported
+per thread count (median over the repeats, site 0): whole step, network wait, local work (= whole
+step - network wait) and local work / fused pass.
+
+Inner step (`--inner`, CUDA only): the trainer's model and step (bf16, torch.compile) against a
+plain compiled loop over transformers' LlamaForCausalLM with the same shapes; tokens/s, MFU, peak
+memory, for the 150M and 1B presets.
+
+Writes benchmarks/step.{json,md} (outer) and benchmarks/inner_step.{json,md} (inner).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import CORES, REPO, load_average, load_note, markdown_table, run_forked, write_outputs  # noqa: E402
+
+PARTS = ("d2h", "pseudo_grad", "stats", "encode", "mac", "network_wait", "decode", "review", "optimizer", "h2d")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="4 x Linear(256, 256), 1 repeat (CI smoke test)")
+    p.add_argument("--layers", type=int, default=None, help="Linear layers (default 10; 4 with --quick)")
+    p.add_argument("--width", type=int, default=None, help="Linear width (default 3200; 256 with --quick)")
+    p.add_argument("--threads", default=None, help=f"outer-step thread counts, comma separated (default 1,{CORES})")
+    p.add_argument("--repeats", type=int, default=None, help="timed outer steps per thread count (default 3)")
+    p.add_argument("--wire", default="fp16", choices=("fp32", "bf16", "fp16", "int8", "int4"))
+    p.add_argument("--bucket-mb", type=float, default=4.0)
+    p.add_argument("--inner", action="store_true", help="CUDA: trainer's inner step vs a plain compiled loop")
+    p.add_argument("--out", type=Path, default=REPO / "benchmarks")
+    p.add_argument("--timeout", type=float, default=600)
+    a = p.parse_args(argv)
+    a.layers = a.layers or (4 if a.quick else 10)
+    a.width = a.width or (256 if a.quick else 3200)
+    a.repeats = a.repeats or (1 if a.quick else 3)
+    a.threads = [int(t) for t in (a.threads or f"1,{CORES}").split(",") if t]
+    if min(a.layers, a.width, a.repeats, *a.threads) < 1:
+        p.error("--layers, --width, --repeats and --threads must be >= 1")
+    return a
+
+
+# ---------------------------------------------------------------------------------- one site (forked)
+
+
+def fused_pass_s(params: list[Any], others: list[Any]) -> float:
+    """Fastest of 3 read-modify-write passes over all parameters (the memory-bound floor)."""
+    import torch
+
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        torch._foreach_add_(params, others)
+        best = min(best, time.perf_counter() - t0)
+    torch._foreach_sub_(params, others)
+    torch._foreach_sub_(params, others)
+    torch._foreach_sub_(params, others)
+    return best
+
+
+def _outer_site(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from zeroband.config import DilocoConfig
+    from zeroband.diloco import DiLoCo
+    from zeroband.mesh import SECRET, init_topology, shutdown
+    from zeroband.world import World
+
+    site = int(os.environ["ZEROBAND_SITE_RANK"])
+    store = os.environ["ZEROBAND_BENCH_STORE"]
+    world = World(0, 1, 0, site, 2, torch.device("cpu"))
+    topology = init_topology(world, store, "bench-step", 120, "gloo", mark=SECRET, secret=b"bench-step-secret")
+    try:
+        torch.manual_seed(0)  # the same start everywhere (site 0's broadcast makes it so anyway)
+        model = torch.nn.Sequential(*[torch.nn.Linear(args.width, args.width, bias=False) for _ in range(args.layers)])
+        params = [p.data for p in model.parameters()]
+        gen = torch.Generator().manual_seed(1 + site)
+        deltas = [torch.randn(p.shape, generator=gen).mul_(1e-3) for p in params]
+        rows = []
+        for threads in args.threads:
+            cfg = DilocoConfig(inner_steps=1, comm_dtype=args.wire, bucket_mb=args.bucket_mb, store=store,
+                               timeout_s=120, **({"outer_threads": threads} if "outer_threads" in DilocoConfig.model_fields else {}))
+            outer = DiLoCo(model, cfg, topology)
+            outer.start()
+            torch.set_num_threads(threads)
+            steps = []
+            for step in range(args.repeats + 1):  # the first one is a warm-up (momentum buffers, pages)
+                torch._foreach_sub_(params, deltas)
+                stats = outer.after_inner_step(step, sync_point=True)
+                steps.append({"outer_step_s": stats.outer_step_s, "allreduce_s": stats.allreduce_s, **getattr(stats, "timings", {})})
+            rows.append({"threads": threads, "steps": steps[1:], "fused_pass_s": fused_pass_s(params, deltas),
+                         "numel": sum(p.numel() for p in params)})
+        return {"rows": rows}
+    finally:
+        shutdown()
+
+
+# ---------------------------------------------------------------------------------- report
+
+
+def summarize(row: dict[str, Any]) -> dict[str, Any]:
+    """Medians over the repeats; local work = whole step - network wait."""
+    steps = row["steps"]
+    med = {k: statistics.median(s.get(k, 0.0) for s in steps) for k in ("outer_step_s", *PARTS)}
+    local = [s["outer_step_s"] - s.get("network_wait", s["allreduce_s"]) for s in steps]
+    out = {"threads": row["threads"], "params": row["numel"], "fused_pass_s": row["fused_pass_s"],
+           "outer_step_s": med["outer_step_s"], "local_s": statistics.median(local),
+           "parts": {k: med[k] for k in PARTS}, "steps": steps}
+    out["local_over_pass"] = out["local_s"] / row["fused_pass_s"]
+    return out
+
+
+def outer_markdown(args: argparse.Namespace, rows: list[dict[str, Any]], note: str) -> str:
+    head = ["threads", "outer step s", "local work s", "fused pass s", "local / pass", *PARTS]
+    table = markdown_table(head, [[r["threads"], r["outer_step_s"], r["local_s"], r["fused_pass_s"],
+                                   r["local_over_pass"], *(r["parts"][k] for k in PARTS)] for r in rows])
+    cmd = "python scripts/bench_step.py" + (" --quick" if args.quick else "")
+    return "\n".join([
+        f"# Outer step by part: {rows[0]['params'] / 1e6:.1f}M fp32 params, 2 sites x 1 rank, {args.wire} wire, "
+        "loopback gloo, authenticated", "",
+        f"`{cmd}` (medians of {args.repeats} steps, site 0; seconds). {note}", "",
+        "local work = outer step - network wait; fused pass = fastest of 3 `torch._foreach_add_(params, others)` "
+        "in the same process with the same threads. Parts are the outer step's own timers (OuterStats.timings).", "",
+        table,
+    ])
+
+
+def run_outer(args: argparse.Namespace) -> dict[str, Any]:
+    load0 = load_average()
+    t0 = time.monotonic()
+    result = run_forked(_outer_site, 2, 1, (args,), env={"OMP_NUM_THREADS": str(max(args.threads))},
+                        timeout=args.timeout)
+    rows = [summarize(r) for r in result[(0, 0)]["rows"]]
+    note = load_note(load0, load_average())
+    data = {"rows": rows, "wire": args.wire, "layers": args.layers, "width": args.width, "repeats": args.repeats,
+            "cores": CORES, "load_before": load0, "load_after": load_average(), "wall_s": time.monotonic() - t0}
+    write_outputs(args.out, "step", data, outer_markdown(args, rows, note))
+    return data
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.inner:
+        from bench_inner import run_inner
+
+        run_inner(args)
+        return
+    run_outer(args)
+
+
+if __name__ == "__main__":
+    main()
