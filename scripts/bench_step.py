@@ -98,18 +98,18 @@ def _outer_site(args: argparse.Namespace) -> dict[str, Any]:
         params = [p.data for p in model.parameters()]
         gen = torch.Generator().manual_seed(1 + site)
         deltas = [torch.randn(p.shape, generator=gen).mul_(1e-3) for p in params]
+        cfg = DilocoConfig(inner_steps=1, comm_dtype=args.wire, bucket_mb=args.bucket_mb, store=store, timeout_s=120)
+        outer = DiLoCo(model, cfg, topology)
+        outer.start()
         rows = []
         for threads in args.threads:
-            cfg = DilocoConfig(inner_steps=1, comm_dtype=args.wire, bucket_mb=args.bucket_mb, store=store,
-                               timeout_s=120, **({"outer_threads": threads} if "outer_threads" in DilocoConfig.model_fields else {}))
-            outer = DiLoCo(model, cfg, topology)
-            outer.start()
-            torch.set_num_threads(threads)
+            outer.threads = threads  # diloco.outer_threads
+            torch.set_num_threads(threads)  # the fused pass below runs with the same threads
             steps = []
-            for step in range(args.repeats + 1):  # the first one is a warm-up (momentum buffers, pages)
+            for step in range(args.repeats + 1):  # the first one is a warm-up (momentum buffers, memory)
                 torch._foreach_sub_(params, deltas)
                 stats = outer.after_inner_step(step, sync_point=True)
-                steps.append({"outer_step_s": stats.outer_step_s, "allreduce_s": stats.allreduce_s, **getattr(stats, "timings", {})})
+                steps.append({"outer_step_s": stats.outer_step_s, "allreduce_s": stats.allreduce_s, **stats.timings})
             rows.append({"threads": threads, "steps": steps[1:], "fused_pass_s": fused_pass_s(params, deltas),
                          "numel": sum(p.numel() for p in params)})
         return {"rows": rows}

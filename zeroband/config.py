@@ -234,6 +234,14 @@ class DilocoConfig(Section):
     # Log a crc32 of the outer state after every outer step (costs a pass over the shard; the chaos
     # suite uses it to prove the sites stay bitwise identical).
     log_checksum: bool = False
+    # Where the fp32 outer copy and momentum live when the model is on a GPU: "cuda" keeps them next
+    # to the model (no copies but the pseudo-gradient's round trip to the wire), "cpu" in pinned host
+    # memory, "auto" on the GPU when they fit in half its free memory (blocking steps only: the
+    # overlapped and elastic steps keep them on the CPU). CPU models always use the CPU.
+    outer_device: Literal["auto", "cpu", "cuda"] = "auto"
+    # torch threads of the outer step (0: the cores this rank owns, its affinity / local ranks); the
+    # inner step keeps its own setting.
+    outer_threads: int = Field(0, ge=0)
 
     @model_validator(mode="before")
     @classmethod
@@ -253,6 +261,9 @@ class DilocoConfig(Section):
                              f"{self.inner_steps} (0 applies the average at the next boundary)")
         if self.elastic and self.overlap:
             raise ValueError("diloco.elastic and diloco.overlap cannot be combined yet; choose one")
+        if self.outer_device == "cuda" and (self.overlap or self.elastic):
+            raise ValueError("diloco.outer_device = 'cuda' needs blocking outer steps: set it to 'auto' or 'cpu' "
+                             "with diloco.overlap or diloco.elastic")
         if self.round_seconds and (self.overlap or self.mode != "diloco"):
             raise ValueError("diloco.round_seconds needs diloco.mode = 'diloco' without diloco.overlap")
         if self.elastic and self.mode != "diloco":

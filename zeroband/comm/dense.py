@@ -51,9 +51,10 @@ class DenseCodec:
     def nbytes(self, n: int) -> int:
         return self.header + n * (torch.finfo(self.dtype).bits // 8)
 
-    def encode(self, x: torch.Tensor, tail: int = 0) -> torch.Tensor:
-        """The chunk's bytes, followed by `tail` spare bytes (room for a message tag)."""
-        out = torch.empty(self.nbytes(x.numel()) + tail, dtype=torch.uint8)
+    def encode(self, x: torch.Tensor, tail: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The chunk's bytes, followed by `tail` spare bytes (room for a message tag); written into
+        `out` (uint8, exactly that long) when given."""
+        out = torch.empty(self.nbytes(x.numel()) + tail, dtype=torch.uint8) if out is None else out
         body = out[self.header : out.numel() - tail].view(self.dtype)
         if self.wire == "fp16":
             scale = fp16_scale(max_abs(x))

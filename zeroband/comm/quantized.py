@@ -119,8 +119,9 @@ class Codec:
         codes = n if self.bits == 8 else (n + 1) // 2
         return blocks * SCALE_BYTES + codes
 
-    def encode(self, x: torch.Tensor, tail: int = 0) -> torch.Tensor:
-        """The chunk's bytes, followed by `tail` spare bytes (room for a message tag)."""
+    def encode(self, x: torch.Tensor, tail: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The chunk's bytes, followed by `tail` spare bytes (room for a message tag); written into
+        `out` (uint8, exactly that long) when given."""
         rows = _blocks(x, self.block)
         absmax = rows.abs().amax(dim=1)
         if not bool(torch.isfinite(absmax).all()):
@@ -129,7 +130,7 @@ class Codec:
         # An all-zero block has scale 0: divide by 1 instead, its codes are exactly 0 anyway.
         divisor = torch.where(scale > 0, scale.to(torch.float32), 1.0)
         codes = self._codes((rows / divisor[:, None]).view(-1)[: x.numel()])
-        out = torch.empty(self.nbytes(x.numel()) + tail, dtype=torch.uint8)
+        out = torch.empty(self.nbytes(x.numel()) + tail, dtype=torch.uint8) if out is None else out
         out[: scale.numel() * SCALE_BYTES] = scale.view(torch.uint8)
         out[scale.numel() * SCALE_BYTES : out.numel() - tail] = codes
         return out

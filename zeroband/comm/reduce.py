@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from zeroband.comm.dense import DenseCodec
-from zeroband.comm.direct import DirectExchange, WireCodec, flatten
+from zeroband.comm.direct import Arena, DirectExchange, WireCodec, flatten
 from zeroband.comm.group import GlobalGroup
 from zeroband.comm.quantized import DEFAULT_BLOCK, Codec
 from zeroband.comm.timing import Parts
@@ -225,11 +225,13 @@ def reduce_across_sites(
     error_feedback: dict[int, torch.Tensor] | None = None,
     outlier_factor: float = 0.0,
     weight_by_tokens: bool = False,
+    arena: Arena | None = None,
 ) -> ReduceResult:
-    """In place: grads <- mean over contributing sites. Returns what it cost and who took part."""
+    """In place: grads <- mean over contributing sites. Returns what it cost and who took part.
+    `arena`: memory kept by the caller between calls (comm/direct.py's Arena)."""
     codec, parts = wire_codec(wire), Parts()
     numel = sum(g.numel() for g in grads)
-    exchange = DirectExchange(numel, group, codec, max(1, bucket_bytes // 4), parts)  # receives posted first
+    exchange = DirectExchange(numel, group, codec, max(1, bucket_bytes // 4), parts, arena)  # receives posted first
     table_ready = group.post_scalars(stats.as_list())
     with parts("encode"):
         flat = flatten(grads)  # meanwhile: CPU work that does not depend on the table (none: grads share one vector)
@@ -239,7 +241,9 @@ def reduce_across_sites(
     use = contributing_sites(table, outlier_factor)
     weights = [site_weight(table, use, s, weight_by_tokens) for s in range(group.size)]
     review = SentReview(group, table, use, weights, outlier_factor, parts)
-    wire_bytes = exchange.run(grads, weights[group.rank], error_feedback, flat, review if group.size > 1 else None)
+    finite = bool(table[group.rank, 1] == 0)  # this site's own count, which covers this rank's grads
+    wire_bytes = exchange.run(grads, weights[group.rank], error_feedback, flat, review if group.size > 1 else None,
+                              finite)
     keep = review.keep or use
     payload = codec.nbytes(numel) - codec.header  # a per-message header is wire bytes, not payload
     return ReduceResult(

@@ -33,6 +33,9 @@ class OuterStats:
     excluded_sites: list[int] = field(default_factory=list)
     overlapped: bool = False
     outer_crc: int | None = None  # crc32 of this rank's outer state (diloco.log_checksum)
+    # seconds per part of the step on the main thread (d2h, pseudo_grad, stats, encode, mac,
+    # network_wait, decode, review, optimizer, h2d; zeroband/comm/timing.py)
+    timings: dict[str, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -50,9 +50,11 @@ many outer steps (why: docs/results/diloco_convergence.md).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
@@ -60,8 +62,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from zeroband.comm.direct import Arena, flat_base
 from zeroband.comm.group import GlobalGroup, checksum_table, crc32_of
 from zeroband.comm.reduce import ReduceResult, SiteStats, reduce_across_sites
+from zeroband.comm.timing import Parts
 from zeroband.config import DilocoConfig
 from zeroband.membership.base import NOT_DONE, FixedMembership, Membership
 from zeroband.mesh import Topology
@@ -76,13 +80,32 @@ def local_shard(param: torch.nn.Parameter) -> torch.Tensor:
     return data.to_local() if isinstance(data, DTensor) else data
 
 
+STATS_CHUNK = 1 << 20  # values per chunk of `tensor_stats`: read once from memory, the second look hits cache
+
+
+def tensor_stats(tensors: list[torch.Tensor]) -> tuple[float, float, float]:
+    """(sum of squares, NaN/inf count, max |x|) of fp32 tensors in one read pass, without temporaries.
+
+    Per chunk an fp32 dot and a min/max (the chunk is still in cache for the second), the dots summed
+    in fp64: within ~1e-5 of an fp64 sum, ~100x faster. A NaN/inf anywhere makes the sum non-finite,
+    and only then are the values counted. One host sync, so it also suits GPU tensors."""
+    base = flat_base(tensors)
+    flats = [base] if base is not None else [t.detach().reshape(-1) for t in tensors if t.numel()]
+    chunks = [f[i : i + STATS_CHUNK] for f in flats for i in range(0, f.numel(), STATS_CHUNK)]
+    if not chunks:
+        return 0.0, 0.0, 0.0
+    dots = torch.stack([torch.dot(c, c) for c in chunks]).double().sum()
+    peaks = torch.stack([torch.maximum(-low, high) for low, high in (torch.aminmax(c) for c in chunks)])
+    sumsq, peak = torch.stack([dots, peaks.double().max()]).tolist()
+    nonfinite = 0 if torch.isfinite(torch.tensor(sumsq)) else sum(int((~torch.isfinite(t)).sum()) for t in tensors)
+    return sumsq, float(nonfinite), peak
+
+
 def site_stats(tensors: list[torch.Tensor], topology: Topology, tokens: float = 0.0) -> SiteStats:
     """Sum of squares, non-finite count and max |x| over the whole site (a site-group reduction)."""
-    sumsq = sum((t.double().square().sum() for t in tensors), torch.zeros((), dtype=torch.float64))
-    nonfinite = sum(int((~torch.isfinite(t)).sum()) for t in tensors)
-    max_abs = max((float(t.abs().max()) for t in tensors if t.numel()), default=0.0)
+    sumsq, nonfinite, max_abs = tensor_stats(tensors)
     device = topology.world.device
-    summed = torch.tensor([float(sumsq), float(nonfinite)], dtype=torch.float64, device=device)
+    summed = torch.tensor([sumsq, nonfinite], dtype=torch.float64, device=device)
     topology.site_all_reduce(summed)
     peak = torch.tensor([max_abs], dtype=torch.float64, device=device)
     topology.site_all_reduce(peak, op=dist.ReduceOp.MAX)
@@ -165,13 +188,50 @@ def outer_stats(diloco: DiLoCo, result: ReduceResult, stats: SiteStats, grads: l
         payload_bytes=result.payload_bytes,
         wire_bytes=result.wire_bytes,
         pseudo_grad_norm=stats.sumsq**0.5,
-        avg_pseudo_grad_norm=site_stats(grads, diloco.topology).sumsq ** 0.5,
+        avg_pseudo_grad_norm=diloco.site_sum(diloco.applied_sumsq) ** 0.5,
         outer_lr=diloco.optimizer.param_groups[0]["lr"],
         sites_used=result.sites_used,
         excluded_sites=result.excluded_sites,
         overlapped=overlapped,
         outer_crc=crc32_of(diloco.checksum_tensors()) if diloco.cfg.log_checksum else None,
+        timings=dict(diloco.parts.seconds),
     )
+
+
+def _views(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Consecutive views of `flat` shaped like the tensors of `like` (they tile it exactly)."""
+    views, offset = [], 0
+    for t in like:
+        views.append(flat[offset : offset + t.numel()].view(t.shape))
+        offset += t.numel()
+    return views
+
+
+def pick_outer_device(setting: str, local: torch.device, blocking: bool, need_bytes: int,
+                      free_bytes: int | None) -> torch.device:
+    """Where the outer copy and momentum live: the CPU for a CPU model; on a GPU, "auto" keeps them
+    there when the step is blocking and `need_bytes` fits in half the GPU's free memory."""
+    if local.type != "cuda" or setting == "cpu":
+        return torch.device("cpu")
+    if setting == "cuda" or (blocking and free_bytes is not None and need_bytes <= free_bytes // 2):
+        return local
+    return torch.device("cpu")
+
+
+def outer_thread_count(setting: int, affinity_cores: int, local_ranks: int) -> int:
+    """Threads of the outer step: the setting, or the cores this rank owns (at least 1)."""
+    return setting or max(1, affinity_cores // max(1, local_ranks))
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch's intra-op threads set to `n` for the block (the inner step keeps its own setting)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 class DiLoCo:
@@ -184,10 +244,17 @@ class DiLoCo:
         self.topology = topology
         self.membership = membership or FixedMembership(topology, cfg.timeout_s)
         self.local = [local_shard(p) for p in model.parameters()]
-        self.outer = [t.detach().to("cpu", torch.float32, copy=True) for t in self.local]
+        self._place_outer(cfg)
+        # fused: one pass per tensor, bitwise the per-tensor loop's result (tests/test_outer_step.py), grads untouched
         self.optimizer = torch.optim.SGD(
-            self.outer, lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=cfg.nesterov and cfg.outer_momentum > 0
+            self.outer, lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=cfg.nesterov and cfg.outer_momentum > 0,
+            fused=True,
         )
+        self.threads = outer_thread_count(cfg.outer_threads, len(os.sched_getaffinity(0)),
+                                          int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        self.parts = Parts()  # the current outer step's timers
+        self.arena = Arena()  # the all-reduce's memory, reused every outer step (comm/direct.py)
+        self.applied_sumsq = 0.0  # sum of squares of the last average applied (this rank's shard)
         self.outer_step = 0
         self.error_feedback: dict[int, torch.Tensor] | None = {} if cfg.error_feedback else None
         self.in_flight: _InFlight | None = None
@@ -205,12 +272,30 @@ class DiLoCo:
         """The cross-site group of the current round."""
         return self.membership.group
 
+    def _place_outer(self, cfg: DilocoConfig) -> None:
+        """The fp32 outer copy, and the pseudo-gradient's host vector (reused every blocking step, so
+        the reduce works in place; pinned when the model is on a GPU, for non-blocking copies)."""
+        local = self.local[0].device if self.local else torch.device("cpu")
+        numel = sum(t.numel() for t in self.local)
+        free = torch.cuda.mem_get_info(local)[0] if local.type == "cuda" else None
+        blocking = not (cfg.overlap or cfg.elastic)
+        self.outer_device = pick_outer_device(cfg.outer_device, local, blocking, 3 * 4 * numel, free)
+        pinned = local.type == "cuda"
+        self.outer = [t.detach().to(self.outer_device, torch.float32, copy=True) for t in self.local]
+        if pinned and self.outer_device.type == "cpu":
+            self.outer = [o.pin_memory() for o in self.outer]
+        self.host_grads = torch.empty(numel, dtype=torch.float32, pin_memory=pinned)
+        on_gpu = self.outer_device.type == "cuda"
+        self.device_grads = torch.empty(numel, dtype=torch.float32, device=local) if on_gpu else None
+
     # ------------------------------------------------------------------ start: identical replicas
     @torch.no_grad()
     def start(self, resumed: bool = False) -> None:
         """Fresh: every site takes site 0's parameters. Resumed: prove all sites loaded the same state.
         First of all, the sites prove the secret and agree on the run's settings. A site that does
-        not hold the run's state (elastic) takes rounds until a peer handed it over."""
+        not hold the run's state (elastic) takes rounds until a peer handed it over. The agreement
+        includes where the outer arithmetic runs: GPU and CPU kernels may round differently."""
+        self.topology.fingerprint = {**self.topology.fingerprint, "outer device (diloco.outer_device)": self.outer_device.type}
         self.membership.start(resumed)
         if not self.membership.holds_state:
             while not self.membership.holds_state:
@@ -221,7 +306,7 @@ class DiLoCo:
             return
         broadcast_from_site0(self.local, self.topology)
         for o, t in zip(self.outer, self.local):
-            o.copy_(t.detach().to("cpu", torch.float32))
+            o.copy_(t.detach())
         verify_identical(self.outer, self.topology, "initial broadcast")
 
     def leave(self) -> None:
@@ -242,9 +327,11 @@ class DiLoCo:
         if not self.clock.tick(step):
             return self._land_in_flight(step) if self.in_flight else None
         self.boundary_step = step + 1
-        if self.cfg.overlap and not sync_point:
-            return self._overlapped_boundary()
-        return self._blocking_boundary()
+        self.parts = Parts()
+        with torch_threads(self.threads):
+            if self.cfg.overlap and not sync_point:
+                return self._overlapped_boundary()
+            return self._blocking_boundary()
 
     @torch.no_grad()
     def _blocking_boundary(self) -> OuterStats | None:
@@ -264,7 +351,8 @@ class DiLoCo:
             t1 = time.perf_counter()
             if contribute and grads is not None:  # a retried attempt starts again from the originals
                 mine = [g.clone() for g in grads] if self.membership.may_retry else grads
-                stats = site_stats(mine, self.topology, tokens)
+                with self.parts("stats"):
+                    stats = site_stats(mine, self.topology, tokens)
             else:
                 mine, stats = [torch.zeros_like(o) for o in self.outer], SiteStats(0.0, 0.0, 0.0, abstain=True)
             kept.update(grads=mine, stats=stats, stats_s=kept["stats_s"] + time.perf_counter() - t1)
@@ -276,12 +364,22 @@ class DiLoCo:
         if result is NOT_DONE:
             return None  # the round did not count: local progress kept
         if result is not None:
+            for part, seconds in result.timings.items():
+                self.parts.add(part, seconds)
             self._apply(kept["grads"], result)
-        for t, o in zip(self.local, self.outer):
-            t.copy_(o.to(t.device, t.dtype))
+        with self.parts("h2d"):
+            self._copy_to_local()
         if result is None:
             return None
         return self._stats(result, kept["stats"], kept["grads"], comm_s, time.perf_counter() - t0, overlapped=False)
+
+    def _copy_to_local(self) -> None:
+        """local <- outer (non-blocking from pinned memory or on the GPU; done before returning)."""
+        cuda = any(t.is_cuda for t in self.local)
+        for t, o in zip(self.local, self.outer):
+            t.copy_(o, non_blocking=cuda)
+        if cuda:
+            torch.cuda.synchronize(self.local[0].device)  # the outer copy must not change under a copy in flight
 
     @torch.no_grad()
     def _overlapped_boundary(self) -> OuterStats | None:
@@ -327,30 +425,68 @@ class DiLoCo:
         return waited
 
     def pseudo_gradient(self) -> list[torch.Tensor]:
-        """Outer copy - local shard (fp32, CPU): the list about to be averaged (fixed and elastic)."""
-        return [o - t.detach().to("cpu", torch.float32) for o, t in zip(self.outer, self.local)]
+        """Outer copy - local shard in fp32 on the host: the list about to be averaged (fixed and
+        elastic), as views of one vector that the reduce averages in place (a blocking step reuses
+        it; an overlapped one keeps it in flight, so it gets a new one)."""
+        host = self.host_grads if not self.cfg.overlap else torch.empty_like(self.host_grads)
+        grads = _views(host, self.local)
+        if self.device_grads is not None:  # outer copy on the GPU: subtract there, ship the result
+            with self.parts("pseudo_grad"):
+                for g, o, t in zip(_views(self.device_grads, self.local), self.outer, self.local):
+                    torch.sub(o, t.detach(), out=g)
+            with self.parts("d2h"):
+                host.copy_(self.device_grads, non_blocking=True)
+                torch.cuda.synchronize(self.device_grads.device)
+        elif any(t.is_cuda for t in self.local):  # outer copy on the host: bring the model over first
+            with self.parts("d2h"):
+                for g, t in zip(grads, self.local):
+                    g.copy_(t.detach(), non_blocking=True)
+                torch.cuda.synchronize(self.local[0].device)
+            with self.parts("pseudo_grad"):
+                for g, o in zip(grads, self.outer):
+                    torch.sub(o, g, out=g)
+        else:
+            with self.parts("pseudo_grad"):
+                for g, o, t in zip(grads, self.outer, self.local):
+                    torch.sub(o, t.detach(), out=g)
+        return grads
 
     def reduce(self, grads: list[torch.Tensor], stats: SiteStats, group: GlobalGroup | None = None) -> ReduceResult:
         if self.cfg.log_checksum and not stats.abstain:  # compared across sites by the reduce itself
             stats = replace(stats, crc=float(crc32_of(self.checksum_tensors())))
         bucket = int(self.cfg.bucket_mb * 2**20)
         return reduce_across_sites(grads, stats, group or self.group, self.cfg.comm_dtype, bucket, self.error_feedback,
-                                   self.cfg.outlier_factor, weight_by_tokens=self.cfg.round_seconds > 0)
+                                   self.cfg.outlier_factor, weight_by_tokens=self.cfg.round_seconds > 0,
+                                   arena=None if self.membership.may_retry else self.arena)
 
     def _apply(self, grads: list[torch.Tensor], result: ReduceResult) -> None:
         if result.excluded_sites:
             log.error("outer step %d: excluded sites %s (non-finite pseudo-gradient)", self.outer_step, result.excluded_sites)
+        with self.parts("stats"):  # of the average, for OuterStats (measured by the exchange when it can)
+            self.applied_sumsq = result.sumsq if result.sumsq is not None else tensor_stats(grads)[0]
         if result.sites_used == 0:
             return  # nobody had a usable pseudo-gradient: keep the outer copy, drop the round
         group = self.optimizer.param_groups[0]
         group["lr"], momentum = outer_hyperparameters(self.cfg, self.outer_step, self.lr_factor(self.boundary_step - 1))
         if self.cfg.outer_momentum_warmup:
             group["momentum"] = momentum
-        for o, g in zip(self.outer, grads):
-            o.grad = g
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.device_grads is not None:  # the average goes back to the GPU, where the outer copy is
+            with self.parts("h2d"):
+                base = flat_base(grads)
+                self.device_grads.copy_(base if base is not None else torch.cat([g.reshape(-1) for g in grads]),
+                                        non_blocking=True)
+            grads = _views(self.device_grads, self.outer)
+        with self.parts("optimizer"):
+            for o, g in zip(self.outer, grads):
+                o.grad = g
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         self.outer_step += 1
+
+    def site_sum(self, value: float) -> float:
+        summed = torch.tensor([value], dtype=torch.float64, device=self.topology.world.device)
+        self.topology.site_all_reduce(summed)
+        return summed.item()
 
     def _stats(self, *args: Any, **kwargs: Any) -> OuterStats:
         return outer_stats(self, *args, **kwargs)
@@ -359,7 +495,7 @@ class DiLoCo:
     def state_dict(self) -> dict[str, Any]:
         if self.in_flight is not None:
             raise RuntimeError("checkpoint with an outer all-reduce in flight: save only at sync points")
-        return {"outer": [o.clone() for o in self.outer], "optimizer": self.optimizer.state_dict(),
+        return {"outer": [o.detach().to("cpu", copy=True) for o in self.outer], "optimizer": self.optimizer.state_dict(),
                 "outer_step": self.outer_step, "error_feedback": self.error_feedback, "clock": self.clock.state_dict(),
                 **self.membership.state_dict()}
 
