@@ -126,7 +126,7 @@ class DirectExchange:
     a forged, replayed or truncated message raises WireAuthError here, in Python.
 
     `parts` (comm/timing.py) receives the seconds spent encoding, sealing and opening (mac),
-    waiting for peers (network_wait), decoding and summing (decode) and checking what peers sent
+    waiting for peers and handing messages to the transport (network_wait), decoding and summing (decode) and checking what peers sent
     (review)."""
 
     def __init__(self, numel: int, group: GlobalGroup, codec: WireCodec, piece_values: int = DEFAULT_PIECE_VALUES,
@@ -207,7 +207,8 @@ class DirectExchange:
             if not first:
                 buf = self.arena.take(buf.numel()).copy_(buf)
             sealed = self.auth.seal_tail(buf, self.context, fields)
-        self.sends.append((self.pg.send([sealed], dst, tag), sealed, dst))
+        with self.parts("network_wait"):  # gloo may write into the socket on this thread: the transport's time
+            self.sends.append((self.pg.send([sealed], dst, tag), sealed, dst))
         self.sent += sealed.numel()
 
     def _opened(self, inbox: dict, p: int, src: int, tag: int) -> torch.Tensor:

@@ -1,0 +1,30 @@
+"""scripts/bench_step.py --quick: the outer step by part on 2 forked sites, complete and consistent."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+PARTS = {"d2h", "pseudo_grad", "stats", "encode", "mac", "network_wait", "decode", "review", "optimizer", "h2d"}
+
+
+@pytest.mark.timeout(120)
+def test_bench_step_quick(tmp_path: Path) -> None:
+    cmd = [sys.executable, str(REPO / "scripts" / "bench_step.py"), "--quick", "--threads", "1,2", "--out", str(tmp_path)]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=110)
+    assert done.returncode == 0, done.stderr[-3000:]
+    data = json.loads((tmp_path / "step.json").read_text())
+    assert [r["threads"] for r in data["rows"]] == [1, 2]
+    for row in data["rows"]:
+        assert row["params"] == 4 * 256 * 256
+        assert set(row["parts"]) == PARTS and all(v >= 0 for v in row["parts"].values())
+        assert row["parts"]["encode"] > 0 and row["parts"]["mac"] > 0  # the exchange was timed, authenticated
+        assert 0 < row["local_s"] <= row["outer_step_s"]
+        assert sum(row["parts"].values()) <= row["outer_step_s"] * 1.01  # parts never overlap
+        assert row["local_over_pass"] == pytest.approx(row["local_s"] / row["fused_pass_s"])
+    assert "local / pass" in (tmp_path / "step.md").read_text()

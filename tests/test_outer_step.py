@@ -1,0 +1,102 @@
+"""The fast outer step's parts, each against the slow reference it replaced (issue 15)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zeroband.comm.dense import DenseCodec
+from zeroband.comm.direct import Arena, flat_base, flatten, value_stats
+from zeroband.comm.mac import TAG_BYTES, WireAuth
+from zeroband.outer.diloco import _views, outer_thread_count, pick_outer_device, tensor_stats
+
+
+def test_fused_sgd_is_bitwise_the_per_tensor_loop():
+    """The outer optimizer's fused kernel gives today's (per-tensor) result bit for bit and leaves
+    the gradients alone, through momentum warm-up and lr changes, Nesterov or not."""
+    gen = torch.Generator().manual_seed(0)
+    for nesterov in (True, False):
+        ref = [torch.randn(1000, 37, generator=gen) for _ in range(3)]
+        new = [p.clone() for p in ref]
+        slow = torch.optim.SGD(ref, lr=0.7, momentum=0.5, nesterov=nesterov, foreach=False)
+        fast = torch.optim.SGD(new, lr=0.7, momentum=0.5, nesterov=nesterov, fused=True)
+        for step in range(5):
+            grads = [torch.randn(p.shape, generator=gen) * 10.0 ** -step for p in ref]
+            for opt in (slow, fast):
+                opt.param_groups[0].update(momentum=0.1 * (step + 1), lr=0.7 / (step + 1))
+            for p, q, g in zip(ref, new, grads):
+                p.grad, q.grad = g.clone(), g.clone()
+            slow.step()
+            fast.step()
+            assert all(torch.equal(q.grad, g) for q, g in zip(new, grads))
+        assert all(torch.equal(p, q) for p, q in zip(ref, new))
+        assert all(torch.equal(slow.state[p]["momentum_buffer"], fast.state[q]["momentum_buffer"])
+                   for p, q in zip(ref, new))
+
+
+def test_tensor_stats_match_float64_reference():
+    gen = torch.Generator().manual_seed(1)
+    tensors = [torch.randn(3 << 20, generator=gen), torch.randn(17, 5, generator=gen) * 100]
+    sumsq, nonfinite, peak = tensor_stats(tensors)
+    ref = sum(float(t.double().square().sum()) for t in tensors)
+    # fp32 accumulation inside each 1M chunk (~1e-5 measured); the sums feed 4x and 10x thresholds
+    assert sumsq == pytest.approx(ref, rel=1e-4)
+    assert nonfinite == 0 and peak == max(float(t.abs().max()) for t in tensors)
+    tensors[0][5], tensors[1][0, 0], tensors[1][1, 1] = float("nan"), float("inf"), -float("inf")
+    assert tensor_stats(tensors)[1] == 3
+    assert tensor_stats([]) == (0.0, 0.0, 0.0)
+    assert value_stats(torch.tensor([3.0, float("nan")]))[1] == 1
+
+
+def test_views_of_one_vector_are_reduced_in_place():
+    flat = torch.arange(30, dtype=torch.float32)
+    views = _views(flat, [torch.empty(2, 5), torch.empty(20)])
+    base = flat_base(views)
+    assert base is not None and base.data_ptr() == flat.data_ptr() and base.numel() == 30
+    assert flatten(views).data_ptr() == flat.data_ptr()
+    separate = [torch.zeros(3), torch.zeros(4)]
+    assert flat_base(separate) is None and flatten(separate).data_ptr() != separate[0].data_ptr()
+    assert flat_base([views[1], views[0]]) is None  # out of order: a copy
+
+
+def test_arena_reuses_its_memory_and_grows_to_what_an_exchange_took():
+    arena = Arena()
+    arena.start()
+    first = [arena.take(100), arena.take(40, torch.float32)]  # nothing reserved yet: fresh memory
+    arena.start()
+    again = [arena.take(100), arena.take(40, torch.float32)]
+    assert again[1].dtype == torch.float32 and again[1].numel() == 10
+    assert again[0].data_ptr() == arena.buf.data_ptr() and first[0].data_ptr() != arena.buf.data_ptr()
+    assert again[1].data_ptr() % 64 == 0  # aligned: views as fp16/fp32 are valid
+
+
+def test_fp16_encode_into_place_equals_the_reference():
+    codec = DenseCodec("fp16")
+    x = torch.randn(1001) * 1e-3
+    out = codec.encode(x, tail=TAG_BYTES)
+    assert out.numel() == codec.nbytes(x.numel()) + TAG_BYTES
+    scale = 2.0 ** 25  # the largest power of two with scale x max|x| <= 2**15 for these values
+    assert torch.equal(out[4 : out.numel() - TAG_BYTES].view(torch.float16), (x * float(out[:4].view(torch.float32))).half())
+    assert float(out[:4].view(torch.float32)) <= scale * 4
+    dest = torch.empty(1001)
+    assert torch.equal(codec.decode(out, 1001, out=dest), codec.decode(out[: out.numel() - TAG_BYTES], 1001))
+
+
+def test_sealed_in_place_equals_sealed_by_copy():
+    auth = WireAuth(b"k" * 32)
+    body = torch.randint(0, 255, (1000,), dtype=torch.uint8)
+    spare = torch.cat([body, torch.zeros(TAG_BYTES, dtype=torch.uint8)])
+    fields = (1, 7, 0, 1)
+    assert torch.equal(auth.seal_tail(spare, b"ctx", fields), auth.seal(body, b"ctx", fields))
+    assert torch.equal(auth.open(spare, b"ctx", fields), body)
+
+
+def test_outer_device_and_threads_are_pure_decisions():
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert pick_outer_device("auto", cpu, True, 10, None) == cpu
+    assert pick_outer_device("cuda", cpu, True, 10, None) == cpu  # a CPU model has no GPU to use
+    assert pick_outer_device("auto", gpu, True, 10, 100) == gpu
+    assert pick_outer_device("auto", gpu, True, 60, 100) == cpu  # more than half the free memory
+    assert pick_outer_device("auto", gpu, False, 10, 100) == cpu  # overlapped / elastic: host
+    assert pick_outer_device("cpu", gpu, True, 10, 100) == cpu
+    assert outer_thread_count(0, 16, 8) == 2 and outer_thread_count(0, 2, 4) == 1 and outer_thread_count(3, 16, 8) == 3
