@@ -50,6 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--wire", default="fp16", choices=("fp32", "bf16", "fp16", "int8", "int4"))
     p.add_argument("--bucket-mb", type=float, default=4.0)
     p.add_argument("--inner", action="store_true", help="CUDA: trainer's inner step vs a plain compiled loop")
+    p.add_argument("--peak-tflops", type=float, default=None, help="--inner: the GPU's dense bf16 peak (MFU)")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks")
     p.add_argument("--timeout", type=float, default=600)
     a = p.parse_args(argv)
@@ -109,7 +110,8 @@ def _outer_site(args: argparse.Namespace) -> dict[str, Any]:
             for step in range(args.repeats + 1):  # the first one is a warm-up (momentum buffers, memory)
                 torch._foreach_sub_(params, deltas)
                 stats = outer.after_inner_step(step, sync_point=True)
-                steps.append({"outer_step_s": stats.outer_step_s, "allreduce_s": stats.allreduce_s, **stats.timings})
+                steps.append({"outer_step_s": stats.outer_step_s, "allreduce_s": stats.allreduce_s,
+                              "wire_bytes": stats.wire_bytes_est, **stats.timings})
             rows.append({"threads": threads, "steps": steps[1:], "fused_pass_s": fused_pass_s(params, deltas),
                          "numel": sum(p.numel() for p in params)})
         return {"rows": rows}
@@ -129,20 +131,25 @@ def summarize(row: dict[str, Any]) -> dict[str, Any]:
            "outer_step_s": med["outer_step_s"], "local_s": statistics.median(local),
            "parts": {k: med[k] for k in PARTS}, "steps": steps}
     out["local_over_pass"] = out["local_s"] / row["fused_pass_s"]
+    # the whole all-reduce call (statistics exchange, encoding, MACs, review included): bits this rank sent per second
+    out["allreduce_gbit_s"] = statistics.median(s["wire_bytes"] * 8 / s["allreduce_s"] / 1e9 for s in steps)
     return out
 
 
 def outer_markdown(args: argparse.Namespace, rows: list[dict[str, Any]], note: str) -> str:
-    head = ["threads", "outer step s", "local work s", "fused pass s", "local / pass", *PARTS]
+    head = ["threads", "outer step s", "local work s", "fused pass s", "local / pass", "all-reduce Gbit/s", *PARTS]
     table = markdown_table(head, [[r["threads"], r["outer_step_s"], r["local_s"], r["fused_pass_s"],
-                                   r["local_over_pass"], *(r["parts"][k] for k in PARTS)] for r in rows])
+                                   r["local_over_pass"], r["allreduce_gbit_s"], *(r["parts"][k] for k in PARTS)]
+                                  for r in rows])
     cmd = "python scripts/bench_step.py" + (" --quick" if args.quick else "")
     return "\n".join([
         f"# Outer step by part: {rows[0]['params'] / 1e6:.1f}M fp32 params, 2 sites x 1 rank, {args.wire} wire, "
         "loopback gloo, authenticated", "",
         f"`{cmd}` (medians of {args.repeats} steps, site 0; seconds). {note}", "",
         "local work = outer step - network wait; fused pass = fastest of 3 `torch._foreach_add_(params, others)` "
-        "in the same process with the same threads. Parts are the outer step's own timers (OuterStats.timings).", "",
+        "in the same process with the same threads. Parts are the outer step's own timers (OuterStats.timings); "
+        "network_wait includes handing messages to gloo (its send may copy into the socket on the caller's thread). "
+        "all-reduce Gbit/s = wire bytes this rank sent x 8 / the whole all-reduce call (one pair of ranks).", "",
         table,
     ])
 

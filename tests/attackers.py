@@ -62,11 +62,11 @@ class LyingCodec:
     def nbytes(self, n: int) -> int:
         return self.base.nbytes(n)
 
-    def encode(self, x: torch.Tensor) -> torch.Tensor:
-        return self.base.encode(x * 1e30 if self.how == "huge" else torch.full_like(x, float("nan")))
+    def encode(self, x: torch.Tensor, tail: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.base.encode(x * 1e30 if self.how == "huge" else torch.full_like(x, float("nan")), tail, out)
 
-    def decode(self, buf: torch.Tensor, n: int) -> torch.Tensor:
-        return self.base.decode(buf, n)
+    def decode(self, buf: torch.Tensor, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.base.decode(buf, n, out)
 
 
 def lie_on_the_wire(how: str) -> None:
@@ -85,7 +85,9 @@ def lie_as_source(how: str) -> None:
 
     honest = DirectExchange._scatter
 
-    def scatter(self: DirectExchange, flat: torch.Tensor, loss: Any, sent: Any) -> None:
+    def scatter(self: DirectExchange, flat: torch.Tensor, loss: Any, sent: Any, weight: float | None = None) -> None:
+        if weight is not None:  # the weight the honest path applies piece by piece: its own chunk needs it too
+            flat.mul_(weight)
         honest(self, flat * 1e30 if how == "huge" else torch.full_like(flat, float("nan")), loss, sent)
 
     DirectExchange._scatter = scatter
