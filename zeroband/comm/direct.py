@@ -137,6 +137,8 @@ class DirectExchange:
         self.auth, self.context, self.call = group.auth, group.context, group.next_call()
         self.chunks = piece_chunks(numel, self.size, codec.block, piece_values) if self.size > 1 else []
         self.peers = group.peers()
+        self.own = torch.zeros(2, dtype=torch.float64)  # statistics of the chunks this site owns, as shared
+        self.sumsq: float | None = None  # of the whole result, when a review measured the others' chunks
         self.sends: list[tuple[dist.Work, torch.Tensor, int]] = []  # gloo reads a buffer until its send completes
         self.sent = 0
         self.scatter_in: dict[tuple[int, int], tuple[torch.Tensor, dist.Work | None]] = {}
@@ -289,6 +291,8 @@ class DirectExchange:
             self._send(buf, dst, AG_TAG + p, first=i == 0)
         with self.parts("decode"):  # the owner keeps exactly what the peers will decode, not its fp32 sum
             self.codec.decode(buf, hi - lo, out=flat[lo:hi])
+        with self.parts("review"):  # still in cache: the result's norm costs no pass of its own
+            add_stats(self.own, flat[lo:hi])
         if loss is not None:
             torch.sub(total, flat[lo:hi], out=loss[lo:hi])
 
@@ -307,6 +311,7 @@ class DirectExchange:
                 self.group.wait(work, dst, "sends to drain")
         if review is not None:
             review.check_gathered(got)
+            self.sumsq = float(self.own[0] + got[:, 0].sum())
 
 
 def value_stats(values: torch.Tensor) -> tuple[float, float]:

@@ -77,6 +77,7 @@ class ReduceResult:
     sites_used: int
     excluded_sites: list[int] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)  # seconds per part (comm/timing.py)
+    sumsq: float | None = None  # sum of squares of this rank's averaged values (None: not measured)
 
 
 def contributing_sites(table: torch.Tensor, outlier_factor: float = 0.0) -> list[bool]:
@@ -252,4 +253,5 @@ def reduce_across_sites(
         sites_used=sum(keep),
         excluded_sites=[s for s, ok in enumerate(keep) if not ok and table[s, 3] == 0],
         timings=parts.seconds,
+        sumsq=exchange.sumsq,
     )
