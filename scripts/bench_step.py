@@ -111,7 +111,7 @@ def _outer_site(args: argparse.Namespace) -> dict[str, Any]:
                 torch._foreach_sub_(params, deltas)
                 stats = outer.after_inner_step(step, sync_point=True)
                 steps.append({"outer_step_s": stats.outer_step_s, "allreduce_s": stats.allreduce_s,
-                              "wire_bytes": stats.wire_bytes_est, **stats.timings})
+                              "wire_bytes": stats.wire_bytes, **stats.timings})
             rows.append({"threads": threads, "steps": steps[1:], "fused_pass_s": fused_pass_s(params, deltas),
                          "numel": sum(p.numel() for p in params)})
         return {"rows": rows}
