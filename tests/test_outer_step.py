@@ -8,7 +8,8 @@ import torch
 from zeroband.comm.dense import DenseCodec
 from zeroband.comm.direct import Arena, flat_base, flatten, value_stats
 from zeroband.comm.mac import TAG_BYTES, WireAuth
-from zeroband.outer.diloco import _views, outer_thread_count, pick_outer_device, tensor_stats
+from zeroband.outer.placement import _views, outer_thread_count, pick_outer_device
+from zeroband.outer.stats import tensor_stats
 
 
 def test_fused_sgd_is_bitwise_the_per_tensor_loop():

@@ -51,10 +51,8 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -62,7 +60,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from zeroband.comm.direct import Arena, flat_base
+from zeroband.comm.direct import Arena
 from zeroband.comm.group import GlobalGroup, checksum_table, crc32_of
 from zeroband.comm.reduce import ReduceResult, SiteStats, reduce_across_sites
 from zeroband.comm.timing import Parts
@@ -70,6 +68,9 @@ from zeroband.config import DilocoConfig
 from zeroband.membership.base import NOT_DONE, FixedMembership, Membership
 from zeroband.mesh import Topology
 from zeroband.outer.base import OuterStats, RoundClock
+from zeroband.outer.overlap import OverlapRules, _InFlight
+from zeroband.outer.placement import OuterCopy, outer_thread_count, torch_threads
+from zeroband.outer.stats import site_stats, tensor_stats
 
 log = logging.getLogger(__name__)
 
@@ -78,38 +79,6 @@ def local_shard(param: torch.nn.Parameter) -> torch.Tensor:
     """The tensor this rank owns: the local shard of an FSDP2 DTensor, or the tensor itself."""
     data = param.data
     return data.to_local() if isinstance(data, DTensor) else data
-
-
-STATS_CHUNK = 1 << 20  # values per chunk of `tensor_stats`: read once from memory, the second look hits cache
-
-
-def tensor_stats(tensors: list[torch.Tensor]) -> tuple[float, float, float]:
-    """(sum of squares, NaN/inf count, max |x|) of fp32 tensors in one read pass, without temporaries.
-
-    Per chunk an fp32 dot and a min/max (the chunk is still in cache for the second), the dots summed
-    in fp64: within ~1e-5 of an fp64 sum, ~100x faster. A NaN/inf anywhere makes the sum non-finite,
-    and only then are the values counted. One host sync, so it also suits GPU tensors."""
-    base = flat_base(tensors)
-    flats = [base] if base is not None else [t.detach().reshape(-1) for t in tensors if t.numel()]
-    chunks = [f[i : i + STATS_CHUNK] for f in flats for i in range(0, f.numel(), STATS_CHUNK)]
-    if not chunks:
-        return 0.0, 0.0, 0.0
-    dots = torch.stack([torch.dot(c, c) for c in chunks]).double().sum()
-    peaks = torch.stack([torch.maximum(-low, high) for low, high in (torch.aminmax(c) for c in chunks)])
-    sumsq, peak = torch.stack([dots, peaks.double().max()]).tolist()
-    nonfinite = 0 if torch.isfinite(torch.tensor(sumsq)) else sum(int((~torch.isfinite(t)).sum()) for t in tensors)
-    return sumsq, float(nonfinite), peak
-
-
-def site_stats(tensors: list[torch.Tensor], topology: Topology, tokens: float = 0.0) -> SiteStats:
-    """Sum of squares, non-finite count and max |x| over the whole site (a site-group reduction)."""
-    sumsq, nonfinite, max_abs = tensor_stats(tensors)
-    device = topology.world.device
-    summed = torch.tensor([sumsq, nonfinite], dtype=torch.float64, device=device)
-    topology.site_all_reduce(summed)
-    peak = torch.tensor([max_abs], dtype=torch.float64, device=device)
-    topology.site_all_reduce(peak, op=dist.ReduceOp.MAX)
-    return SiteStats(summed[0].item(), summed[1].item(), peak.item(), tokens=tokens)
 
 
 def broadcast_from_site0(tensors: list[torch.Tensor], topology: Topology) -> None:
@@ -135,39 +104,6 @@ def verify_identical(tensors: list[torch.Tensor], topology: Topology, when: str)
         raise RuntimeError(
             f"sites disagree after {when}: checksums of shard {topology.world.rank} per site are {table}"
         )
-
-
-class _InFlight:
-    """A pseudo-gradient all-reduce running on a background thread (global group only)."""
-
-    def __init__(self, grads: list[torch.Tensor], stats: SiteStats, diloco: DiLoCo, snapshot: list[torch.Tensor]):
-        self.grads, self.stats, self.snapshot = grads, stats, snapshot  # grads become the average in place
-        self.result: ReduceResult | None = None
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, args=(diloco,), name="zeroband-outer-allreduce", daemon=True)
-        self.thread.start()
-
-    def _run(self, diloco: DiLoCo) -> None:
-        try:
-            self.result = diloco.reduce(self.grads, self.stats)
-        except BaseException as e:  # re-raised on the main thread by wait()
-            self.error = e
-
-    def wait(self, group: GlobalGroup) -> ReduceResult:
-        group.watch.join(self.thread, "overlapped outer all-reduce")
-        if self.error is not None:
-            raise self.error
-        return self.result
-
-
-def outer_preview(theta: torch.Tensor, buf: torch.Tensor | None, d: torch.Tensor, lr: float, momentum: float,
-                  nesterov: bool) -> torch.Tensor:
-    """Where torch's SGD (dampening 0, no weight decay) would move `theta` with gradient `d`, leaving
-    its state alone: buf' = momentum * buf + d; step = d + momentum * buf' (Nesterov) or buf'."""
-    if momentum == 0:
-        return theta - lr * d
-    new_buf = d if buf is None else buf * momentum + d
-    return theta - lr * (d + momentum * new_buf if nesterov else new_buf)
 
 
 def outer_hyperparameters(cfg: DilocoConfig, outer_step: int, inner_factor: float) -> tuple[float, float]:
@@ -198,43 +134,7 @@ def outer_stats(diloco: DiLoCo, result: ReduceResult, stats: SiteStats, grads: l
     )
 
 
-def _views(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Consecutive views of `flat` shaped like the tensors of `like` (they tile it exactly)."""
-    views, offset = [], 0
-    for t in like:
-        views.append(flat[offset : offset + t.numel()].view(t.shape))
-        offset += t.numel()
-    return views
-
-
-def pick_outer_device(setting: str, local: torch.device, blocking: bool, need_bytes: int,
-                      free_bytes: int | None) -> torch.device:
-    """Where the outer copy and momentum live: the CPU for a CPU model; on a GPU, "auto" keeps them
-    there when the step is blocking and `need_bytes` fits in half the GPU's free memory."""
-    if local.type != "cuda" or setting == "cpu":
-        return torch.device("cpu")
-    if setting == "cuda" or (blocking and free_bytes is not None and need_bytes <= free_bytes // 2):
-        return local
-    return torch.device("cpu")
-
-
-def outer_thread_count(setting: int, affinity_cores: int, local_ranks: int) -> int:
-    """Threads of the outer step: the setting, or the cores this rank owns (at least 1)."""
-    return setting or max(1, affinity_cores // max(1, local_ranks))
-
-
-@contextmanager
-def torch_threads(n: int) -> Iterator[None]:
-    """torch's intra-op threads set to `n` for the block (the inner step keeps its own setting)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
-class DiLoCo:
+class DiLoCo(OverlapRules):
     def __init__(self, model: torch.nn.Module, cfg: DilocoConfig, topology: Topology, tokens_per_step: int = 0,
                  lr_factor: Callable[[int], float] | None = None, membership: Membership | None = None) -> None:
         """`membership` says who takes part in each round; by default every site, on the fixed
@@ -244,7 +144,8 @@ class DiLoCo:
         self.topology = topology
         self.membership = membership or FixedMembership(topology, cfg.timeout_s)
         self.local = [local_shard(p) for p in model.parameters()]
-        self._place_outer(cfg)
+        self.copy = OuterCopy(self.local, cfg)
+        self.outer, self.outer_device = self.copy.tensors, self.copy.device
         # fused: one pass per tensor, bitwise the per-tensor loop's result (tests/test_outer_step.py), grads untouched
         self.optimizer = torch.optim.SGD(
             self.outer, lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=cfg.nesterov and cfg.outer_momentum > 0,
@@ -271,22 +172,6 @@ class DiLoCo:
     def group(self) -> GlobalGroup | None:
         """The cross-site group of the current round."""
         return self.membership.group
-
-    def _place_outer(self, cfg: DilocoConfig) -> None:
-        """The fp32 outer copy, and the pseudo-gradient's host vector (reused every blocking step, so
-        the reduce works in place; pinned when the model is on a GPU, for non-blocking copies)."""
-        local = self.local[0].device if self.local else torch.device("cpu")
-        numel = sum(t.numel() for t in self.local)
-        free = torch.cuda.mem_get_info(local)[0] if local.type == "cuda" else None
-        blocking = not (cfg.overlap or cfg.elastic)
-        self.outer_device = pick_outer_device(cfg.outer_device, local, blocking, 3 * 4 * numel, free)
-        pinned = local.type == "cuda"
-        self.outer = [t.detach().to(self.outer_device, torch.float32, copy=True) for t in self.local]
-        if pinned and self.outer_device.type == "cpu":
-            self.outer = [o.pin_memory() for o in self.outer]
-        self.host_grads = torch.empty(numel, dtype=torch.float32, pin_memory=pinned)
-        on_gpu = self.outer_device.type == "cuda"
-        self.device_grads = torch.empty(numel, dtype=torch.float32, device=local) if on_gpu else None
 
     # ------------------------------------------------------------------ start: identical replicas
     @torch.no_grad()
@@ -368,88 +253,15 @@ class DiLoCo:
                 self.parts.add(part, seconds)
             self._apply(kept["grads"], result)
         with self.parts("h2d"):
-            self._copy_to_local()
+            self.copy.to_local()
         if result is None:
             return None
         return self._stats(result, kept["stats"], kept["grads"], comm_s, time.perf_counter() - t0, overlapped=False)
 
-    def _copy_to_local(self) -> None:
-        """local <- outer (non-blocking from pinned memory or on the GPU; done before returning)."""
-        cuda = any(t.is_cuda for t in self.local)
-        for t, o in zip(self.local, self.outer):
-            t.copy_(o, non_blocking=cuda)
-        if cuda:
-            torch.cuda.synchronize(self.local[0].device)  # the outer copy must not change under a copy in flight
-
-    @torch.no_grad()
-    def _overlapped_boundary(self) -> OuterStats | None:
-        t0 = time.perf_counter()
-        previous = self.in_flight
-        waited = self._complete_in_flight() if previous else 0.0
-        grads = self.pseudo_gradient()
-        stats = site_stats(grads, self.topology, self.clock.take_tokens())
-        if self.cfg.overlap_rule != "delayed":
-            self._move_to_estimate(grads, 1.0 if self.cfg.overlap_rule == "eager" else 1.0 / self.group.size)
-        snapshot = [t.detach().to("cpu", torch.float32, copy=True) for t in self.local]
-        self.in_flight = _InFlight(grads, stats, self, snapshot)
-        if previous is None:
-            return None  # nothing applied yet: the first round's average is still in flight
-        return self._stats(previous.result, previous.stats, previous.grads, waited, time.perf_counter() - t0, True)
-
-    @torch.no_grad()
-    def _land_in_flight(self, step: int) -> OuterStats | None:
-        """overlap_steps = tau: apply the pending average tau inner steps after its launch."""
-        if not self.cfg.overlap_steps or step + 1 - self.boundary_step < self.cfg.overlap_steps:
-            return None
-        t0, pending = time.perf_counter(), self.in_flight
-        waited = self._complete_in_flight()
-        return self._stats(pending.result, pending.stats, pending.grads, waited, time.perf_counter() - t0, True)
-
-    def _move_to_estimate(self, fresh: list[torch.Tensor], weight: float) -> None:
-        """Eager rules, step 5: local <- the outer step previewed on weight x this site's d_k."""
-        group = self.optimizer.param_groups[0]
-        for t, o, d in zip(self.local, self.outer, fresh):
-            buf = self.optimizer.state.get(o, {}).get("momentum_buffer")
-            est = d * weight if weight != 1.0 else d
-            t.copy_(outer_preview(o, buf, est, group["lr"], group["momentum"], group["nesterov"]).to(t.device, t.dtype))
-
-    def _complete_in_flight(self) -> float:
-        """Wait for the pending average, apply it, and rebase local progress onto the new outer copy."""
-        pending, self.in_flight = self.in_flight, None
-        t0 = time.perf_counter()
-        result = pending.wait(self.group)
-        waited = time.perf_counter() - t0
-        self._apply(pending.grads, result)
-        for t, o, s in zip(self.local, self.outer, pending.snapshot):
-            t.copy_((o + (t.detach().to("cpu", torch.float32) - s)).to(t.device, t.dtype))
-        return waited
-
     def pseudo_gradient(self) -> list[torch.Tensor]:
-        """Outer copy - local shard in fp32 on the host: the list about to be averaged (fixed and
-        elastic), as views of one vector that the reduce averages in place (a blocking step reuses
-        it; an overlapped one keeps it in flight, so it gets a new one)."""
-        host = self.host_grads if not self.cfg.overlap else torch.empty_like(self.host_grads)
-        grads = _views(host, self.local)
-        if self.device_grads is not None:  # outer copy on the GPU: subtract there, ship the result
-            with self.parts("pseudo_grad"):
-                for g, o, t in zip(_views(self.device_grads, self.local), self.outer, self.local):
-                    torch.sub(o, t.detach(), out=g)
-            with self.parts("d2h"):
-                host.copy_(self.device_grads, non_blocking=True)
-                torch.cuda.synchronize(self.device_grads.device)
-        elif any(t.is_cuda for t in self.local):  # outer copy on the host: bring the model over first
-            with self.parts("d2h"):
-                for g, t in zip(grads, self.local):
-                    g.copy_(t.detach(), non_blocking=True)
-                torch.cuda.synchronize(self.local[0].device)
-            with self.parts("pseudo_grad"):
-                for g, o in zip(grads, self.outer):
-                    torch.sub(o, g, out=g)
-        else:
-            with self.parts("pseudo_grad"):
-                for g, o, t in zip(grads, self.outer, self.local):
-                    torch.sub(o, t.detach(), out=g)
-        return grads
+        """Outer copy - local shard: the list about to be averaged (fixed and elastic), as views of one
+        host vector that the reduce averages in place (zeroband/outer/placement.py)."""
+        return self.copy.pseudo_gradient(self.parts, fresh=self.cfg.overlap)
 
     def reduce(self, grads: list[torch.Tensor], stats: SiteStats, group: GlobalGroup | None = None) -> ReduceResult:
         if self.cfg.log_checksum and not stats.abstain:  # compared across sites by the reduce itself
@@ -470,12 +282,7 @@ class DiLoCo:
         group["lr"], momentum = outer_hyperparameters(self.cfg, self.outer_step, self.lr_factor(self.boundary_step - 1))
         if self.cfg.outer_momentum_warmup:
             group["momentum"] = momentum
-        if self.device_grads is not None:  # the average goes back to the GPU, where the outer copy is
-            with self.parts("h2d"):
-                base = flat_base(grads)
-                self.device_grads.copy_(base if base is not None else torch.cat([g.reshape(-1) for g in grads]),
-                                        non_blocking=True)
-            grads = _views(self.device_grads, self.outer)
+        grads = self.copy.on_outer_device(grads, self.parts)
         with self.parts("optimizer"):
             for o, g in zip(self.outer, grads):
                 o.grad = g

@@ -1,0 +1,116 @@
+"""Where DiLoCo's fp32 outer copy lives and how values move between it and the local shard.
+
+On the host by default (pinned when the model is on a GPU, so copies are non-blocking), or on the
+GPU (`diloco.outer_device`); the pseudo-gradient goes into one host vector that a blocking step
+reuses, so the all-reduce averages it in place. The arithmetic is the same everywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from zeroband.comm.direct import flat_base
+from zeroband.comm.timing import Parts
+from zeroband.config import DilocoConfig
+
+
+def _views(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Consecutive views of `flat` shaped like the tensors of `like` (they tile it exactly)."""
+    views, offset = [], 0
+    for t in like:
+        views.append(flat[offset : offset + t.numel()].view(t.shape))
+        offset += t.numel()
+    return views
+
+
+def pick_outer_device(setting: str, local: torch.device, blocking: bool, need_bytes: int,
+                      free_bytes: int | None) -> torch.device:
+    """Where the outer copy and momentum live: the CPU for a CPU model; on a GPU, "auto" keeps them
+    there when the step is blocking and `need_bytes` fits in half the GPU's free memory."""
+    if local.type != "cuda" or setting == "cpu":
+        return torch.device("cpu")
+    if setting == "cuda" or (blocking and free_bytes is not None and need_bytes <= free_bytes // 2):
+        return local
+    return torch.device("cpu")
+
+
+def outer_thread_count(setting: int, affinity_cores: int, local_ranks: int) -> int:
+    """Threads of the outer step: the setting, or the cores this rank owns (at least 1)."""
+    return setting or max(1, affinity_cores // max(1, local_ranks))
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch's intra-op threads set to `n` for the block (the inner step keeps its own setting)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+class OuterCopy:
+    """The fp32 outer copy (`tensors`) of the local shard, and the pseudo-gradient's buffers."""
+
+    def __init__(self, local: list[torch.Tensor], cfg: DilocoConfig) -> None:
+        self.local = local
+        device = local[0].device if local else torch.device("cpu")
+        numel = sum(t.numel() for t in local)
+        free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+        blocking = not (cfg.overlap or cfg.elastic)
+        self.device = pick_outer_device(cfg.outer_device, device, blocking, 3 * 4 * numel, free)
+        pinned = device.type == "cuda"
+        self.tensors = [t.detach().to(self.device, torch.float32, copy=True) for t in local]
+        if pinned and self.device.type == "cpu":
+            self.tensors = [o.pin_memory() for o in self.tensors]
+        self.host_grads = torch.empty(numel, dtype=torch.float32, pin_memory=pinned)
+        on_gpu = self.device.type == "cuda"
+        self.device_grads = torch.empty(numel, dtype=torch.float32, device=device) if on_gpu else None
+
+    def pseudo_gradient(self, parts: Parts, fresh: bool) -> list[torch.Tensor]:
+        """Outer copy - local shard in fp32 on the host, as views of one vector (`fresh`: a new one,
+        for an overlapped step that keeps it in flight; else the reused one)."""
+        host = self.host_grads if not fresh else torch.empty_like(self.host_grads)
+        grads = _views(host, self.local)
+        if self.device_grads is not None:  # outer copy on the GPU: subtract there, ship the result
+            with parts("pseudo_grad"):
+                for g, o, t in zip(_views(self.device_grads, self.local), self.tensors, self.local):
+                    torch.sub(o, t.detach(), out=g)
+            with parts("d2h"):
+                host.copy_(self.device_grads, non_blocking=True)
+                torch.cuda.synchronize(self.device_grads.device)
+        elif any(t.is_cuda for t in self.local):  # outer copy on the host: bring the model over first
+            with parts("d2h"):
+                for g, t in zip(grads, self.local):
+                    g.copy_(t.detach(), non_blocking=True)
+                torch.cuda.synchronize(self.local[0].device)
+            with parts("pseudo_grad"):
+                for g, o in zip(grads, self.tensors):
+                    torch.sub(o, g, out=g)
+        else:
+            with parts("pseudo_grad"):
+                for g, o, t in zip(grads, self.tensors, self.local):
+                    torch.sub(o, t.detach(), out=g)
+        return grads
+
+    def to_local(self) -> None:
+        """local <- outer (non-blocking from pinned memory or on the GPU; done before returning)."""
+        cuda = any(t.is_cuda for t in self.local)
+        for t, o in zip(self.local, self.tensors):
+            t.copy_(o, non_blocking=cuda)
+        if cuda:
+            torch.cuda.synchronize(self.local[0].device)  # the outer copy must not change under a copy in flight
+
+    def on_outer_device(self, grads: list[torch.Tensor], parts: Parts) -> list[torch.Tensor]:
+        """The average where the outer copy is: sent back to the GPU when the copy lives there."""
+        if self.device_grads is None:
+            return grads
+        with parts("h2d"):
+            base = flat_base(grads)
+            self.device_grads.copy_(base if base is not None else torch.cat([g.reshape(-1) for g in grads]),
+                                    non_blocking=True)
+        return _views(self.device_grads, self.tensors)
