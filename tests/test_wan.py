@@ -62,8 +62,11 @@ def test_teardown_normal_and_on_exception(backend: str, delay: float) -> None:
     _assert_clean(wan, pid)
 
 
+# SIGINT restored to Python's handler: a shell without job control (CI in the background) starts
+# children with SIGINT ignored, and then there is no KeyboardInterrupt to unwind the with-block.
 CHILD = textwrap.dedent("""
-    import os, sys, time
+    import os, signal, sys, time
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     from zeroband.wan import WanEmulator
     with WanEmulator(2, rate_mbit=10, delay_ms=5, name=sys.argv[1]) as wan:
         print(wan._forwarder.pid, flush=True)
