@@ -91,7 +91,7 @@ def run_overrides(args: argparse.Namespace, dtype: str, out_dir: Path) -> list[s
     return [
         *model_overrides(args.preset, args.quick), "--name", f"diloco-{dtype}", "--output_dir", str(out_dir),
         "--train.steps", str(args.inner_steps * args.outer_steps), "--diloco.inner_steps", str(args.inner_steps),
-        "--diloco.comm_dtype", dtype, "--diloco.timeout_s", "300",
+        "--diloco.comm_dtype", dtype, "--sites.timeout_s", "300",
         "--log.interval", "1", "--log.progress_bar", "false", "--eval.interval", "0", "--eval.batches", "1",
         "--checkpoint.interval", "0", "--checkpoint.save_at_end", "false", "--checkpoint.resume", "none",
     ]
@@ -101,7 +101,7 @@ def load_rank_config(overrides: list[str]) -> Any:
     from zeroband.config import load_config
 
     os.chdir(REPO)
-    return load_config(CONFIG, [*overrides, "--diloco.store", os.environ["ZEROBAND_BENCH_STORE"]])
+    return load_config(CONFIG, [*overrides, "--sites.store", os.environ["ZEROBAND_BENCH_STORE"]])
 
 
 # ---------------------------------------------------------------------------------- forked ranks
@@ -133,7 +133,7 @@ def _outer_state_rank(overrides: list[str]) -> dict[str, Any]:
 
     cfg = load_rank_config(overrides)
     world = world_from_env(cfg)
-    topology = init_topology(world, cfg.diloco.store, cfg.name, cfg.diloco.timeout_s, "gloo")
+    topology = init_topology(world, cfg.sites.store, cfg.name, cfg.sites.timeout_s, "gloo")
     try:
         model = build_model(cfg, topology)
         shard = [local_shard(p) for p in model.parameters()]

@@ -118,7 +118,7 @@ def common_overrides(args: argparse.Namespace) -> list[str]:
 def zeroband_overrides(args: argparse.Namespace, dtype: str, out_dir: Path, name: str) -> list[str]:
     """One train record per step, no periodic eval (one at the end), no checkpoints."""
     return [*common_overrides(args), "--name", name, "--output_dir", str(out_dir), "--diloco.comm_dtype", dtype,
-            "--diloco.timeout_s", "300", "--diloco.insecure", "true", "--log.interval", "1", "--log.progress_bar", "false",
+            "--sites.timeout_s", "300", "--sites.insecure", "true", "--log.interval", "1", "--log.progress_bar", "false",
             "--eval.interval", "0", "--checkpoint.save_at_end", "false", "--checkpoint.resume", "none"]
 
 

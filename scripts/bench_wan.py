@@ -211,7 +211,7 @@ def train_overrides(args: argparse.Namespace, row: Row, rounds: int, name: str, 
         "--train.micro_batch", str(max(1, args.batch // args.nproc)),
         "--train.steps", str(steps), "--optim.warmup_steps", str(max(1, min(20, steps // 10))),
         "--diloco.inner_steps", str(h), "--diloco.mode", row.mode, "--diloco.comm_dtype", row.dtype,
-        "--diloco.overlap", str(row.overlap).lower(), "--diloco.timeout_s", "600", "--diloco.insecure", "true",
+        "--diloco.overlap", str(row.overlap).lower(), "--sites.timeout_s", "600", "--sites.insecure", "true",
         "--log.interval", "1", "--log.progress_bar", "false", "--eval.interval", "0", "--eval.batches", "2",
         "--checkpoint.interval", "0", "--checkpoint.save_at_end", "false", "--checkpoint.resume", "none", *extra,
     ]

@@ -132,8 +132,8 @@ def run_overrides(s: Settings, out: Path, name: str, steps: int) -> list[str]:
         "eval.batches": 1, "log.interval": 10, "checkpoint.interval": s.ckpt_interval,
         "checkpoint.keep_last": s.keep_last, "diloco.elastic": "true", "diloco.inner_steps": s.inner_steps,
         "diloco.heartbeat_s": s.heartbeat_s, "diloco.dead_after_s": s.dead_after_s, "diloco.grace_s": s.grace_s,
-        "diloco.start_grace_s": 120, "diloco.timeout_s": s.timeout_s, "diloco.join_timeout_s": 90,
-        "diloco.log_checksum": "true", "diloco.comm_dtype": "fp32", "diloco.insecure": "true",
+        "diloco.start_grace_s": 120, "sites.timeout_s": s.timeout_s, "diloco.join_timeout_s": 90,
+        "diloco.log_checksum": "true", "diloco.comm_dtype": "fp32", "sites.insecure": "true",
     }
     return [x for k, v in values.items() for x in (f"--{k}", str(v))]
 
@@ -669,8 +669,8 @@ def run_fixed(rounds: int, workdir: Path, seed: int, data: list[str]) -> list[ch
         def fresh(name: str) -> chaos.FixedRun:
             values = {"output_dir": workdir, "name": name, "model.vocab_size": 4096, "train.steps": steps,
                       "eval.interval": 0, "eval.batches": 1, "log.interval": 2, "checkpoint.interval": 4,
-                      "checkpoint.keep_last": 3, "diloco.inner_steps": h, "diloco.timeout_s": timeout_s,
-                      "diloco.comm_dtype": "fp32", "diloco.insecure": "true"}
+                      "checkpoint.keep_last": 3, "diloco.inner_steps": h, "sites.timeout_s": timeout_s,
+                      "diloco.comm_dtype": "fp32", "sites.insecure": "true"}
             flags = [x for k, v in values.items() for x in (f"--{k}", str(v))]
             return chaos.FixedRun(str(ROOT / "configs" / "debug.toml"), flags + data, workdir, name)
 

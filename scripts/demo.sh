@@ -21,7 +21,7 @@ python - "$CONFIG" "$@" <<'PY'
 import sys
 from zeroband.config import load_config
 from zeroband.tools.report import loss_table, read_metrics
-cfg = load_config(sys.argv[1], sys.argv[2:] + ["--diloco.site_rank", "0", "--diloco.site_count", "2"])
+cfg = load_config(sys.argv[1], sys.argv[2:] + ["--sites.site_rank", "0", "--sites.site_count", "2"])
 records = read_metrics(cfg.run_dir / "site0" / "metrics.jsonl")
 print("\nLoss of site 0 (val = the shared model after each outer step):")
 print(loss_table(records, every=2))

@@ -61,18 +61,18 @@ def tiny_overrides(corpus: dict[str, str], out: Path, **extra: object) -> dict:
 def diloco_tree(corpus: dict, out: Path, **extra) -> dict:
     tree = tiny_overrides(corpus, out, **extra)
     tree.setdefault("diloco", {})
-    tree["diloco"] = {"inner_steps": 2, "store": f"tcp://127.0.0.1:{free_port()}", "timeout_s": 60, "insecure": True,
-                     **tree["diloco"]}
+    tree["diloco"] = {"inner_steps": 2, **tree["diloco"]}
+    tree["sites"] = {"store": f"tcp://127.0.0.1:{free_port()}", "timeout_s": 60, "insecure": True, **tree.get("sites", {})}
     return tree
 
 
-def elastic_tree(corpus: dict, out: Path, store: str, steps: int = 10, **diloco) -> dict:
+def elastic_tree(corpus: dict, out: Path, store: str, steps: int = 10, sites: dict | None = None, **diloco) -> dict:
     tree = tiny_overrides(corpus, out, train={"steps": steps}, eval={"interval": 0, "batches": 1})
     tree["diloco"] = {
-        "elastic": True, "host_store": False, "store": store, "inner_steps": 2, "heartbeat_s": 0.25,
-        "dead_after_s": 2.0, "grace_s": 1.0, "start_grace_s": 15.0, "timeout_s": 30, "comm_dtype": "fp16", "insecure": True,
-        **diloco,
+        "elastic": True, "inner_steps": 2, "heartbeat_s": 0.25, "dead_after_s": 2.0, "grace_s": 1.0,
+        "start_grace_s": 15.0, "comm_dtype": "fp16", **diloco,
     }
+    tree["sites"] = {"host_store": False, "store": store, "timeout_s": 30, "insecure": True, **(sites or {})}
     return tree
 
 

@@ -266,7 +266,7 @@ def test_forged_members_votes_verdict_and_committed_are_refused(store):
 def _forged_elastic_run(tree: dict, prefix: str, rounds: int) -> dict:
     """Site 0's process also forges: every round slot squatted up front, leave notices all along."""
     if int(os.environ["ZEROBAND_SITE_RANK"]) == 0:
-        store = open_store(tree["diloco"]["store"], False, timedelta(seconds=20))
+        store = open_store(tree["sites"]["store"], False, timedelta(seconds=20))
         forge_round_keys(store, prefix, rounds, 2)
         stop = threading.Event()
         threading.Thread(target=forge_leaves, args=(store, prefix, 2, stop), daemon=True).start()
@@ -282,7 +282,7 @@ def test_elastic_run_goes_on_through_forged_store_keys(corpus, tmp_path):
     """The issue's attack: 'abort' verdicts written into the store skipped every round."""
     address = f"tcp://127.0.0.1:{free_port()}"
     host = open_store(address, True, timedelta(seconds=60))
-    tree = elastic_tree(corpus, tmp_path, address, steps=6, insecure=False, start_grace_s=20.0)
+    tree = elastic_tree(corpus, tmp_path, address, steps=6, sites={"insecure": False}, start_grace_s=20.0)
     run_sites(_forged_elastic_run, 2, 1, (tree, f"zeroband/{tree['name']}/elastic/", 4),
               env={"ZEROBAND_SECRET": SECRET}, timeout=55)
     for s in (0, 1):
@@ -295,7 +295,8 @@ def test_elastic_run_goes_on_through_forged_store_keys(corpus, tmp_path):
 # ---------------------------------------------------------------------- whole runs (fixed mode)
 def fixed_tree(corpus: dict, out: Path, **diloco) -> dict:
     tree = tiny_overrides(corpus, out, train={"steps": 4, "global_batch": 2, "micro_batch": 2})
-    tree["diloco"] = {"inner_steps": 2, "store": f"tcp://127.0.0.1:{free_port()}", "timeout_s": 20, **diloco}
+    tree["diloco"] = {"inner_steps": 2, **diloco}
+    tree["sites"] = {"store": f"tcp://127.0.0.1:{free_port()}", "timeout_s": 20}
     return tree
 
 
@@ -417,13 +418,13 @@ def test_every_setting_that_must_match_is_compared(corpus, tmp_path, what):
 # ---------------------------------------------------------------------- policy
 def test_multi_site_without_a_secret_needs_insecure(monkeypatch, caplog):
     monkeypatch.delenv("ZEROBAND_SECRET", raising=False)
-    with pytest.raises(ConfigError, match="diloco.secret: a 2-site run needs a shared secret.*diloco.insecure"):
+    with pytest.raises(ConfigError, match="sites.secret: a 2-site run needs a shared secret.*sites.insecure"):
         run_secret(None, False, 2)
     assert run_secret(None, False, 1) is None  # one site talks to nobody
     caplog.set_level(logging.WARNING)
     assert run_secret(None, True, 2) is None and run_secret(None, True, 3) is None
     assert sum("NOT authenticated" in r.message for r in caplog.records) <= 1  # warned once per process
     assert run_secret(SECRET, True, 2) == SECRET.encode()  # a secret always wins
-    with pytest.raises(ConfigError, match="diloco.secret") as e:
+    with pytest.raises(ConfigError, match="sites.secret") as e:
         run_secret("short-42", False, 2)
     assert "short-42" not in str(e.value)

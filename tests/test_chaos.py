@@ -26,7 +26,7 @@ def overrides(corpus: dict[str, str], out: Path) -> list[str]:
         "data.val_fraction": 0.1, "train.steps": STEPS, "eval.interval": 0, "eval.batches": 1, "log.interval": 10,
         "checkpoint.interval": 20, "checkpoint.keep_last": 20, "diloco.elastic": "true", "diloco.inner_steps": 2,
         "diloco.heartbeat_s": 0.5, "diloco.dead_after_s": 5, "diloco.grace_s": 1, "diloco.start_grace_s": 60,
-        "diloco.timeout_s": 30, "diloco.join_timeout_s": 60, "diloco.log_checksum": "true", "diloco.insecure": "true",
+        "sites.timeout_s": 30, "diloco.join_timeout_s": 60, "diloco.log_checksum": "true", "sites.insecure": "true",
     }
     return [x for k, v in values.items() for x in (f"--{k}", str(v))]
 
@@ -86,7 +86,7 @@ def test_killed_site_rejoins_identical(corpus, tmp_path):
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs /proc to find the site processes")
 def test_fixed_mode_frozen_peer_then_resume(corpus, tmp_path):
     """Default (non-elastic) mode under the real launcher: site 1's rank is SIGSTOPped mid-run;
-    site 0 exits within diloco.timeout_s naming site 1, SIGCONT ends site 1 too, nothing hangs;
+    site 0 exits within sites.timeout_s naming site 1, SIGCONT ends site 1 too, nothing hangs;
     the relaunch resumes both sites from their newest common checkpoint and finishes identical."""
     timeout_s = 6.0
     values = {
@@ -94,7 +94,7 @@ def test_fixed_mode_frozen_peer_then_resume(corpus, tmp_path):
         "data.path": corpus["path"], "data.tokenizer": corpus["tokenizer"], "data.seq_len": 32,
         "data.val_fraction": 0.1, "train.steps": 40, "eval.interval": 0, "eval.batches": 1, "log.interval": 2,
         "checkpoint.interval": 4, "checkpoint.keep_last": 3, "diloco.inner_steps": 2,
-        "diloco.timeout_s": timeout_s, "diloco.insecure": "true",
+        "sites.timeout_s": timeout_s, "sites.insecure": "true",
     }
     run = chaos.FixedRun(str(ROOT / "configs" / "debug.toml"), [x for k, v in values.items() for x in (f"--{k}", str(v))],
                          tmp_path, "f")

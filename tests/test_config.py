@@ -89,3 +89,38 @@ def test_site_identity_required_for_diloco(monkeypatch):
     monkeypatch.setenv("ZEROBAND_SITE_COUNT", "3")
     world = world_from_env(cfg)
     assert (world.site_rank, world.site_count, world.dp_rank, world.dp_size) == (1, 3, 1, 3)
+    cfg = load_config("configs/demo_diloco.toml", ["--sites.site_rank", "0", "--sites.site_count", "2"])
+    assert (world_from_env(cfg).site_rank, world_from_env(cfg).site_count) == (0, 2)  # the config wins
+
+
+def test_sites_section_holds_identity_store_and_transport():
+    cfg = load_config("configs/demo_diloco.toml", ["--sites.store", "tcp://10.0.0.1:1234", "--sites.timeout_s", "30",
+                                                   "--sites.insecure", "--sites.backend", "nccl"])
+    assert (cfg.sites.store, cfg.sites.timeout_s, cfg.sites.insecure, cfg.sites.backend) == (
+        "tcp://10.0.0.1:1234", 30.0, True, "nccl")
+    with pytest.raises(ConfigError, match="sites: Value error, store='nowhere' must look like tcp://host:port"):
+        load_config("configs/demo_diloco.toml", ["--sites.store", "nowhere"])
+    with pytest.raises(ConfigError, match="site_rank=2 must be < site_count=2"):
+        load_config(None, ["--sites.site_rank", "2", "--sites.site_count", "2"])
+
+
+@pytest.mark.parametrize("key, value", [("store", '"tcp://h:1"'), ("host_store", "false"), ("secret_file", '"s"'),
+                                        ("insecure", "true"), ("site_rank", "1"), ("site_count", "2"),
+                                        ("backend", '"gloo"'), ("timeout_s", "30")])
+def test_old_diloco_site_keys_are_refused_naming_the_new_key(tmp_path, key, value):
+    toml = tmp_path / "old.toml"
+    toml.write_text(f"[diloco]\ninner_steps = 2\n{key} = {value}\n")
+    expected = f"diloco.{key} moved to sites.{key}: write [sites] {key} = {value} (or --sites.{key} on the command line)"
+    for source in ((toml, None), ("configs/demo_diloco.toml", [f"--diloco.{key}", value.strip('"')])):
+        with pytest.raises(ConfigError) as e:
+            load_config(*source)
+        assert str(e.value) == expected  # one line, nothing else
+
+
+def test_python_dilococonfig_keeps_working_with_algorithm_keys_and_drops_a_store_with_a_warning():
+    from zeroband.config import DilocoConfig
+
+    cfg = DilocoConfig(outer_lr=0.7, outer_momentum=0.9, nesterov=True, comm_dtype="fp32", inner_steps=1)
+    assert (cfg.outer_lr, cfg.outer_momentum, cfg.nesterov, cfg.comm_dtype, cfg.inner_steps) == (0.7, 0.9, True, "fp32", 1)
+    with pytest.warns(DeprecationWarning, match=r"diloco.store moved to sites.store: write \[sites\] store ="):
+        assert DilocoConfig(outer_lr=0.5, store="tcp://127.0.0.1:1").model_dump() == DilocoConfig(outer_lr=0.5).model_dump()

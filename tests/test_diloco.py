@@ -46,7 +46,7 @@ def _outer_by_hand(store: str, deltas: list[list[float]], momentum: float, neste
     model = torch.nn.Linear(1, 1, bias=False)
     with torch.no_grad():
         model.weight.fill_(1.0 if site == 0 else 5.0)  # site 0's value must win the initial broadcast
-    cfg = DilocoConfig(outer_lr=lr, outer_momentum=momentum, nesterov=nesterov, comm_dtype="fp32", store=store,
+    cfg = DilocoConfig(outer_lr=lr, outer_momentum=momentum, nesterov=nesterov, comm_dtype="fp32",
                        overlap=overlap, overlap_rule=rule, **{"inner_steps": 1, "outer_momentum_warmup": 0, **outer})
     outer = DiLoCo(model, cfg, topology, lr_factor=lr_factor)
     outer.start()

@@ -64,7 +64,7 @@ def _late_train(tree: dict, delay_site: int, after_round: int) -> dict:
     import os
 
     if int(os.environ["ZEROBAND_SITE_RANK"]) == delay_site:
-        store = open_store(tree["diloco"]["store"], False, timedelta(seconds=60))
+        store = open_store(tree["sites"]["store"], False, timedelta(seconds=60))
         while store.add(f"zeroband/{tree['name']}/elastic/committed", 0) - 1 < after_round:
             time.sleep(0.1)
     return _train(tree)

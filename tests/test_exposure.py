@@ -63,7 +63,8 @@ def test_default_launch_listens_on_loopback_and_never_shows_its_secret(corpus, t
     secret_file.write_text(SECRET + "\n")
     secret_file.chmod(0o600)
     tree = tiny_overrides(corpus, tmp_path / "out", train={"steps": 6}, checkpoint={"interval": 3})
-    tree["diloco"] = {"inner_steps": 3, "timeout_s": 120, "secret_file": str(secret_file)}
+    tree["diloco"] = {"inner_steps": 3}
+    tree["sites"] = {"timeout_s": 120, "secret_file": str(secret_file)}
     config = tmp_path / "run.toml"
     config.write_text(tomli_w.dumps(tree))
     cmd = [sys.executable, "-m", "zeroband", "launch", str(config), "--sites", "2", "--nproc", "1", "--timeout", "100"]
@@ -89,7 +90,7 @@ def test_default_launch_listens_on_loopback_and_never_shows_its_secret(corpus, t
 
 
 def test_secret_on_the_command_line_is_refused_without_echo(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "zeroband", "launch", "configs/demo.toml", "--diloco.secret", SECRET],
+    out = subprocess.run([sys.executable, "-m", "zeroband", "launch", "configs/demo.toml", "--sites.secret", SECRET],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "visible to every user in `ps`" in out.stderr and "Traceback" not in out.stderr
     assert SECRET not in out.stdout + out.stderr
@@ -100,15 +101,15 @@ def test_config_errors_never_echo_a_secret(tmp_path):
 
     numeric = 123456789012345678901234  # TOML parses it as a number: not a valid secret string
     config = tmp_path / "c.toml"
-    config.write_text(tomli_w.dumps({"diloco": {"secret": numeric}}))
+    config.write_text(tomli_w.dumps({"sites": {"secret": numeric}}))
     with pytest.raises(ConfigError) as e:
         load_config(config)
-    assert "diloco.secret" in str(e.value) and str(numeric) not in str(e.value)
+    assert "sites.secret" in str(e.value) and str(numeric) not in str(e.value)
     loose = tmp_path / "loose"
     loose.write_text(SECRET)
     loose.chmod(0o644)
     with pytest.raises(ConfigError, match="chmod 600") as e:
-        load_config(None, {"diloco": {"secret_file": str(loose)}})
+        load_config(None, {"sites": {"secret_file": str(loose)}})
     assert SECRET not in str(e.value)
 
 

@@ -80,10 +80,10 @@ def test_uninstall_restores_every_seam():
 
 
 def test_inject_command_wraps_the_trainer_of_a_site_command():
-    cmd = ["torchrun", "--nproc-per-node", "1", "-m", "zeroband.train", "c.toml", "--diloco.site_rank", "2"]
+    cmd = ["torchrun", "--nproc-per-node", "1", "-m", "zeroband.train", "c.toml", "--sites.site_rank", "2"]
     assert inject_command(cmd, "site2:step5:inner:kill", 2) == [
         "torchrun", "--nproc-per-node", "1", "-m", "zeroband.testing.inject", "--faults", "site2:step5:inner:kill",
-        "--site", "2", "--", "train", "c.toml", "--diloco.site_rank", "2"]
+        "--site", "2", "--", "train", "c.toml", "--sites.site_rank", "2"]
     assert site_of(cmd[5:]) == 2 and site_of(["c.toml"]) is None
 
 
@@ -105,7 +105,8 @@ def test_inject_under_launch_arms_the_sites(corpus, tmp_path):
     """`-- launch`: every site's ranks start through the entry point; site 1's pseudo-gradient of
     outer step 2 is NaN and both sites exclude it, as the fixed-mode chaos scenario expects."""
     tree = tiny_overrides(corpus, tmp_path, train={"steps": 6})
-    tree["diloco"] = {"inner_steps": 2, "timeout_s": 60, "insecure": True}
+    tree["diloco"] = {"inner_steps": 2}
+    tree["sites"] = {"timeout_s": 60, "insecure": True}
     (tmp_path / "run.toml").write_text(tomli_w.dumps(tree))
     out = _inject("site1:step4:allreduce:nan", "launch", str(tmp_path / "run.toml"), "--sites", "2", "--timeout", "90")
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]

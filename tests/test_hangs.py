@@ -170,10 +170,10 @@ def _train_result(tree: dict) -> dict:
     return train(validate_config(tree))
 
 
-def _diloco(corpus: dict, out: Path, **diloco) -> dict:
+def _diloco(corpus: dict, out: Path, sites: dict | None = None, **diloco) -> dict:
     tree = tiny_overrides(corpus, out, train={"steps": 4}, checkpoint={"interval": 2, "keep_last": 5})
-    tree["diloco"] = {"inner_steps": 2, "store": f"tcp://127.0.0.1:{free_port()}", "timeout_s": TIMEOUT_S,
-                      "insecure": True, **diloco}
+    tree["diloco"] = {"inner_steps": 2, **diloco}
+    tree["sites"] = {"store": f"tcp://127.0.0.1:{free_port()}", "timeout_s": TIMEOUT_S, "insecure": True, **(sites or {})}
     return tree
 
 
@@ -206,12 +206,12 @@ def test_sites_agree_on_the_resume_step_or_stop(corpus, tmp_path):
     ckpts = Path(validate_config(tree).checkpoint_dir)
     shutil.rmtree(ckpts / "site1" / "step_000000004")
     tree["train"]["steps"] = 6
-    tree["diloco"]["store"] = f"tcp://127.0.0.1:{free_port()}"
+    tree["sites"]["store"] = f"tcp://127.0.0.1:{free_port()}"
     out = run_sites(_train_result, 2, 1, (tree,), timeout=90)  # both resume from 2, the newest common step
     assert [len(out[(s, 0)]["losses"]) for s in (0, 1)] == [4, 4] and out[(0, 0)]["steps"] == 6
 
     shutil.rmtree(ckpts / "site1")  # site 1 now starts fresh while site 0 has steps 2, 4 and 6
-    tree["diloco"]["store"] = f"tcp://127.0.0.1:{free_port()}"
+    tree["sites"]["store"] = f"tcp://127.0.0.1:{free_port()}"
     t0 = time.monotonic()
     out = run_sites(_train_error, 2, 1, (tree,), timeout=60)
     for site in (0, 1):
@@ -232,8 +232,8 @@ def test_nccl_without_cuda_is_refused_at_config_check(tmp_path, corpus):
     from zeroband.config import ConfigError
     from zeroband.world import check_devices
 
-    tree = _diloco(corpus, tmp_path, backend="nccl")
-    with pytest.raises(ConfigError, match="diloco.backend='nccl' needs CUDA"):
+    tree = _diloco(corpus, tmp_path, sites={"backend": "nccl"})
+    with pytest.raises(ConfigError, match="sites.backend='nccl' needs CUDA"):
         check_devices(validate_config(tree), cuda=False)
     check_devices(validate_config(tree), cuda=True)
     if torch.cuda.is_available():
@@ -242,7 +242,7 @@ def test_nccl_without_cuda_is_refused_at_config_check(tmp_path, corpus):
     t0 = time.monotonic()
     out = _zeroband("launch", str(tmp_path / "run.toml"), "--sites", "2")
     assert out.returncode == 2 and time.monotonic() - t0 < 60
-    assert out.stderr.strip().splitlines() == [out.stderr.strip()] and "diloco.backend='nccl' needs CUDA" in out.stderr
+    assert out.stderr.strip().splitlines() == [out.stderr.strip()] and "sites.backend='nccl' needs CUDA" in out.stderr
     assert not (tmp_path / "t" / "logs").exists(), "no site may start"
 
 
@@ -263,7 +263,7 @@ def test_sigterm_to_launcher_stops_every_site(corpus, tmp_path):
 
     from zeroband.tools.launch import descendants
 
-    tree = _diloco(corpus, tmp_path, timeout_s=60)
+    tree = _diloco(corpus, tmp_path, sites={"timeout_s": 60})
     tree["train"]["steps"] = 100_000
     tree["checkpoint"]["interval"] = 0
     tree["log"]["interval"] = 1

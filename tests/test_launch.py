@@ -28,7 +28,8 @@ def _write(tree: dict, path: Path) -> str:
 
 def test_launch_two_sites_then_export(corpus, tmp_path):
     tree = tiny_overrides(corpus, tmp_path, train={"steps": 6}, eval={"interval": 3})
-    tree["diloco"] = {"inner_steps": 3, "timeout_s": 120, "insecure": True}
+    tree["diloco"] = {"inner_steps": 3}
+    tree["sites"] = {"timeout_s": 120, "insecure": True}
     config = _write(tree, tmp_path / "run.toml")
     pin = ["--pin-cpus"] if len(os.sched_getaffinity(0)) >= 2 else []  # each site on its own core
     out = _zeroband("launch", config, "--sites", "2", "--nproc", "1", "--timeout", "100", *pin)

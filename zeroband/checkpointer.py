@@ -42,7 +42,7 @@ def checkpoint_meta(cfg: Config) -> dict[str, Any]:
 
 def checkpoint_secret(cfg: Config) -> bytes | None:
     """What checkpoints are signed and verified with: the run's shared secret, if it has one."""
-    return optional_secret(cfg.diloco.secret if cfg.diloco else None)
+    return optional_secret(cfg.sites.secret if cfg.diloco else None)
 
 
 class Checkpointer:

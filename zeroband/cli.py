@@ -45,13 +45,11 @@ def _cmd_launch(args: argparse.Namespace, rest: list[str]) -> int:
     from zeroband.tools.launch import Stopped, WanLink, launch_sites
     from zeroband.tools.report import plot_losses, read_metrics, summarise_site
 
-    # Checked before the site overrides below, which would create a default [diloco] section (and a
-    # confusing "set train.steps to 500" for a one-site config).
-    if load_config(args.config, rest).diloco is None:
+    cfg = load_config(args.config, rest + ["--sites.site_rank", "0", "--sites.site_count", str(args.sites)])
+    if cfg.diloco is None:
         raise ConfigError(f"{args.config} has no [diloco] section, and `zeroband launch` runs DiLoCo sites. Fix: "
                           f"train one site with `zeroband train {args.config}`, or add a [diloco] section "
                           "(see configs/demo_diloco.toml)")
-    cfg = load_config(args.config, rest + ["--diloco.site_rank", "0", "--diloco.site_count", str(args.sites)])
     from zeroband.world import check_devices
 
     check_devices(cfg)  # before any site starts: one refused site would leave the others waiting

@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Any, Literal
 
@@ -199,22 +200,6 @@ class DilocoConfig(Section):
     overlap_rule: Literal["delayed", "eager", "eager_share"] = "eager"
     # "data_parallel" averages gradients across sites every step instead (the baseline).
     mode: Literal["diloco", "data_parallel"] = "diloco"
-    # Coordination store for the global groups: tcp://host:port (hosted by site 0's rank 0 when
-    # host_store is true, else by someone else, e.g. `zeroband launch`) or etcd://h1:p1,h2:p2,h3:p3.
-    store: str = "tcp://127.0.0.1:29600"
-    host_store: bool = True
-    # Shared secret that authenticates every cross-site message (admission, store values, all-reduce
-    # payloads); or ZEROBAND_SECRET. Never written to disk.
-    secret: str | None = Field(None, repr=False, exclude=True)
-    # Or a file holding it (mode 0600); never on the command line, where `ps` shows it to everyone.
-    secret_file: str | None = None
-    # A multi-site run without a secret starts only with this set: nothing it receives is authenticated.
-    insecure: bool = False
-    # Site identity: config or ZEROBAND_SITE_RANK / ZEROBAND_SITE_COUNT in the environment.
-    site_rank: int | None = Field(None, ge=0)
-    site_count: int | None = Field(None, gt=0)
-    backend: Literal["gloo", "nccl"] = "gloo"
-    timeout_s: float = Field(600.0, gt=0)
     # Fault tolerance (membership generations, heartbeats, commit step, joins; zeroband/membership/elastic.py).
     elastic: bool = False
     min_sites: int = Field(1, gt=0)  # quorum: an outer step needs at least this many sites
@@ -245,17 +230,17 @@ class DilocoConfig(Section):
 
     @model_validator(mode="before")
     @classmethod
-    def _read_secret_file(cls, values: Any) -> Any:
-        if isinstance(values, dict) and values.get("secret_file") and not values.get("secret"):
-            values = {**values, "secret": read_secret_file(Path(values["secret_file"]))}
+    def _drop_moved_keys(cls, values: Any) -> Any:
+        # From a file or the command line `validate_config` refuses these first. Python callers that
+        # still pass e.g. DilocoConfig(store=...) lose nothing: the outer step never read them (it
+        # talks through the topology), so they are dropped with a warning naming the new key.
+        if isinstance(values, dict) and (moved := [k for k in values if f"diloco.{k}" in MOVED_KEYS]):
+            warnings.warn(moved_key_message(f"diloco.{moved[0]}", values[moved[0]]), DeprecationWarning, stacklevel=2)
+            values = {k: v for k, v in values.items() if k not in moved}
         return values
 
     @model_validator(mode="after")
-    def _check_site(self) -> DilocoConfig:
-        if self.site_rank is not None and self.site_count is not None and self.site_rank >= self.site_count:
-            raise ValueError(f"site_rank={self.site_rank} must be < site_count={self.site_count}")
-        if not (self.store.startswith("tcp://") and ":" in self.store[6:]) and not self.store.startswith("etcd://"):
-            raise ValueError(f"store={self.store!r} must look like tcp://host:port or etcd://h1:p1,h2:p2,h3:p3")
+    def _check_outer(self) -> DilocoConfig:
         if self.overlap_steps and self.overlap_steps >= self.inner_steps:
             raise ValueError(f"diloco.overlap_steps={self.overlap_steps} must be < diloco.inner_steps="
                              f"{self.inner_steps} (0 applies the average at the next boundary)")
@@ -276,18 +261,80 @@ class DilocoConfig(Section):
         return self
 
 
+class SitesConfig(Section):
+    """Who the sites are and how they meet: identity, store, authentication, cross-site transport.
+
+    Split from [diloco] (issue 14): [diloco] says what is computed (the outer optimizer, H, the wire
+    format, overlap, the membership policy of an elastic run); [sites] says where this site is and
+    how it reaches the others. These keys are each site's own (site_count and backend aside), so a
+    site moved to another store or given more patience still runs the same algorithm. Read only by
+    a run with [diloco]; a single-site run ignores it.
+    """
+
+    # Coordination store for the global groups: tcp://host:port (hosted by site 0's rank 0 when
+    # host_store is true, else by someone else, e.g. `zeroband launch`) or etcd://h1:p1,h2:p2,h3:p3.
+    store: str = "tcp://127.0.0.1:29600"
+    host_store: bool = True
+    # Shared secret that authenticates every cross-site message (admission, store values, all-reduce
+    # payloads); or ZEROBAND_SECRET. Never written to disk.
+    secret: str | None = Field(None, repr=False, exclude=True)
+    # Or a file holding it (mode 0600); never on the command line, where `ps` shows it to everyone.
+    secret_file: str | None = None
+    # A multi-site run without a secret starts only with this set: nothing it receives is authenticated.
+    insecure: bool = False
+    # Site identity: here, or ZEROBAND_SITE_RANK / ZEROBAND_SITE_COUNT in the environment.
+    site_rank: int | None = Field(None, ge=0)
+    site_count: int | None = Field(None, gt=0)
+    backend: Literal["gloo", "nccl"] = "gloo"
+    timeout_s: float = Field(600.0, gt=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _read_secret_file(cls, values: Any) -> Any:
+        if isinstance(values, dict) and values.get("secret_file") and not values.get("secret"):
+            values = {**values, "secret": read_secret_file(Path(values["secret_file"]))}
+        return values
+
+    @model_validator(mode="after")
+    def _check_site(self) -> SitesConfig:
+        if self.site_rank is not None and self.site_count is not None and self.site_rank >= self.site_count:
+            raise ValueError(f"site_rank={self.site_rank} must be < site_count={self.site_count}")
+        if not (self.store.startswith("tcp://") and ":" in self.store[6:]) and not self.store.startswith("etcd://"):
+            raise ValueError(f"store={self.store!r} must look like tcp://host:port or etcd://h1:p1,h2:p2,h3:p3")
+        return self
+
+
+# Keys that left [diloco]: the old spelling is refused with one line naming the new one.
+MOVED_KEYS = {f"diloco.{k}": f"sites.{k}" for k in SitesConfig.model_fields}
+
+
+def moved_key_message(old: str, value: Any) -> str:
+    new = MOVED_KEYS[old]
+    section, key = new.split(".")
+    shown = "..." if key == "secret" else json.dumps(value) if isinstance(value, (str, int, float, bool)) else "..."
+    return f"{old} moved to {new}: write [{section}] {key} = {shown} (or --{new} on the command line)"
+
+
+def refuse_moved_keys(raw: dict[str, Any]) -> None:
+    """One line per run for the first old key found: what it is called now and how to write it."""
+    for section in [s for s in ("diloco",) if isinstance(raw.get(s), dict)]:
+        for key, value in raw[section].items():
+            if f"{section}.{key}" in MOVED_KEYS:
+                raise ConfigError(moved_key_message(f"{section}.{key}", value))
+
+
 def read_secret_file(path: Path) -> str:
     """The secret in `path` (surrounding whitespace dropped); refused when others may read it."""
     try:
         mode = path.stat().st_mode
         text = path.read_text().strip()
     except OSError as e:
-        raise ValueError(f"diloco.secret_file {str(path)!r} cannot be read: {e.strerror}") from None
+        raise ValueError(f"sites.secret_file {str(path)!r} cannot be read: {e.strerror}") from None
     if mode & 0o077:
-        raise ValueError(f"diloco.secret_file {str(path)!r} is readable by other users (mode {mode & 0o777:o}); "
+        raise ValueError(f"sites.secret_file {str(path)!r} is readable by other users (mode {mode & 0o777:o}); "
                          f"run `chmod 600 {path}`")
     if not text:
-        raise ValueError(f"diloco.secret_file {str(path)!r} is empty")
+        raise ValueError(f"sites.secret_file {str(path)!r} is empty")
     return text
 
 
@@ -302,6 +349,14 @@ class Config(Section):
     eval: EvalConfig = EvalConfig()
     log: LogConfig = LogConfig()
     diloco: DilocoConfig | None = None
+    sites: SitesConfig = SitesConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_moved_keys(cls, values: Any) -> Any:
+        if isinstance(values, dict):
+            refuse_moved_keys(values)
+        return values
 
     @model_validator(mode="after")
     def _check_consistency(self) -> Config:
@@ -383,7 +438,7 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
         key = arg[2:]
         if key.split("=", 1)[0].replace("-", "_").split(".")[-1] == "secret":
             raise ConfigError(f"{key.split('=', 1)[0]} on the command line is visible to every user in `ps`; "
-                              "set ZEROBAND_SECRET or diloco.secret_file (mode 0600) instead")
+                              "set ZEROBAND_SECRET or sites.secret_file (mode 0600) instead")
         if "=" in key:
             key, raw = key.split("=", 1)
             i += 1
@@ -443,6 +498,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | di
 
 
 def validate_config(raw: dict[str, Any]) -> Config:
+    refuse_moved_keys(raw)
     try:
         return Config.model_validate(raw)
     except ValidationError as e:

@@ -10,10 +10,12 @@ from zeroband.data.loader import resolve_files
 from zeroband.data.tokenizer import TextTokenizer
 from zeroband.membership.auth import flatten_fingerprint
 
-# DiLoCo settings that are each site's own (where it is, how patient it is); every other one must match,
-# so a setting added later is compared by default.
-PER_SITE_DILOCO_KEYS = {"store", "host_store", "secret", "secret_file", "insecure", "site_rank", "timeout_s", "heartbeat_s",
-                        "dead_after_s", "grace_s", "start_grace_s", "join_timeout_s", "max_retries", "log_checksum"}
+# DiLoCo settings that are each site's own (how patient it is); every other one must match, so a setting
+# added later is compared by default. Of [sites] (where a site is, how it reaches the others) only the
+# settings that must agree are compared.
+PER_SITE_DILOCO_KEYS = {"heartbeat_s", "dead_after_s", "grace_s", "start_grace_s", "join_timeout_s", "max_retries",
+                        "log_checksum"}
+SHARED_SITES_KEYS = {"site_count", "backend"}
 
 
 def run_fingerprint(cfg: Config, tokenizer: TextTokenizer, ranks_per_site: int) -> dict[str, str]:
@@ -28,6 +30,7 @@ def run_fingerprint(cfg: Config, tokenizer: TextTokenizer, ranks_per_site: int) 
         "data": cfg.data.model_dump(include={"hub_name", "text_field", "seq_len", "shuffle_seed", "val_fraction"})
         | {"files": data_identity(cfg.data.path) if not cfg.data.hub_name else []},
         "diloco": cfg.diloco.model_dump(exclude=PER_SITE_DILOCO_KEYS) if cfg.diloco else {},
+        "sites": cfg.sites.model_dump(include=SHARED_SITES_KEYS) if cfg.diloco else {},
     })
 
 

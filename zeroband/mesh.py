@@ -31,7 +31,8 @@ class Topology:
     site_mesh: DeviceMesh
     global_group: GlobalGroup | None  # None for a single-site run, or built per generation (elastic)
     store: dist.Store | None = None  # the coordination store (DiLoCo runs)
-    secret: bytes | None = None  # the run's shared secret (None: diloco.insecure)
+    secret: bytes | None = None  # the run's shared secret (None: sites.insecure)
+    timeout_s: float = 600.0  # sites.timeout_s: how long a cross-site wait may take
     fingerprint: dict[str, str] = field(default_factory=dict)  # settings every site must share (train.py)
 
     def site_all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> None:
@@ -70,7 +71,7 @@ def init_topology(
             auth = WireAuth.from_secret(secret, run_name)
             group = new_global_group(store, prefix, world.site_rank, world.site_count, timeout, backend, mark=mark,
                                      auth=auth)
-    return Topology(world, mesh, group, store, secret)
+    return Topology(world, mesh, group, store, secret, timeout_s=timeout_s)
 
 
 def shutdown() -> None:

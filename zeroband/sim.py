@@ -35,7 +35,7 @@ def site_configs(tree: dict[str, Any], sites: int) -> list[Config]:
     """One validated config per site: the run's tree with that site's identity."""
     if "diloco" not in tree:
         return [validate_config(tree)]
-    return [validate_config(deep_merge(tree, {"diloco": {"site_rank": s, "site_count": sites}})) for s in range(sites)]
+    return [validate_config(deep_merge(tree, {"sites": {"site_rank": s, "site_count": sites}})) for s in range(sites)]
 
 
 def run_sites(tree: dict[str, Any], sites: int, eval_on: Callable[[int], bool] = lambda s: True) -> dict[str, Any]:
@@ -89,15 +89,15 @@ def _site(cfg: Config, sites: int, store: dist.Store, full_eval: bool, results: 
     from zeroband.metrics import MetricsLogger
     from zeroband.train import setup, train_loop
 
-    site = cfg.diloco.site_rank if cfg.diloco else 0
+    site = cfg.sites.site_rank if cfg.diloco else 0
     try:
         world = World(0, 1, 0, site, sites, torch.device(cfg.train.device if cfg.train.device != "auto" else "cpu"))
         group = None
         if cfg.diloco is not None:
-            timeout = timedelta(seconds=cfg.diloco.timeout_s)
+            timeout = timedelta(seconds=cfg.sites.timeout_s)
             group = new_global_group(store, f"zeroband/{cfg.name}/sim/", site, sites, timeout, "gloo")
         with sync.lock:
-            run = setup(cfg, world, Topology(world, None, group, store))
+            run = setup(cfg, world, Topology(world, None, group, store, timeout_s=cfg.sites.timeout_s))
         sync.barrier.wait()
         if not full_eval:
             run.eval_set = run.eval_set[:1]

@@ -100,7 +100,7 @@ def build_outer(cfg: Config, model: torch.nn.Module, topology: Topology, progres
     if cfg.diloco.mode == "data_parallel":
         return CrossSiteDataParallel(model, cfg.diloco, topology)
     if cfg.diloco.elastic:  # a joiner takes the outer state, progress and schedule from a peer
-        membership = ElasticMembership(cfg.diloco, topology, cfg.name, topology.fingerprint)
+        membership = ElasticMembership(cfg.diloco, cfg.sites, topology, cfg.name, topology.fingerprint)
         for key, state in (("progress", progress), ("scheduler", Schedule(scheduler))):
             membership.register_state_dict_fn(key, state.load_state_dict, state.state_dict)
         # no lr_factor, as before the split: an elastic run's outer_lr_schedule = "inner" uses factor 1
@@ -114,11 +114,11 @@ def build_outer(cfg: Config, model: torch.nn.Module, topology: Topology, progres
 
 def train(cfg: Config) -> dict[str, Any]:
     world = world_from_env(cfg)
-    d = cfg.diloco
-    secret = run_secret(d.secret, d.insecure, world.site_count) if d else None  # before any port opens
-    topology = init_topology(world, d.store if d else None, cfg.name, d.timeout_s if d else 600.0,
-                             d.backend if d else "gloo", host_store=d.host_store if d else False,
-                             build_group=not (d and d.elastic), mark=admission_mark(d.secret if d else None),
+    d, s = cfg.diloco, cfg.sites
+    secret = run_secret(s.secret, s.insecure, world.site_count) if d else None  # before any port opens
+    topology = init_topology(world, s.store if d else None, cfg.name, s.timeout_s if d else 600.0,
+                             s.backend if d else "gloo", host_store=s.host_store if d else False,
+                             build_group=not (d and d.elastic), mark=admission_mark(s.secret if d else None),
                              secret=secret)
     try:
         return _train(cfg, world, topology)
@@ -228,7 +228,7 @@ def agreed_checkpoint(run: Run, found: ckpt.CheckpointInfo | None) -> ckpt.Check
         return found
     offer = verified_steps(run, found)
     prefix = f"zeroband/{run.cfg.name}/shard{world.rank}/"
-    step = agree_resume(store, prefix, world.site_rank, world.site_count, offer, d.timeout_s)
+    step = agree_resume(store, prefix, world.site_rank, world.site_count, offer, run.cfg.sites.timeout_s)
     if step is None or (found is not None and found.step == step):
         return found if step is not None else None
     path = next(p for p, s in ckpt.step_dirs(run.ckpt_root) if s == step)  # step_N, or step_N.old after a crash

@@ -102,7 +102,7 @@ class Watch:
         first = text.splitlines()[0].split("] ", 1)[-1]  # drop the C++ source location
         if "Timed out" in text:
             return PeerTimeout(f"{what}: no answer from {self.current} after {elapsed:.0f} s "
-                               f"(diloco.timeout_s={self.timeout_s:g}); that site is frozen, dead or unreachable")
+                               f"(sites.timeout_s={self.timeout_s:g}); that site is frozen, dead or unreachable")
         return PeerLost(f"{what}: lost {self.current}: {first}")
 
     def join(self, thread: threading.Thread, what: str, check: Callable[[], None] | None = None) -> None:
@@ -125,7 +125,7 @@ class Watch:
                     raise Interrupted(f"SIGTERM while {what} waited {now - start:.0f} s for {self.current}")
             if now >= deadline:
                 raise PeerTimeout(f"{what}: no answer from {self.current} after {now - start:.0f} s "
-                                  f"(diloco.timeout_s={self.timeout_s:g}); that site is frozen, dead or unreachable")
+                                  f"(sites.timeout_s={self.timeout_s:g}); that site is frozen, dead or unreachable")
             if now >= next_log:
                 log.warning("waiting %.0f s for %s during %s", now - start, self.current, what)
                 next_log = now + self.log_every_s
@@ -152,7 +152,7 @@ def wait_keys(store: dist.Store, keys: Mapping[int, str], what: str, timeout_s: 
         now = time.monotonic()
         if now - start >= timeout_s:
             raise PeerTimeout(f"{what}: {_sites(missing)} did not arrive within {timeout_s:g} s "
-                              f"(diloco.timeout_s); is it running, with the same diloco.store and run name?")
+                              f"(sites.timeout_s); is it running, with the same sites.store and run name?")
         if now >= next_log:
             log.warning("waiting %.0f s for %s (%s)", now - start, _sites(missing), what)
             next_log = now + log_every_s

@@ -63,9 +63,9 @@ def check_devices(cfg: Config, cuda: bool | None = None) -> None:
     cuda = torch.cuda.is_available() if cuda is None else cuda
     if cuda:
         return
-    if cfg.diloco is not None and cfg.diloco.backend == "nccl":
-        raise ConfigError("diloco.backend='nccl' needs CUDA, and no CUDA device is visible here; "
-                          "use --diloco.backend gloo on CPU machines")
+    if cfg.diloco is not None and cfg.sites.backend == "nccl":
+        raise ConfigError("sites.backend='nccl' needs CUDA, and no CUDA device is visible here; "
+                          "use --sites.backend gloo on CPU machines")
     if cfg.train.device == "cuda":
         raise ConfigError("train.device='cuda' but no CUDA device is visible; use train.device='cpu' or 'auto'")
 
@@ -76,14 +76,14 @@ def world_from_env(cfg: Config) -> World:
     local_rank = _env_int("LOCAL_RANK", rank)
     site_rank, site_count = 0, 1
     if cfg.diloco is not None:
-        site_rank = cfg.diloco.site_rank if cfg.diloco.site_rank is not None else _env_int("ZEROBAND_SITE_RANK", None)
+        site_rank = cfg.sites.site_rank if cfg.sites.site_rank is not None else _env_int("ZEROBAND_SITE_RANK", None)
         site_count = (
-            cfg.diloco.site_count if cfg.diloco.site_count is not None else _env_int("ZEROBAND_SITE_COUNT", None)
+            cfg.sites.site_count if cfg.sites.site_count is not None else _env_int("ZEROBAND_SITE_COUNT", None)
         )
         if site_rank is None or site_count is None:
             raise ConfigError(
-                "a [diloco] run needs the site identity: set diloco.site_rank and diloco.site_count "
-                "(e.g. --diloco.site_rank 0 --diloco.site_count 2) or ZEROBAND_SITE_RANK / ZEROBAND_SITE_COUNT"
+                "a [diloco] run needs the site identity: set sites.site_rank and sites.site_count "
+                "(e.g. --sites.site_rank 0 --sites.site_count 2) or ZEROBAND_SITE_RANK / ZEROBAND_SITE_COUNT"
             )
         if not 0 <= site_rank < site_count:
             raise ConfigError(f"site rank {site_rank} must be in [0, site count {site_count})")

@@ -135,7 +135,8 @@ def config_tree(spec: Spec, base: dict[str, Any], out_dir: Path) -> dict[str, An
                           "outer_momentum_warmup": spec.outer_momentum_warmup, "overlap": spec.overlap,
                           "overlap_rule": spec.overlap_rule, "error_feedback": spec.error_feedback}
     if "diloco" in tree:
-        tree["diloco"].update({"timeout_s": 300, "insecure": True, **spec.extra.get("diloco", {})})
+        tree["diloco"].update(spec.extra.get("diloco", {}))
+        tree["sites"] = {"timeout_s": 300, "insecure": True}
     return tree
 
 

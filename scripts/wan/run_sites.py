@@ -2,8 +2,8 @@
 """Run one command per site, each inside its own emulated-WAN network namespace.
 
     python scripts/wan/run_sites.py --sites 2 --rate-mbit 100 --delay-ms 50 -- \\
-        python -m zeroband.train cfg.toml --diloco.site_rank {site} --diloco.site_count {sites} \\
-        --diloco.store {store}
+        python -m zeroband.train cfg.toml --sites.site_rank {site} --sites.site_count {sites} \\
+        --sites.store {store}
 
 Placeholders in the command: {site} (0..S-1), {sites}, {store} (tcp://<site 0 ip>:<port>, a
 TCPStore that site 0's process hosts inside its namespace) and {ip} (this site's address). Each

@@ -178,4 +178,4 @@ def rendezvous(store: dist.Store, prefix: str, site_rank: int, site_count: int, 
         who = ", ".join(f"site {s} {m}" for s, m in sorted(marks.items()))
         read_by_all(store, f"{prefix}zeroband-marks/", site_rank, site_count, timeout_s)
         raise PeerRefused(site_rank, Verdict([], {site_rank: f"sites disagree on admission ({who}); set the same "
-                                                             "diloco.secret or ZEROBAND_SECRET on every site"}))
+                                                             "sites.secret or ZEROBAND_SECRET on every site"}))

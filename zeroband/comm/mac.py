@@ -8,7 +8,7 @@ message recorded in an earlier round or generation, sent by a site other than th
 receiver expects, or sent to another site, fails verification. A failed or truncated message
 raises `WireAuthError` in Python, where the fault-tolerance code can catch it.
 
-Without a secret (`diloco.insecure = true`) `NO_AUTH` adds nothing, so messages keep the plain
+Without a secret (`sites.insecure = true`) `NO_AUTH` adds nothing, so messages keep the plain
 format. The key is derived once per process (scrypt, zeroband/membership/auth.py), never stored.
 
 Why BLAKE3 in keyed mode (a PRF, hence a MAC, like HMAC-SHA256): one pass over the bytes at

@@ -96,11 +96,11 @@ def optional_secret(config_value: str | None = None) -> bytes | None:
     try:
         return load_secret(config_value)
     except ValueError as e:
-        raise ConfigError(f"diloco.secret: {e}") from None
+        raise ConfigError(f"sites.secret: {e}") from None
 
 
 def run_secret(config_value: str | None, insecure: bool, site_count: int) -> bytes | None:
-    """The secret a multi-site run authenticates with; None only for one site or `diloco.insecure`."""
+    """The secret a multi-site run authenticates with; None only for one site or `sites.insecure`."""
     from zeroband.config import ConfigError
 
     secret = optional_secret(config_value)
@@ -108,13 +108,13 @@ def run_secret(config_value: str | None, insecure: bool, site_count: int) -> byt
         return secret
     if not insecure:
         raise ConfigError(
-            f"diloco.secret: a {site_count}-site run needs a shared secret, or anyone who reaches the ports can "
+            f"sites.secret: a {site_count}-site run needs a shared secret, or anyone who reaches the ports can "
             f"join and corrupt it. Fix: export {SECRET_ENV}=<random string, same on every site>, or set "
-            "diloco.insecure = true to run unauthenticated (trusted networks only)"
+            "sites.insecure = true to run unauthenticated (trusted networks only)"
         )
     if not _warned:
         _warned.append(True)
-        log.warning("diloco.insecure = true: cross-site messages are NOT authenticated; anyone who can reach the "
+        log.warning("sites.insecure = true: cross-site messages are NOT authenticated; anyone who can reach the "
                     "store or the sites' ports can join the run or forge its messages")
     return None
 
@@ -214,7 +214,7 @@ def admit(store: dist.Store, prefix: str, site_rank: int, site_count: int, secre
           fingerprint: Mapping[str, str], timeout: timedelta) -> list[int]:
     """Run the handshake for one generation on every site; returns the admitted sites (all of
     them), or raises PeerRefused everywhere if any site is refused. `prefix` must be fresh.
-    Without a secret (diloco.insecure) only the fingerprints are compared."""
+    Without a secret (sites.insecure) only the fingerprints are compared."""
     scoped = dist.PrefixStore(f"{prefix.rstrip('/')}/admit", store)  # PrefixStore adds the "/"
     fp = {str(k): str(v) for k, v in fingerprint.items()}
     scoped.set(f"fingerprint/{site_rank}", _canonical(fp))

@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from zeroband.comm.group import OPEN, SECRET, GlobalGroup, checksum_table, new_global_group, rendezvous
 from zeroband.comm.mac import WireAuth
-from zeroband.config import DilocoConfig
+from zeroband.config import DilocoConfig, SitesConfig
 from zeroband.membership.auth import PeerRefused, Verdict, admit
 from zeroband.membership.base import NOT_DONE, Event, EventLog, Prepare
 from zeroband.membership.heartbeat import Heartbeat, Liveness, heartbeat_key, leave_key
@@ -60,8 +60,9 @@ class LeftOut(Exception):
 
 
 class ElasticMembership:
-    def __init__(self, cfg: DilocoConfig, topology: Topology, run_name: str, fingerprint: dict[str, str]) -> None:
-        self.cfg, self.topology, self.world, self.fingerprint = cfg, topology, topology.world, fingerprint
+    def __init__(self, cfg: DilocoConfig, sites: SitesConfig, topology: Topology, run_name: str,
+                 fingerprint: dict[str, str]) -> None:
+        self.cfg, self.sites, self.topology, self.world, self.fingerprint = cfg, sites, topology, topology.world, fingerprint
         self.checksums: list[Callable[[], list[torch.Tensor]]] = []  # what must agree after a hand-over
         self.prefix = f"zeroband/{run_name}/elastic/"
         slots = range(self.world.site_count)
@@ -75,9 +76,9 @@ class ElasticMembership:
         self.heartbeat = None
         if self.world.rank == 0:
             topology.store.delete_key(leave_key(self.prefix, self.world.site_rank))  # back after a leave
-            reopen = lambda: open_store(cfg.store, False, timedelta(seconds=cfg.timeout_s))  # noqa: E731
+            reopen = lambda: open_store(sites.store, False, timedelta(seconds=sites.timeout_s))  # noqa: E731
             self.heartbeat = Heartbeat(reopen, self.prefix, self.world.site_rank, cfg.heartbeat_s, sign_key).start()
-        self.watch = Watch(cfg.timeout_s, interruptible=False)  # SIGTERM here means: finish the round, then leave
+        self.watch = Watch(sites.timeout_s, interruptible=False)  # SIGTERM here means: finish the round, then leave
         self.members: list[int] = []
         self.generation = -1
         self.group: GlobalGroup | None = None
@@ -157,7 +158,7 @@ class ElasticMembership:
             work = prepare(not self.fresh, self.round > 0)
             outcome = self._attempt(decision, work)
             verdict = self.rounds.vote_and_verdict(self.round, attempt, decision,
-                                                   self._site_ok(outcome is not NOT_DONE), self.cfg.timeout_s)
+                                                   self._site_ok(outcome is not NOT_DONE), self.sites.timeout_s)
             if verdict == "commit":
                 return self._commit(decision, attempt, outcome)
             log.warning("round %d attempt %d aborted (members %s); retrying", self.round, attempt, decision.members)
@@ -171,7 +172,7 @@ class ElasticMembership:
     def _decide(self, attempt: int) -> Decision:
         expected = set(range(self.world.site_count)) if self.round == 0 else set(self.members)
         grace = self.cfg.start_grace_s if self.round == 0 else self.cfg.grace_s
-        timeout = self.cfg.join_timeout_s if self.fresh else self.cfg.timeout_s
+        timeout = self.cfg.join_timeout_s if self.fresh else self.sites.timeout_s
         return self.rounds.rendezvous(self.round, attempt, expected, self.cfg.min_sites, grace, self.fresh, timeout,
                                       self._next_generation)
 
@@ -221,12 +222,12 @@ class ElasticMembership:
             return
         index = decision.members.index(self.world.site_rank)
         prefix = f"{self.prefix}gen{decision.generation}/shard{self.world.rank}/"
-        timeout = timedelta(seconds=self.cfg.timeout_s)
+        timeout = timedelta(seconds=self.sites.timeout_s)
         mark = OPEN if self.secret is None else SECRET
-        rendezvous(self.topology.store, prefix, index, len(decision.members), self.cfg.timeout_s, mark)
+        rendezvous(self.topology.store, prefix, index, len(decision.members), self.sites.timeout_s, mark)
         admit(self.topology.store, prefix, index, len(decision.members), self.secret, self.fingerprint, timeout)
         self.group = new_global_group(self.topology.store, prefix, index, len(decision.members), timeout,
-                                      self.cfg.backend, self.watch, mark, self.auth)
+                                      self.sites.backend, self.watch, mark, self.auth)
         self.generation, self.members = decision.generation, decision.members
 
     def _watched(self, decision: Decision, work: Callable[[], Any]) -> Any:
@@ -288,7 +289,7 @@ def refuse_if_foreign(member: ElasticMembership, decision: Decision) -> None:
         marks = {me: OPEN if member.secret is None else SECRET} | {s: OPEN if r == "unsigned" else SECRET
                                                                    for s, r in why.items()}
         who = ", ".join(f"site {s} {m}" for s, m in sorted(marks.items()))
-        reason = f"sites disagree on admission ({who}); set the same diloco.secret or ZEROBAND_SECRET on every site"
+        reason = f"sites disagree on admission ({who}); set the same sites.secret or ZEROBAND_SECRET on every site"
     # the others see the same mismatch about now; give them time to read it before the store may go
     read_by_all(member.topology.store, f"{member.prefix}refused/", me, member.world.site_count, 2 * member.cfg.dead_after_s)
     raise PeerRefused(me, Verdict([], {me: reason}))

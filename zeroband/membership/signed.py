@@ -9,7 +9,7 @@ someone without the secret or copied from another key, reads as absent and is lo
 writer (`compare_set`). Only the generation counter stays a bare `add`: it merely hands out fresh
 numbers, and the number a generation uses travels inside the signed member list.
 
-Without a secret (`key=None`, diloco.insecure) values are stored as they are.
+Without a secret (`key=None`, sites.insecure) values are stored as they are.
 """
 
 from __future__ import annotations

@@ -85,10 +85,10 @@ def connect_tcp_store(host: str, port: int, timeout: timedelta, address: str) ->
     thread = threading.Thread(target=connect, name="zeroband-store-connect", daemon=True)
     thread.start()
     thread.join(timeout.total_seconds() + 1.0)
-    fix = "check diloco.store (zeroband launch's store, or site 0 with diloco.host_store = true)"
+    fix = "check sites.store (zeroband launch's store, or site 0 with sites.host_store = true)"
     if thread.is_alive():
         raise StoreUnreachable(f"store {address}: a listener accepted the connection but did not answer as a "
-                               f"c10d store within {timeout.total_seconds():g} s (diloco.timeout_s); {fix}")
+                               f"c10d store within {timeout.total_seconds():g} s (sites.timeout_s); {fix}")
     if "error" in box:
         first = str(box["error"]).strip().splitlines()[0] if str(box["error"]).strip() else type(box["error"]).__name__
         raise StoreUnreachable(f"store {address}: no store answered within {timeout.total_seconds():g} s "

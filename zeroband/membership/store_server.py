@@ -5,7 +5,7 @@
 `zeroband launch` starts one beside the sites (inside site 0's network namespace under WAN
 emulation, but as its own process), so killing any site, site 0 included, leaves the store up.
 It exits on SIGTERM/SIGINT or when its parent process goes away. For runs spanning real sites,
-use an etcd cluster with a member per site instead (`diloco.store = "etcd://..."`).
+use an etcd cluster with a member per site instead (`sites.store = "etcd://..."`).
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ class CrossSiteDataParallel:
         pass
 
     def start(self, resumed: bool = False) -> None:
-        agree_on_run(self.topology, self.cfg.timeout_s)
+        agree_on_run(self.topology, self.topology.timeout_s)
         with torch.no_grad():
             local = [local_shard(p) for p in self.params]
             broadcast_from_site0(local, self.topology)

@@ -142,7 +142,7 @@ class DiLoCo(OverlapRules):
         multiplier (used by `outer_lr_schedule = "inner"`)."""
         self.cfg = cfg
         self.topology = topology
-        self.membership = membership or FixedMembership(topology, cfg.timeout_s)
+        self.membership = membership or FixedMembership(topology, topology.timeout_s)
         self.local = [local_shard(p) for p in model.parameters()]
         self.copy = OuterCopy(self.local, cfg)
         self.outer, self.outer_device = self.copy.tensors, self.copy.device

@@ -472,7 +472,7 @@ class FixedRun:
             except OSError:
                 continue
             if (b"zeroband.train" in argv or ENTRY.encode() in argv) and b"torch.distributed.run" not in argv and \
-                    argv[argv.index(b"--diloco.site_rank") + 1] == str(site).encode():
+                    argv[argv.index(b"--sites.site_rank") + 1] == str(site).encode():
                 out.append(pid)
         return out
 

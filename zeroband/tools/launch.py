@@ -34,8 +34,8 @@ def free_port() -> int:
 def site_command(config: str, site: int, sites: int, nproc: int, store: str, overrides: list[str]) -> list[str]:
     return [
         *torchrun.command(nproc), "-m", "zeroband.train", config,
-        "--diloco.site_rank", str(site), "--diloco.site_count", str(sites), "--diloco.store", store,
-        "--diloco.host_store", "false", *overrides,
+        "--sites.site_rank", str(site), "--sites.site_count", str(sites), "--sites.store", store,
+        "--sites.host_store", "false", *overrides,
     ]
 
 
