@@ -124,3 +124,11 @@ def test_python_dilococonfig_keeps_working_with_algorithm_keys_and_drops_a_store
     assert (cfg.outer_lr, cfg.outer_momentum, cfg.nesterov, cfg.comm_dtype, cfg.inner_steps) == (0.7, 0.9, True, "fp32", 1)
     with pytest.warns(DeprecationWarning, match=r"diloco.store moved to sites.store: write \[sites\] store ="):
         assert DilocoConfig(outer_lr=0.5, store="tcp://127.0.0.1:1").model_dump() == DilocoConfig(outer_lr=0.5).model_dump()
+
+
+def test_old_key_on_the_command_line_is_one_line_from_the_cli(capsys):
+    from zeroband.cli import main as cli_main
+
+    assert cli_main(["launch", "configs/demo_diloco.toml", "--sites", "2", "--diloco.store", "tcp://127.0.0.1:1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [err] and "diloco.store moved to sites.store: write [sites] store =" in err, err
