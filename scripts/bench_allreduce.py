@@ -46,7 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="values per rank (25M: a 50 MB fp16 shard, the size the issue's gloo figure used)")
     p.add_argument("--wires", default=",".join(WIRES))
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--bucket-mb", type=float, default=32.0)
+    p.add_argument("--piece-mb", type=float, default=32.0)
     p.add_argument("--out", type=Path, default=REPO / "benchmarks")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -96,7 +96,7 @@ def worker(args: argparse.Namespace) -> None:
             group.gather_scalars([0.0])  # start together
             tx0, rx0 = wan_bytes()
             t0 = time.perf_counter()
-            res = reduce_across_sites(grads, stats, group, wire, int(args.bucket_mb * 2**20))
+            res = reduce_across_sites(grads, stats, group, wire, int(args.piece_mb * 2**20))
             seconds = time.perf_counter() - t0
             # A send completes once the kernel has the bytes, which may still sit in the rate limiter's
             # queue: after this round trip the peer has everything, so all our bytes have left wan0.
@@ -116,7 +116,7 @@ def run_link(args: argparse.Namespace, rate: float) -> list[list[dict[str, Any]]
 
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--sites", str(args.sites),
            "--params", str(args.params), "--wires", args.wires, "--repeats", str(args.repeats),
-           "--bucket-mb", str(args.bucket_mb)]
+           "--piece-mb", str(args.piece_mb)]
     with WanEmulator(args.sites, rate_mbit=rate, delay_ms=args.delay_ms, mtu=args.mtu, name="zbar") as wan:
         procs = [subprocess.Popen(wan.wrap(i, cmd), env={**os.environ, **wan.env(i), "OMP_NUM_THREADS": "1"},
                                   stdout=subprocess.PIPE, text=True, cwd=REPO) for i in range(args.sites)]

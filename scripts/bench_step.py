@@ -48,7 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", default=None, help=f"outer-step thread counts, comma separated (default 1,{CORES})")
     p.add_argument("--repeats", type=int, default=None, help="timed outer steps per thread count (default 3)")
     p.add_argument("--wire", default="fp16", choices=("fp32", "bf16", "fp16", "int8", "int4"))
-    p.add_argument("--bucket-mb", type=float, default=4.0)
+    p.add_argument("--piece-mb", type=float, default=4.0)
     p.add_argument("--inner", action="store_true", help="CUDA: trainer's inner step vs a plain compiled loop")
     p.add_argument("--peak-tflops", type=float, default=None, help="--inner: the GPU's dense bf16 peak (MFU)")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks")
@@ -99,7 +99,7 @@ def _outer_site(args: argparse.Namespace) -> dict[str, Any]:
         params = [p.data for p in model.parameters()]
         gen = torch.Generator().manual_seed(1 + site)
         deltas = [torch.randn(p.shape, generator=gen).mul_(1e-3) for p in params]
-        cfg = DilocoConfig(inner_steps=1, comm_dtype=args.wire, bucket_mb=args.bucket_mb, store=store, timeout_s=120)
+        cfg = DilocoConfig(inner_steps=1, comm_dtype=args.wire, piece_mb=args.piece_mb)  # store, timeout: the topology's
         outer = DiLoCo(model, cfg, topology)
         outer.start()
         rows = []

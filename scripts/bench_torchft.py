@@ -62,7 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--zb-dtypes", default=None, help="zeroband comm dtypes (default fp16,fp32; fp16 with --quick)")
     p.add_argument("--torchft-buckets", default=None,
                    help="torchft DiLoCo variants: 0 = its default per-parameter all-reduce, N = use_bucketization "
-                        "with bucket_cap_mb=N (default 0,32: 32 MB is zeroband's diloco.bucket_mb; 0 with --quick)")
+                        "with bucket_cap_mb=N (default 0,32: 32 MB is zeroband's diloco.piece_mb; 0 with --quick)")
     p.add_argument("--rate-mbit", type=float, default=None, help="also run under an emulated link of this rate")
     p.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay of the emulated link")
     p.add_argument("--no-loopback", action="store_true", help="skip the plain loopback setting")

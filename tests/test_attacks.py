@@ -373,7 +373,7 @@ def _variant(corpus: dict, tmp: Path, what: str) -> tuple[dict, int]:
         "model.n_layers": ("model", "n_layers", 3), "model.rope_theta": ("model", "rope_theta", 5e5),
         "optim.lr": ("optim", "lr", 1e-2), "optim.schedule": ("optim", "schedule", "wsd"),
         "diloco.outer_lr": ("diloco", "outer_lr", 0.5), "diloco.inner_steps": ("diloco", "inner_steps", 4),
-        "diloco.comm_dtype": ("diloco", "comm_dtype", "bf16"), "diloco.bucket_mb": ("diloco", "bucket_mb", 1.0),
+        "diloco.comm_dtype": ("diloco", "comm_dtype", "bf16"), "diloco.piece_mb": ("diloco", "piece_mb", 1.0),
         "train.steps": ("train", "steps", 8), "train.seed": ("train", "seed", 1),
         "sites.backend": ("sites", "backend", "nccl"),
     }
@@ -394,7 +394,7 @@ def _variant(corpus: dict, tmp: Path, what: str) -> tuple[dict, int]:
 
 
 MISMATCHES = ["model.n_layers", "model.rope_theta", "optim.lr", "optim.schedule", "diloco.outer_lr",
-              "diloco.inner_steps", "diloco.comm_dtype", "diloco.bucket_mb", "ranks_per_site", "tokenizer.sha256",
+              "diloco.inner_steps", "diloco.comm_dtype", "diloco.piece_mb", "ranks_per_site", "tokenizer.sha256",
               "data.files", "train.steps", "train.seed", "sites.backend"]
 
 

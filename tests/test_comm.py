@@ -45,7 +45,7 @@ def test_dense_codec_round_trip(wire):
 
 def test_pieces_cover_everything_on_block_boundaries():
     for n, sites, block, piece in [(1, 3, 1, 4), (1000, 2, 1, 64), (70000, 3, 64, 1000), (10, 4, 64, 64)]:
-        pieces = piece_chunks(n, sites, block, piece)
+        pieces = piece_chunks(n, sites, block, 4 * piece)  # piece: fp32 values
         flat = [r for chunk in pieces for r in chunk]
         assert flat[0][0] == 0 and flat[-1][1] == n
         assert all(a[1] == b[0] for a, b in zip(flat, flat[1:]))
@@ -65,12 +65,12 @@ def _group(port: int, prefix: str):
     return new_global_group(store, prefix, site, sites, timeout), site
 
 
-def _reduce_all(port: int, wires: list[str], piece_values: int) -> dict:
+def _reduce_all(port: int, wires: list[str], piece_bytes: int) -> dict:
     group, site = _group(port, "c/")
     out = {"table": group.gather_scalars([float(site), 10.0 * site + 1])}
     for wire in wires:
         t = site_tensors(site)
-        sent = all_reduce_dense(t, group, wire, 1.0 / group.size, piece_values)
+        sent = all_reduce_dense(t, group, wire, 1.0 / group.size, piece_bytes)
         out[wire] = (t, sent)
     out["again"] = group.gather_scalars([float(-site)])  # same tag reused: matched in order
     return out
@@ -79,7 +79,7 @@ def _reduce_all(port: int, wires: list[str], piece_values: int) -> dict:
 @pytest.mark.parametrize("sites", [2, 3])
 def test_pipelined_dense_all_reduce_identical_exact_bytes(sites):
     wires = ["fp32", "bf16", "fp16"]
-    res = run_sites(_reduce_all, sites, 1, (free_port(), wires, 50), timeout=60)  # 50 values: many pieces
+    res = run_sites(_reduce_all, sites, 1, (free_port(), wires, 4 * 50), timeout=60)  # 50 values: many pieces
     per_site = [res[(s, 0)] for s in range(sites)]
     exact = [sum(site_tensors(s)[i].double() for s in range(sites)) / sites for i in range(len(SHAPES))]
     n = sum(math.prod(s) for s in SHAPES)

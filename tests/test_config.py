@@ -117,6 +117,17 @@ def test_old_diloco_site_keys_are_refused_naming_the_new_key(tmp_path, key, valu
         assert str(e.value) == expected  # one line, nothing else
 
 
+@pytest.mark.parametrize("source", ["toml", "cli"])
+def test_old_bucket_size_key_is_refused_naming_piece_mb(tmp_path, source):
+    toml = tmp_path / "old.toml"
+    toml.write_text("[diloco]\ninner_steps = 2\nbucket_mb = 16\n")
+    args = (toml, None) if source == "toml" else ("configs/demo_diloco.toml", ["--diloco.bucket_mb", "16"])
+    with pytest.raises(ConfigError) as e:
+        load_config(*args)
+    assert str(e.value) == "diloco.bucket_mb is now diloco.piece_mb: write [diloco] piece_mb = 16 (or --diloco.piece_mb on the command line)"
+    assert load_config("configs/demo_diloco.toml", ["--diloco.piece_mb", "16"]).diloco.piece_mb == 16
+
+
 def test_python_dilococonfig_keeps_working_with_algorithm_keys_and_drops_a_store_with_a_warning():
     from zeroband.config import DilocoConfig
 
@@ -124,6 +135,8 @@ def test_python_dilococonfig_keeps_working_with_algorithm_keys_and_drops_a_store
     assert (cfg.outer_lr, cfg.outer_momentum, cfg.nesterov, cfg.comm_dtype, cfg.inner_steps) == (0.7, 0.9, True, "fp32", 1)
     with pytest.warns(DeprecationWarning, match=r"diloco.store moved to sites.store: write \[sites\] store ="):
         assert DilocoConfig(outer_lr=0.5, store="tcp://127.0.0.1:1").model_dump() == DilocoConfig(outer_lr=0.5).model_dump()
+    with pytest.warns(DeprecationWarning, match="diloco.bucket_mb is now diloco.piece_mb"):
+        assert DilocoConfig(bucket_mb=1.0).piece_mb == 1.0  # a renamed key keeps its value
 
 
 def test_old_key_on_the_command_line_is_one_line_from_the_cli(capsys):

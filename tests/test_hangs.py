@@ -72,7 +72,7 @@ def _frozen_peer(store_port: int, timeout_s: float, sigterm_after_s: float | Non
     group, site = _group(store_port, timeout_s)
     grads = [torch.ones(300_000)]
     if site == 1:
-        DirectExchange(300_000, group, wire_codec("fp16"), 1 << 16)  # receives posted, as the real one does
+        DirectExchange(300_000, group, wire_codec("fp16"), 4 << 16)  # receives posted, as the real one does
         group.post_scalars(SiteStats(1.0, 0.0, 1.0).as_list())()
         _freeze_self(kill_after_s=min(timeout_s, 10) + 10)
         return {}

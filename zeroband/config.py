@@ -184,7 +184,7 @@ class DilocoConfig(Section):
     error_feedback: bool = False
     # Pipeline piece of the all-reduce, in MB of fp32 values: encoding piece k+1 overlaps sending
     # piece k, and the all-gather of a piece starts as soon as its reduce-scatter landed.
-    bucket_mb: float = Field(4.0, gt=0)
+    piece_mb: float = Field(4.0, gt=0)
     # Launch the all-reduce in the background and apply it one outer step late (see diloco.py).
     overlap: bool = False
     # Inner steps after the boundary at which the overlapped average is applied (Streaming DiLoCo's
@@ -232,11 +232,14 @@ class DilocoConfig(Section):
     @classmethod
     def _drop_moved_keys(cls, values: Any) -> Any:
         # From a file or the command line `validate_config` refuses these first. Python callers that
-        # still pass e.g. DilocoConfig(store=...) lose nothing: the outer step never read them (it
-        # talks through the topology), so they are dropped with a warning naming the new key.
+        # still pass e.g. DilocoConfig(store=...) lose nothing: the outer step never read the [sites]
+        # keys (it talks through the topology), so they are dropped, and a renamed key keeps its
+        # value under the new name; either way with a warning naming the new key.
         if isinstance(values, dict) and (moved := [k for k in values if f"diloco.{k}" in MOVED_KEYS]):
             warnings.warn(moved_key_message(f"diloco.{moved[0]}", values[moved[0]]), DeprecationWarning, stacklevel=2)
-            values = {k: v for k, v in values.items() if k not in moved}
+            renamed = {MOVED_KEYS[f"diloco.{k}"].split(".", 1)[1]: values[k] for k in moved
+                       if MOVED_KEYS[f"diloco.{k}"].startswith("diloco.")}
+            values = {k: v for k, v in values.items() if k not in moved} | renamed
         return values
 
     @model_validator(mode="after")
@@ -304,23 +307,25 @@ class SitesConfig(Section):
         return self
 
 
-# Keys that left [diloco]: the old spelling is refused with one line naming the new one.
-MOVED_KEYS = {f"diloco.{k}": f"sites.{k}" for k in SitesConfig.model_fields}
+# Keys that left [diloco] or were renamed (issue 14): the old spelling is refused with one line
+# naming the new one. The pipeline piece of the all-reduce has one name, from config to comm/direct.py.
+MOVED_KEYS = {f"diloco.{k}": f"sites.{k}" for k in SitesConfig.model_fields} | {"diloco.bucket_mb": "diloco.piece_mb"}
 
 
 def moved_key_message(old: str, value: Any) -> str:
     new = MOVED_KEYS[old]
     section, key = new.split(".")
     shown = "..." if key == "secret" else json.dumps(value) if isinstance(value, (str, int, float, bool)) else "..."
-    return f"{old} moved to {new}: write [{section}] {key} = {shown} (or --{new} on the command line)"
+    verb = "is now" if old.split(".")[0] == section else "moved to"
+    return f"{old} {verb} {new}: write [{section}] {key} = {shown} (or --{new} on the command line)"
 
 
 def refuse_moved_keys(raw: dict[str, Any]) -> None:
     """One line per run for the first old key found: what it is called now and how to write it."""
-    for section in [s for s in ("diloco",) if isinstance(raw.get(s), dict)]:
-        for key, value in raw[section].items():
-            if f"{section}.{key}" in MOVED_KEYS:
-                raise ConfigError(moved_key_message(f"{section}.{key}", value))
+    for old in MOVED_KEYS:
+        section, key = old.split(".")
+        if isinstance(raw.get(section), dict) and key in raw[section]:
+            raise ConfigError(moved_key_message(old, raw[section][key]))
 
 
 def read_secret_file(path: Path) -> str:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zeroband.comm.direct import DEFAULT_PIECE_VALUES, all_reduce_direct
+from zeroband.comm.direct import DEFAULT_PIECE_BYTES, all_reduce_direct
 from zeroband.comm.group import GlobalGroup
 
 WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -86,7 +86,7 @@ def all_reduce_dense(
     group: GlobalGroup,
     wire: str,
     weight: float,
-    piece_values: int = DEFAULT_PIECE_VALUES,
+    piece_bytes: int = DEFAULT_PIECE_BYTES,
     error_feedback: dict[int, torch.Tensor] | None = None,
 ) -> int:
     """In place: tensors <- sum over sites of (weight_site * tensors_site), sent as `wire` values.
@@ -94,4 +94,4 @@ def all_reduce_dense(
     `weight` is this site's share (e.g. 1/n for a plain average, 0 for an excluded site). Every
     site ends bitwise identical. Returns the bytes this site sent.
     """
-    return all_reduce_direct(tensors, group, DenseCodec(wire), weight, piece_values, error_feedback)
+    return all_reduce_direct(tensors, group, DenseCodec(wire), weight, piece_bytes, error_feedback)

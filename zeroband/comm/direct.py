@@ -6,7 +6,7 @@ so the pipe sits idle for a round trip between segments: a 50 MB all-reduce reac
 exchange is posted at once, so the link never waits on a round trip:
 
 1. every receive of the call is posted first (so no message ever waits for its buffer);
-2. reduce-scatter: the flat fp32 contribution is cut into pieces (`piece_values`), each piece
+2. reduce-scatter: the flat fp32 contribution is cut into pieces of `piece_bytes` of fp32 values (diloco.piece_mb), each piece
    into S block-aligned chunks, chunk c of every piece owned by site c. Piece by piece, every site
    encodes its slice of each peer's chunk ONCE and sends it straight to the owner; encoding piece
    k+1 overlaps sending piece k;
@@ -39,7 +39,7 @@ import torch.distributed as dist
 from zeroband.comm.group import AG_TAG, MAX_PIECES, RS_TAG, GlobalGroup
 from zeroband.comm.timing import Parts
 
-DEFAULT_PIECE_VALUES = 1 << 20  # 4 MB of fp32 per piece (diloco.bucket_mb)
+DEFAULT_PIECE_BYTES = 4 << 20  # 4 MB of fp32 values per piece (diloco.piece_mb)
 
 
 class WireCodec(Protocol):
@@ -64,15 +64,16 @@ def chunk_bounds(n: int, sites: int, block: int) -> list[tuple[int, int]]:
     return [(cuts[c], cuts[c + 1]) for c in range(sites)]
 
 
-def piece_chunks(n: int, sites: int, block: int, piece_values: int) -> list[list[tuple[int, int]]]:
-    """Per piece of about `piece_values` values (whole blocks), the S chunks as absolute ranges."""
-    per_piece = max(block, piece_values // block * block)
+def piece_chunks(n: int, sites: int, block: int, piece_bytes: int) -> list[list[tuple[int, int]]]:
+    """Per piece of about `piece_bytes` of fp32 values (whole blocks), the S chunks as absolute ranges."""
+    values = max(1, piece_bytes // 4)
+    per_piece = max(block, values // block * block)
     pieces = []
     for start in range(0, max(n, 1), per_piece):
         end = min(n, start + per_piece)
         pieces.append([(start + a, start + b) for a, b in chunk_bounds(end - start, sites, block)])
     if len(pieces) > MAX_PIECES:
-        raise ValueError(f"{len(pieces)} pieces exceed the tag space; raise diloco.bucket_mb")
+        raise ValueError(f"{len(pieces)} pieces exceed the tag space; raise diloco.piece_mb")
     return pieces
 
 
@@ -129,13 +130,13 @@ class DirectExchange:
     waiting for peers and handing messages to the transport (network_wait), decoding and summing (decode) and checking what peers sent
     (review)."""
 
-    def __init__(self, numel: int, group: GlobalGroup, codec: WireCodec, piece_values: int = DEFAULT_PIECE_VALUES,
+    def __init__(self, numel: int, group: GlobalGroup, codec: WireCodec, piece_bytes: int = DEFAULT_PIECE_BYTES,
                  parts: Parts | None = None, arena: Arena | None = None) -> None:
         self.numel, self.codec, self.parts, self.arena = numel, codec, parts or Parts(), arena or Arena()
         self.arena.start()
         self.rank, self.size, self.pg, self.group = group.rank, group.size, group.pg, group
         self.auth, self.context, self.call = group.auth, group.context, group.next_call()
-        self.chunks = piece_chunks(numel, self.size, codec.block, piece_values) if self.size > 1 else []
+        self.chunks = piece_chunks(numel, self.size, codec.block, piece_bytes) if self.size > 1 else []
         self.peers = group.peers()
         self.own = torch.zeros(2, dtype=torch.float64)  # statistics of the chunks this site owns, as shared
         self.sumsq: float | None = None  # of the whole result, when a review measured the others' chunks
@@ -389,7 +390,7 @@ def all_reduce_direct(
     group: GlobalGroup,
     codec: WireCodec,
     weight: float,
-    piece_values: int = DEFAULT_PIECE_VALUES,
+    piece_bytes: int = DEFAULT_PIECE_BYTES,
     error_feedback: dict[int, torch.Tensor] | None = None,
 ) -> int:
     """In place: tensors <- sum over sites of (weight_site * tensors_site), sent through `codec`.
@@ -398,4 +399,4 @@ def all_reduce_direct(
     ends bitwise identical. Returns the bytes this site sent.
     """
     numel = sum(t.numel() for t in tensors)
-    return DirectExchange(numel, group, codec, piece_values).run(tensors, weight, error_feedback)
+    return DirectExchange(numel, group, codec, piece_bytes).run(tensors, weight, error_feedback)

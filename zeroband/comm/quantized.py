@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zeroband.comm.direct import DEFAULT_PIECE_VALUES, all_reduce_direct
+from zeroband.comm.direct import DEFAULT_PIECE_BYTES, all_reduce_direct
 from zeroband.comm.group import GlobalGroup
 
 SCALE_DTYPE = torch.bfloat16  # fp32's exponent range in 2 bytes: no overflow/underflow of scales
@@ -165,7 +165,7 @@ def all_reduce_quantized(
     block_size: int | None = None,
     error_feedback: dict[int, torch.Tensor] | None = None,
     codebook: str = "nf4",
-    piece_values: int = DEFAULT_PIECE_VALUES,
+    piece_bytes: int = DEFAULT_PIECE_BYTES,
 ) -> int:
     """In place: tensors <- sum over sites of (weight_site * tensors_site), int8 or 4-bit on the wire.
 
@@ -175,4 +175,4 @@ def all_reduce_quantized(
     index) enables error feedback. Returns the bytes this site sent.
     """
     codec = Codec(bits, block_size or DEFAULT_BLOCK[bits], codebook)
-    return all_reduce_direct(tensors, group, codec, weight, piece_values, error_feedback)
+    return all_reduce_direct(tensors, group, codec, weight, piece_bytes, error_feedback)

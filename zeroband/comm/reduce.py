@@ -222,7 +222,7 @@ def reduce_across_sites(
     stats: SiteStats,
     group: GlobalGroup,
     wire: str,
-    bucket_bytes: int,
+    piece_bytes: int,
     error_feedback: dict[int, torch.Tensor] | None = None,
     outlier_factor: float = 0.0,
     weight_by_tokens: bool = False,
@@ -232,7 +232,7 @@ def reduce_across_sites(
     `arena`: memory kept by the caller between calls (comm/direct.py's Arena)."""
     codec, parts = wire_codec(wire), Parts()
     numel = sum(g.numel() for g in grads)
-    exchange = DirectExchange(numel, group, codec, max(1, bucket_bytes // 4), parts, arena)  # receives posted first
+    exchange = DirectExchange(numel, group, codec, piece_bytes, parts, arena)  # receives posted first
     table_ready = group.post_scalars(stats.as_list())
     with parts("encode"):
         flat = flatten(grads)  # meanwhile: CPU work that does not depend on the table (none: grads share one vector)

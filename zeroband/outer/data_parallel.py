@@ -57,7 +57,7 @@ class CrossSiteDataParallel:
         stats = site_stats(grads, self.topology)
         group = self.topology.global_group
         result = group.watched(lambda: reduce_across_sites(grads, stats, group, self.cfg.comm_dtype,
-                                                           int(self.cfg.bucket_mb * 2**20)), "gradient all-reduce")
+                                                           int(self.cfg.piece_mb * 2**20)), "gradient all-reduce")
         for shard, g in zip(shards, grads):
             shard.copy_(g.to(shard.device, shard.dtype))
         self.window["comm_s"] += time.perf_counter() - t0

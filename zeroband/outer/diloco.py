@@ -266,8 +266,8 @@ class DiLoCo(OverlapRules):
     def reduce(self, grads: list[torch.Tensor], stats: SiteStats, group: GlobalGroup | None = None) -> ReduceResult:
         if self.cfg.log_checksum and not stats.abstain:  # compared across sites by the reduce itself
             stats = replace(stats, crc=float(crc32_of(self.checksum_tensors())))
-        bucket = int(self.cfg.bucket_mb * 2**20)
-        return reduce_across_sites(grads, stats, group or self.group, self.cfg.comm_dtype, bucket, self.error_feedback,
+        piece_bytes = int(self.cfg.piece_mb * 2**20)
+        return reduce_across_sites(grads, stats, group or self.group, self.cfg.comm_dtype, piece_bytes, self.error_feedback,
                                    self.cfg.outlier_factor, weight_by_tokens=self.cfg.round_seconds > 0,
                                    arena=None if self.membership.may_retry else self.arena)
 
