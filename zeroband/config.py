@@ -162,7 +162,7 @@ class LogConfig(Section):
 
 
 class DilocoConfig(Section):
-    """Present only for multi-site runs: how this site talks to the others."""
+    """Present only for multi-site runs: what is computed across sites (who they are: [sites])."""
 
     inner_steps: int = Field(500, gt=0)  # H
     # Outer optimizer: SGD with Nesterov momentum on the CPU fp32 copy. The default values were measured
@@ -272,6 +272,11 @@ class SitesConfig(Section):
     how it reaches the others. These keys are each site's own (site_count and backend aside), so a
     site moved to another store or given more patience still runs the same algorithm. Read only by
     a run with [diloco]; a single-site run ignores it.
+
+    The elastic knobs (min_sites, grace_s, heartbeat_s, dead_after_s, max_retries, join_timeout_s,
+    outlier_factor) stay in [diloco]: they act only with diloco.elastic and decide which
+    pseudo-gradients a round averages and when, so they belong to the algorithm (most must match
+    across sites). timeout_s is here: it bounds every cross-site wait, fixed or elastic.
     """
 
     # Coordination store for the global groups: tcp://host:port (hosted by site 0's rank 0 when
