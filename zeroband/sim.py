@@ -35,7 +35,11 @@ def site_configs(tree: dict[str, Any], sites: int) -> list[Config]:
     """One validated config per site: the run's tree with that site's identity."""
     if "diloco" not in tree:
         return [validate_config(tree)]
-    return [validate_config(deep_merge(tree, {"sites": {"site_rank": s, "site_count": sites}})) for s in range(sites)]
+    # The sites share this process's intra-op threads: an outer step must not change that count
+    # (torch.set_num_threads is process-wide, and k threads calling it at once can hang OpenMP).
+    shared = {"diloco": {"outer_threads": torch.get_num_threads()}}
+    return [validate_config(deep_merge(deep_merge(shared, tree), {"sites": {"site_rank": s, "site_count": sites}}))
+            for s in range(sites)]
 
 
 def run_sites(tree: dict[str, Any], sites: int, eval_on: Callable[[int], bool] = lambda s: True) -> dict[str, Any]:

@@ -46,6 +46,9 @@ def outer_thread_count(setting: int, affinity_cores: int, local_ranks: int) -> i
 def torch_threads(n: int) -> Iterator[None]:
     """torch's intra-op threads set to `n` for the block (the inner step keeps its own setting)."""
     before = torch.get_num_threads()
+    if n == before:  # nothing to change: leave the process-wide setting alone
+        yield
+        return
     torch.set_num_threads(n)
     try:
         yield
