@@ -316,11 +316,12 @@ class DirectExchange:
 
 
 def value_stats(values: torch.Tensor) -> tuple[float, float]:
-    """(sum of squares, count of NaN/inf) of decoded values: what a source really sent. An fp32 dot
-    product (~25x faster than an fp64 norm): it overflows only past 1e19 per value, which is then
-    rejected as it should be. One read pass: a NaN/inf anywhere makes the dot non-finite, and
-    only then are the values counted."""
-    sumsq = float(torch.dot(values, values)) if values.numel() else 0.0
+    """(sum of squares, count of NaN/inf) of decoded values: what a source really sent. An fp32
+    2-norm squared (~25x faster than an fp64 norm; ATen's reduction, not MKL's dot, which hangs in a
+    process forked after MKL's threads started): it overflows only past 1e19 per value, which is
+    then rejected as it should be. One read pass: a NaN/inf anywhere makes it non-finite, and only
+    then are the values counted."""
+    sumsq = float(torch.linalg.vector_norm(values)) ** 2 if values.numel() else 0.0
     return sumsq, 0.0 if math.isfinite(sumsq) else float((~torch.isfinite(values)).sum())
 
 
