@@ -27,6 +27,10 @@ def free_port() -> int:
 
 def _child(fn: Callable, env: dict[str, str], queue: Any, key: tuple[int, int], args: tuple, faults: str) -> None:
     os.environ.update(env)
+    # One intra-op thread per forked rank, the outer step's included (it takes the cores / local
+    # ranks): libgomp cannot start a wider team in a process forked after the test process had one,
+    # and the child hangs in its first parallel region. torchrun's ranks are fresh processes.
+    os.environ.setdefault("LOCAL_WORLD_SIZE", str(len(os.sched_getaffinity(0))))
     import torch
 
     if faults:  # this rank's entries of the schedule, wrapped around the code under test from outside
