@@ -34,3 +34,11 @@ def test_round_clock_one_rule_for_the_end():
     budget = RoundClock(DilocoConfig(inner_steps=4, round_seconds=1.0), 0)
     assert not budget.finished(100, 8)  # a time budget counts rounds, not steps
     assert budget.finished(3, 8, rounds_done=2)  # the membership's shared count (elastic) decides
+
+
+def test_estimate_weight_per_overlap_rule() -> None:
+    from zeroband.outer.overlap import estimate_weight
+
+    assert estimate_weight("eager", 4) == 1.0
+    assert estimate_weight("eager_share", 4) == 0.25
+    assert estimate_weight("delayed", 4) is None

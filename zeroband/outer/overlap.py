@@ -56,6 +56,12 @@ def outer_preview(theta: torch.Tensor, buf: torch.Tensor | None, d: torch.Tensor
     return theta - lr * (d + momentum * new_buf if nesterov else new_buf)
 
 
+def estimate_weight(rule: str, sites: int) -> float | None:
+    """How much of its own fresh pseudo-gradient a site previews while the average is in flight:
+    "eager" all of it, "eager_share" its 1/n share, "delayed" none (no preview: None)."""
+    return {"eager": 1.0, "eager_share": 1.0 / sites}.get(rule)
+
+
 class OverlapRules:
     """Mixed into `DiLoCo`: the overlapped boundary (it uses DiLoCo's optimizer, copies and reduce)."""
 
@@ -66,8 +72,9 @@ class OverlapRules:
         waited = self._complete_in_flight() if previous else 0.0
         grads = self.pseudo_gradient()
         stats = site_stats(grads, self.topology, self.clock.take_tokens())
-        if self.cfg.overlap_rule != "delayed":
-            self._move_to_estimate(grads, 1.0 if self.cfg.overlap_rule == "eager" else 1.0 / self.group.size)
+        weight = estimate_weight(self.cfg.overlap_rule, self.group.size)
+        if weight is not None:
+            self._move_to_estimate(grads, weight)
         snapshot = [t.detach().to("cpu", torch.float32, copy=True) for t in self.local]
         self.in_flight = _InFlight(grads, stats, self, snapshot)
         if previous is None:
