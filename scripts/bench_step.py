@@ -66,19 +66,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # ---------------------------------------------------------------------------------- one site (forked)
 
 
-def fused_pass_s(params: list[Any], others: list[Any]) -> float:
-    """Fastest of 3 read-modify-write passes over all parameters (the memory-bound floor)."""
+def fused_pass_s(params: list[Any], others: list[Any], sync: Any = None) -> float:
+    """Fastest of 3 read-modify-write passes over all parameters (the memory-bound floor). `sync()`
+    runs before each pass: a barrier of both sites, so that they pass at once, as in the outer step."""
     import torch
 
     best = float("inf")
     for _ in range(3):
+        if sync is not None:
+            sync()
         t0 = time.perf_counter()
         torch._foreach_add_(params, others)
         best = min(best, time.perf_counter() - t0)
-    torch._foreach_sub_(params, others)
-    torch._foreach_sub_(params, others)
-    torch._foreach_sub_(params, others)
+    for _ in range(3):
+        torch._foreach_sub_(params, others)
     return best
+
+
+def pass_floors(params: list[Any], others: list[Any], group: Any, site: int) -> dict[str, float]:
+    """The fused pass with both sites passing at once (they share the memory bus, as during the
+    outer step's local work: the ratio's denominator) and with each site alone (the other waits)."""
+    import torch
+
+    def barrier() -> None:
+        group.all_reduce(torch.zeros(1))
+
+    both = fused_pass_s(params, others, barrier)
+    alone = float("nan")
+    for turn in range(2):
+        barrier()
+        if turn == site:
+            alone = fused_pass_s(params, others)
+        barrier()
+    return {"fused_pass_s": both, "fused_pass_alone_s": alone}
 
 
 def _outer_site(args: argparse.Namespace) -> dict[str, Any]:
@@ -109,11 +129,14 @@ def _outer_site(args: argparse.Namespace) -> dict[str, Any]:
             steps = []
             for step in range(args.repeats + 1):  # the first one is a warm-up (momentum buffers, memory)
                 torch._foreach_sub_(params, deltas)
+                cpu0 = os.times()
                 stats = outer.after_inner_step(step, sync_point=True)
+                cpu1 = os.times()
                 steps.append({"outer_step_s": stats.outer_step_s, "allreduce_s": stats.allreduce_s,
-                              "wire_bytes": stats.wire_bytes, **stats.timings})
-            rows.append({"threads": threads, "steps": steps[1:], "fused_pass_s": fused_pass_s(params, deltas),
-                         "numel": sum(p.numel() for p in params)})
+                              "wire_bytes": stats.wire_bytes, "user_s": cpu1.user - cpu0.user,
+                              "sys_s": cpu1.system - cpu0.system, **stats.timings})
+            rows.append({"threads": threads, "steps": steps[1:], "numel": sum(p.numel() for p in params),
+                         **pass_floors(params, deltas, topology.global_group, site)})
         return {"rows": rows}
     finally:
         shutdown()
@@ -125,21 +148,30 @@ def _outer_site(args: argparse.Namespace) -> dict[str, Any]:
 def summarize(row: dict[str, Any]) -> dict[str, Any]:
     """Medians over the repeats; local work = whole step - network wait."""
     steps = row["steps"]
-    med = {k: statistics.median(s.get(k, 0.0) for s in steps) for k in ("outer_step_s", *PARTS)}
+    med = {k: statistics.median(s.get(k, 0.0) for s in steps) for k in ("outer_step_s", "user_s", "sys_s", *PARTS)}
     local = [s["outer_step_s"] - s.get("network_wait", s["allreduce_s"]) for s in steps]
+    # the step's own threads' user CPU: counts every torch thread only at 1 thread (pool workers are not the caller)
+    cpu = statistics.median(s.get("cpu_user", float("nan")) for s in steps) if row["threads"] == 1 else float("nan")
     out = {"threads": row["threads"], "params": row["numel"], "fused_pass_s": row["fused_pass_s"],
+           "fused_pass_alone_s": row["fused_pass_alone_s"],
            "outer_step_s": med["outer_step_s"], "local_s": statistics.median(local),
-           "parts": {k: med[k] for k in PARTS}, "steps": steps}
+           "parts": {k: med[k] for k in PARTS}, "steps": steps, "user_s": med["user_s"], "sys_s": med["sys_s"]}
     out["local_over_pass"] = out["local_s"] / row["fused_pass_s"]
+    out["local_over_pass_alone"] = out["local_s"] / row["fused_pass_alone_s"]
+    out["local_cpu_s"], out["local_cpu_over_pass"] = cpu, cpu / row["fused_pass_s"]
     # the whole all-reduce call (statistics exchange, encoding, MACs, review included): bits this rank sent per second
     out["allreduce_gbit_s"] = statistics.median(s["wire_bytes"] * 8 / s["allreduce_s"] / 1e9 for s in steps)
     return out
 
 
 def outer_markdown(args: argparse.Namespace, rows: list[dict[str, Any]], note: str) -> str:
-    head = ["threads", "outer step s", "local work s", "fused pass s", "local / pass", "all-reduce Gbit/s", *PARTS]
+    head = ["threads", "outer step s", "local work s", "fused pass s", "local / pass", "pass alone s",
+            "local / pass alone", "local CPU s", "local CPU / pass", "all-reduce Gbit/s", "process CPU user s",
+            "process CPU sys s", *PARTS]
     table = markdown_table(head, [[r["threads"], r["outer_step_s"], r["local_s"], r["fused_pass_s"],
-                                   r["local_over_pass"], r["allreduce_gbit_s"], *(r["parts"][k] for k in PARTS)]
+                                   r["local_over_pass"], r["fused_pass_alone_s"], r["local_over_pass_alone"],
+                                   r["local_cpu_s"], r["local_cpu_over_pass"],
+                                   r["allreduce_gbit_s"], r["user_s"], r["sys_s"], *(r["parts"][k] for k in PARTS)]
                                   for r in rows])
     cmd = "python scripts/bench_step.py" + (" --quick" if args.quick else "")
     return "\n".join([
@@ -147,9 +179,17 @@ def outer_markdown(args: argparse.Namespace, rows: list[dict[str, Any]], note: s
         "loopback gloo, authenticated", "",
         f"`{cmd}` (medians of {args.repeats} steps, site 0; seconds). {note}", "",
         "local work = outer step - network wait; fused pass = fastest of 3 `torch._foreach_add_(params, others)` "
-        "in the same process with the same threads. Parts are the outer step's own timers (OuterStats.timings); "
+        "in the same process with the same threads, both sites passing at once after a barrier, as both do their "
+        "local work at once in the outer step (they share the memory bus); pass alone = the same with the other "
+        "site waiting. Parts are the outer step's own timers (OuterStats.timings); "
         "network_wait includes handing messages to gloo (its send may copy into the socket on the caller's thread). "
-        "all-reduce Gbit/s = wire bytes this rank sent x 8 / the whole all-reduce call (one pair of ranks).", "",
+        "all-reduce Gbit/s = wire bytes this rank sent x 8 / the whole all-reduce call (one pair of ranks). "
+        "local CPU = user CPU seconds of the outer step's own threads (the training loop's and the exchange's; "
+        "OuterStats.timings cpu_user): the work the step does, without the time those threads sat preempted "
+        "(1 thread only: at more threads torch's pool workers are not counted). "
+        "process CPU user / sys s: the site process's CPU time during the step, all its threads (gloo's included; sys is "
+        "mostly the socket copies): on this machine the two sites' CPU time fills both cores, so every second of "
+        "CPU saved shortens the step.", "",
         table,
     ])
 

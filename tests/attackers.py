@@ -65,8 +65,12 @@ class LyingCodec:
     def encode(self, x: torch.Tensor, tail: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
         return self.base.encode(x * 1e30 if self.how == "huge" else torch.full_like(x, float("nan")), tail, out)
 
-    def decode(self, buf: torch.Tensor, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        return self.base.decode(buf, n, out)
+    def decode(self, buf: torch.Tensor, n: int, out: torch.Tensor | None = None,
+               stats: torch.Tensor | None = None) -> torch.Tensor:
+        return self.base.decode(buf, n, out, stats)
+
+    def measure(self, buf: torch.Tensor, n: int, scratch: torch.Tensor, stats: torch.Tensor) -> None:
+        self.base.measure(buf, n, scratch, stats)
 
 
 def lie_on_the_wire(how: str) -> None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zeroband.comm.direct import DEFAULT_PIECE_BYTES, all_reduce_direct
+from zeroband.comm.direct import DEFAULT_PIECE_BYTES, add_stats, all_reduce_direct
 from zeroband.comm.group import GlobalGroup
 
 WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -64,21 +64,36 @@ class DenseCodec:
             body.copy_(x)
         return out
 
-    def decode(self, buf: torch.Tensor, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The fp32 values of an encoded chunk, written into `out` when given (no new memory)."""
-        values = buf[self.header :].view(self.dtype)[:n]
-        values = values.to(torch.float32) if out is None else out.copy_(values)
+    def decode(self, buf: torch.Tensor, n: int, out: torch.Tensor | None = None,
+               stats: torch.Tensor | None = None) -> torch.Tensor:
+        """The fp32 values of an encoded chunk, written into `out` when given (no new memory);
+        `stats` (float64 [sum of squares, non-finite count]) += those of the values (see `measure`)."""
+        values = self._widen(buf, n, out)
+        if stats is not None:
+            add_stats(stats, values, 1.0 / self._scale(buf))
         if self.wire == "fp16":
-            values.div_(float(buf[:SCALE_HEADER].view(torch.float32)))
+            values.div_(self._scale(buf))
         return values
+
+    def measure(self, buf: torch.Tensor, n: int, scratch: torch.Tensor, stats: torch.Tensor) -> None:
+        """`stats` += (sum of squares, non-finite count) of the decoded values, without decoding them:
+        the wire values' norm over the power-of-two scale (the same number, free of fp32 underflow).
+        `decode(stats=...)` measures the same way, so sender and receiver agree on the same bytes."""
+        add_stats(stats, self._widen(buf, n, scratch[:n]), 1.0 / self._scale(buf))
+
+    def _widen(self, buf: torch.Tensor, n: int, out: torch.Tensor | None) -> torch.Tensor:
+        values = buf[self.header :].view(self.dtype)[:n]
+        return values.to(torch.float32) if out is None else out.copy_(values)
+
+    def _scale(self, buf: torch.Tensor) -> float:
+        return float(buf[:SCALE_HEADER].view(torch.float32)) if self.wire == "fp16" else 1.0
 
 
 def max_abs(x: torch.Tensor) -> float:
     """max |x| in one read pass without a temporary (NaN if x has one; 0.0 when empty)."""
     if not x.numel():
         return 0.0
-    low, high = torch.aminmax(x)
-    return float(torch.maximum(-low, high))
+    return float(torch.maximum(x.amin().neg_(), x.amax()))  # amin + amax: ~1.5x faster than one aminmax on CPU
 
 
 def all_reduce_dense(

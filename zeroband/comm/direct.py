@@ -54,7 +54,10 @@ class WireCodec(Protocol):
 
     def encode(self, x: torch.Tensor, tail: int = 0, out: torch.Tensor | None = None) -> torch.Tensor: ...  # + tail
 
-    def decode(self, buf: torch.Tensor, n: int, out: torch.Tensor | None = None) -> torch.Tensor: ...  # fp32
+    def decode(self, buf: torch.Tensor, n: int, out: torch.Tensor | None = None,
+               stats: torch.Tensor | None = None) -> torch.Tensor: ...  # fp32; stats += (sum sq, non-finite)
+
+    def measure(self, buf: torch.Tensor, n: int, scratch: torch.Tensor, stats: torch.Tensor) -> None: ...
 
 
 def chunk_bounds(n: int, sites: int, block: int) -> list[tuple[int, int]]:
@@ -240,13 +243,13 @@ class DirectExchange:
                     continue
                 buf = self._encode(flat[a:b])
                 self._send(buf, dst, RS_TAG + p)
-                if loss is not None or sent is not None:
-                    with self.parts("review"):
-                        decoded = self.codec.decode(buf, b - a, out=self.scratch[: b - a])
-                        if loss is not None:
-                            torch.sub(flat[a:b], decoded, out=loss[a:b])
-                        if sent is not None:
-                            add_stats(sent[dst], decoded)
+                with self.parts("review"):  # what the owner will decode: its loss, its statistics
+                    if loss is not None:
+                        decoded = self.codec.decode(buf, b - a, out=self.scratch[: b - a],
+                                                    stats=None if sent is None else sent[dst])
+                        torch.sub(flat[a:b], decoded, out=loss[a:b])
+                    elif sent is not None:
+                        self.codec.measure(buf, b - a, self.scratch, sent[dst])
 
     def _sum(self, p: int, flat: torch.Tensor, use: list[bool] | None,
              seen: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -259,13 +262,14 @@ class DirectExchange:
         for src in range(self.size):
             if src == self.rank:
                 values = flat[lo:hi]
+                if seen is not None:
+                    with self.parts("review"):
+                        add_stats(seen[src], values)
             else:
                 buf = self._opened(self.scatter_in, p, src, RS_TAG + p)
-                with self.parts("decode"):
-                    values = self.codec.decode(buf, hi - lo, out=self.scratch[: hi - lo])
-            if seen is not None:
-                with self.parts("review"):
-                    add_stats(seen[src], values)
+                with self.parts("decode"):  # measured on the way, as the source measured what it sent
+                    values = self.codec.decode(buf, hi - lo, out=self.scratch[: hi - lo],
+                                               stats=None if seen is None else seen[src])
             if use is None or use[src]:
                 with self.parts("decode"):
                     total += values
@@ -325,10 +329,11 @@ def value_stats(values: torch.Tensor) -> tuple[float, float]:
     return sumsq, 0.0 if math.isfinite(sumsq) else float((~torch.isfinite(values)).sum())
 
 
-def add_stats(row: torch.Tensor, values: torch.Tensor) -> None:
-    """row (float64 [sum of squares, non-finite count]) += value_stats(values)."""
+def add_stats(row: torch.Tensor, values: torch.Tensor, unit: float = 1.0) -> None:
+    """row (float64 [sum of squares, non-finite count]) += value_stats(values x unit), `unit` a power of two
+    applied in float64 to the norm (exact)."""
     sumsq, nonfinite = value_stats(values)
-    row[0] += sumsq
+    row[0] += sumsq * unit * unit
     row[1] += nonfinite
 
 

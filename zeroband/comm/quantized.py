@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zeroband.comm.direct import DEFAULT_PIECE_BYTES, all_reduce_direct
+from zeroband.comm.direct import DEFAULT_PIECE_BYTES, add_stats, all_reduce_direct
 from zeroband.comm.group import GlobalGroup
 
 SCALE_DTYPE = torch.bfloat16  # fp32's exponent range in 2 bytes: no overflow/underflow of scales
@@ -143,9 +143,10 @@ class Codec:
             idx = torch.cat([idx, idx.new_zeros(1)])
         return idx[0::2] | (idx[1::2] << 4)
 
-    def decode(self, buf: torch.Tensor, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    def decode(self, buf: torch.Tensor, n: int, out: torch.Tensor | None = None,
+               stats: torch.Tensor | None = None) -> torch.Tensor:
         """The fp32 values of an encoded chunk: level x scale, one rounding, the same on every site
-        (copied into `out` when given)."""
+        (copied into `out` when given); `stats` += their (sum of squares, non-finite count)."""
         nb = -(-n // self.block)
         scale = buf[: nb * SCALE_BYTES].view(SCALE_DTYPE).to(torch.float32)
         codes = buf[nb * SCALE_BYTES : nb * SCALE_BYTES + (n if self.bits == 8 else (n + 1) // 2)]
@@ -154,7 +155,14 @@ class Codec:
         else:
             values = _PAIRS[self.codebook].index_select(0, codes.long()).view(-1)[:n]
         values = _blocks(values, self.block).mul_(scale[:, None]).view(-1)[:n]
-        return values if out is None else out.copy_(values)
+        values = values if out is None else out.copy_(values)
+        if stats is not None:
+            add_stats(stats, values)
+        return values
+
+    def measure(self, buf: torch.Tensor, n: int, scratch: torch.Tensor, stats: torch.Tensor) -> None:
+        """`stats` += (sum of squares, non-finite count) of the decoded values."""
+        self.decode(buf, n, out=scratch[:n], stats=stats)
 
 
 def all_reduce_quantized(

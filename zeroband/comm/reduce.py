@@ -231,6 +231,14 @@ def reduce_across_sites(
     """In place: grads <- mean over contributing sites. Returns what it cost and who took part.
     `arena`: memory kept by the caller between calls (comm/direct.py's Arena)."""
     codec, parts = wire_codec(wire), Parts()
+    with parts.cpu():  # the CPU of the thread that runs the exchange (often not the training loop's)
+        return _reduce(grads, stats, group, codec, parts, piece_bytes, error_feedback, outlier_factor,
+                       weight_by_tokens, arena)
+
+
+def _reduce(grads: list[torch.Tensor], stats: SiteStats, group: GlobalGroup, codec: WireCodec, parts: Parts,
+            piece_bytes: int, error_feedback: dict[int, torch.Tensor] | None, outlier_factor: float,
+            weight_by_tokens: bool, arena: Arena | None) -> ReduceResult:
     numel = sum(g.numel() for g in grads)
     exchange = DirectExchange(numel, group, codec, piece_bytes, parts, arena)  # receives posted first
     table_ready = group.post_scalars(stats.as_list())

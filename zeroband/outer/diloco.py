@@ -130,7 +130,7 @@ def outer_stats(diloco: DiLoCo, result: ReduceResult, stats: SiteStats, grads: l
         excluded_sites=result.excluded_sites,
         overlapped=overlapped,
         outer_crc=crc32_of(diloco.checksum_tensors()) if diloco.cfg.log_checksum else None,
-        timings=dict(diloco.parts.seconds),
+        timings=diloco.parts.seconds,  # the same dict: the step's CPU seconds land in it when the step ends
     )
 
 
@@ -213,7 +213,7 @@ class DiLoCo(OverlapRules):
             return self._land_in_flight(step) if self.in_flight else None
         self.boundary_step = step + 1
         self.parts = Parts()
-        with torch_threads(self.threads):
+        with torch_threads(self.threads), self.parts.cpu():  # this thread's CPU; the exchange thread adds its own
             if self.cfg.overlap and not sync_point:
                 return self._overlapped_boundary()
             return self._blocking_boundary()
@@ -237,7 +237,7 @@ class DiLoCo(OverlapRules):
             if contribute and grads is not None:  # a retried attempt starts again from the originals
                 mine = [g.clone() for g in grads] if self.membership.may_retry else grads
                 with self.parts("stats"):
-                    stats = site_stats(mine, self.topology, tokens)
+                    stats = site_stats(mine, self.topology, tokens, local=self.copy.stats_of(grads))
             else:
                 mine, stats = [torch.zeros_like(o) for o in self.outer], SiteStats(0.0, 0.0, 0.0, abstain=True)
             kept.update(grads=mine, stats=stats, stats_s=kept["stats_s"] + time.perf_counter() - t1)

@@ -71,7 +71,7 @@ class OverlapRules:
         previous = self.in_flight
         waited = self._complete_in_flight() if previous else 0.0
         grads = self.pseudo_gradient()
-        stats = site_stats(grads, self.topology, self.clock.take_tokens())
+        stats = site_stats(grads, self.topology, self.clock.take_tokens(), local=self.copy.stats_of(grads))
         weight = estimate_weight(self.cfg.overlap_rule, self.group.size)
         if weight is not None:
             self._move_to_estimate(grads, weight)

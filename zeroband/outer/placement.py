@@ -15,6 +15,7 @@ import torch
 from zeroband.comm.direct import flat_base
 from zeroband.comm.timing import Parts
 from zeroband.config import DilocoConfig
+from zeroband.outer.stats import ChunkStats, Triple, chunks_of
 
 
 def _views(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -24,6 +25,14 @@ def _views(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
         views.append(flat[offset : offset + t.numel()].view(t.shape))
         offset += t.numel()
     return views
+
+
+def _subtract(outer: torch.Tensor, local: torch.Tensor, out: torch.Tensor, acc: ChunkStats) -> None:
+    """out <- outer - local, chunk by chunk, each measured by `acc` while it is still in cache."""
+    o, t, g = outer.reshape(-1), local.reshape(-1), out.view(-1)
+    for s in chunks_of(g):
+        torch.sub(o[s], t[s], out=g[s])
+        acc.add(g[s])
 
 
 def pick_outer_device(setting: str, local: torch.device, blocking: bool, need_bytes: int,
@@ -73,16 +82,19 @@ class OuterCopy:
         self.host_grads = torch.empty(numel, dtype=torch.float32, pin_memory=pinned)
         on_gpu = self.device.type == "cuda"
         self.device_grads = torch.empty(numel, dtype=torch.float32, device=device) if on_gpu else None
+        self.measured: tuple[list[torch.Tensor] | None, int, Triple] = (None, 0, (0.0, 0.0, 0.0))
 
     def pseudo_gradient(self, parts: Parts, fresh: bool) -> list[torch.Tensor]:
         """Outer copy - local shard in fp32 on the host, as views of one vector (`fresh`: a new one,
-        for an overlapped step that keeps it in flight; else the reused one)."""
+        for an overlapped step that keeps it in flight; else the reused one). The same pass
+        measures its statistics chunk by chunk while each is in cache (`stats_of`)."""
         host = self.host_grads if not fresh else torch.empty_like(self.host_grads)
         grads = _views(host, self.local)
-        if self.device_grads is not None:  # outer copy on the GPU: subtract there, ship the result
+        acc = ChunkStats()
+        if self.device_grads is not None:  # outer copy on the GPU: subtract and measure there, ship the result
             with parts("pseudo_grad"):
                 for g, o, t in zip(_views(self.device_grads, self.local), self.tensors, self.local):
-                    torch.sub(o, t.detach(), out=g)
+                    _subtract(o, t.detach(), g, acc)
             with parts("d2h"):
                 host.copy_(self.device_grads, non_blocking=True)
                 torch.cuda.synchronize(self.device_grads.device)
@@ -93,12 +105,22 @@ class OuterCopy:
                 torch.cuda.synchronize(self.local[0].device)
             with parts("pseudo_grad"):
                 for g, o in zip(grads, self.tensors):
-                    torch.sub(o, g, out=g)
+                    _subtract(o, g, g, acc)
         else:
             with parts("pseudo_grad"):
                 for g, o, t in zip(grads, self.tensors, self.local):
-                    torch.sub(o, t.detach(), out=g)
+                    _subtract(o, t.detach(), g, acc)
+        with parts("pseudo_grad"):
+            self.measured = (grads, grads[0]._version if grads else 0, acc.result(grads))
         return grads
+
+    def stats_of(self, grads: list[torch.Tensor]) -> Triple | None:
+        """The statistics the last `pseudo_gradient` pass measured, if `grads` are its result, unchanged
+        since (views of one vector share its version counter: any write to any of them shows); else None."""
+        kept, version, triple = self.measured
+        if grads is kept and (not grads or grads[0]._version == version):
+            return triple
+        return None
 
     def to_local(self) -> None:
         """local <- outer (non-blocking from pinned memory or on the GPU; done before returning)."""
