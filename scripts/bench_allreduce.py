@@ -91,8 +91,7 @@ def worker(args: argparse.Namespace) -> None:
     for wire in args.wires.split(","):
         for rep in range(args.repeats + 1):  # call 0 warms the path up (allocations, TCP windows)
             grads = model_like(int(args.params), seed=site)
-            stats = SiteStats(sumsq=sum(float(g.square().sum()) for g in grads), nonfinite=0.0,
-                              max_abs=max(float(g.abs().max()) for g in grads))
+            stats = SiteStats(sumsq=sum(float(g.square().sum()) for g in grads), nonfinite=0.0)
             group.gather_scalars([0.0])  # start together
             tx0, rx0 = wan_bytes()
             t0 = time.perf_counter()

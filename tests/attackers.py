@@ -72,6 +72,10 @@ class LyingCodec:
     def measure(self, buf: torch.Tensor, n: int, scratch: torch.Tensor, stats: torch.Tensor) -> None:
         self.base.measure(buf, n, scratch, stats)
 
+    def wire_values(self, buf: torch.Tensor, n: int, out: torch.Tensor,
+                    stats: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
+        return self.base.wire_values(buf, n, out, stats)
+
 
 def lie_on_the_wire(how: str) -> None:
     """Make this (forked) process a site that lies in everything it encodes, as a source and as the

@@ -73,7 +73,7 @@ def _frozen_peer(store_port: int, timeout_s: float, sigterm_after_s: float | Non
     grads = [torch.ones(300_000)]
     if site == 1:
         DirectExchange(300_000, group, wire_codec("fp16"), 4 << 16)  # receives posted, as the real one does
-        group.post_scalars(SiteStats(1.0, 0.0, 1.0).as_list())()
+        group.post_scalars(SiteStats(1.0, 0.0).as_list())()
         _freeze_self(kill_after_s=min(timeout_s, 10) + 10)
         return {}
     lines = _Lines()
@@ -83,7 +83,7 @@ def _frozen_peer(store_port: int, timeout_s: float, sigterm_after_s: float | Non
         threading.Timer(sigterm_after_s, os.kill, (os.getpid(), signal.SIGTERM)).start()
     t0 = time.monotonic()
     try:
-        group.watched(lambda: reduce_across_sites(grads, SiteStats(1.0, 0.0, 1.0), group, "fp16", 1 << 18),
+        group.watched(lambda: reduce_across_sites(grads, SiteStats(1.0, 0.0), group, "fp16", 1 << 18),
                       "outer all-reduce")
     except Exception as e:
         return {"error": f"{type(e).__name__}: {e}", "elapsed": time.monotonic() - t0, "log": lines.lines}

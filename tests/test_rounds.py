@@ -50,9 +50,9 @@ def test_verdict():
 def test_contributors_nan_outlier_abstain_and_token_weights():
     import torch
 
-    # columns: sumsq, nonfinite, max_abs, abstain, tokens
-    table = torch.tensor([[1.0, 0, 1, 0, 100], [1.2, 0, 1, 0, 300], [400.0, 0, 9, 0, 100],
-                          [float("nan"), 3, 1, 0, 100], [0.0, 0, 0, 1, 0]], dtype=torch.float64)
+    # columns: sumsq, nonfinite, abstain, tokens
+    table = torch.tensor([[1.0, 0, 0, 100], [1.2, 0, 0, 300], [400.0, 0, 0, 100],
+                          [float("nan"), 3, 0, 100], [0.0, 0, 1, 0]], dtype=torch.float64)
     use = contributing_sites(table, outlier_factor=10.0)
     assert use == [True, True, False, False, False]  # outlier (norm 20 vs ~1), NaN, abstainer
     assert site_weight(table, use, 1, by_tokens=True) == pytest.approx(0.75)

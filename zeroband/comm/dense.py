@@ -20,6 +20,8 @@ from zeroband.comm.group import GlobalGroup
 WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FP16_HEADROOM = 2.0**15  # half of fp16's max: rounding up the largest value cannot overflow
 SCALE_HEADER = 4  # fp16 messages start with their fp32 scale
+# fp16 values are multiples of 2**-24: times a power of two >= 2**-100 they stay exact in fp32 (finest step 2**-149)
+EXACT_UNIT = 2.0**-100
 
 
 def fp16_scale(max_abs: float) -> float:
@@ -74,6 +76,20 @@ class DenseCodec:
         if self.wire == "fp16":
             values.div_(self._scale(buf))
         return values
+
+    def wire_values(self, buf: torch.Tensor, n: int, out: torch.Tensor,
+                    stats: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
+        """`decode` in two factors: fp32 values (into `out`) and a power of two, whose product is the
+        decoded values exactly, so an owner can scale and sum in one op (comm/direct.py `accumulate`);
+        `stats` += the decoded values' statistics. A factor so small that the product could fall
+        below fp32's finest step is applied here instead (the values then come back decoded)."""
+        values = self._widen(buf, n, out)
+        unit = 1.0 / self._scale(buf)
+        if stats is not None:
+            add_stats(stats, values, unit)
+        if unit < EXACT_UNIT:
+            return values.mul_(unit), 1.0
+        return values, unit
 
     def measure(self, buf: torch.Tensor, n: int, scratch: torch.Tensor, stats: torch.Tensor) -> None:
         """`stats` += (sum of squares, non-finite count) of the decoded values, without decoding them:

@@ -59,6 +59,9 @@ class WireCodec(Protocol):
 
     def measure(self, buf: torch.Tensor, n: int, scratch: torch.Tensor, stats: torch.Tensor) -> None: ...
 
+    def wire_values(self, buf: torch.Tensor, n: int, out: torch.Tensor,
+                    stats: torch.Tensor | None = None) -> tuple[torch.Tensor, float]: ...  # decoded = values x factor
+
 
 def chunk_bounds(n: int, sites: int, block: int) -> list[tuple[int, int]]:
     """S contiguous [start, end) ranges of whole blocks (some empty when n is tiny)."""
@@ -258,22 +261,23 @@ class DirectExchange:
         lo, hi = self.chunks[p][self.rank]
         if hi == lo:
             return None
-        total = self.arena.take(4 * (hi - lo), torch.float32).zero_()
+        total, first = self.arena.take(4 * (hi - lo), torch.float32), True
         for src in range(self.size):
             if src == self.rank:
-                values = flat[lo:hi]
+                values, unit = flat[lo:hi], 1.0
                 if seen is not None:
                     with self.parts("review"):
                         add_stats(seen[src], values)
             else:
                 buf = self._opened(self.scatter_in, p, src, RS_TAG + p)
                 with self.parts("decode"):  # measured on the way, as the source measured what it sent
-                    values = self.codec.decode(buf, hi - lo, out=self.scratch[: hi - lo],
-                                               stats=None if seen is None else seen[src])
+                    values, unit = self.codec.wire_values(buf, hi - lo, self.scratch[: hi - lo],
+                                                          None if seen is None else seen[src])
             if use is None or use[src]:
                 with self.parts("decode"):
-                    total += values
-        return total
+                    accumulate(total, values, unit, first)
+                first = False
+        return total.zero_() if first else total
 
     def _reviewed(self, flat: torch.Tensor, loss: torch.Tensor | None, review: Review, sent: torch.Tensor) -> None:
         """Sum every piece, let `review` judge the sources on what they sent, re-sum if it rejected
@@ -335,6 +339,16 @@ def add_stats(row: torch.Tensor, values: torch.Tensor, unit: float = 1.0) -> Non
     sumsq, nonfinite = value_stats(values)
     row[0] += sumsq * unit * unit
     row[1] += nonfinite
+
+
+def accumulate(total: torch.Tensor, values: torch.Tensor, unit: float, first: bool) -> None:
+    """total <- (0 if `first` else total) + values x unit, in one op: the bits of zeroing, decoding
+    (x unit, exact: a power of two, see DenseCodec.wire_values) and adding one by one. Starting
+    from an explicit +0 keeps the sign rule: a sum of -0s is +0, as it was from a zeroed total."""
+    torch.add(_ZERO.expand(total.numel()) if first else total, values, alpha=unit, out=total)
+
+
+_ZERO = torch.zeros(1)
 
 
 def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:

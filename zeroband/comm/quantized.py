@@ -164,6 +164,11 @@ class Codec:
         """`stats` += (sum of squares, non-finite count) of the decoded values."""
         self.decode(buf, n, out=scratch[:n], stats=stats)
 
+    def wire_values(self, buf: torch.Tensor, n: int, out: torch.Tensor,
+                    stats: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
+        """The decoded values (into `out`) and the factor 1.0: block scales leave nothing to defer."""
+        return self.decode(buf, n, out=out, stats=stats), 1.0
+
 
 def all_reduce_quantized(
     tensors: list[torch.Tensor],

@@ -39,7 +39,8 @@ from zeroband.comm.timing import Parts
 from zeroband.membership.auth import TrustError
 
 QUANTIZED_BITS = {"int8": 8, "int4": 4}
-STAT_COLUMNS = ("sumsq", "nonfinite", "max_abs", "abstain", "tokens", "crc")
+STAT_COLUMNS = ("sumsq", "nonfinite", "abstain", "tokens", "crc")
+SUMSQ, NONFINITE, ABSTAIN, TOKENS, CRC = range(len(STAT_COLUMNS))  # their indices in a stats table
 # A source may send at most this multiple of the norm it declared (quantisation moves a norm by a
 # few percent at most; NF4's coarsest rounding by well under 2x).
 CLAIM_SLACK = 4.0
@@ -61,13 +62,12 @@ class SiteStats:
 
     sumsq: float
     nonfinite: float
-    max_abs: float
     abstain: bool = False  # takes part in the collective but contributes nothing (e.g. a joiner)
     tokens: float = 0.0  # tokens this site trained on since the last outer step
     crc: float = -1.0  # crc32 of the outer state entering the step (-1: not computed)
 
     def as_list(self) -> list[float]:
-        return [self.sumsq, self.nonfinite, self.max_abs, float(self.abstain), self.tokens, self.crc]
+        return [self.sumsq, self.nonfinite, float(self.abstain), self.tokens, self.crc]
 
 
 @dataclass
@@ -88,10 +88,10 @@ def contributing_sites(table: torch.Tensor, outlier_factor: float = 0.0) -> list
     candidates: one broken or malicious site cannot drag the average far. The decision depends
     only on the table, which is identical on every site, so every site decides the same.
     """
-    use = [bool(table[s, 1] == 0 and table[s, 3] == 0 and torch.isfinite(table[s, 0])) for s in range(table.shape[0])]
+    use = [bool(table[s, NONFINITE] == 0 and table[s, ABSTAIN] == 0 and torch.isfinite(table[s, SUMSQ])) for s in range(table.shape[0])]
     candidates = [s for s, ok in enumerate(use) if ok]
     if outlier_factor > 0 and len(candidates) >= 3:
-        norms = table[:, 0].sqrt()
+        norms = table[:, SUMSQ].sqrt()
         for s in candidates:
             others = torch.stack([norms[o] for o in candidates if o != s])
             if norms[s] > outlier_factor * others.median():
@@ -104,8 +104,8 @@ def site_weight(table: torch.Tensor, use: list[bool], me: int, by_tokens: bool) 
     if not use[me]:
         return 0.0
     if by_tokens:
-        total = sum(float(table[s, 4]) for s, ok in enumerate(use) if ok)
-        return float(table[me, 4]) / total if total > 0 else 1.0 / sum(use)
+        total = sum(float(table[s, TOKENS]) for s, ok in enumerate(use) if ok)
+        return float(table[me, TOKENS]) / total if total > 0 else 1.0 / sum(use)
     return 1.0 / sum(use)
 
 
@@ -140,7 +140,7 @@ def verified_sites(claims: torch.Tensor, use: list[bool], weights: list[float], 
 
 def check_replicas(table: torch.Tensor) -> None:
     """Every site that takes part must enter the step with the same outer state (crc column)."""
-    crcs = {s: int(table[s, 5]) for s in range(table.shape[0]) if table[s, 5] >= 0 and table[s, 3] == 0}
+    crcs = {s: int(table[s, CRC]) for s in range(table.shape[0]) if table[s, CRC] >= 0 and table[s, ABSTAIN] == 0}
     if len(set(crcs.values())) > 1:
         raise ReplicaMismatch(f"sites diverged: checksums of the outer state entering this step are {crcs}")
 
@@ -250,7 +250,7 @@ def _reduce(grads: list[torch.Tensor], stats: SiteStats, group: GlobalGroup, cod
     use = contributing_sites(table, outlier_factor)
     weights = [site_weight(table, use, s, weight_by_tokens) for s in range(group.size)]
     review = SentReview(group, table, use, weights, outlier_factor, parts)
-    finite = bool(table[group.rank, 1] == 0)  # this site's own count, which covers this rank's grads
+    finite = bool(table[group.rank, NONFINITE] == 0)  # this site's own count, which covers this rank's grads
     wire_bytes = exchange.run(grads, weights[group.rank], error_feedback, flat, review if group.size > 1 else None,
                               finite)
     keep = review.keep or use
@@ -259,7 +259,7 @@ def _reduce(grads: list[torch.Tensor], stats: SiteStats, group: GlobalGroup, cod
         payload_bytes=payload,
         wire_bytes=wire_bytes,
         sites_used=sum(keep),
-        excluded_sites=[s for s, ok in enumerate(keep) if not ok and table[s, 3] == 0],
+        excluded_sites=[s for s, ok in enumerate(keep) if not ok and table[s, ABSTAIN] == 0],
         timings=parts.seconds,
         sumsq=exchange.sumsq,
     )

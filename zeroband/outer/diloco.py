@@ -239,7 +239,7 @@ class DiLoCo(OverlapRules):
                 with self.parts("stats"):
                     stats = site_stats(mine, self.topology, tokens, local=self.copy.stats_of(grads))
             else:
-                mine, stats = [torch.zeros_like(o) for o in self.outer], SiteStats(0.0, 0.0, 0.0, abstain=True)
+                mine, stats = [torch.zeros_like(o) for o in self.outer], SiteStats(0.0, 0.0, abstain=True)
             kept.update(grads=mine, stats=stats, stats_s=kept["stats_s"] + time.perf_counter() - t1)
             return lambda group: self.reduce(mine, stats, group)
 

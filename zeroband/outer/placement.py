@@ -15,7 +15,7 @@ import torch
 from zeroband.comm.direct import flat_base
 from zeroband.comm.timing import Parts
 from zeroband.config import DilocoConfig
-from zeroband.outer.stats import ChunkStats, Triple, chunks_of
+from zeroband.outer.stats import ChunkStats, Measured, chunks_of
 
 
 def _views(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -82,7 +82,7 @@ class OuterCopy:
         self.host_grads = torch.empty(numel, dtype=torch.float32, pin_memory=pinned)
         on_gpu = self.device.type == "cuda"
         self.device_grads = torch.empty(numel, dtype=torch.float32, device=device) if on_gpu else None
-        self.measured: tuple[list[torch.Tensor] | None, int, Triple] = (None, 0, (0.0, 0.0, 0.0))
+        self.measured: tuple[list[torch.Tensor] | None, int, Measured] = (None, 0, (0.0, 0.0))
 
     def pseudo_gradient(self, parts: Parts, fresh: bool) -> list[torch.Tensor]:
         """Outer copy - local shard in fp32 on the host, as views of one vector (`fresh`: a new one,
@@ -114,7 +114,7 @@ class OuterCopy:
             self.measured = (grads, grads[0]._version if grads else 0, acc.result(grads))
         return grads
 
-    def stats_of(self, grads: list[torch.Tensor]) -> Triple | None:
+    def stats_of(self, grads: list[torch.Tensor]) -> Measured | None:
         """The statistics the last `pseudo_gradient` pass measured, if `grads` are its result, unchanged
         since (views of one vector share its version counter: any write to any of them shows); else None."""
         kept, version, triple = self.measured
