@@ -78,7 +78,19 @@ def load_note(start: float, end: float) -> str:
     """A warning for the report when the machine was not idle before the benchmark started."""
     busy = start > 0.5 * CORES
     state = "BUSY: other processes competed for the cores, treat the numbers as noisy" if busy else "idle"
-    return f"Machine load (1-min avg) {start:.1f} before / {end:.1f} after on {CORES} cores: {state}."
+    return f"Machine load (1-min avg) {start:.1f} before / {end:.1f} after on {CORES} cores of {cpu_name()}: {state}."
+
+
+def cpu_name() -> str:
+    """The CPU as /proc/cpuinfo names it, with its family/model and widest vector unit: the same
+    "AMD EPYC" name covers generations whose memory and vector speeds differ by 2x."""
+    try:
+        info = dict(line.split(":", 1) for line in Path("/proc/cpuinfo").read_text().splitlines() if ":" in line)
+    except OSError:
+        return "an unknown CPU"
+    info = {k.strip(): v.strip() for k, v in info.items()}
+    vector = "AVX-512" if "avx512f" in info.get("flags", "").split() else "AVX2" if "avx2" in info.get("flags", "") else "no AVX2"
+    return f"{info.get('model name', '?')} (family {info.get('cpu family', '?')} model {info.get('model', '?')}, {vector})"
 
 
 def free_port() -> int:
