@@ -49,6 +49,7 @@ def zeroband_step(preset: str, seq: int, batch: int) -> tuple[Any, int]:
     from zeroband.config import load_config
     from zeroband.mesh import init_topology
     from zeroband.optim import build_optimizer
+    from zeroband.step import settle_step
     from zeroband.train import build_model, forward_backward, optimizer_step
     from zeroband.world import World
 
@@ -61,9 +62,9 @@ def zeroband_step(preset: str, seq: int, batch: int) -> tuple[Any, int]:
     x = torch.randint(0, VOCAB, (batch, seq + 1), device=device)
     batch_ = [(x[:, :-1], x[:, 1:])]
 
-    def step() -> None:
-        forward_backward(model, batch_, device)
-        optimizer_step(model, opt, cfg.optim.grad_clip)
+    def step() -> None:  # as the trainer's loop: one host sync per step, in settle_step
+        loss = forward_backward(model, batch_, device)
+        settle_step(loss, optimizer_step(model, opt, cfg.optim.grad_clip), topology)
 
     return step, sum(p.numel() for p in model.parameters())
 

@@ -151,7 +151,7 @@ def run_steps(args: argparse.Namespace, cfg: Any, rec: Recorder) -> tuple[Any, l
         with diloco:
             for _ in range(cfg.train.steps):
                 batches = [data.next_batch(cfg.train.micro_batch) for _ in range(accum)]
-                rec.losses.append(forward_backward(model, batches, device))
+                rec.losses.append(forward_backward(model, batches, device).item())
                 optimizer_step(model, optimizer, cfg.optim.grad_clip)  # the sync runs in its post-hook
                 scheduler.step()
                 rec.step_end.append(time.time())

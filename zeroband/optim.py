@@ -24,8 +24,16 @@ def build_optimizer(params: list[torch.nn.Parameter], cfg: OptimConfig, names: l
     groups = adamw_groups(params, cfg)
     if cfg.name == "sgd":
         return torch.optim.SGD(groups, lr=cfg.lr)
-    # foreach=False keeps per-parameter math identical whatever the sharding (1 vs 2 ranks).
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=False)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **adamw_kernel(params))
+
+
+def adamw_kernel(params: list[torch.Tensor]) -> dict[str, bool]:
+    """AdamW's implementation: fused on GPUs (one kernel launch for all parameters instead of about
+    ten per tensor); elsewhere the single-tensor loop (foreach=False), whose per-parameter math is the
+    same whatever the sharding (the 1 vs 2 rank test). Both are elementwise: sharding never changes a bit."""
+    if params and all(p.is_cuda for p in params):
+        return {"fused": True}
+    return {"foreach": False}
 
 
 def adamw_groups(params: list[torch.nn.Parameter], cfg: OptimConfig) -> list[dict]:
@@ -47,7 +55,8 @@ class MuonAdamW(torch.optim.Optimizer):
     def __init__(self, hidden: list[torch.nn.Parameter], adamw: list[dict], cfg: OptimConfig) -> None:
         self.muon = torch.optim.Muon(hidden, lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.muon_momentum,
                                      adjust_lr_fn="match_rms_adamw")
-        self.adamw = torch.optim.AdamW(adamw, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=False)
+        rest = [p for group in adamw for p in group["params"]]
+        self.adamw = torch.optim.AdamW(adamw, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **adamw_kernel(rest))
         super().__init__(self.muon.param_groups + self.adamw.param_groups, {})
         self._link()
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -13,24 +15,57 @@ from zeroband.models.llama import cross_entropy_loss
 
 
 def forward_backward(model: torch.nn.Module, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
-                     device: torch.device) -> float:
-    """Accumulate gradients over the micro-batches; returns the mean loss on this rank."""
+                     device: torch.device) -> torch.Tensor:
+    """Accumulate gradients over the micro-batches; returns the mean loss on this rank, on the
+    device (reading it would wait for the GPU: `settle_step` reads everything once per step)."""
     total = torch.zeros((), device=device)
     for inputs, targets in micro_batches:
-        loss = cross_entropy_loss(model(inputs.to(device)), targets.to(device)) / len(micro_batches)
+        loss = cross_entropy_loss(model(to_device(inputs, device)), to_device(targets, device)) / len(micro_batches)
         loss.backward()
         total += loss.detach()
-    return total.item()
+    return total
 
 
-def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float) -> float:
-    """Clip (0 = no clipping, norm still reported), step, zero. Returns the gradient norm."""
+def to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host batch on `device`; to a GPU from pinned memory without blocking the host (the copy is
+    ordered before the kernels that read it on the same stream)."""
+    if device.type != "cuda" or batch.device.type != "cpu":
+        return batch.to(device)
+    return batch.pin_memory().to(device, non_blocking=True)
+
+
+def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float) -> torch.Tensor:
+    """Clip (0 = no clipping, norm still reported), step, zero. Returns the gradient norm, on the device."""
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
     if isinstance(norm, DTensor):
         norm = norm.full_tensor()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return norm.item()
+    return norm
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What the loop needs to know of an inner step, on the host."""
+
+    loss: float  # this rank's mean loss
+    grad_norm: float
+    finite: bool  # every rank of the site saw a finite loss and gradient norm (they must all agree to stop)
+
+
+def step_result(values: list[float]) -> StepResult:
+    """The host numbers `settle_step` read ([loss, grad norm, site-wide non-finite flag]) as a decision."""
+    loss, grad_norm, bad = values
+    return StepResult(loss, grad_norm, finite=bad == 0.0 and math.isfinite(loss) and math.isfinite(grad_norm))
+
+
+def settle_step(loss: torch.Tensor, grad_norm: torch.Tensor, topology: Topology) -> StepResult:
+    """The step's one host sync: the non-finite flag agreed over the site (a MAX all-reduce on the
+    device, a no-op for a 1-rank site), then loss, norm and flag read together."""
+    values = torch.stack([loss.detach().reshape(()).double(), grad_norm.detach().reshape(()).double()])
+    bad = (~torch.isfinite(values)).any().double().reshape(1)
+    topology.site_all_reduce(bad, op=dist.ReduceOp.MAX)
+    return step_result(torch.cat([values, bad]).tolist())
 
 
 @torch.no_grad()
@@ -38,9 +73,11 @@ def evaluate(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Ten
     """Mean validation loss (nats/token) over the site: every rank evaluates its own share."""
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=topology.world.device)
+    count = torch.zeros((), dtype=torch.float64, device=total.device)
     for inputs, targets in batches:
-        loss = cross_entropy_loss(model(inputs.to(topology.world.device)), targets.to(topology.world.device))
-        total += torch.tensor([loss.item() * targets.numel(), targets.numel()], dtype=torch.float64, device=total.device)
+        loss = cross_entropy_loss(model(to_device(inputs, total.device)), to_device(targets, total.device))
+        # summed on the device (no wait per batch), in float64 as the host sums were: the same bits
+        total += torch.stack([loss.detach().double() * targets.numel(), count + targets.numel()])
     model.train()
     topology.site_all_reduce(total)
     return (total[0] / total[1]).item()
@@ -50,19 +87,32 @@ def validation_metrics(loss: float, bytes_per_token: float) -> dict[str, float]:
     return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0)), "val_bpb": loss / math.log(2) / bytes_per_token}
 
 
-def finite_on_site(loss: float, grad_norm: float, topology: Topology) -> bool:
-    """Every rank of the site saw a finite loss and gradient norm (they must all agree to stop)."""
-    bad = torch.tensor([0.0 if math.isfinite(loss) and math.isfinite(grad_norm) else 1.0], device=topology.world.device)
-    topology.site_all_reduce(bad, op=dist.ReduceOp.MAX)
-    return not bad.item()
-
-
 def site_mean(value: float, topology: Topology) -> float:
     t = torch.tensor([value], dtype=torch.float64, device=topology.world.device)
     topology.site_all_reduce(t)
     return t.item() / topology.world.ranks_per_site
 
 
-def device_sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+class ComputeTimer:
+    """Seconds of device work between marks, without waiting for the device at each mark: CUDA
+    events on a GPU (read after the step's one sync), the host clock elsewhere. `mark()` opens or
+    closes a span; `seconds()` (after the device caught up) sums the spans and starts over."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks: list[torch.cuda.Event | float] = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def seconds(self) -> float:
+        pairs = list(zip(self.marks[::2], self.marks[1::2]))
+        self.marks = []
+        if self.cuda:
+            return sum(a.elapsed_time(b) for a, b in pairs) / 1e3  # type: ignore[union-attr]
+        return sum(b - a for a, b in pairs)  # type: ignore[operator]

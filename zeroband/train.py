@@ -36,11 +36,11 @@ from zeroband.outer.data_parallel import CrossSiteDataParallel
 from zeroband.outer.diloco import DiLoCo
 from zeroband.parallelize import build_model
 from zeroband.step import (
-    device_sync,
+    ComputeTimer,
     evaluate,
-    finite_on_site,
     forward_backward,
     optimizer_step,
+    settle_step,
     site_mean,
     validation_metrics,
 )
@@ -290,23 +290,26 @@ def train_loop(run: Run, metrics: MetricsLogger) -> dict[str, Any]:
     val: dict[str, float] = {}
     window = StepWindow()
     rollbacks = 0
+    timer = ComputeTimer(world.device)
     stop = GracefulStop.install()
     while not run.outer.finished(progress.step, cfg.train.steps):
         batches = [run.train_data.next_batch(cfg.train.micro_batch) for _ in range(accum)]
-        t0 = time.perf_counter()
-        loss = forward_backward(run.model, batches, world.device)
-        device_sync(world.device)
-        t1 = time.perf_counter()
+        timer.mark()
+        loss_t = forward_backward(run.model, batches, world.device)
+        timer.mark()
         run.outer.sync_gradients()  # per-step cross-site data parallel only; a no-op otherwise
-        t2 = time.perf_counter()
-        grad_norm = optimizer_step(run.model, run.optimizer, cfg.optim.grad_clip)
+        timer.mark()
+        grad_norm_t = optimizer_step(run.model, run.optimizer, cfg.optim.grad_clip)
+        timer.mark()
         run.scheduler.step()
-        if not finite_on_site(loss, grad_norm, run.topology):  # before any outer step, log or save
+        result = settle_step(loss_t, grad_norm_t, run.topology)  # the step's one wait for the device
+        loss, grad_norm = result.loss, result.grad_norm
+        if not result.finite:  # before any outer step, log or save
+            timer.seconds()
             rollbacks = on_nonfinite(run, metrics, loss, grad_norm, rollbacks)
             window.reset()
             continue
-        device_sync(world.device)
-        run.clock.add_compute((t1 - t0) + (time.perf_counter() - t2))
+        run.clock.add_compute(timer.seconds())
         progress.step += 1
         progress.tokens += tokens_per_step
         losses.append(loss)
