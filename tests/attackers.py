@@ -62,8 +62,10 @@ class LyingCodec:
     def nbytes(self, n: int) -> int:
         return self.base.nbytes(n)
 
-    def encode(self, x: torch.Tensor, tail: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
-        return self.base.encode(x * 1e30 if self.how == "huge" else torch.full_like(x, float("nan")), tail, out)
+    def encode(self, x: torch.Tensor, tail: int = 0, out: torch.Tensor | None = None,
+               scratch: torch.Tensor | None = None, weight: float = 1.0) -> torch.Tensor:
+        lie = x * 1e30 if self.how == "huge" else torch.full_like(x, float("nan"))
+        return self.base.encode(lie, tail, out, scratch, weight)
 
     def decode(self, buf: torch.Tensor, n: int, out: torch.Tensor | None = None,
                stats: torch.Tensor | None = None) -> torch.Tensor:

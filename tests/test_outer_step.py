@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -83,6 +85,53 @@ def test_fp16_encode_into_place_equals_the_reference():
     assert torch.equal(codec.decode(out, 1001, out=dest), codec.decode(out[: out.numel() - TAG_BYTES], 1001))
 
 
+def _fp16_definition(x: torch.Tensor) -> tuple[float, torch.Tensor, torch.Tensor]:
+    """The fp16 wire by its definition, in float64 where every step is exact: the scale (the largest
+    power of two <= 2**127 keeping max|x| x scale <= 2**15), the values (x x scale rounded once to
+    fp32, then once to fp16) and what a receiver decodes (fp16 value / scale, rounded once to fp32)."""
+    peak = float(x.double().abs().max())
+    exp = min(127, math.floor(math.log2(2.0**15 / peak))) if peak > 0 else 0
+    body = (x.double() * 2.0**exp).float().half()
+    return 2.0**exp, body, (body.double() / 2.0**exp).float()
+
+
+@pytest.mark.parametrize("peak", [3e4, 1.0, 1e-3, 1e-30, 1e-36, 1e-42])  # the last two: below the old scale's range
+def test_fp16_codec_bits_match_their_definition(peak: float):
+    """Encoding through a scratch buffer, decoding by the scale's inverse, and the scale's cap at
+    2**127 give exactly the definition's bits: signed zeros, fp32 subnormals and all."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(3001, generator=gen).mul_(peak / 4)
+    x[:5] = torch.tensor([-0.0, 0.0, peak, -peak / 3, 1e-45])
+    scale, body, decoded = _fp16_definition(x)
+    codec, before = DenseCodec("fp16"), x.clone()
+    scratch = torch.full((4000,), float("nan"))
+    for buf in (codec.encode(x), codec.encode(x, TAG_BYTES, torch.empty(codec.nbytes(3001) + TAG_BYTES,
+                                                                        dtype=torch.uint8), scratch)):
+        assert float(buf[:4].view(torch.float32)) == scale
+        assert torch.equal(buf[4 : 4 + 2 * 3001].view(torch.int16), body.view(torch.int16))
+        got = codec.decode(buf, 3001, out=torch.empty(3001))
+        assert torch.equal(got.view(torch.int32), decoded.view(torch.int32))
+        assert torch.isfinite(got).all()
+    assert torch.equal(x.view(torch.int32), before.view(torch.int32))  # the input is read, not written
+
+
+@pytest.mark.parametrize("wire", ["fp16", "bf16", "int8"])
+@pytest.mark.parametrize("peak", [3e38, 1.0, 1e-30, 1e-38])  # huge, plain, a scale past 2**100, subnormals
+def test_weighted_encode_is_the_encoding_of_the_product(wire: str, peak: float):
+    """A sender encodes weight x slice in one product with the scale: the bytes must be those of
+    multiplying first (fp32) and encoding the result, for every weight, scale and value."""
+    from zeroband.comm.reduce import wire_codec
+
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(4096, generator=gen).mul_(peak / 4)
+    x[:6] = torch.tensor([-0.0, 0.0, peak, -peak, 1e-45, -1e-42])
+    codec, scratch = wire_codec(wire), torch.empty(4096)
+    for weight in (1 / 3, 0.5, 0.7, 1e-3, 1 / 7000):
+        product = x * weight
+        assert torch.equal(codec.encode(x, 0, None, scratch, weight), codec.encode(product))
+        assert torch.equal(codec.encode(x, 0, None, None, weight), codec.encode(product))
+
+
 def test_sealed_in_place_equals_sealed_by_copy():
     auth = WireAuth(b"k" * 32)
     body = torch.randint(0, 255, (1000,), dtype=torch.uint8)
@@ -123,7 +172,7 @@ def test_accumulate_is_bitwise_zero_decode_add(peak: float):
                 ref += own
                 values, unit = own, 1.0
             else:
-                ref += codec.decode(src, n)
+                ref += _fp16_definition(peer)[2]
                 values, unit = codec.wire_values(src, n, torch.empty(n))
             accumulate(total, values, unit, first)
         assert torch.equal(total.view(torch.int32), ref.view(torch.int32))

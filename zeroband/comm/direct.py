@@ -52,7 +52,8 @@ class WireCodec(Protocol):
 
     def nbytes(self, n: int) -> int: ...
 
-    def encode(self, x: torch.Tensor, tail: int = 0, out: torch.Tensor | None = None) -> torch.Tensor: ...  # + tail
+    def encode(self, x: torch.Tensor, tail: int = 0, out: torch.Tensor | None = None,
+               scratch: torch.Tensor | None = None, weight: float = 1.0) -> torch.Tensor: ...  # of weight x x, + tail
 
     def decode(self, buf: torch.Tensor, n: int, out: torch.Tensor | None = None,
                stats: torch.Tensor | None = None) -> torch.Tensor: ...  # fp32; stats += (sum sq, non-finite)
@@ -203,10 +204,11 @@ class DirectExchange:
         buf = self.arena.take(self.codec.nbytes(n) + self.auth.tag_bytes)
         return buf, self.pg.recv([buf], src, tag)
 
-    def _encode(self, x: torch.Tensor) -> torch.Tensor:
+    def _encode(self, x: torch.Tensor, weight: float = 1.0) -> torch.Tensor:
         with self.parts("encode"):
             tail = self.auth.tag_bytes  # room for the tag: sealing copies nothing
-            return self.codec.encode(x, tail, self.arena.take(self.codec.nbytes(x.numel()) + tail))
+            buf = self.arena.take(self.codec.nbytes(x.numel()) + tail)
+            return self.codec.encode(x, tail, buf, self.scratch, weight)
 
     def _send(self, buf: torch.Tensor, dst: int, tag: int, first: bool = True) -> None:
         """Seal and send `buf` (an `_encode` result); the first send of a buffer seals it in place,
@@ -235,16 +237,17 @@ class DirectExchange:
     def _scatter(self, flat: torch.Tensor, loss: torch.Tensor | None, sent: torch.Tensor | None,
                  weight: float | None = None) -> None:
         """Send each owner this site's slice of its chunk; `sent` accumulates what the owners will decode.
-        `weight` (deferred from `run`) multiplies each piece just before it is encoded."""
+        `weight` (deferred from `run`): this site's own chunk is multiplied in place (it sums it);
+        the others' slices go out as the encoding of weight x slice, in the same pass as the scale."""
         for p, chunk in enumerate(self.chunks):
             if weight is not None:
                 with self.parts("encode"):
-                    flat[chunk[0][0] : chunk[-1][1]].mul_(weight)
+                    flat[slice(*chunk[self.rank])].mul_(weight)
             for dst in self.peers:
                 a, b = chunk[dst]
                 if b == a:
                     continue
-                buf = self._encode(flat[a:b])
+                buf = self._encode(flat[a:b], 1.0 if weight is None else weight)
                 self._send(buf, dst, RS_TAG + p)
                 with self.parts("review"):  # what the owner will decode: its loss, its statistics
                     if loss is not None:

@@ -119,9 +119,12 @@ class Codec:
         codes = n if self.bits == 8 else (n + 1) // 2
         return blocks * SCALE_BYTES + codes
 
-    def encode(self, x: torch.Tensor, tail: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The chunk's bytes, followed by `tail` spare bytes (room for a message tag); written into
-        `out` (uint8, exactly that long) when given."""
+    def encode(self, x: torch.Tensor, tail: int = 0, out: torch.Tensor | None = None,
+               scratch: torch.Tensor | None = None, weight: float = 1.0) -> torch.Tensor:
+        """The bytes of `weight` x the chunk, followed by `tail` spare bytes (room for a message tag);
+        written into `out` (uint8, exactly that long) when given (`scratch` holds the product)."""
+        if weight != 1.0:
+            x = torch.mul(x, weight, out=None if scratch is None else scratch[: x.numel()])
         rows = _blocks(x, self.block)
         absmax = rows.abs().amax(dim=1)
         if not bool(torch.isfinite(absmax).all()):
