@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any, TypeVar
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
@@ -24,16 +25,39 @@ def build_optimizer(params: list[torch.nn.Parameter], cfg: OptimConfig, names: l
     groups = adamw_groups(params, cfg)
     if cfg.name == "sgd":
         return torch.optim.SGD(groups, lr=cfg.lr)
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **adamw_kernel(params))
+    kernel = adamw_kernel(params)
+    return keep_kernel(torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kernel), kernel)
 
 
 def adamw_kernel(params: list[torch.Tensor]) -> dict[str, bool]:
     """AdamW's implementation: fused on GPUs (one kernel launch for all parameters instead of about
-    ten per tensor); elsewhere the single-tensor loop (foreach=False), whose per-parameter math is the
-    same whatever the sharding (the 1 vs 2 rank test). Both are elementwise: sharding never changes a bit."""
+    ten per tensor); elsewhere the single-tensor loop, whose per-parameter math is the same whatever
+    the sharding (the 1 vs 2 rank test). Both are elementwise: sharding never changes a bit.
+    Every kernel key is set, so `keep_kernel` can put all of them back after a load."""
     if params and all(p.is_cuda for p in params):
-        return {"fused": True}
-    return {"foreach": False}
+        return {"foreach": False, "fused": True}
+    return {"foreach": False, "fused": False}
+
+
+OptimizerT = TypeVar("OptimizerT", bound=torch.optim.Optimizer)
+
+
+def keep_kernel(optimizer: OptimizerT, kernel: dict[str, bool]) -> OptimizerT:
+    """Make `optimizer.load_state_dict` keep this run's kernel. Why: torch restores the saved param
+    groups' `fused`/`foreach`, so a GPU checkpoint (fused) resumed on a CPU, or a CPU one resumed on a
+    GPU (the slow single-tensor loop), would silently run the other kernel. Only the groups built
+    with a kernel (that carry its keys now: AdamW's, not Muon's) are rewritten; the caller's dict is
+    not changed. Rewritten before torch reads the groups, so the `step` counters land where the
+    kept kernel wants them (the device for fused, the host otherwise)."""
+
+    def rewrite(opt: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+        groups = [{**saved, **kernel} if kernel.keys() <= mine.keys() else saved
+                  for mine, saved in zip(opt.param_groups, state_dict["param_groups"])]
+        # (a group count mismatch is left to load_state_dict, which raises with its own message)
+        return {**state_dict, "param_groups": groups}
+
+    optimizer.register_load_state_dict_pre_hook(rewrite)
+    return optimizer
 
 
 def adamw_groups(params: list[torch.nn.Parameter], cfg: OptimConfig) -> list[dict]:
@@ -55,10 +79,11 @@ class MuonAdamW(torch.optim.Optimizer):
     def __init__(self, hidden: list[torch.nn.Parameter], adamw: list[dict], cfg: OptimConfig) -> None:
         self.muon = torch.optim.Muon(hidden, lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.muon_momentum,
                                      adjust_lr_fn="match_rms_adamw")
-        rest = [p for group in adamw for p in group["params"]]
-        self.adamw = torch.optim.AdamW(adamw, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **adamw_kernel(rest))
+        kernel = adamw_kernel([p for group in adamw for p in group["params"]])
+        self.adamw = torch.optim.AdamW(adamw, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kernel)
         super().__init__(self.muon.param_groups + self.adamw.param_groups, {})
         self._link()
+        keep_kernel(self, kernel)  # on this object: its load_state_dict is the one checkpoints call
 
     def _link(self) -> None:
         n = len(self.muon.param_groups)
