@@ -12,42 +12,61 @@ import torch
 from tests.multiproc import run_ranks
 from zeroband.config import OptimConfig
 from zeroband.optim import adamw_kernel, build_optimizer
-from zeroband.step import ComputeTimer, StepResult, step_result
+from zeroband.step import ComputeTimer, StepResult, settle_step, step_result
 
 
-def test_step_result_decides_on_the_site_wide_flag_and_its_own_numbers():
-    assert step_result([2.5, 0.75, 0.0]) == StepResult(2.5, 0.75, finite=True)
-    assert not step_result([2.5, 0.75, 1.0]).finite  # another rank of the site saw a NaN/inf
-    assert not step_result([math.nan, 0.75, 1.0]).finite
-    assert not step_result([2.5, math.inf, 0.0]).finite  # never trusts the flag over its own numbers
+def test_step_result_takes_the_site_mean_and_stops_on_any_bad_rank():
+    assert step_result([2.5, 0.0, 0.75], 1) == StepResult(2.5, 0.75, finite=True)
+    assert step_result([5.0, 0.0, 0.75], 2) == StepResult(2.5, 0.75, finite=True)  # the site's mean
+    assert not step_result([5.0, 1.0, 0.75], 2).finite  # another rank of the site saw a NaN/inf
+    assert not step_result([math.nan, 1.0, 0.75], 2).finite
+    assert not step_result([2.5, 0.0, math.inf], 1).finite  # never trusts the count over its own numbers
 
 
-def _settle(bad_rank: int) -> tuple[float, float, bool]:
+def test_settle_step_on_a_one_rank_site_is_its_own_loss_with_no_collective(monkeypatch):
+    import torch.distributed as dist
+
+    from zeroband.mesh import Topology
+    from zeroband.world import World
+
+    def no_collective(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a 1-rank site reduced something")
+
+    monkeypatch.setattr(dist, "all_reduce", no_collective)
+    topology = Topology(World(0, 1, 0, 0, 1, torch.device("cpu")), site_mesh=None, global_group=None)  # type: ignore[arg-type]
+    loss = torch.tensor(2.0 / 3.0)  # float32, as forward_backward returns it
+    assert settle_step(loss, torch.tensor(0.5), topology) == StepResult(float(loss), 0.5, finite=True)
+    assert not settle_step(torch.tensor(math.nan), torch.tensor(0.5), topology).finite
+
+
+def _settle(bad: str) -> tuple[float, float, bool]:
+    """Rank r has loss 1.5 + r and grad norm 0.25 (r + 1); `bad` ("loss"/"norm") makes rank 1's non-finite."""
     import torch.distributed as dist
 
     from zeroband.mesh import init_topology, shutdown
-    from zeroband.step import settle_step
     from zeroband.world import World
 
-    rank = int(os.environ["RANK"])
-    topology = init_topology(World(rank, 2, rank, 0, 1, torch.device("cpu")), None, "settle", 30, "gloo")
+    rank, ranks = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    topology = init_topology(World(rank, ranks, rank, 0, 1, torch.device("cpu")), None, "settle", 30, "gloo")
     try:
-        loss = torch.tensor(math.nan if rank == bad_rank else 1.5 + rank)
-        result = settle_step(loss, torch.tensor(0.25 * (rank + 1)), topology)
+        loss = torch.tensor(math.nan if (rank, bad) == (1, "loss") else 1.5 + rank)
+        norm = torch.tensor(math.inf if (rank, bad) == (1, "norm") else 0.25 * (rank + 1))
+        result = settle_step(loss, norm, topology)
         dist.barrier()
         return result.loss, result.grad_norm, result.finite
     finally:
         shutdown()
 
 
-@pytest.mark.parametrize("bad_rank", [-1, 1])
-def test_settle_step_agrees_on_finiteness_over_the_site(bad_rank: int):
-    """Two real ranks: each keeps its own loss and norm; one rank's NaN stops both."""
-    out = run_ranks(_settle, 2, (bad_rank,), timeout=60)
-    finite = bad_rank < 0
-    assert [o[2] for o in out] == [finite, finite]
-    assert out[0][:2] == (1.5, 0.25)
-    assert out[1][1] == 0.5 and (out[1][0] == 2.5 if finite else math.isnan(out[1][0]))
+@pytest.mark.parametrize("bad", ["", "loss", "norm"])
+def test_settle_step_gives_the_site_mean_loss_and_agrees_on_finiteness(bad: str):
+    """Three real ranks, one all-reduce: every rank gets the same site-mean loss and keeps its own
+    norm; a NaN loss or an inf norm on one rank stops all of them."""
+    out = run_ranks(_settle, 3, (bad,), timeout=60)
+    assert [o[2] for o in out] == [not bad] * 3
+    assert [o[1] for o in out] == [0.25, 0.5 if bad != "norm" else math.inf, 0.75]
+    losses = [o[0] for o in out]
+    assert all(math.isnan(x) for x in losses) if bad == "loss" else losses == [2.5] * 3
 
 
 def test_compute_timer_sums_its_spans_and_starts_over():

@@ -7,7 +7,6 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from zeroband.mesh import Topology
@@ -48,24 +47,31 @@ def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, gra
 class StepResult:
     """What the loop needs to know of an inner step, on the host."""
 
-    loss: float  # this rank's mean loss
+    loss: float  # the site's mean loss, the same bits on every rank (a 1-rank site: its own loss)
     grad_norm: float
     finite: bool  # every rank of the site saw a finite loss and gradient norm (they must all agree to stop)
 
 
-def step_result(values: list[float]) -> StepResult:
-    """The host numbers `settle_step` read ([loss, grad norm, site-wide non-finite flag]) as a decision."""
-    loss, grad_norm, bad = values
+def step_result(values: list[float], ranks: int) -> StepResult:
+    """The host numbers `settle_step` read, as a decision: [the loss summed over the site's `ranks`
+    ranks, how many of them saw a NaN/inf, the gradient norm]."""
+    loss_sum, bad, grad_norm = values
+    loss = loss_sum / ranks  # x / 1 is x: a 1-rank site's loss is its own, bit for bit
     return StepResult(loss, grad_norm, finite=bad == 0.0 and math.isfinite(loss) and math.isfinite(grad_norm))
 
 
 def settle_step(loss: torch.Tensor, grad_norm: torch.Tensor, topology: Topology) -> StepResult:
-    """The step's one host sync: the non-finite flag agreed over the site (a MAX all-reduce on the
-    device, a no-op for a 1-rank site), then loss, norm and flag read together."""
-    values = torch.stack([loss.detach().reshape(()).double(), grad_norm.detach().reshape(()).double()])
-    bad = (~torch.isfinite(values)).any().double().reshape(1)
-    topology.site_all_reduce(bad, op=dist.ReduceOp.MAX)
-    return step_result(torch.cat([values, bad]).tolist())
+    """The step's one host sync. A multi-rank site first SUMs [loss, non-finite flag] over its ranks
+    in one all-reduce on the device: the site-mean loss (so the log needs no reduction of its own)
+    and the count of ranks that must stop. A 1-rank site has nothing to agree on: no collective.
+    The gradient norm is already the site's (clip_grad_norm_ over the shards)."""
+    norm = grad_norm.detach().reshape(1).double()
+    site = torch.cat([loss.detach().reshape(1).double(), torch.zeros_like(norm)])  # [loss, non-finite flag]
+    ranks = topology.world.ranks_per_site
+    if ranks > 1:
+        site[1] = (~torch.isfinite(torch.cat([site[:1], norm]))).any()  # on the device: no wait
+        topology.site_all_reduce(site)
+    return step_result(torch.cat([site, norm]).tolist(), ranks)
 
 
 @torch.no_grad()
@@ -85,12 +91,6 @@ def evaluate(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Ten
 
 def validation_metrics(loss: float, bytes_per_token: float) -> dict[str, float]:
     return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0)), "val_bpb": loss / math.log(2) / bytes_per_token}
-
-
-def site_mean(value: float, topology: Topology) -> float:
-    t = torch.tensor([value], dtype=torch.float64, device=topology.world.device)
-    topology.site_all_reduce(t)
-    return t.item() / topology.world.ranks_per_site
 
 
 class ComputeTimer:

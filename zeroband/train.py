@@ -41,7 +41,6 @@ from zeroband.step import (
     forward_backward,
     optimizer_step,
     settle_step,
-    site_mean,
     validation_metrics,
 )
 from zeroband.watchdog import Interrupted, PeerLost, PeerTimeout, request_stop
@@ -254,7 +253,8 @@ def verified_steps(run: Run, found: ckpt.CheckpointInfo | None) -> list[int]:
 
 
 class StepWindow:
-    """Loss and throughput over the steps since the last log line."""
+    """Loss and throughput over the steps since the last log line. The losses are already site
+    means (settle_step), so their average is the site's without another all-reduce."""
 
     def __init__(self) -> None:
         self.reset()
@@ -270,7 +270,7 @@ class StepWindow:
         elapsed = max(time.perf_counter() - self.start, 1e-9)
         tok_s = self.tokens / elapsed
         rec = {
-            "loss": site_mean(sum(self.losses) / len(self.losses), run.topology), "grad_norm": grad_norm,
+            "loss": sum(self.losses) / len(self.losses), "grad_norm": grad_norm,
             "lr": run.scheduler.get_last_lr()[0], "tokens": run.progress.tokens, "tokens_per_s": tok_s,
             "compute_utilisation": run.clock.utilisation, "peak_mem_mb": peak_memory_mb(run.world.device),
             "eta_s": (run.cfg.train.steps - run.progress.step) * elapsed / len(self.losses),
@@ -286,7 +286,7 @@ def train_loop(run: Run, metrics: MetricsLogger) -> dict[str, Any]:
     cfg, world, progress, saver = run.cfg, run.world, run.progress, run.checkpointer
     accum = cfg.grad_accum_steps(world.ranks_per_site)
     tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
-    losses: list[float] = []
+    losses: list[float] = []  # each step's site-mean loss (a 1-rank site's own), as returned
     val: dict[str, float] = {}
     window = StepWindow()
     rollbacks = 0
