@@ -11,8 +11,10 @@ import torch
 
 from tests.multiproc import run_ranks
 from zeroband.config import OptimConfig
+from zeroband.mesh import Topology
 from zeroband.optim import adamw_kernel, build_optimizer
 from zeroband.step import ComputeTimer, StepResult, settle_step, step_result
+from zeroband.world import World
 
 
 def test_step_result_takes_the_site_mean_and_stops_on_any_bad_rank():
@@ -23,17 +25,19 @@ def test_step_result_takes_the_site_mean_and_stops_on_any_bad_rank():
     assert not step_result([2.5, 0.0, math.inf], 1).finite  # never trusts the count over its own numbers
 
 
-def test_settle_step_on_a_one_rank_site_is_its_own_loss_with_no_collective(monkeypatch):
+def _one_rank_site(monkeypatch: pytest.MonkeyPatch) -> Topology:
+    """A 1-rank site's topology, on which any collective fails the test."""
     import torch.distributed as dist
-
-    from zeroband.mesh import Topology
-    from zeroband.world import World
 
     def no_collective(*args: object, **kwargs: object) -> None:
         raise AssertionError("a 1-rank site reduced something")
 
     monkeypatch.setattr(dist, "all_reduce", no_collective)
-    topology = Topology(World(0, 1, 0, 0, 1, torch.device("cpu")), site_mesh=None, global_group=None)  # type: ignore[arg-type]
+    return Topology(World(0, 1, 0, 0, 1, torch.device("cpu")), site_mesh=None, global_group=None)  # type: ignore[arg-type]
+
+
+def test_settle_step_on_a_one_rank_site_is_its_own_loss_with_no_collective(monkeypatch):
+    topology = _one_rank_site(monkeypatch)
     loss = torch.tensor(2.0 / 3.0)  # float32, as forward_backward returns it
     assert settle_step(loss, torch.tensor(0.5), topology) == StepResult(float(loss), 0.5, finite=True)
     assert not settle_step(torch.tensor(math.nan), torch.tensor(0.5), topology).finite
@@ -44,7 +48,6 @@ def _settle(bad: str) -> tuple[float, float, bool]:
     import torch.distributed as dist
 
     from zeroband.mesh import init_topology, shutdown
-    from zeroband.world import World
 
     rank, ranks = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     topology = init_topology(World(rank, ranks, rank, 0, 1, torch.device("cpu")), None, "settle", 30, "gloo")
@@ -67,6 +70,41 @@ def test_settle_step_gives_the_site_mean_loss_and_agrees_on_finiteness(bad: str)
     assert [o[1] for o in out] == [0.25, 0.5 if bad != "norm" else math.inf, 0.75]
     losses = [o[0] for o in out]
     assert all(math.isnan(x) for x in losses) if bad == "loss" else losses == [2.5] * 3
+
+
+@pytest.mark.parametrize("requested", [False, True])
+def test_graceful_stop_on_a_one_rank_site_reads_its_own_flag(monkeypatch, requested: bool):
+    from zeroband.train import GracefulStop
+
+    topology = _one_rank_site(monkeypatch)
+
+    def no_tensor(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a 1-rank site built a tensor for its stop flag")
+
+    monkeypatch.setattr(torch, "tensor", no_tensor)  # no tensor: nothing to wait for either
+    stop = GracefulStop()
+    stop.requested = requested
+    assert stop.agreed(topology) is requested
+
+
+def _stop_agreed(requester: int) -> bool:
+    from zeroband.mesh import init_topology, shutdown
+    from zeroband.train import GracefulStop
+
+    rank, ranks = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    topology = init_topology(World(rank, ranks, rank, 0, 1, torch.device("cpu")), None, "stop", 30, "gloo")
+    try:
+        stop = GracefulStop()
+        stop.requested = rank == requester
+        return stop.agreed(topology)
+    finally:
+        shutdown()
+
+
+@pytest.mark.parametrize("requester", [-1, 1])
+def test_graceful_stop_on_a_two_rank_site_stops_both_ranks(requester: int):
+    """SIGTERM on one rank of a multi-rank site stops all of its ranks after the same step."""
+    assert run_ranks(_stop_agreed, 2, (requester,), timeout=60) == [requester >= 0] * 2
 
 
 def test_compute_timer_sums_its_spans_and_starts_over():

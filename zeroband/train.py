@@ -424,6 +424,10 @@ class GracefulStop:
         request_stop()  # a wait blocked on a frozen peer gives up within seconds (watchdog.py)
 
     def agreed(self, topology: Topology) -> bool:
+        """Whether the site stops after this step. A 1-rank site has no one to agree with: its own
+        flag, read without a device tensor, a collective or a wait for the device (every step)."""
+        if topology.world.ranks_per_site == 1:
+            return self.requested
         flag = torch.tensor([float(self.requested)], device=topology.world.device)
         topology.site_all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
