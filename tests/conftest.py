@@ -33,7 +33,7 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 # integration tests that take tens of seconds (`-m "not slow"` leaves them out). A test not listed
 # below is integration, so a new test can only make the unit tier faster, never slower.
 UNIT_MODULES = {"test_config", "test_data", "test_model", "test_plan", "test_rounds", "test_fetch_safety",
-                "test_outer_units", "test_save_policy"}
+                "test_outer_units", "test_outer_step", "test_save_policy"}
 UNIT_TESTS = {
     "test_attacks": {"test_verified_sites_rule", "test_forged_heartbeat_and_leave_are_refused",
                      "test_forged_members_votes_verdict_and_committed_are_refused",
@@ -55,7 +55,15 @@ UNIT_TESTS = {
                    "test_decide_resume_takes_the_newest_common_step_or_names_who_has_what", "test_launcher_lines",
                    "test_store_waits_name_the_missing_sites_and_log_while_waiting"},
     "test_launch": {"test_site_cpus_are_disjoint_and_refuse_too_many_sites"},
-    "test_optim": {"test_muon_takes_hidden_matrices_adamw_the_rest"},
+    "test_optim": {"test_muon_takes_hidden_matrices_adamw_the_rest", "test_resume_keeps_the_muon_runs_adamw_kernel",
+                   "test_resume_keeps_this_runs_adamw_kernel[host-gpu]",
+                   "test_resume_keeps_this_runs_adamw_kernel[gpu-host]"},
+    "test_inner_step": {"test_step_result_takes_the_site_mean_and_stops_on_any_bad_rank",
+                        "test_settle_step_on_a_one_rank_site_is_its_own_loss_with_no_collective",
+                        "test_graceful_stop_on_a_one_rank_site_reads_its_own_flag[True]",
+                        "test_graceful_stop_on_a_one_rank_site_reads_its_own_flag[False]",
+                        "test_compute_timer_sums_its_spans_and_starts_over",
+                        "test_adamw_kernel_is_the_single_tensor_loop_off_the_gpu"},
     "test_quantized": {"test_nearest_level_table_equals_bucketize", "test_codec_round_trip_sizes",
                        "test_codec_rejects_non_finite", "test_chunks_cover_everything_on_block_boundaries"},
     "test_scripts_smoke": {"test_experiment_corpus_location_is_a_flag"},
