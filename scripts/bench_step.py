@@ -4,10 +4,13 @@
     flock /tmp/zeroband-bench.lock python scripts/bench_step.py            # 102M params, ~1-2 min
     python scripts/bench_step.py --quick                                  # tiny preset (CI smoke test)
     python scripts/bench_step.py --inner                                  # CUDA only: inner step vs a plain loop
+    python scripts/bench_step.py --device cuda --width 10000 --threads 1,16 # the outer step of a 1B model on a GPU
 
-Outer step (CPU): 2 sites x 1 rank on this host, two forked processes over loopback gloo, each
+Outer step: 2 sites x 1 rank on this host, two forked processes over loopback gloo, each
 driving `DiLoCo` directly (no trainer) on `--layers` x Linear(`--width`, `--width`) (default
 10 x 3200^2 = 102M fp32 parameters), fp16 wire, a shared secret (every message authenticated).
+The model lives on `--device` (cpu, or cuda: both sites share GPU 0) and the fp32 outer copy where
+`--outer-device` puts it (diloco.outer_device).
 Before each blocking outer step every site moves its parameters by its own fixed random delta.
 For each thread count in `--threads` (torch threads of the outer step; 1 is the acceptance case):
 one warm-up step, then `--repeats` steps; per step the parts of OuterStats.timings (device->host,
@@ -49,6 +52,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=None, help="timed outer steps per thread count (default 3)")
     p.add_argument("--wire", default="fp16", choices=("fp32", "bf16", "fp16", "int8", "int4"))
     p.add_argument("--piece-mb", type=float, default=4.0)
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the model lives")
+    p.add_argument("--outer-device", default="auto", choices=("auto", "cpu", "cuda"), help="diloco.outer_device")
     p.add_argument("--inner", action="store_true", help="CUDA: trainer's inner step vs a plain compiled loop")
     p.add_argument("--peak-tflops", type=float, default=None, help="--inner: the GPU's dense bf16 peak (MFU)")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks")
@@ -77,6 +82,8 @@ def fused_pass_s(params: list[Any], others: list[Any], sync: Any = None) -> floa
             sync()
         t0 = time.perf_counter()
         torch._foreach_add_(params, others)
+        if params and params[0].is_cuda:
+            torch.cuda.synchronize(params[0].device)
         best = min(best, time.perf_counter() - t0)
     for _ in range(3):
         torch._foreach_sub_(params, others)
@@ -111,15 +118,18 @@ def _outer_site(args: argparse.Namespace) -> dict[str, Any]:
 
     site = int(os.environ["ZEROBAND_SITE_RANK"])
     store = os.environ["ZEROBAND_BENCH_STORE"]
-    world = World(0, 1, 0, site, 2, torch.device("cpu"))
+    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    world = World(0, 1, 0, site, 2, device)
     topology = init_topology(world, store, "bench-step", 120, "gloo", mark=SECRET, secret=b"bench-step-secret")
     try:
         torch.manual_seed(0)  # the same start everywhere (site 0's broadcast makes it so anyway)
-        model = torch.nn.Sequential(*[torch.nn.Linear(args.width, args.width, bias=False) for _ in range(args.layers)])
+        model = torch.nn.Sequential(*[torch.nn.Linear(args.width, args.width, bias=False, device=device)
+                                      for _ in range(args.layers)])
         params = [p.data for p in model.parameters()]
-        gen = torch.Generator().manual_seed(1 + site)
-        deltas = [torch.randn(p.shape, generator=gen).mul_(1e-3) for p in params]
-        cfg = DilocoConfig(inner_steps=1, comm_dtype=args.wire, piece_mb=args.piece_mb)  # store, timeout: the topology's
+        gen = torch.Generator(device).manual_seed(1 + site)
+        deltas = [torch.randn(p.shape, generator=gen, device=device).mul_(1e-3) for p in params]
+        cfg = DilocoConfig(inner_steps=1, comm_dtype=args.wire, piece_mb=args.piece_mb,  # store, timeout: the topology's
+                           outer_device=args.outer_device)
         outer = DiLoCo(model, cfg, topology)
         outer.start()
         rows = []
@@ -137,7 +147,8 @@ def _outer_site(args: argparse.Namespace) -> dict[str, Any]:
                               "sys_s": cpu1.system - cpu0.system, **stats.timings})
             rows.append({"threads": threads, "steps": steps[1:], "numel": sum(p.numel() for p in params),
                          **pass_floors(params, deltas, topology.global_group, site)})
-        return {"rows": rows}
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+        return {"rows": rows, "gpu": name}
     finally:
         shutdown()
 
@@ -174,9 +185,10 @@ def outer_markdown(args: argparse.Namespace, rows: list[dict[str, Any]], note: s
                                    r["allreduce_gbit_s"], r["user_s"], r["sys_s"], *(r["parts"][k] for k in PARTS)]
                                   for r in rows])
     cmd = "python scripts/bench_step.py" + (" --quick" if args.quick else "")
+    cmd += f" --device cuda --outer-device {args.outer_device}" if args.device == "cuda" else ""
     return "\n".join([
-        f"# Outer step by part: {rows[0]['params'] / 1e6:.1f}M fp32 params, 2 sites x 1 rank, {args.wire} wire, "
-        "loopback gloo, authenticated", "",
+        f"# Outer step by part: {rows[0]['params'] / 1e6:.1f}M fp32 params on {args.device}, 2 sites x 1 rank, "
+        f"{args.wire} wire, loopback gloo, authenticated", "",
         f"`{cmd}` (medians of {args.repeats} steps, site 0; seconds). {note}", "",
         "local work = outer step - network wait; fused pass = fastest of 3 `torch._foreach_add_(params, others)` "
         "in the same process with the same threads, both sites passing at once after a barrier, as both do their "
@@ -200,8 +212,9 @@ def run_outer(args: argparse.Namespace) -> dict[str, Any]:
     result = run_forked(_outer_site, 2, 1, (args,), env={"OMP_NUM_THREADS": str(max(args.threads))},
                         timeout=args.timeout)
     rows = [summarize(r) for r in result[(0, 0)]["rows"]]
-    note = load_note(load0, load_average())
-    data = {"rows": rows, "wire": args.wire, "layers": args.layers, "width": args.width, "repeats": args.repeats,
+    gpu = result[(0, 0)].get("gpu")
+    note = load_note(load0, load_average()) + (f" Model on one {gpu}, shared by both sites." if gpu else "")
+    data = {"rows": rows, "device": args.device, "gpu": gpu, "outer_device": args.outer_device, "wire": args.wire, "layers": args.layers, "width": args.width, "repeats": args.repeats,
             "cores": CORES, "load_before": load0, "load_after": load_average(), "wall_s": time.monotonic() - t0}
     write_outputs(args.out, "step", data, outer_markdown(args, rows, note))
     return data
