@@ -9,67 +9,85 @@ GPU, bf16 mixed precision with fp32 master weights, torch.compile on:
 tokens/s over `STEPS` timed steps after `WARMUP`, MFU = 6 x params x tokens/s / the GPU's dense
 bf16 peak (`--peak-tflops`, default by GPU name), peak memory = torch.cuda.max_memory_allocated.
 Writes benchmarks/inner_step.{json,md}. Not run on CPU machines: there the command says so.
+
+`--inner --quick` runs the same two loops on the CPU with the debug preset, fp32 and no compile: the
+plumbing a GPU run depends on (process group, config, both models, the report), tested in CI so that
+a scarce GPU session never finds a bug in the script itself.
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from bench_common import markdown_table, write_outputs
 
 PRESETS = {"150M": (1024, 16), "1B": (2048, 8)}  # seq_len, batch
-VOCAB, WARMUP, STEPS = 4096, 5, 20
+QUICK_PRESETS = {"debug": (64, 2), "demo": (32, 1)}  # two: the loop over presets is tested too
+VOCAB = 4096
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}  # dense bf16
+
+
+@dataclass(frozen=True)
+class Setup:
+    """Where and how both loops run: a CUDA GPU in bf16 with compile, or the CPU smoke test."""
+
+    device: Any
+    bf16: bool
+    compile: bool
+    warmup: int
+    steps: int
 
 
 def peak_tflops(name: str, given: float | None) -> float:
     return given or next((v for k, v in PEAK_TFLOPS.items() if k in name), float("nan"))
 
 
-def timed(step: Any, device: Any) -> tuple[float, float]:
-    """(seconds per step, peak GB) of `step()` after the warm-up."""
+def timed(step: Any, setup: Setup) -> tuple[float, float]:
+    """(seconds per step, peak GB; NaN off the GPU) of `step()` after the warm-up."""
     import torch
 
-    for _ in range(WARMUP):
+    cuda = setup.device.type == "cuda"
+    for _ in range(setup.warmup):
         step()
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
+    if cuda:
+        torch.cuda.synchronize(setup.device)
+        torch.cuda.reset_peak_memory_stats(setup.device)
     t0 = time.perf_counter()
-    for _ in range(STEPS):
+    for _ in range(setup.steps):
         step()
-    torch.cuda.synchronize(device)
-    return (time.perf_counter() - t0) / STEPS, torch.cuda.max_memory_allocated(device) / 1e9
+    if cuda:
+        torch.cuda.synchronize(setup.device)
+    peak = torch.cuda.max_memory_allocated(setup.device) / 1e9 if cuda else float("nan")
+    return (time.perf_counter() - t0) / setup.steps, peak
 
 
-def zeroband_step(preset: str, seq: int, batch: int) -> tuple[Any, int]:
+def zeroband_step(preset: str, seq: int, batch: int, setup: Setup, topology: Any) -> tuple[Any, int]:
     import torch
 
     from zeroband.config import load_config
-    from zeroband.mesh import init_topology
     from zeroband.optim import build_optimizer
     from zeroband.step import settle_step
     from zeroband.train import build_model, forward_backward, optimizer_step
-    from zeroband.world import World
 
     cfg = load_config(None, ["--model.preset", preset, "--model.vocab_size", str(VOCAB), "--data.seq_len", str(seq),
-                             "--train.compile", "true", "--train.mixed_precision", "bf16"])
-    device = torch.device("cuda", 0)
-    topology = init_topology(World(0, 1, 0, 0, 1, device), None, "bench-inner", 600, "nccl")
+                             "--train.compile", str(setup.compile).lower(),
+                             "--train.mixed_precision", "bf16" if setup.bf16 else "fp32"])
     model = build_model(cfg, topology)
     opt = build_optimizer(list(model.parameters()), cfg.optim, [n for n, _ in model.named_parameters()])
-    x = torch.randint(0, VOCAB, (batch, seq + 1), device=device)
+    x = torch.randint(0, VOCAB, (batch, seq + 1), device=setup.device)
     batch_ = [(x[:, :-1], x[:, 1:])]
 
     def step() -> None:  # as the trainer's loop: one host sync per step, in settle_step
-        loss = forward_backward(model, batch_, device)
+        loss = forward_backward(model, batch_, setup.device)
         settle_step(loss, optimizer_step(model, opt, cfg.optim.grad_clip), topology)
 
     return step, sum(p.numel() for p in model.parameters())
 
 
-def plain_step(preset: str, seq: int, batch: int) -> tuple[Any, int] | None:
+def plain_step(preset: str, seq: int, batch: int, setup: Setup, topology: Any) -> tuple[Any, int] | None:
     import torch
 
     try:
@@ -82,15 +100,14 @@ def plain_step(preset: str, seq: int, batch: int) -> tuple[Any, int] | None:
     hf = LlamaConfig(hidden_size=shape["dim"], intermediate_size=shape["ffn_dim"], num_hidden_layers=shape["n_layers"],
                      num_attention_heads=shape["n_heads"], num_key_value_heads=shape["n_kv_heads"], vocab_size=VOCAB,
                      max_position_embeddings=seq, tie_word_embeddings=False, attn_implementation="sdpa")
-    device = torch.device("cuda", 0)
-    model = LlamaForCausalLM(hf).to(device)
-    compiled = torch.compile(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
-    x = torch.randint(0, VOCAB, (batch, seq), device=device)
+    model = LlamaForCausalLM(hf).to(setup.device)
+    run = torch.compile(model) if setup.compile else model
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=setup.device.type == "cuda")
+    x = torch.randint(0, VOCAB, (batch, seq), device=setup.device)
 
     def step() -> None:
-        with torch.autocast("cuda", torch.bfloat16):
-            loss = compiled(input_ids=x, labels=x).loss
+        with torch.autocast(setup.device.type, torch.bfloat16, enabled=setup.bf16):
+            loss = run(input_ids=x, labels=x).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -98,27 +115,50 @@ def plain_step(preset: str, seq: int, batch: int) -> tuple[Any, int] | None:
     return step, sum(p.numel() for p in model.parameters())
 
 
+def measure(presets: dict[str, tuple[int, int]], setup: Setup, peak: float) -> list[dict[str, Any]]:
+    """Both loops on every preset, in one process group (a 1-rank site) that lives for all of them."""
+    import torch
+
+    from zeroband.mesh import init_topology, shutdown
+    from zeroband.world import World
+
+    backend = "nccl" if setup.device.type == "cuda" else "gloo"
+    topology = init_topology(World(0, 1, 0, 0, 1, setup.device), None, "bench-inner", 600, backend)
+    rows = []
+    try:
+        for preset, (seq, batch) in presets.items():
+            for name, build in (("zeroband", zeroband_step), ("plain LlamaForCausalLM", plain_step)):
+                built = build(preset, seq, batch, setup, topology)
+                if built is None:
+                    continue
+                step, params = built
+                seconds, mem = timed(step, setup)
+                tps = batch * seq / seconds
+                rows.append({"preset": preset, "loop": name, "params": params, "tokens_s": tps,
+                             "mfu": 6 * params * tps / (peak * 1e12), "peak_gb": mem})
+                del step, built
+                torch._dynamo.reset()  # compiled graphs hold the model: free it before the next one
+                if setup.device.type == "cuda":
+                    torch.cuda.empty_cache()
+    finally:
+        shutdown()
+    return rows
+
+
 def run_inner(args: argparse.Namespace) -> None:
     import torch
 
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_step.py --inner needs a CUDA GPU; this machine has none")
-    gpu = torch.cuda.get_device_name(0)
-    peak = peak_tflops(gpu, getattr(args, "peak_tflops", None))
-    rows = []
-    for preset, (seq, batch) in PRESETS.items():
-        for name, build in (("zeroband", zeroband_step), ("plain LlamaForCausalLM", plain_step)):
-            built = build(preset, seq, batch)
-            if built is None:
-                continue
-            step, params = built
-            seconds, mem = timed(step, torch.device("cuda", 0))
-            tps = batch * seq / seconds
-            rows.append({"preset": preset, "loop": name, "params": params, "tokens_s": tps,
-                         "mfu": 6 * params * tps / (peak * 1e12), "peak_gb": mem})
-            del step
-            torch.cuda.empty_cache()
+    if args.quick:
+        setup, presets, where = Setup(torch.device("cpu"), False, False, 1, 2), QUICK_PRESETS, "CPU (smoke test)"
+    elif torch.cuda.is_available():
+        setup, presets, where = Setup(torch.device("cuda", 0), True, True, 5, 20), PRESETS, torch.cuda.get_device_name(0)
+    else:
+        raise SystemExit("bench_step.py --inner needs a CUDA GPU; this machine has none (--quick: the CPU smoke test)")
+    peak = peak_tflops(where, getattr(args, "peak_tflops", None))
+    rows = measure(presets, setup, peak)
     table = markdown_table(["preset", "loop", "params", "tokens/s", "MFU", "peak GB"],
                            [[r["preset"], r["loop"], r["params"], r["tokens_s"], r["mfu"], r["peak_gb"]] for r in rows])
-    md = f"# Inner step on {gpu}\n\n`python scripts/bench_step.py --inner` (bf16, torch.compile)\n\n{table}"
-    write_outputs(args.out, "inner_step", {"gpu": gpu, "peak_tflops": peak, "rows": rows}, md)
+    flags = "bf16, torch.compile" if setup.bf16 else "fp32, eager"
+    cmd = "python scripts/bench_step.py --inner" + (" --quick" if args.quick else "")
+    md = f"# Inner step on {where}\n\n`{cmd}` ({flags})\n\n{table}"
+    write_outputs(args.out, "inner_step", {"device": where, "peak_tflops": peak, "rows": rows}, md)

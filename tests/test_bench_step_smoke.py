@@ -28,3 +28,19 @@ def test_bench_step_quick(tmp_path: Path) -> None:
         assert sum(row["parts"].values()) <= row["outer_step_s"] * 1.01  # parts never overlap
         assert row["local_over_pass"] == pytest.approx(row["local_s"] / row["fused_pass_s"])
     assert "local / pass" in (tmp_path / "step.md").read_text()
+
+
+@pytest.mark.timeout(120)
+def test_bench_inner_quick_runs_both_loops_on_every_preset(tmp_path: Path) -> None:
+    """The CUDA comparison's plumbing on the CPU: one process group for all presets, the trainer's
+    step and the plain transformers loop on the same shapes (same parameter count), a report."""
+    pytest.importorskip("transformers")
+    cmd = [sys.executable, str(REPO / "scripts" / "bench_step.py"), "--inner", "--quick", "--out", str(tmp_path)]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=110)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads((tmp_path / "inner_step.json").read_text())["rows"]
+    assert [(r["preset"], r["loop"]) for r in rows] == [
+        (p, loop) for p in ("debug", "demo") for loop in ("zeroband", "plain LlamaForCausalLM")]
+    for ours, plain in zip(rows[::2], rows[1::2]):
+        assert ours["params"] == plain["params"] and ours["tokens_s"] > 0 and plain["tokens_s"] > 0
+    assert "plain LlamaForCausalLM" in (tmp_path / "inner_step.md").read_text()
