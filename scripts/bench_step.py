@@ -5,7 +5,7 @@
     python scripts/bench_step.py --quick                                  # tiny preset (CI smoke test)
     python scripts/bench_step.py --inner                                  # CUDA only: inner step vs a plain loop
     python scripts/bench_step.py --inner --quick                          # its plumbing on the CPU (CI smoke test)
-    python scripts/bench_step.py --device cuda --width 10000 --threads 1,16 # the outer step of a 1B model on a GPU
+    python scripts/bench_step.py --device cuda --width 10000 --threads 1,8  # the outer step of a 1B model on a GPU
 
 Outer step: 2 sites x 1 rank on this host, two forked processes over loopback gloo, each
 driving `DiLoCo` directly (no trainer) on `--layers` x Linear(`--width`, `--width`) (default
