@@ -294,3 +294,66 @@ def test_overlap_steps_apply_the_average_tau_steps_after_launch(rule, weight):
     for site in (0, 1):
         assert out[(site, 0)] == pytest.approx(expected[site], abs=1e-6)
     assert out[(0, 0)][-1] == out[(1, 0)][-1]
+
+
+def _retrying_sites(store: str, may_retry: bool) -> dict:
+    """Two sites x 3 blocking outer steps of a 0.4M-parameter model with `may_retry` (as elastic
+    membership sets it), then one exchange that fails; what memory each step's exchange used."""
+    import os
+
+    import zeroband.outer.diloco as diloco_module
+    from zeroband.mesh import init_topology, shutdown
+    from zeroband.outer.diloco import DiLoCo
+    from zeroband.world import World
+
+    site = int(os.environ["ZEROBAND_SITE_RANK"])
+    topology = init_topology(World(0, 1, 0, site, 2, torch.device("cpu")), store, "retry", 30, "gloo")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(600, 600, bias=False), torch.nn.Linear(600, 80, bias=False))
+    outer = DiLoCo(model, DilocoConfig(inner_steps=1, comm_dtype="fp16", outer_momentum_warmup=0), topology)
+    outer.membership.may_retry = may_retry
+    outer.start()
+    gen = torch.Generator().manual_seed(1 + site)
+    memory, params = [], []
+    for step in range(3):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.sub_(torch.randn(p.shape, generator=gen) * 1e-2)
+        outer.after_inner_step(step, sync_point=True)
+        memory.append((outer.arena, outer.arena.buf.data_ptr(), None if outer.spare is None else outer.spare.data_ptr()))
+        params.append([p.detach().clone() for p in model.parameters()])
+    honest = diloco_module.reduce_across_sites
+
+    def lost(*args, **kwargs):  # the peer vanished mid-exchange: receives may still be posted into the arena
+        raise RuntimeError("peer lost")
+
+    diloco_module.reduce_across_sites = lost
+    kept = outer.arena
+    try:
+        outer.after_inner_step(3, sync_point=True)
+    except RuntimeError:
+        pass
+    diloco_module.reduce_across_sites = honest
+    shutdown()
+    return {"ptrs": [m[1:] for m in memory], "same_arena": [m[0] is memory[0][0] for m in memory],
+            "fresh_after_failure": outer.arena is not kept and outer.arena.buf.numel() == 0,
+            "spare_after_failure": outer.spare, "params": params}
+
+
+def test_retrying_rounds_reuse_memory_only_after_a_completed_exchange():
+    """Where a round may retry (elastic), the exchange's arena and the copy of its inputs are reused
+    from round to round, as in fixed mode (fresh memory doubled the outer step), with the same bits;
+    after an exchange that failed, the next one gets fresh memory."""
+    out = {}
+    for may_retry in (False, True):
+        store = f"tcp://127.0.0.1:{free_port()}"
+        out[may_retry] = run_sites(_retrying_sites, 2, 1, (store, may_retry), timeout=90)
+    for site in (0, 1):
+        got, plain = out[True][(site, 0)], out[False][(site, 0)]
+        assert all(torch.equal(a, b) for step_a, step_b in zip(got["params"], plain["params"])
+                   for a, b in zip(step_a, step_b))
+        # the arena grows to what the first exchange took, then stays; the spare vector is made once
+        assert got["same_arena"] == [True, True, True] and got["ptrs"][1] == got["ptrs"][2] and got["ptrs"][1][0]
+        assert len({spare for _, spare in got["ptrs"]}) == 1 and got["ptrs"][0][1]
+        assert plain["ptrs"][0][1] is None  # fixed rounds average the pseudo-gradient in place: no copy
+        assert got["fresh_after_failure"] and got["spare_after_failure"] is None

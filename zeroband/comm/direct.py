@@ -88,8 +88,9 @@ class Arena:
     """Memory that every exchange of one caller reuses: messages, sums and scratch. Fresh memory
     costs a page fault per 4 KB on first touch: at 100M parameters that was most of the outer step's
     local work. Each exchange takes what it needs in order; what did not fit is allocated fresh and
-    the arena grows to it for the next exchange. One exchange at a time (not for elastic groups,
-    whose abandoned receives could still land)."""
+    the arena grows to it for the next exchange. One exchange at a time, and only after the last
+    one completed: a failed or abandoned exchange's receives could still land (DiLoCo.reduce lends
+    its arena to one exchange and takes it back only from one that completed)."""
 
     ALIGN = 64
 

@@ -60,7 +60,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from zeroband.comm.direct import Arena
+from zeroband.comm.direct import Arena, flat_base
 from zeroband.comm.group import GlobalGroup, checksum_table, crc32_of
 from zeroband.comm.reduce import ReduceResult, SiteStats, reduce_across_sites
 from zeroband.comm.timing import Parts
@@ -69,7 +69,7 @@ from zeroband.membership.base import NOT_DONE, FixedMembership, Membership
 from zeroband.mesh import Topology
 from zeroband.outer.base import OuterStats, RoundClock
 from zeroband.outer.overlap import OverlapRules, _InFlight
-from zeroband.outer.placement import OuterCopy, outer_thread_count, torch_threads
+from zeroband.outer.placement import OuterCopy, _views, outer_thread_count, torch_threads
 from zeroband.outer.stats import site_stats, tensor_stats
 
 log = logging.getLogger(__name__)
@@ -154,7 +154,9 @@ class DiLoCo(OverlapRules):
         self.threads = outer_thread_count(cfg.outer_threads, len(os.sched_getaffinity(0)),
                                           int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         self.parts = Parts()  # the current outer step's timers
-        self.arena = Arena()  # the all-reduce's memory, reused every outer step (comm/direct.py)
+        # The all-reduce's memory (comm/direct.py) and, where a round may retry, the vector its inputs are
+        # copied into: lent to one exchange at a time and reused only after an exchange completed.
+        self.arena, self.spare = Arena(), None
         self.applied_sumsq = 0.0  # sum of squares of the last average applied (this rank's shard)
         self.outer_step = 0
         self.error_feedback: dict[int, torch.Tensor] | None = {} if cfg.error_feedback else None
@@ -235,7 +237,7 @@ class DiLoCo(OverlapRules):
                 return lambda group: None
             t1 = time.perf_counter()
             if contribute and grads is not None:  # a retried attempt starts again from the originals
-                mine = [g.clone() for g in grads] if self.membership.may_retry else grads
+                mine = self._retry_copy(grads) if self.membership.may_retry else grads
                 with self.parts("stats"):
                     stats = site_stats(mine, self.topology, tokens, local=self.copy.stats_of(grads))
             else:
@@ -264,12 +266,30 @@ class DiLoCo(OverlapRules):
         return self.copy.pseudo_gradient(self.parts, fresh=self.cfg.overlap)
 
     def reduce(self, grads: list[torch.Tensor], stats: SiteStats, group: GlobalGroup | None = None) -> ReduceResult:
+        """The average of `grads` over the sites, in place. Its memory is lent: an exchange that raises
+        or is abandoned by its watcher keeps it (a posted receive or the abandoned thread may still
+        write into it), and the next one starts from fresh memory; one that completes gives it back."""
         if self.cfg.log_checksum and not stats.abstain:  # compared across sites by the reduce itself
             stats = replace(stats, crc=float(crc32_of(self.checksum_tensors())))
         piece_bytes = int(self.cfg.piece_mb * 2**20)
-        return reduce_across_sites(grads, stats, group or self.group, self.cfg.comm_dtype, piece_bytes, self.error_feedback,
-                                   self.cfg.outlier_factor, weight_by_tokens=self.cfg.round_seconds > 0,
-                                   arena=None if self.membership.may_retry else self.arena)
+        arena, self.arena = self.arena, Arena()
+        result = reduce_across_sites(grads, stats, group or self.group, self.cfg.comm_dtype, piece_bytes,
+                                     self.error_feedback, self.cfg.outlier_factor,
+                                     weight_by_tokens=self.cfg.round_seconds > 0, arena=arena)
+        self.arena = arena
+        if self.membership.may_retry:
+            self.spare = flat_base(grads)  # the `_retry_copy` vector (None for an abstainer's zeros)
+        return result
+
+    def _retry_copy(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """A copy of `grads` for one attempt to consume: a retried attempt starts again from the originals.
+        Into the vector the last completed exchange gave back (fresh memory costs a page fault per
+        4 KB: it doubled the elastic outer step), else a new one."""
+        spare, self.spare = self.spare, None
+        numel = sum(g.numel() for g in grads)
+        if spare is None or spare.numel() != numel:
+            spare = torch.empty(numel, dtype=torch.float32)
+        return [v.copy_(g) for v, g in zip(_views(spare, grads), grads)]
 
     def _apply(self, grads: list[torch.Tensor], result: ReduceResult) -> None:
         if result.excluded_sites:
