@@ -55,6 +55,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--piece-mb", type=float, default=4.0)
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the model lives")
     p.add_argument("--outer-device", default="auto", choices=("auto", "cpu", "cuda"), help="diloco.outer_device")
+    p.add_argument("--retry", action="store_true",
+                   help="rounds may be retried, as under elastic membership (the exchange keeps a copy of its inputs)")
     p.add_argument("--inner", action="store_true", help="CUDA: trainer's inner step vs a plain compiled loop")
     p.add_argument("--peak-tflops", type=float, default=None, help="--inner: the GPU's dense bf16 peak (MFU)")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks")
@@ -132,6 +134,7 @@ def _outer_site(args: argparse.Namespace) -> dict[str, Any]:
         cfg = DilocoConfig(inner_steps=1, comm_dtype=args.wire, piece_mb=args.piece_mb,  # store, timeout: the topology's
                            outer_device=args.outer_device)
         outer = DiLoCo(model, cfg, topology)
+        outer.membership.may_retry = args.retry  # what elastic membership sets; its stores are not needed here
         outer.start()
         rows = []
         for threads in args.threads:
@@ -187,6 +190,7 @@ def outer_markdown(args: argparse.Namespace, rows: list[dict[str, Any]], note: s
                                   for r in rows])
     cmd = "python scripts/bench_step.py" + (" --quick" if args.quick else "")
     cmd += f" --device cuda --outer-device {args.outer_device}" if args.device == "cuda" else ""
+    cmd += " --retry" if args.retry else ""
     return "\n".join([
         f"# Outer step by part: {rows[0]['params'] / 1e6:.1f}M fp32 params on {args.device}, 2 sites x 1 rank, "
         f"{args.wire} wire, loopback gloo, authenticated", "",
@@ -215,7 +219,7 @@ def run_outer(args: argparse.Namespace) -> dict[str, Any]:
     rows = [summarize(r) for r in result[(0, 0)]["rows"]]
     gpu = result[(0, 0)].get("gpu")
     note = load_note(load0, load_average()) + (f" Model on one {gpu}, shared by both sites." if gpu else "")
-    data = {"rows": rows, "device": args.device, "gpu": gpu, "outer_device": args.outer_device, "wire": args.wire, "layers": args.layers, "width": args.width, "repeats": args.repeats,
+    data = {"rows": rows, "retry": args.retry, "device": args.device, "gpu": gpu, "outer_device": args.outer_device, "wire": args.wire, "layers": args.layers, "width": args.width, "repeats": args.repeats,
             "cores": CORES, "load_before": load0, "load_after": load_average(), "wall_s": time.monotonic() - t0}
     write_outputs(args.out, "step", data, outer_markdown(args, rows, note))
     return data
