@@ -181,3 +181,44 @@ def test_accumulate_is_bitwise_zero_decode_add(peak: float):
     ref_stats = torch.zeros(2, dtype=torch.float64)
     codec.decode(buf, n, stats=ref_stats)
     assert torch.equal(stats, ref_stats)
+
+
+@pytest.mark.parametrize("momentum, nesterov, with_buf", [(0.0, True, True), (0.9, True, True), (0.9, False, True),
+                                                         (0.5, True, False), (0.5, False, False)])
+def test_outer_preview_in_reused_memory_is_the_formula(momentum: float, nesterov: bool, with_buf: bool):
+    """The eager rules' preview written into reused memory gives the formula's bits (one temporary
+    per operation), whatever the state of the momentum buffer."""
+    from zeroband.outer.overlap import outer_preview
+
+    gen = torch.Generator().manual_seed(7)
+    theta, d, buf = (torch.randn(999, generator=gen) * c for c in (1.0, 1e-3, 1e-3))
+    lr = 0.7
+    buf = buf if with_buf else None
+    if momentum == 0:
+        want = theta - lr * d
+    else:
+        new_buf = d if buf is None else buf * momentum + d
+        want = theta - lr * (d + momentum * new_buf if nesterov else new_buf)
+    out, scratch = torch.full((999,), float("nan")), torch.full((999,), float("nan"))
+    got = outer_preview(theta, buf, d, lr, momentum, nesterov, out, scratch)
+    assert got.data_ptr() == out.data_ptr() and torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert torch.equal(outer_preview(theta, buf, d, lr, momentum, nesterov).view(torch.int32), want.view(torch.int32))
+
+
+def test_overlapped_pseudo_gradients_take_turns_in_two_vectors():
+    """A blocking step reuses one vector; overlapped steps alternate between two, never writing the
+    one returned last (it may still be in flight)."""
+    from zeroband.comm.timing import Parts
+    from zeroband.config import DilocoConfig
+    from zeroband.outer.placement import OuterCopy
+
+    local = [torch.randn(30, 4), torch.randn(7)]
+    copy = OuterCopy(local, DilocoConfig(inner_steps=1, overlap=True))
+    ptrs = []
+    for _ in range(4):
+        grads = copy.pseudo_gradient(Parts(), fresh=True)
+        assert torch.equal(grads[0], copy.tensors[0] - local[0])
+        ptrs.append(grads[0].data_ptr())
+    assert ptrs[0] == ptrs[2] and ptrs[1] == ptrs[3] and ptrs[0] != ptrs[1]
+    blocking = OuterCopy(local, DilocoConfig(inner_steps=1))
+    assert len({blocking.pseudo_gradient(Parts(), fresh=False)[0].data_ptr() for _ in range(3)}) == 1

@@ -68,7 +68,7 @@ from zeroband.config import DilocoConfig
 from zeroband.membership.base import NOT_DONE, FixedMembership, Membership
 from zeroband.mesh import Topology
 from zeroband.outer.base import OuterStats, RoundClock
-from zeroband.outer.overlap import OverlapRules, _InFlight
+from zeroband.outer.overlap import OverlapRules, Scratch, _InFlight
 from zeroband.outer.placement import OuterCopy, _views, outer_thread_count, torch_threads
 from zeroband.outer.stats import site_stats, tensor_stats
 
@@ -161,6 +161,7 @@ class DiLoCo(OverlapRules):
         self.outer_step = 0
         self.error_feedback: dict[int, torch.Tensor] | None = {} if cfg.error_feedback else None
         self.in_flight: _InFlight | None = None
+        self.scratch = Scratch()  # the overlapped boundary's reused memory
         self.clock = RoundClock(cfg, tokens_per_step)
         self.lr_factor = lr_factor or (lambda step: 1.0)
         self.boundary_step = 0  # inner steps done at the current boundary

@@ -80,15 +80,22 @@ class OuterCopy:
         if pinned and self.device.type == "cpu":
             self.tensors = [o.pin_memory() for o in self.tensors]
         self.host_grads = torch.empty(numel, dtype=torch.float32, pin_memory=pinned)
+        self.in_flight_grads: torch.Tensor | None = None  # the other vector of an overlapped step's pair
         on_gpu = self.device.type == "cuda"
         self.device_grads = torch.empty(numel, dtype=torch.float32, device=device) if on_gpu else None
         self.measured: tuple[list[torch.Tensor] | None, int, Measured] = (None, 0, (0.0, 0.0))
 
     def pseudo_gradient(self, parts: Parts, fresh: bool) -> list[torch.Tensor]:
-        """Outer copy - local shard in fp32 on the host, as views of one vector (`fresh`: a new one,
-        for an overlapped step that keeps it in flight; else the reused one). The same pass
+        """Outer copy - local shard in fp32 on the host, as views of one vector. `fresh`: not the vector
+        returned last time, which an overlapped step may still have in flight; two vectors take turns
+        (one in flight at a time; a new vector per step was a page fault per 4 KB). The same pass
         measures its statistics chunk by chunk while each is in cache (`stats_of`)."""
-        host = self.host_grads if not fresh else torch.empty_like(self.host_grads)
+        host = self.host_grads
+        if fresh:
+            if self.in_flight_grads is None:
+                self.in_flight_grads = torch.empty(self.host_grads.numel(), dtype=torch.float32,
+                                                   pin_memory=self.host_grads.is_pinned())
+            host, self.host_grads, self.in_flight_grads = self.in_flight_grads, self.in_flight_grads, self.host_grads
         grads = _views(host, self.local)
         acc = ChunkStats()
         if self.device_grads is not None:  # outer copy on the GPU: subtract and measure there, ship the result
