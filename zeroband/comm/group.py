@@ -126,7 +126,7 @@ class GlobalGroup:
 def crc32_of(tensors: list[torch.Tensor]) -> int:
     crc = 0
     for t in tensors:
-        crc = zlib.crc32(t.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes(), crc)
+        crc = zlib.crc32(t.detach().to("cpu").contiguous().view(torch.uint8).numpy(), crc)  # the buffer, not a copy
     return crc
 
 
