@@ -10,12 +10,18 @@ CONFIG="${1:-configs/demo_diloco.toml}"
 shift || true
 
 # Every cross-site message is authenticated with a shared secret; it reaches the sites through the
-# environment, never the command line.
-ZEROBAND_SECRET="${ZEROBAND_SECRET:-$(python -c 'import secrets; print(secrets.token_urlsafe(32))')}"
+# environment, never the command line. A secret made up here cannot verify an earlier demo's signed
+# checkpoints, so such a run starts over (the old checkpoints are moved aside, not deleted); with
+# your own ZEROBAND_SECRET a second run resumes where the first stopped.
+FRESH=()
+if [ -z "${ZEROBAND_SECRET:-}" ]; then
+  ZEROBAND_SECRET="$(python -c 'import secrets; print(secrets.token_urlsafe(32))')"
+  FRESH=(--checkpoint.resume none)
+fi
 export ZEROBAND_SECRET
 
 zeroband data                                              # corpus + tokenizer -> data/demo/
-zeroband launch "$CONFIG" --sites 2 --nproc 2 "$@"         # 2 sites, each its own torchrun job
+zeroband launch "$CONFIG" --sites 2 --nproc 2 ${FRESH[@]+"${FRESH[@]}"} "$@"   # 2 sites, each its own torchrun job
 zeroband export "$CONFIG" "$@"                             # -> runs/<name>/hf (checked against transformers)
 python - "$CONFIG" "$@" <<'PY'
 import sys
