@@ -24,8 +24,6 @@ SCALE_HEADER = 4  # fp16 messages start with their fp32 scale
 # fp16 values are multiples of 2**-24: times a power of two >= 2**-100 they stay exact in fp32 (finest step 2**-149)
 EXACT_UNIT = 2.0**-100
 FP32_MAX = float(torch.finfo(torch.float32).max)
-
-
 MAX_SCALE_EXP = 127  # the scale travels as fp32: 2**128 would be inf, and inf x 0 a NaN on the wire
 
 
@@ -68,9 +66,12 @@ class DenseCodec:
         fresh memory costs a page fault per 4 KB, which made the product ~6x slower than the arithmetic."""
         out = torch.empty(self.nbytes(x.numel()) + tail, dtype=torch.uint8) if out is None else out
         body = out[self.header : out.numel() - tail].view(self.dtype)
+        if self.wire != "fp16" and weight == 1.0:
+            body.copy_(x)
+            return out
         room = torch.empty_like(x) if scratch is None else scratch[: x.numel()]
         if self.wire != "fp16":
-            body.copy_(x if weight == 1.0 else torch.mul(x, weight, out=room))
+            body.copy_(torch.mul(x, weight, out=room))
             return out
         w32 = as_fp32(weight)  # what torch multiplies an fp32 tensor by
         scale = fp16_scale(as_fp32(max_abs(x) * abs(w32)))  # max |fp32(x w)|: rounding is monotonic

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from zeroband.comm.dense import DenseCodec
+from zeroband.comm.dense import FP32_MAX, DenseCodec
 from zeroband.comm.direct import Arena, DirectExchange, WireCodec, flatten
 from zeroband.comm.group import GlobalGroup
 from zeroband.comm.quantized import DEFAULT_BLOCK, Codec
@@ -44,7 +44,6 @@ SUMSQ, NONFINITE, ABSTAIN, TOKENS, CRC = range(len(STAT_COLUMNS))  # their indic
 # A source may send at most this multiple of the norm it declared (quantisation moves a norm by a
 # few percent at most; NF4's coarsest rounding by well under 2x).
 CLAIM_SLACK = 4.0
-FP32_MAX = torch.finfo(torch.float32).max
 
 
 class ReplicaMismatch(TrustError):
