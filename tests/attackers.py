@@ -63,20 +63,18 @@ class LyingCodec:
         return self.base.nbytes(n)
 
     def encode(self, x: torch.Tensor, tail: int = 0, out: torch.Tensor | None = None,
-               scratch: torch.Tensor | None = None, weight: float = 1.0) -> torch.Tensor:
+               scratch: torch.Tensor | None = None, weight: float = 1.0, stats: Any = None,
+               decoded: torch.Tensor | None = None, stream: bool = False) -> torch.Tensor:
         lie = x * 1e30 if self.how == "huge" else torch.full_like(x, float("nan"))
-        return self.base.encode(lie, tail, out, scratch, weight)
+        return self.base.encode(lie, tail, out, scratch, weight, stats, decoded, stream)
 
     def decode(self, buf: torch.Tensor, n: int, out: torch.Tensor | None = None,
-               stats: torch.Tensor | None = None) -> torch.Tensor:
-        return self.base.decode(buf, n, out, stats)
+               stats: torch.Tensor | None = None, stream: bool = False) -> torch.Tensor:
+        return self.base.decode(buf, n, out, stats, stream)
 
-    def measure(self, buf: torch.Tensor, n: int, scratch: torch.Tensor, stats: torch.Tensor) -> None:
-        self.base.measure(buf, n, scratch, stats)
-
-    def wire_values(self, buf: torch.Tensor, n: int, out: torch.Tensor,
-                    stats: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
-        return self.base.wire_values(buf, n, out, stats)
+    def add_decoded(self, total: torch.Tensor, buf: torch.Tensor, n: int, first: bool, scratch: torch.Tensor,
+                    stats: torch.Tensor | None = None) -> None:
+        self.base.add_decoded(total, buf, n, first, scratch, stats)
 
 
 def lie_on_the_wire(how: str) -> None:
@@ -96,9 +94,8 @@ def lie_as_source(how: str) -> None:
     honest = DirectExchange._scatter
 
     def scatter(self: DirectExchange, flat: torch.Tensor, loss: Any, sent: Any, weight: float | None = None) -> None:
-        if weight is not None:  # the weight the honest path applies piece by piece: its own chunk needs it too
-            flat.mul_(weight)
-        honest(self, flat * 1e30 if how == "huge" else torch.full_like(flat, float("nan")), loss, sent)
+        # its own chunk stays honest in `flat` (the exchange weights it where it sums it)
+        honest(self, flat * 1e30 if how == "huge" else torch.full_like(flat, float("nan")), loss, sent, weight)
 
     DirectExchange._scatter = scatter
 

@@ -24,6 +24,21 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return {"path": str(jsonl), "tokenizer": str(root / "tokenizer")}
 
 
+@pytest.fixture(params=["native", "eager"])
+def kernel_impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run the test with each implementation of the outer step's kernels (zeroband/comm/kernels.py),
+    through its own switch; "native" needs a C compiler and skips without one."""
+    from zeroband.comm.kernels import native_or_eager
+
+    if request.param == "eager":
+        monkeypatch.setenv("ZEROBAND_KERNELS", "eager")
+    else:
+        monkeypatch.delenv("ZEROBAND_KERNELS", raising=False)
+        if native_or_eager().name != "native":
+            pytest.skip("no native kernels on this machine (no C compiler): the eager run covers the code")
+    return request.param
+
+
 
 
 # ------------------------------------------------------------------------------------------ test tiers

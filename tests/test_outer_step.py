@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from zeroband.comm.dense import DenseCodec
-from zeroband.comm.direct import Arena, flat_base, flatten, value_stats
+from zeroband.comm.direct import Arena, flat_base, flatten
+from zeroband.comm.kernels import kernels, value_stats
 from zeroband.comm.mac import TAG_BYTES, WireAuth
 from zeroband.outer.placement import _views, outer_thread_count, pick_outer_device
 from zeroband.outer.stats import tensor_stats
@@ -73,7 +74,7 @@ def test_arena_reuses_its_memory_and_grows_to_what_an_exchange_took():
     assert again[1].data_ptr() % 64 == 0  # aligned: views as fp16/fp32 are valid
 
 
-def test_fp16_encode_into_place_equals_the_reference():
+def test_fp16_encode_into_place_equals_the_reference(kernel_impl: str):
     codec = DenseCodec("fp16")
     x = torch.randn(1001) * 1e-3
     out = codec.encode(x, tail=TAG_BYTES)
@@ -96,7 +97,7 @@ def _fp16_definition(x: torch.Tensor) -> tuple[float, torch.Tensor, torch.Tensor
 
 
 @pytest.mark.parametrize("peak", [3e4, 1.0, 1e-3, 1e-30, 1e-36, 1e-42])  # the last two: below the old scale's range
-def test_fp16_codec_bits_match_their_definition(peak: float):
+def test_fp16_codec_bits_match_their_definition(peak: float, kernel_impl: str):
     """Encoding through a scratch buffer, decoding by the scale's inverse, and the scale's cap at
     2**127 give exactly the definition's bits: signed zeros, fp32 subnormals and all."""
     gen = torch.Generator().manual_seed(5)
@@ -117,7 +118,7 @@ def test_fp16_codec_bits_match_their_definition(peak: float):
 
 @pytest.mark.parametrize("wire", ["fp16", "bf16", "int8"])
 @pytest.mark.parametrize("peak", [3e38, 1.0, 1e-30, 1e-38])  # huge, plain, a scale past 2**100, subnormals
-def test_weighted_encode_is_the_encoding_of_the_product(wire: str, peak: float):
+def test_weighted_encode_is_the_encoding_of_the_product(wire: str, peak: float, kernel_impl: str):
     """A sender encodes weight x slice in one product with the scale: the bytes must be those of
     multiplying first (fp32) and encoding the result, for every weight, scale and value."""
     from zeroband.comm.reduce import wire_codec
@@ -153,34 +154,34 @@ def test_outer_device_and_threads_are_pure_decisions():
 
 
 @pytest.mark.parametrize("peak", [3.0, 1e-3, 2.0**-110])  # the last: a factor too small to defer
-def test_accumulate_is_bitwise_zero_decode_add(peak: float):
-    """An owner's sum in one op per source (wire values x a power of two, added to +0 or the total)
-    has the bits of zeroing, decoding and adding one by one: signed zeros, tiny values and all."""
-    from zeroband.comm.direct import accumulate
-
+def test_owner_sum_is_bitwise_zero_decode_add(peak: float, kernel_impl: str):
+    """An owner's sum in one pass per source (its own slice x its weight, a peer's wire values x a
+    power of two, each added to +0 or the total) has the bits of zeroing, weighting, decoding and
+    adding one by one: signed zeros, tiny values and all; and the statistics of what it decoded."""
     gen = torch.Generator().manual_seed(4)
-    codec, n = DenseCodec("fp16"), 4099
+    codec, n, scratch = DenseCodec("fp16"), 4099, torch.empty(4099)
     own = torch.randn(n, generator=gen) * peak
     own[:4] = torch.tensor([-0.0, 0.0, -0.0, 1e-30])
     peer = torch.randn(n, generator=gen) * peak
     peer[:4] = torch.tensor([-0.0, -0.0, 0.0, -1e-30])
     buf = codec.encode(peer)
-    for order in ((own, buf), (buf, own)):  # the owner's own slice first (site 0) or second
-        ref, total = torch.zeros(n), torch.empty(n)
-        for first, src in zip((True, False), order):
-            if src is own:
-                ref += own
-                values, unit = own, 1.0
-            else:
-                ref += _fp16_definition(peer)[2]
-                values, unit = codec.wire_values(src, n, torch.empty(n))
-            accumulate(total, values, unit, first)
-        assert torch.equal(total.view(torch.int32), ref.view(torch.int32))
-    stats = torch.zeros(2, dtype=torch.float64)
-    codec.wire_values(buf, n, torch.empty(n), stats)
-    ref_stats = torch.zeros(2, dtype=torch.float64)
+    for weight in (1.0, 0.5, 1 / 3):
+        for order in ((own, buf), (buf, own)):  # the owner's own slice first (site 0) or second
+            ref, total = torch.zeros(n), torch.empty(n)
+            for first, src in zip((True, False), order):
+                if src is own:
+                    ref += own * weight
+                    kernels().add_f32(total, own, weight, first, scratch)
+                else:
+                    ref += _fp16_definition(peer)[2]
+                    codec.add_decoded(total, src, n, first, scratch)
+            assert torch.equal(total.view(torch.int32), ref.view(torch.int32))
+    stats, ref_stats = torch.zeros(2, dtype=torch.float64), torch.zeros(2, dtype=torch.float64)
+    codec.add_decoded(torch.empty(n), buf, n, True, scratch, stats)
     codec.decode(buf, n, stats=ref_stats)
     assert torch.equal(stats, ref_stats)
+    want = float(_fp16_definition(peer)[2].double().square().sum())
+    assert stats[0] == pytest.approx(want, rel=1e-5) and stats[1] == 0  # fp32 squares summed per block
 
 
 @pytest.mark.parametrize("momentum, nesterov, with_buf", [(0.0, True, True), (0.9, True, True), (0.9, False, True),

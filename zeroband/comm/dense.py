@@ -15,14 +15,13 @@ from dataclasses import dataclass
 
 import torch
 
-from zeroband.comm.direct import DEFAULT_PIECE_BYTES, add_stats, all_reduce_direct
+from zeroband.comm.direct import DEFAULT_PIECE_BYTES, all_reduce_direct
 from zeroband.comm.group import GlobalGroup
+from zeroband.comm.kernels import Row, add_stats, kernels
 
 WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FP16_HEADROOM = 2.0**15  # half of fp16's max: rounding up the largest value cannot overflow
 SCALE_HEADER = 4  # fp16 messages start with their fp32 scale
-# fp16 values are multiples of 2**-24: times a power of two >= 2**-100 they stay exact in fp32 (finest step 2**-149)
-EXACT_UNIT = 2.0**-100
 FP32_MAX = float(torch.finfo(torch.float32).max)
 MAX_SCALE_EXP = 127  # the scale travels as fp32: 2**128 would be inf, and inf x 0 a NaN on the wire
 
@@ -59,64 +58,62 @@ class DenseCodec:
         return self.header + n * (torch.finfo(self.dtype).bits // 8)
 
     def encode(self, x: torch.Tensor, tail: int = 0, out: torch.Tensor | None = None,
-               scratch: torch.Tensor | None = None, weight: float = 1.0) -> torch.Tensor:
+               scratch: torch.Tensor | None = None, weight: float = 1.0, stats: Row = None,
+               decoded: torch.Tensor | None = None, stream: bool = False) -> torch.Tensor:
         """The bytes of `weight` x the chunk (bit for bit those of encoding the fp32 product), followed
         by `tail` spare bytes (room for a message tag); written into `out` (uint8, exactly that long)
         when given. `scratch` (fp32, at least as long as x) holds values on their way to the wire:
-        fresh memory costs a page fault per 4 KB, which made the product ~6x slower than the arithmetic."""
+        fresh memory costs a page fault per 4 KB, which made the product ~6x slower than the arithmetic.
+        In the same pass, what a receiver will decode goes into `decoded` (past the cache with `stream`,
+        comm/kernels.py) and its statistics into `stats`."""
         out = torch.empty(self.nbytes(x.numel()) + tail, dtype=torch.uint8) if out is None else out
         body = out[self.header : out.numel() - tail].view(self.dtype)
-        if self.wire != "fp16" and weight == 1.0:
-            body.copy_(x)
-            return out
         room = torch.empty_like(x) if scratch is None else scratch[: x.numel()]
         if self.wire != "fp16":
-            body.copy_(torch.mul(x, weight, out=room))
+            body.copy_(x if weight == 1.0 else torch.mul(x, weight, out=room))
+            if stats is not None or decoded is not None:
+                self.decode(out, x.numel(), room if decoded is None else decoded, stats, stream)
             return out
         w32 = as_fp32(weight)  # what torch multiplies an fp32 tensor by
-        scale = fp16_scale(as_fp32(max_abs(x) * abs(w32)))  # max |fp32(x w)|: rounding is monotonic
+        k = kernels()
+        scale = fp16_scale(as_fp32(k.max_abs(x) * abs(w32)))  # max |fp32(x w)|: rounding is monotonic
         factor = w32 * scale
         if not one_product(factor, scale):
             x, factor = torch.mul(x, weight, out=room), scale  # the two roundings, one at a time
         out[:SCALE_HEADER] = torch.tensor([scale], dtype=torch.float32).view(torch.uint8)
-        body.copy_(torch.mul(x, factor, out=room))  # fp32 product, then one rounding (a direct fp16 `out=` is slower)
+        k.encode_f16(x, factor, body, room, decoded, 1.0 / scale, stats, stream)
         return out
 
-    def decode(self, buf: torch.Tensor, n: int, out: torch.Tensor | None = None,
-               stats: torch.Tensor | None = None) -> torch.Tensor:
-        """The fp32 values of an encoded chunk, written into `out` when given (no new memory);
-        `stats` (float64 [sum of squares, non-finite count]) += those of the values (see `measure`)."""
-        values, unit = self.wire_values(buf, n, out, stats)
-        # x unit = / scale, bit for bit: both are one rounding of the same exact product (a power of
-        # two and its inverse are exact in fp32); the division is ~3x slower on CPU
-        return values if unit == 1.0 else values.mul_(unit)
-
-    def wire_values(self, buf: torch.Tensor, n: int, out: torch.Tensor | None,
-                    stats: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
-        """`decode` in two factors: fp32 values (into `out`) and a power of two, whose product is the
-        decoded values exactly, so an owner can scale and sum in one op (comm/direct.py `accumulate`);
-        `stats` += the decoded values' statistics. A factor so small that the product could fall
-        below fp32's finest step is applied here instead (the values then come back decoded)."""
-        values = self._widen(buf, n, out)
-        unit = 1.0 / self._scale(buf)
-        if stats is not None:
-            add_stats(stats, values, unit)
-        if unit < EXACT_UNIT:
-            return values.mul_(unit), 1.0
-        return values, unit
-
-    def measure(self, buf: torch.Tensor, n: int, scratch: torch.Tensor, stats: torch.Tensor) -> None:
-        """`stats` += (sum of squares, non-finite count) of the decoded values, without decoding them:
-        the wire values' norm over the power-of-two scale (the same number, free of fp32 underflow).
-        `decode(stats=...)` measures the same way, so sender and receiver agree on the same bytes."""
-        add_stats(stats, self._widen(buf, n, scratch[:n]), 1.0 / self._scale(buf))
-
-    def _widen(self, buf: torch.Tensor, n: int, out: torch.Tensor | None) -> torch.Tensor:
+    def decode(self, buf: torch.Tensor, n: int, out: torch.Tensor | None = None, stats: Row = None,
+               stream: bool = False) -> torch.Tensor:
+        """The fp32 values of an encoded chunk, written into `out` when given (no new memory; past the
+        cache with `stream`); `stats` (float64 [sum of squares, non-finite count]) += those of the values."""
         values = buf[self.header :].view(self.dtype)[:n]
-        return values.to(torch.float32) if out is None else out.copy_(values)
+        out = torch.empty(n, dtype=torch.float32) if out is None else out
+        if self.wire == "fp16":  # x unit, not / scale: bit for bit the same (a power of two and its
+            kernels().decode_f16(values, self._unit(buf), out, stats, stream)  # inverse are exact), ~3x faster
+            return out
+        out.copy_(values)
+        if stats is not None:
+            add_stats(stats, out)
+        return out
 
-    def _scale(self, buf: torch.Tensor) -> float:
-        return float(buf[:SCALE_HEADER].view(torch.float32)) if self.wire == "fp16" else 1.0
+    def add_decoded(self, total: torch.Tensor, buf: torch.Tensor, n: int, first: bool, scratch: torch.Tensor,
+                    stats: Row = None) -> None:
+        """total <- (+0 if `first` else total) + the decoded chunk, in one pass: the bits of decoding and
+        adding one by one (comm/kernels.py); `stats` += the decoded values' statistics."""
+        values = buf[self.header :].view(self.dtype)[:n]
+        if self.wire == "fp16":
+            kernels().add_f16(total, values, self._unit(buf), first, scratch, stats)
+        else:
+            kernels().add_f32(total, values if self.wire == "fp32" else scratch[:n].copy_(values), 1.0, first,
+                              scratch, stats)
+
+    def _unit(self, buf: torch.Tensor) -> float:
+        """1 / the message's scale: what its fp16 values are multiplied by to decode them (a forged
+        scale of 0 decodes to inf/NaN, which the review rejects, rather than raising here)."""
+        scale = float(buf[:SCALE_HEADER].view(torch.float32))
+        return 1.0 / scale if scale else math.inf
 
 
 def as_fp32(x: float) -> float:
@@ -134,13 +131,6 @@ def one_product(factor: float, scale: float) -> bool:
     normal fp32 and the scale is at most 2**100: values that are fp32-subnormal before or after
     scaling are then below 2**-26, and fp16 rounds them to the same signed zero either way."""
     return scale <= 2.0**100 and 2.0**-126 <= factor <= FP32_MAX and as_fp32(factor) == factor
-
-
-def max_abs(x: torch.Tensor) -> float:
-    """max |x| in one read pass without a temporary (NaN if x has one; 0.0 when empty)."""
-    if not x.numel():
-        return 0.0
-    return float(torch.maximum(x.amin().neg_(), x.amax()))  # amin + amax: ~1.5x faster than one aminmax on CPU
 
 
 def all_reduce_dense(

@@ -29,7 +29,6 @@ contribution, so over many calls the outputs sum to the exact sums up to the las
 
 from __future__ import annotations
 
-import math
 from typing import Protocol
 
 import torch
@@ -37,6 +36,7 @@ import torch.distributed as dist
 
 # Tag = phase base + piece index: a fast site's all-gather never matches a scatter receive.
 from zeroband.comm.group import AG_TAG, MAX_PIECES, RS_TAG, GlobalGroup
+from zeroband.comm.kernels import Row, kernels, streams
 from zeroband.comm.timing import Parts
 
 DEFAULT_PIECE_BYTES = 4 << 20  # 4 MB of fp32 values per piece (diloco.piece_mb)
@@ -53,15 +53,14 @@ class WireCodec(Protocol):
     def nbytes(self, n: int) -> int: ...
 
     def encode(self, x: torch.Tensor, tail: int = 0, out: torch.Tensor | None = None,
-               scratch: torch.Tensor | None = None, weight: float = 1.0) -> torch.Tensor: ...  # of weight x x, + tail
+               scratch: torch.Tensor | None = None, weight: float = 1.0, stats: Row = None,
+               decoded: torch.Tensor | None = None, stream: bool = False) -> torch.Tensor: ...  # + what peers decode
 
     def decode(self, buf: torch.Tensor, n: int, out: torch.Tensor | None = None,
-               stats: torch.Tensor | None = None) -> torch.Tensor: ...  # fp32; stats += (sum sq, non-finite)
+               stats: Row = None, stream: bool = False) -> torch.Tensor: ...  # fp32; stats += (sum sq, non-finite)
 
-    def measure(self, buf: torch.Tensor, n: int, scratch: torch.Tensor, stats: torch.Tensor) -> None: ...
-
-    def wire_values(self, buf: torch.Tensor, n: int, out: torch.Tensor,
-                    stats: torch.Tensor | None = None) -> tuple[torch.Tensor, float]: ...  # decoded = values x factor
+    def add_decoded(self, total: torch.Tensor, buf: torch.Tensor, n: int, first: bool, scratch: torch.Tensor,
+                    stats: Row = None) -> None: ...  # total = (+0 if first else total) + decoded
 
 
 def chunk_bounds(n: int, sites: int, block: int) -> list[tuple[int, int]]:
@@ -148,6 +147,8 @@ class DirectExchange:
         self.peers = group.peers()
         self.own = torch.zeros(2, dtype=torch.float64)  # statistics of the chunks this site owns, as shared
         self.sumsq: float | None = None  # of the whole result, when a review measured the others' chunks
+        self.own_weight = 1.0  # what this site's own slices are multiplied by when it sums them
+        self.stream = streams(4 * numel)  # results land in a vector larger than the cache: write past it
         self.sends: list[tuple[dist.Work, torch.Tensor, int]] = []  # gloo reads a buffer until its send completes
         self.sent = 0
         self.scatter_in: dict[tuple[int, int], tuple[torch.Tensor, dist.Work | None]] = {}
@@ -163,6 +164,7 @@ class DirectExchange:
         # decoded peer slices land here, not in fresh memory (reused: no page faults per piece)
         longest = max((b - a for chunk in self.chunks for a, b in chunk), default=0)
         self.scratch = self.arena.take(4 * longest, torch.float32)
+        self.total = self.arena.take(4 * longest, torch.float32)  # an owner's sum, one piece at a time
 
     def run(
         self, tensors: list[torch.Tensor], weight: float, error_feedback: dict[int, torch.Tensor] | None = None,
@@ -185,10 +187,11 @@ class DirectExchange:
                 raise ValueError("all-reduce got a non-finite value; exclude the site (weight 0) instead")
         loss = None if held is None else torch.zeros_like(flat)
         sent = None if review is None else torch.zeros(self.size, 2, dtype=torch.float64)
+        self.own_weight = weight if deferred else 1.0
         self._scatter(flat, loss, sent, weight if deferred and weight != 1.0 else None)
         if review is None:  # nothing to check: share each piece as soon as it is summed
             for p in range(len(self.chunks)):
-                self._share(p, self._sum(p, flat, None), flat, loss)
+                self._share(p, self._owned(p, flat, loss, None), flat)
         else:
             self._reviewed(flat, loss, review, sent)
         self._gather(flat, review)
@@ -205,11 +208,12 @@ class DirectExchange:
         buf = self.arena.take(self.codec.nbytes(n) + self.auth.tag_bytes)
         return buf, self.pg.recv([buf], src, tag)
 
-    def _encode(self, x: torch.Tensor, weight: float = 1.0) -> torch.Tensor:
+    def _encode(self, x: torch.Tensor, weight: float = 1.0, stats: Row = None,
+                decoded: torch.Tensor | None = None, stream: bool = False) -> torch.Tensor:
         with self.parts("encode"):
             tail = self.auth.tag_bytes  # room for the tag: sealing copies nothing
             buf = self.arena.take(self.codec.nbytes(x.numel()) + tail)
-            return self.codec.encode(x, tail, buf, self.scratch, weight)
+            return self.codec.encode(x, tail, buf, self.scratch, weight, stats, decoded, stream)
 
     def _send(self, buf: torch.Tensor, dst: int, tag: int, first: bool = True) -> None:
         """Seal and send `buf` (an `_encode` result); the first send of a buffer seals it in place,
@@ -237,77 +241,87 @@ class DirectExchange:
 
     def _scatter(self, flat: torch.Tensor, loss: torch.Tensor | None, sent: torch.Tensor | None,
                  weight: float | None = None) -> None:
-        """Send each owner this site's slice of its chunk; `sent` accumulates what the owners will decode.
-        `weight` (deferred from `run`): this site's own chunk is multiplied in place (it sums it);
-        the others' slices go out as the encoding of weight x slice, in the same pass as the scale."""
+        """Send each owner this site's slice of its chunk; `sent` accumulates the statistics of what the
+        owners will decode, measured by the encoding pass. `weight` (deferred from `run`): the slices go
+        out as the encoding of weight x slice (this site's own chunk gets it where it is summed)."""
         for p, chunk in enumerate(self.chunks):
-            if weight is not None:
-                with self.parts("encode"):
-                    flat[slice(*chunk[self.rank])].mul_(weight)
             for dst in self.peers:
                 a, b = chunk[dst]
                 if b == a:
                     continue
-                buf = self._encode(flat[a:b], 1.0 if weight is None else weight)
+                decoded = None if loss is None else self.scratch[: b - a]  # what the owner will decode
+                buf = self._encode(flat[a:b], 1.0 if weight is None else weight,
+                                   stats=None if sent is None else sent[dst], decoded=decoded)
                 self._send(buf, dst, RS_TAG + p)
-                with self.parts("review"):  # what the owner will decode: its loss, its statistics
-                    if loss is not None:
-                        decoded = self.codec.decode(buf, b - a, out=self.scratch[: b - a],
-                                                    stats=None if sent is None else sent[dst])
+                if decoded is not None:
+                    with self.parts("review"):
                         torch.sub(flat[a:b], decoded, out=loss[a:b])
-                    elif sent is not None:
-                        self.codec.measure(buf, b - a, self.scratch, sent[dst])
 
     def _sum(self, p: int, flat: torch.Tensor, use: list[bool] | None,
              seen: torch.Tensor | None = None) -> torch.Tensor | None:
         """fp32 sum of the sources in `use` (all: None) of this site's chunk of piece p, in fixed
-        site order so it depends only on the inputs; `seen` accumulates what each source sent."""
+        site order so it depends only on the inputs; `seen` accumulates what each source sent (every
+        source's, used or not: measured in the pass that decodes and adds it)."""
         lo, hi = self.chunks[p][self.rank]
         if hi == lo:
             return None
-        total, first = self.arena.take(4 * (hi - lo), torch.float32), True
+        n, k = hi - lo, kernels()
+        total, first = self.total[:n], True
         for src in range(self.size):
-            if src == self.rank:
-                values, unit = flat[lo:hi], 1.0
-                if seen is not None:
-                    with self.parts("review"):
-                        add_stats(seen[src], values)
+            row, used = None if seen is None else seen[src], use is None or use[src]
+            if src == self.rank:  # exact: its own slice never crosses the wire
+                with self.parts("decode"):
+                    into = total if used else self.scratch[:n]  # unused: only its statistics
+                    k.add_f32(into, flat[lo:hi], self.own_weight, first or not used, self.scratch, row)
             else:
                 buf = self._opened(self.scatter_in, p, src, RS_TAG + p)
-                with self.parts("decode"):  # measured on the way, as the source measured what it sent
-                    values, unit = self.codec.wire_values(buf, hi - lo, self.scratch[: hi - lo],
-                                                          None if seen is None else seen[src])
-            if use is None or use[src]:
                 with self.parts("decode"):
-                    accumulate(total, values, unit, first)
-                first = False
+                    if used:
+                        self.codec.add_decoded(total, buf, n, first, self.scratch, row)
+                    elif row is not None:
+                        self.codec.decode(buf, n, self.scratch[:n], row)
+            first = first and not used
         return total.zero_() if first else total
 
     def _reviewed(self, flat: torch.Tensor, loss: torch.Tensor | None, review: Review, sent: torch.Tensor) -> None:
-        """Sum every piece, let `review` judge the sources on what they sent, re-sum if it rejected
-        one, and only then share: no sum that includes a rejected source ever leaves this site."""
+        """Sum and encode every piece, let `review` judge the sources on what they sent, sum and encode
+        again if it rejected one, and only then share: no sum that includes a rejected source ever
+        leaves this site. What waits for the verdict is the encoded bytes, not the fp32 sums: half the
+        memory, and the sums stay in cache (kept, they were the largest memory traffic of the step)."""
         seen = torch.zeros(self.size, 2, dtype=torch.float64)
-        totals = [self._sum(p, flat, review.use, seen) for p in range(len(self.chunks))]
+        owned = [self._owned(p, flat, loss, review.use, seen) for p in range(len(self.chunks))]
         keep, scale = review.decide(seen, sent)
-        for p, total in enumerate(totals):
-            if scale is not None and total is not None:
-                total = self._sum(p, flat, keep).mul_(scale)
-            self._share(p, total, flat, loss)
+        for p, buf in enumerate(owned):
+            if scale is not None and buf is not None:
+                buf = self._owned(p, flat, loss, keep, scale=scale)
+            self._share(p, buf, flat)
 
-    def _share(self, p: int, total: torch.Tensor | None, flat: torch.Tensor, loss: torch.Tensor | None) -> None:
-        """Encode this site's reduced chunk of piece p once and send the same bytes to every peer."""
+    def _owned(self, p: int, flat: torch.Tensor, loss: torch.Tensor | None, use: list[bool] | None,
+               seen: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor | None:
+        """This site's chunk of piece p summed over the sources in `use` (x `scale`) and encoded once;
+        with error feedback, what the encoding lost goes into `loss`."""
+        total = self._sum(p, flat, use, seen)
         if total is None:
+            return None
+        if scale is not None:
+            total.mul_(scale)
+        lo, hi = self.chunks[p][self.rank]
+        decoded = None if loss is None else self.scratch[: hi - lo]
+        buf = self._encode(total, decoded=decoded)
+        if decoded is not None:
+            torch.sub(total, decoded, out=loss[lo:hi])
+        return buf
+
+    def _share(self, p: int, buf: torch.Tensor | None, flat: torch.Tensor) -> None:
+        """Send this site's encoded chunk of piece p, the same bytes to every peer, and keep exactly
+        what they decode (not its fp32 sum), with its statistics."""
+        if buf is None:
             return
         lo, hi = self.chunks[p][self.rank]
-        buf = self._encode(total)
         for i, dst in enumerate(self.peers):
             self._send(buf, dst, AG_TAG + p, first=i == 0)
-        with self.parts("decode"):  # the owner keeps exactly what the peers will decode, not its fp32 sum
-            self.codec.decode(buf, hi - lo, out=flat[lo:hi])
-        with self.parts("review"):  # still in cache: the result's norm costs no pass of its own
-            add_stats(self.own, flat[lo:hi])
-        if loss is not None:
-            torch.sub(total, flat[lo:hi], out=loss[lo:hi])
+        with self.parts("decode"):
+            self.codec.decode(buf, hi - lo, out=flat[lo:hi], stats=self.own, stream=self.stream)
 
     def _gather(self, flat: torch.Tensor, review: Review | None) -> None:
         got = torch.zeros(self.size, 2, dtype=torch.float64)
@@ -315,44 +329,14 @@ class DirectExchange:
             a, b = self.chunks[p][src]
             buf = self._opened(self.gather_in, p, src, AG_TAG + p)
             with self.parts("decode"):
-                self.codec.decode(buf, b - a, out=flat[a:b])
-            if review is not None:
-                with self.parts("review"):
-                    add_stats(got[src], flat[a:b])
+                self.codec.decode(buf, b - a, out=flat[a:b], stats=None if review is None else got[src],
+                                  stream=self.stream)
         with self.parts("network_wait"):
             for work, _, dst in self.sends:
                 self.group.wait(work, dst, "sends to drain")
         if review is not None:
             review.check_gathered(got)
             self.sumsq = float(self.own[0] + got[:, 0].sum())
-
-
-def value_stats(values: torch.Tensor) -> tuple[float, float]:
-    """(sum of squares, count of NaN/inf) of decoded values: what a source really sent. An fp32
-    2-norm squared (~25x faster than an fp64 norm; ATen's reduction, not MKL's dot, which hangs in a
-    process forked after MKL's threads started): it overflows only past 1e19 per value, which is
-    then rejected as it should be. One read pass: a NaN/inf anywhere makes it non-finite, and only
-    then are the values counted."""
-    sumsq = float(torch.linalg.vector_norm(values)) ** 2 if values.numel() else 0.0
-    return sumsq, 0.0 if math.isfinite(sumsq) else float((~torch.isfinite(values)).sum())
-
-
-def add_stats(row: torch.Tensor, values: torch.Tensor, unit: float = 1.0) -> None:
-    """row (float64 [sum of squares, non-finite count]) += value_stats(values x unit), `unit` a power of two
-    applied in float64 to the norm (exact)."""
-    sumsq, nonfinite = value_stats(values)
-    row[0] += sumsq * unit * unit
-    row[1] += nonfinite
-
-
-def accumulate(total: torch.Tensor, values: torch.Tensor, unit: float, first: bool) -> None:
-    """total <- (0 if `first` else total) + values x unit, in one op: the bits of zeroing, decoding
-    (x unit, exact: a power of two, see DenseCodec.wire_values) and adding one by one. Starting
-    from an explicit +0 keeps the sign rule: a sum of -0s is +0, as it was from a zeroed total."""
-    torch.add(_ZERO.expand(total.numel()) if first else total, values, alpha=unit, out=total)
-
-
-_ZERO = torch.zeros(1)
 
 
 def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:

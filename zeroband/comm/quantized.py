@@ -15,8 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from zeroband.comm.direct import DEFAULT_PIECE_BYTES, add_stats, all_reduce_direct
+from zeroband.comm.direct import DEFAULT_PIECE_BYTES, all_reduce_direct
 from zeroband.comm.group import GlobalGroup
+from zeroband.comm.kernels import Row, accumulate, add_stats
 
 SCALE_DTYPE = torch.bfloat16  # fp32's exponent range in 2 bytes: no overflow/underflow of scales
 SCALE_BYTES = 2
@@ -120,9 +121,12 @@ class Codec:
         return blocks * SCALE_BYTES + codes
 
     def encode(self, x: torch.Tensor, tail: int = 0, out: torch.Tensor | None = None,
-               scratch: torch.Tensor | None = None, weight: float = 1.0) -> torch.Tensor:
+               scratch: torch.Tensor | None = None, weight: float = 1.0, stats: Row = None,
+               decoded: torch.Tensor | None = None, stream: bool = False) -> torch.Tensor:
         """The bytes of `weight` x the chunk, followed by `tail` spare bytes (room for a message tag);
-        written into `out` (uint8, exactly that long) when given (`scratch` holds the product)."""
+        written into `out` (uint8, exactly that long) when given (`scratch` holds the product). What a
+        receiver will decode goes into `decoded`, its statistics into `stats` (`stream`: a hint it ignores)."""
+        n = x.numel()
         if weight != 1.0:
             x = torch.mul(x, weight, out=None if scratch is None else scratch[: x.numel()])
         rows = _blocks(x, self.block)
@@ -136,6 +140,9 @@ class Codec:
         out = torch.empty(self.nbytes(x.numel()) + tail, dtype=torch.uint8) if out is None else out
         out[: scale.numel() * SCALE_BYTES] = scale.view(torch.uint8)
         out[scale.numel() * SCALE_BYTES : out.numel() - tail] = codes
+        if stats is not None or decoded is not None:
+            self.decode(out, n, out=decoded if decoded is not None else None if scratch is None else scratch[:n],
+                        stats=stats)
         return out
 
     def _codes(self, y: torch.Tensor) -> torch.Tensor:
@@ -147,7 +154,7 @@ class Codec:
         return idx[0::2] | (idx[1::2] << 4)
 
     def decode(self, buf: torch.Tensor, n: int, out: torch.Tensor | None = None,
-               stats: torch.Tensor | None = None) -> torch.Tensor:
+               stats: torch.Tensor | None = None, stream: bool = False) -> torch.Tensor:
         """The fp32 values of an encoded chunk: level x scale, one rounding, the same on every site
         (copied into `out` when given); `stats` += their (sum of squares, non-finite count)."""
         nb = -(-n // self.block)
@@ -163,14 +170,10 @@ class Codec:
             add_stats(stats, values)
         return values
 
-    def measure(self, buf: torch.Tensor, n: int, scratch: torch.Tensor, stats: torch.Tensor) -> None:
-        """`stats` += (sum of squares, non-finite count) of the decoded values."""
-        self.decode(buf, n, out=scratch[:n], stats=stats)
-
-    def wire_values(self, buf: torch.Tensor, n: int, out: torch.Tensor,
-                    stats: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
-        """The decoded values (into `out`) and the factor 1.0: block scales leave nothing to defer."""
-        return self.decode(buf, n, out=out, stats=stats), 1.0
+    def add_decoded(self, total: torch.Tensor, buf: torch.Tensor, n: int, first: bool, scratch: torch.Tensor,
+                    stats: Row = None) -> None:
+        """total <- (+0 if `first` else total) + the decoded chunk; `stats` += its statistics."""
+        accumulate(total, self.decode(buf, n, out=scratch[:n], stats=stats), 1.0, first)
 
 
 def all_reduce_quantized(

@@ -146,7 +146,8 @@ class DiLoCo(OverlapRules):
         self.local = [local_shard(p) for p in model.parameters()]
         self.copy = OuterCopy(self.local, cfg)
         self.outer, self.outer_device = self.copy.tensors, self.copy.device
-        # fused: one pass per tensor, bitwise the per-tensor loop's result (tests/test_outer_step.py), grads untouched
+        # holds the outer optimizer's settings and state; its step is OuterCopy.step (torch's fused SGD, or
+        # comm/kernels.py's with the same bits, which also writes the local shard in the same pass)
         self.optimizer = torch.optim.SGD(
             self.outer, lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=cfg.nesterov and cfg.outer_momentum > 0,
             fused=True,
@@ -251,14 +252,13 @@ class DiLoCo(OverlapRules):
         comm_s = waited + time.perf_counter() - t1 - kept["stats_s"]
         if result is NOT_DONE:
             return None  # the round did not count: local progress kept
-        if result is not None:
-            for part, seconds in result.timings.items():
-                self.parts.add(part, seconds)
-            self._apply(kept["grads"], result)
-        with self.parts("h2d"):
-            self.copy.to_local()
-        if result is None:
+        if result is None:  # a hand-over round: the local shard takes the state it received
+            with self.parts("h2d"):
+                self.copy.to_local()
             return None
+        for part, seconds in result.timings.items():
+            self.parts.add(part, seconds)
+        self._apply(kept["grads"], result, into_local=True)
         return self._stats(result, kept["stats"], kept["grads"], comm_s, time.perf_counter() - t0, overlapped=False)
 
     def pseudo_gradient(self) -> list[torch.Tensor]:
@@ -292,23 +292,23 @@ class DiLoCo(OverlapRules):
             spare = torch.empty(numel, dtype=torch.float32)
         return [v.copy_(g) for v, g in zip(_views(spare, grads), grads)]
 
-    def _apply(self, grads: list[torch.Tensor], result: ReduceResult) -> None:
+    def _apply(self, grads: list[torch.Tensor], result: ReduceResult, into_local: bool = False) -> None:
+        """The outer step with the average `grads`; `into_local`: the local shard takes the new outer copy."""
         if result.excluded_sites:
             log.error("outer step %d: excluded sites %s (non-finite pseudo-gradient)", self.outer_step, result.excluded_sites)
         with self.parts("stats"):  # of the average, for OuterStats (measured by the exchange when it can)
             self.applied_sumsq = result.sumsq if result.sumsq is not None else tensor_stats(grads)[0]
-        if result.sites_used == 0:
-            return  # nobody had a usable pseudo-gradient: keep the outer copy, drop the round
+        if result.sites_used == 0:  # nobody had a usable pseudo-gradient: keep the outer copy, drop the round
+            if into_local:
+                with self.parts("h2d"):
+                    self.copy.to_local()
+            return
         group = self.optimizer.param_groups[0]
         group["lr"], momentum = outer_hyperparameters(self.cfg, self.outer_step, self.lr_factor(self.boundary_step - 1))
         if self.cfg.outer_momentum_warmup:
             group["momentum"] = momentum
         grads = self.copy.on_outer_device(grads, self.parts)
-        with self.parts("optimizer"):
-            for o, g in zip(self.outer, grads):
-                o.grad = g
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+        self.copy.step(self.optimizer, grads, self.parts, into_local)
         self.outer_step += 1
 
     def site_sum(self, value: float) -> float:

@@ -13,9 +13,10 @@ from contextlib import contextmanager
 import torch
 
 from zeroband.comm.direct import flat_base
+from zeroband.comm.kernels import kernels, streams
 from zeroband.comm.timing import Parts
 from zeroband.config import DilocoConfig
-from zeroband.outer.stats import ChunkStats, Measured, chunks_of
+from zeroband.outer.stats import ChunkStats, Measured, chunks_of, count_nonfinite
 
 
 def _views(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -33,6 +34,10 @@ def _subtract(outer: torch.Tensor, local: torch.Tensor, out: torch.Tensor, acc: 
     for s in chunks_of(g):
         torch.sub(o[s], t[s], out=g[s])
         acc.add(g[s])
+
+
+def _flat(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.view(-1)
 
 
 def pick_outer_device(setting: str, local: torch.device, blocking: bool, need_bytes: int,
@@ -97,28 +102,29 @@ class OuterCopy:
                                                    pin_memory=self.host_grads.is_pinned())
             host, self.host_grads, self.in_flight_grads = self.in_flight_grads, self.in_flight_grads, self.host_grads
         grads = _views(host, self.local)
-        acc = ChunkStats()
         if self.device_grads is not None:  # outer copy on the GPU: subtract and measure there, ship the result
+            acc = ChunkStats()
             with parts("pseudo_grad"):
                 for g, o, t in zip(_views(self.device_grads, self.local), self.tensors, self.local):
                     _subtract(o, t.detach(), g, acc)
+                measured = acc.result(grads)
             with parts("d2h"):
                 host.copy_(self.device_grads, non_blocking=True)
                 torch.cuda.synchronize(self.device_grads.device)
-        elif any(t.is_cuda for t in self.local):  # outer copy on the host: bring the model over first
-            with parts("d2h"):
-                for g, t in zip(grads, self.local):
-                    g.copy_(t.detach(), non_blocking=True)
-                torch.cuda.synchronize(self.local[0].device)
-            with parts("pseudo_grad"):
-                for g, o in zip(grads, self.tensors):
-                    _subtract(o, g, g, acc)
         else:
-            with parts("pseudo_grad"):
-                for g, o, t in zip(grads, self.tensors, self.local):
-                    _subtract(o, t.detach(), g, acc)
+            on_gpu = any(t.is_cuda for t in self.local)
+            if on_gpu:  # outer copy on the host: bring the model over first, into the result's memory
+                with parts("d2h"):
+                    for g, t in zip(grads, self.local):
+                        g.copy_(t.detach(), non_blocking=True)
+                    torch.cuda.synchronize(self.local[0].device)
+            with parts("pseudo_grad"):  # one pass: subtract and measure (comm/kernels.py)
+                k, stream = kernels(), streams(4 * host.numel())
+                sumsq = sum(k.sub_sumsq(o.view(-1), (g if on_gpu else t.detach()).reshape(-1), g.view(-1), stream)
+                            for g, o, t in zip(grads, self.tensors, self.local))
+                measured = (sumsq, count_nonfinite(grads, sumsq))
         with parts("pseudo_grad"):
-            self.measured = (grads, grads[0]._version if grads else 0, acc.result(grads))
+            self.measured = (grads, grads[0]._version if grads else 0, measured)
         return grads
 
     def stats_of(self, grads: list[torch.Tensor]) -> Measured | None:
@@ -131,11 +137,38 @@ class OuterCopy:
 
     def to_local(self) -> None:
         """local <- outer (non-blocking from pinned memory or on the GPU; done before returning)."""
-        cuda = any(t.is_cuda for t in self.local)
-        for t, o in zip(self.local, self.tensors):
-            t.copy_(o, non_blocking=cuda)
-        if cuda:
+        if any(t.is_cuda for t in self.local):
+            for t, o in zip(self.local, self.tensors):
+                t.copy_(o, non_blocking=True)
             torch.cuda.synchronize(self.local[0].device)  # the outer copy must not change under a copy in flight
+            return
+        k, stream = kernels(), streams(4 * sum(t.numel() for t in self.local))
+        for t, o in zip(self.local, self.tensors):  # past the cache when the model is larger than it
+            if t.is_contiguous():
+                k.copy(o.view(-1), t.view(-1), stream)
+            else:
+                t.copy_(o)
+
+    def step(self, optimizer: torch.optim.SGD, grads: list[torch.Tensor], parts: Parts, into_local: bool) -> None:
+        """The outer optimizer's step on the outer copy with `grads` (its state stays the optimizer's:
+        checkpoints are unchanged); with `into_local`, the local shard takes the new outer copy too, in
+        the same pass where both live on the host (comm/kernels.py `sgd`: torch's bits), else after it."""
+        group, k = optimizer.param_groups[0], kernels()
+        together = into_local and not any(t.is_cuda for t in self.local) and self.device.type == "cpu"
+        stream = streams(4 * sum(t.numel() for t in self.local))
+        with parts("optimizer"):
+            for o, g, t in zip(self.tensors, grads, self.local):
+                local = t.view(-1) if together and t.is_contiguous() else None
+                kept = optimizer.state.get(o, {}).get("momentum_buffer")  # .get: no empty state, as torch
+                buf = k.sgd(o.view(-1), g.reshape(-1), _flat(kept), local, group["lr"], group["momentum"],
+                            group["nesterov"], stream)
+                if buf is not None:
+                    optimizer.state[o]["momentum_buffer"] = buf.view(o.shape)
+                if together and local is None:
+                    t.copy_(o)
+        if into_local and not together:
+            with parts("h2d"):
+                self.to_local()
 
     def on_outer_device(self, grads: list[torch.Tensor], parts: Parts) -> list[torch.Tensor]:
         """The average where the outer copy is: sent back to the GPU when the copy lives there."""

@@ -34,8 +34,12 @@ class ChunkStats:
         if not self.norms:
             return 0.0, 0.0
         sumsq = float(torch.stack(self.norms).double().square().sum())
-        nonfinite = 0 if math.isfinite(sumsq) else sum(int((~torch.isfinite(t)).sum()) for t in tensors)
-        return sumsq, float(nonfinite)
+        return sumsq, count_nonfinite(tensors, sumsq)
+
+
+def count_nonfinite(tensors: list[torch.Tensor], sumsq: float) -> float:
+    """NaN/inf values in `tensors`, whose sum of squares is `sumsq`: none when that is finite."""
+    return 0.0 if math.isfinite(sumsq) else float(sum(int((~torch.isfinite(t)).sum()) for t in tensors))
 
 
 def chunks_of(flat: torch.Tensor, size: int = STATS_CHUNK) -> list[slice]:
