@@ -111,6 +111,16 @@ def pass_floors(params: list[Any], others: list[Any], group: Any, site: int) -> 
     return {"fused_pass_s": both, "fused_pass_alone_s": alone}
 
 
+def kernels_used() -> str:
+    """Which outer-step kernels ran (zeroband/comm/kernels.py): set ZEROBAND_KERNELS=eager to compare."""
+    from zeroband.comm.kernels import kernels
+
+    k = kernels()
+    if k.name == "native" and not k.exact_sgd:
+        return "native (outer optimizer: torch's SGD)"
+    return k.name
+
+
 def _outer_site(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
@@ -152,7 +162,7 @@ def _outer_site(args: argparse.Namespace) -> dict[str, Any]:
             rows.append({"threads": threads, "steps": steps[1:], "numel": sum(p.numel() for p in params),
                          **pass_floors(params, deltas, topology.global_group, site)})
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-        return {"rows": rows, "gpu": name}
+        return {"rows": rows, "gpu": name, "kernels": kernels_used()}
     finally:
         shutdown()
 
@@ -191,6 +201,7 @@ def outer_markdown(args: argparse.Namespace, rows: list[dict[str, Any]], note: s
     cmd = "python scripts/bench_step.py" + (" --quick" if args.quick else "")
     cmd += f" --device cuda --outer-device {args.outer_device}" if args.device == "cuda" else ""
     cmd += " --retry" if args.retry else ""
+    cmd = ("ZEROBAND_KERNELS=eager " if os.environ.get("ZEROBAND_KERNELS") == "eager" else "") + cmd
     return "\n".join([
         f"# Outer step by part: {rows[0]['params'] / 1e6:.1f}M fp32 params on {args.device}, 2 sites x 1 rank, "
         f"{args.wire} wire, loopback gloo, authenticated", "",
@@ -217,9 +228,10 @@ def run_outer(args: argparse.Namespace) -> dict[str, Any]:
     result = run_forked(_outer_site, 2, 1, (args,), env={"OMP_NUM_THREADS": str(max(args.threads))},
                         timeout=args.timeout)
     rows = [summarize(r) for r in result[(0, 0)]["rows"]]
-    gpu = result[(0, 0)].get("gpu")
+    gpu, used = result[(0, 0)].get("gpu"), result[(0, 0)]["kernels"]
     note = load_note(load0, load_average()) + (f" Model on one {gpu}, shared by both sites." if gpu else "")
-    data = {"rows": rows, "retry": args.retry, "device": args.device, "gpu": gpu, "outer_device": args.outer_device, "wire": args.wire, "layers": args.layers, "width": args.width, "repeats": args.repeats,
+    note += f" Outer-step kernels: {used} (zeroband/comm/kernels.py; ZEROBAND_KERNELS=eager for torch's ops)."
+    data = {"rows": rows, "kernels": used, "retry": args.retry, "device": args.device, "gpu": gpu, "outer_device": args.outer_device, "wire": args.wire, "layers": args.layers, "width": args.width, "repeats": args.repeats,
             "cores": CORES, "load_before": load0, "load_after": load_average(), "wall_s": time.monotonic() - t0}
     write_outputs(args.out, "step", data, outer_markdown(args, rows, note))
     return data
