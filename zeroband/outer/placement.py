@@ -13,10 +13,10 @@ from contextlib import contextmanager
 import torch
 
 from zeroband.comm.direct import flat_base
-from zeroband.comm.kernels import kernels, streams
+from zeroband.comm.kernels import ChunkStats, Measured, count_nonfinite, kernels, streams
 from zeroband.comm.timing import Parts
 from zeroband.config import DilocoConfig
-from zeroband.outer.stats import ChunkStats, Measured, chunks_of, count_nonfinite
+from zeroband.outer.stats import chunks_of
 
 
 def _views(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -85,6 +85,7 @@ class OuterCopy:
         if pinned and self.device.type == "cpu":
             self.tensors = [o.pin_memory() for o in self.tensors]
         self.host_grads = torch.empty(numel, dtype=torch.float32, pin_memory=pinned)
+        self.stream = streams(4 * numel)  # host passes over it write past the cache (comm/kernels.py)
         self.in_flight_grads: torch.Tensor | None = None  # the other vector of an overlapped step's pair
         on_gpu = self.device.type == "cuda"
         self.device_grads = torch.empty(numel, dtype=torch.float32, device=device) if on_gpu else None
@@ -119,8 +120,8 @@ class OuterCopy:
                         g.copy_(t.detach(), non_blocking=True)
                     torch.cuda.synchronize(self.local[0].device)
             with parts("pseudo_grad"):  # one pass: subtract and measure (comm/kernels.py)
-                k, stream = kernels(), streams(4 * host.numel())
-                sumsq = sum(k.sub_sumsq(o.view(-1), (g if on_gpu else t.detach()).reshape(-1), g.view(-1), stream)
+                k = kernels()
+                sumsq = sum(k.sub_sumsq(o.view(-1), (g if on_gpu else t.detach()).reshape(-1), g.view(-1), self.stream)
                             for g, o, t in zip(grads, self.tensors, self.local))
                 measured = (sumsq, count_nonfinite(grads, sumsq))
         with parts("pseudo_grad"):
@@ -142,10 +143,10 @@ class OuterCopy:
                 t.copy_(o, non_blocking=True)
             torch.cuda.synchronize(self.local[0].device)  # the outer copy must not change under a copy in flight
             return
-        k, stream = kernels(), streams(4 * sum(t.numel() for t in self.local))
+        k = kernels()
         for t, o in zip(self.local, self.tensors):  # past the cache when the model is larger than it
             if t.is_contiguous():
-                k.copy(o.view(-1), t.view(-1), stream)
+                k.copy(o.view(-1), t.view(-1), self.stream)
             else:
                 t.copy_(o)
 
@@ -155,13 +156,12 @@ class OuterCopy:
         the same pass where both live on the host (comm/kernels.py `sgd`: torch's bits), else after it."""
         group, k = optimizer.param_groups[0], kernels()
         together = into_local and not any(t.is_cuda for t in self.local) and self.device.type == "cpu"
-        stream = streams(4 * sum(t.numel() for t in self.local))
         with parts("optimizer"):
             for o, g, t in zip(self.tensors, grads, self.local):
                 local = t.view(-1) if together and t.is_contiguous() else None
                 kept = optimizer.state.get(o, {}).get("momentum_buffer")  # .get: no empty state, as torch
                 buf = k.sgd(o.view(-1), g.reshape(-1), _flat(kept), local, group["lr"], group["momentum"],
-                            group["nesterov"], stream)
+                            group["nesterov"], self.stream)
                 if buf is not None:
                     optimizer.state[o]["momentum_buffer"] = buf.view(o.shape)
                 if together and local is None:

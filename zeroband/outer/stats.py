@@ -2,44 +2,12 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from zeroband.comm.direct import flat_base
+from zeroband.comm.kernels import STATS_CHUNK, ChunkStats, Measured
 from zeroband.comm.reduce import SiteStats
 from zeroband.mesh import Topology
-
-STATS_CHUNK = 1 << 20  # values per chunk: read once from memory, the second look hits cache
-Measured = tuple[float, float]  # (sum of squares, NaN/inf count)
-
-
-class ChunkStats:
-    """`tensor_stats` one chunk at a time, so a pass that writes the chunks (the pseudo-gradient)
-    can measure each while it is still in cache instead of reading everything again.
-
-    Per chunk an fp32 2-norm, the squared norms summed in fp64: within ~1e-5 of an fp64 sum, ~100x faster. ATen's own reduction, not a
-    BLAS dot: MKL's dot hangs in a process forked from one whose MKL threads had started. A NaN/inf
-    anywhere makes the sum non-finite, and only then are the values counted. One host sync in
-    `result`, so it also suits GPU tensors."""
-
-    def __init__(self) -> None:
-        self.norms: list[torch.Tensor] = []
-
-    def add(self, chunk: torch.Tensor) -> None:
-        self.norms.append(torch.linalg.vector_norm(chunk))
-
-    def result(self, tensors: list[torch.Tensor]) -> Measured:
-        """The statistics of `tensors`, which the added chunks tile (they recount NaN/inf)."""
-        if not self.norms:
-            return 0.0, 0.0
-        sumsq = float(torch.stack(self.norms).double().square().sum())
-        return sumsq, count_nonfinite(tensors, sumsq)
-
-
-def count_nonfinite(tensors: list[torch.Tensor], sumsq: float) -> float:
-    """NaN/inf values in `tensors`, whose sum of squares is `sumsq`: none when that is finite."""
-    return 0.0 if math.isfinite(sumsq) else float(sum(int((~torch.isfinite(t)).sum()) for t in tensors))
 
 
 def chunks_of(flat: torch.Tensor, size: int = STATS_CHUNK) -> list[slice]:
