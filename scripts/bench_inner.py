@@ -2,8 +2,10 @@
 
 Per preset (150M: seq 1024 x batch 16; 1B: seq 2048 x batch 8; vocab 4096 as in issue 15), on one
 GPU, bf16 mixed precision with fp32 master weights, torch.compile on:
-- zeroband: the trainer's own `build_model` (1-rank site, FSDP2 bf16 policy), `forward_backward`
-  and `optimizer_step` with the configured optimizer;
+- zeroband: the trainer's own `build_model` (1-rank site: no FSDP2, bf16 autocast, whole model
+  compiled), `forward_backward` and `optimizer_step` with the configured optimizer;
+- zeroband-FSDP2 (1 rank): the same with FSDP2's bf16 policy on the one rank, as multi-rank sites
+  run (and as 1-rank sites did before 2026-11-25);
 - plain: transformers' LlamaForCausalLM with the same shapes, torch.compile'd, fused AdamW,
   bf16 autocast, loss from the model (skipped when transformers is not installed).
 tokens/s over `STEPS` timed steps after `WARMUP`, MFU = 6 x params x tokens/s / the GPU's dense
@@ -64,7 +66,8 @@ def timed(step: Any, setup: Setup) -> tuple[float, float]:
     return (time.perf_counter() - t0) / setup.steps, peak
 
 
-def zeroband_step(preset: str, seq: int, batch: int, setup: Setup, topology: Any) -> tuple[Any, int]:
+def zeroband_step(preset: str, seq: int, batch: int, setup: Setup, topology: Any,
+                  shard: bool | None = None) -> tuple[Any, int]:
     import torch
 
     from zeroband.config import load_config
@@ -75,7 +78,7 @@ def zeroband_step(preset: str, seq: int, batch: int, setup: Setup, topology: Any
     cfg = load_config(None, ["--model.preset", preset, "--model.vocab_size", str(VOCAB), "--data.seq_len", str(seq),
                              "--train.compile", str(setup.compile).lower(),
                              "--train.mixed_precision", "bf16" if setup.bf16 else "fp32"])
-    model = build_model(cfg, topology)
+    model = build_model(cfg, topology, shard)
     opt = build_optimizer(list(model.parameters()), cfg.optim, [n for n, _ in model.named_parameters()])
     x = torch.randint(0, VOCAB, (batch, seq + 1), device=setup.device)
     batch_ = [(x[:, :-1], x[:, 1:])]
@@ -115,7 +118,32 @@ def plain_step(preset: str, seq: int, batch: int, setup: Setup, topology: Any) -
     return step, sum(p.numel() for p in model.parameters())
 
 
-def measure(presets: dict[str, tuple[int, int]], setup: Setup, peak: float) -> list[dict[str, Any]]:
+def profile(step: Any, setup: Setup, path: Any) -> None:
+    """3 steps under torch.profiler: the top ops by device (CPU: host) time, as a text table."""
+    import torch
+    from torch.profiler import ProfilerActivity
+
+    cuda = setup.device.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(3):
+            step()
+        if cuda:
+            torch.cuda.synchronize(setup.device)
+    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    path.write_text(prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=90))
+
+
+def fsdp_step(preset: str, seq: int, batch: int, setup: Setup, topology: Any) -> tuple[Any, int]:
+    """The trainer's step with FSDP2 on the 1-rank site, as before 2026-11-25 (the comparison)."""
+    return zeroband_step(preset, seq, batch, setup, topology, shard=True)
+
+
+LOOPS = (("zeroband", zeroband_step), ("zeroband-FSDP2 (1 rank)", fsdp_step), ("plain LlamaForCausalLM", plain_step))
+
+
+def measure(presets: dict[str, tuple[int, int]], setup: Setup, peak: float,
+            profile_dir: Any = None) -> list[dict[str, Any]]:
     """Both loops on every preset, in one process group (a 1-rank site) that lives for all of them."""
     import torch
 
@@ -127,12 +155,14 @@ def measure(presets: dict[str, tuple[int, int]], setup: Setup, peak: float) -> l
     rows = []
     try:
         for preset, (seq, batch) in presets.items():
-            for name, build in (("zeroband", zeroband_step), ("plain LlamaForCausalLM", plain_step)):
+            for name, build in LOOPS:
                 built = build(preset, seq, batch, setup, topology)
                 if built is None:
                     continue
                 step, params = built
                 seconds, mem = timed(step, setup)
+                if profile_dir is not None:
+                    profile(step, setup, profile_dir / f"profile_{preset}_{name.split()[0].split('-')[-1]}.txt")
                 tps = batch * seq / seconds
                 rows.append({"preset": preset, "loop": name, "params": params, "tokens_s": tps,
                              "mfu": 6 * params * tps / (peak * 1e12), "peak_gb": mem})
@@ -155,7 +185,9 @@ def run_inner(args: argparse.Namespace) -> None:
     else:
         raise SystemExit("bench_step.py --inner needs a CUDA GPU; this machine has none (--quick: the CPU smoke test)")
     peak = peak_tflops(where, getattr(args, "peak_tflops", None))
-    rows = measure(presets, setup, peak)
+    if args.profile:
+        args.out.mkdir(parents=True, exist_ok=True)
+    rows = measure(presets, setup, peak, args.out if args.profile else None)
     table = markdown_table(["preset", "loop", "params", "tokens/s", "MFU", "peak GB"],
                            [[r["preset"], r["loop"], r["params"], r["tokens_s"], r["mfu"], r["peak_gb"]] for r in rows])
     flags = "bf16, torch.compile" if setup.bf16 else "fp32, eager"

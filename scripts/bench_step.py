@@ -58,6 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--retry", action="store_true",
                    help="rounds may be retried, as under elastic membership (the exchange keeps a copy of its inputs)")
     p.add_argument("--inner", action="store_true", help="CUDA: trainer's inner step vs a plain compiled loop")
+    p.add_argument("--profile", action="store_true", help="--inner: also write each loop's top ops (torch.profiler)")
     p.add_argument("--peak-tflops", type=float, default=None, help="--inner: the GPU's dense bf16 peak (MFU)")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks")
     p.add_argument("--timeout", type=float, default=600)
@@ -201,6 +202,8 @@ def outer_markdown(args: argparse.Namespace, rows: list[dict[str, Any]], note: s
     cmd = "python scripts/bench_step.py" + (" --quick" if args.quick else "")
     cmd += f" --device cuda --outer-device {args.outer_device}" if args.device == "cuda" else ""
     cmd += " --retry" if args.retry else ""
+    cmd += f" --width {args.width}" if args.width and args.width != (256 if args.quick else 3200) else ""
+    cmd += f" --piece-mb {args.piece_mb:g}" if args.piece_mb != 4.0 else ""
     cmd = ("ZEROBAND_KERNELS=eager " if os.environ.get("ZEROBAND_KERNELS") == "eager" else "") + cmd
     return "\n".join([
         f"# Outer step by part: {rows[0]['params'] / 1e6:.1f}M fp32 params on {args.device}, 2 sites x 1 rank, "

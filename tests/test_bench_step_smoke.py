@@ -40,7 +40,8 @@ def test_bench_inner_quick_runs_both_loops_on_every_preset(tmp_path: Path) -> No
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads((tmp_path / "inner_step.json").read_text())["rows"]
     assert [(r["preset"], r["loop"]) for r in rows] == [
-        (p, loop) for p in ("debug", "demo") for loop in ("zeroband", "plain LlamaForCausalLM")]
-    for ours, plain in zip(rows[::2], rows[1::2]):
-        assert ours["params"] == plain["params"] and ours["tokens_s"] > 0 and plain["tokens_s"] > 0
+        (p, loop) for p in ("debug", "demo") for loop in ("zeroband", "zeroband-FSDP2 (1 rank)", "plain LlamaForCausalLM")]
+    for ours, fsdp, plain in zip(rows[::3], rows[1::3], rows[2::3]):
+        assert ours["params"] == fsdp["params"] == plain["params"]
+        assert ours["tokens_s"] > 0 and fsdp["tokens_s"] > 0 and plain["tokens_s"] > 0
     assert "plain LlamaForCausalLM" in (tmp_path / "inner_step.md").read_text()

@@ -136,11 +136,42 @@ def test_killed_save_leaves_previous_checkpoint_loadable(corpus, tmp_path):
     assert find_checkpoint(root, "auto").step == 8 and not (root / "step_000000008.tmp").exists()
 
 
-def test_bf16_and_activation_checkpointing_train(corpus, tmp_path):
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_bf16_and_activation_checkpointing_train(corpus, tmp_path, ranks):
+    """bf16 on a 2-rank site (FSDP2's bf16 policy) and on a 1-rank site (autocast, no FSDP2) learns."""
     tree = tiny_overrides(corpus, tmp_path, train={"steps": 12, "mixed_precision": "bf16", "activation_checkpointing": True})
-    out = run_ranks(_train, 2, (tree,))
+    out = run_ranks(_train, ranks, (tree,))
     losses = out[0]["losses"]
     assert all(math.isfinite(x) for x in losses) and sum(losses[-3:]) < sum(losses[:3])
+
+
+def _bf16_model(tree: dict) -> tuple[bool, str, str, str]:
+    """(sharded, parameter dtype, activation dtype, gradient dtype) of the model the trainer builds."""
+    from zeroband.mesh import init_topology, shutdown
+    from zeroband.models.llama import _is_dtensor
+    from zeroband.parallelize import build_model
+    from zeroband.world import world_from_env
+
+    cfg = validate_config(tree)
+    topology = init_topology(world_from_env(cfg), None, "t", 60, "gloo")
+    try:
+        model = build_model(cfg, topology)
+        logits = model(torch.randint(0, cfg.model.vocab_size, (1, 16)))
+        logits.float().sum().backward()
+        p = model.lm_head.weight
+        return _is_dtensor(p), str(p.dtype), str(logits.dtype), str(p.grad.dtype)
+    finally:
+        shutdown()
+
+
+def test_a_one_rank_site_runs_bf16_under_autocast_and_a_sharded_one_under_fsdp2(corpus, tmp_path):
+    """A 1-rank site has nothing to shard: no FSDP2 (its hooks made the 150M step host-bound on an
+    H100), fp32 parameters and gradients, bf16 activations by autocast. A 2-rank site shards."""
+    tree = tiny_overrides(corpus, tmp_path, train={"mixed_precision": "bf16"})
+    [one] = run_ranks(_bf16_model, 1, (tree,))
+    two = run_ranks(_bf16_model, 2, (tree,))
+    assert one == (False, "torch.float32", "torch.bfloat16", "torch.float32")
+    assert two[0] == two[1] == (True, "torch.float32", "torch.bfloat16", "torch.float32")
 
 
 def test_wsd_schedule_shape():

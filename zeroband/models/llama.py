@@ -155,6 +155,8 @@ class Llama(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         # Derived from the config, never saved: non-persistent buffers, refilled by `reset_rope`.
+        # bf16 autocast of an unsharded model (parallelize.build_model); FSDP2 casts by itself.
+        self.autocast: torch.dtype | None = None
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
         self.reset_rope(self.embed_tokens.weight.device)
@@ -172,12 +174,13 @@ class Llama(nn.Module):
         T = tokens.shape[1]
         if T > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds model.max_seq_len={self.cfg.max_seq_len}")
-        x = self.embed_tokens(tokens)
-        # Cast like HF does: tables in the activation dtype (bf16 under mixed precision).
-        cos, sin = self.rope_cos[:T].to(x.dtype), self.rope_sin[:T].to(x.dtype)
-        for block in self.layers:
-            x = block(x, cos, sin)
-        return self.lm_head(self.norm(x))
+        with torch.autocast(tokens.device.type, self.autocast or torch.bfloat16, enabled=self.autocast is not None):
+            x = self.embed_tokens(tokens)
+            # Cast like HF does: tables in the activation dtype (bf16 under FSDP2's mixed precision).
+            cos, sin = self.rope_cos[:T].to(x.dtype), self.rope_sin[:T].to(x.dtype)
+            for block in self.layers:
+                x = block(x, cos, sin)
+            return self.lm_head(self.norm(x))
 
     @torch.no_grad()
     def init_weights(self, seed: int, std: float | None = None) -> None:
