@@ -52,6 +52,69 @@ def test_every_vector_path_writes_the_eager_bits(arch: str, tmp_path: Path):
             assert native.sub_sumsq(x, y, torch.empty(n)) == pytest.approx(float((x.double() - y.double()).square().sum()), rel=2e-5)
 
 
+def _threaded(native: K.Native, threads: int, x: torch.Tensor, y: torch.Tensor,
+              half: torch.Tensor) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """Every output at `threads`, and the statistics of the kernels that keep them."""
+    native.threads = threads
+    try:
+        out = K.outputs(native, x, y, half)
+        rows = [torch.zeros(2, dtype=torch.float64) for _ in range(3)]
+        native.decode_f16(half, 0.25, torch.empty(x.numel()), rows[0])
+        native.encode_f16(x, 0.5, torch.empty(x.numel(), dtype=torch.float16), torch.empty(x.numel()), None, 1.0, rows[1])
+        native.add_f32(torch.zeros(x.numel()), x, 0.37, True, torch.empty(0), rows[2])
+        sums = [float(v) for r in rows for v in r] + [native.sub_sumsq(x, y, torch.empty(x.numel())), native.max_abs(x)]
+    finally:
+        native.threads = 1
+    return out, sums
+
+
+@needs_cc
+def test_split_runs_write_the_same_bits_at_any_thread_count(tmp_path: Path):
+    """A kernel's values cut into runs over the library's worker threads: bitwise the one-thread
+    outputs (each value is the same arithmetic), statistics within fp32 summation error, uneven
+    lengths included."""
+    native = _built(tmp_path, ARCHES["native"])
+    gen = torch.Generator().manual_seed(5)
+    n = 9 * 65_536 + 4_101  # ~9 runs of the minimum size, and a tail that is not a whole block
+    x = torch.randn(n, generator=gen) * torch.logspace(-20, 4, n)[torch.randperm(n, generator=gen)]
+    y, half = torch.randn(n, generator=gen), (torch.randn(n, generator=gen) * 100).half()
+    want, want_sums = _threaded(native, 1, x, y, half)
+    for threads in (2, 3, 8):
+        got, sums = _threaded(native, threads, x, y, half)
+        for name, g in got.items():
+            bits = torch.int32 if g.dtype == torch.float32 else torch.int16
+            assert torch.equal(g.view(bits), want[name].view(bits)), f"{name} at {threads} threads"
+        assert sums == pytest.approx(want_sums, rel=1e-6)  # float64 sums of per-block fp32 sums, reordered
+
+
+@needs_cc
+def test_a_child_forked_after_the_workers_started_runs_threaded_kernels(tmp_path: Path):
+    """A child forked once the kernels' worker threads run (tests fork their ranks) starts workers of
+    its own and writes the same bits. (An OpenMP team here would have been torch's libgomp's: the
+    child's next parallel region, torch's included, hung.)"""
+    import multiprocessing as mp
+
+    native = _built(tmp_path, ARCHES["native"])
+    x = torch.randn(600_000, generator=torch.Generator().manual_seed(3))
+    native.threads = 4
+    want = torch.empty_like(x)
+    native.copy(x, want)  # the workers start in this process
+    lib = str(K.build(CC, K.private_dir(tmp_path / "lib"), (ARCHES["native"],)))
+    with mp.get_context("fork").Pool(1) as pool:
+        got = pool.apply_async(_child_copy, (lib, x)).get(timeout=60)
+    native.threads = 1
+    assert torch.equal(got, want)
+
+
+def _child_copy(lib: str, x: torch.Tensor) -> torch.Tensor:
+    torch.set_num_threads(1)  # as forked ranks run
+    native = K.load(Path(lib))
+    native.threads = 4
+    out = torch.empty_like(x)
+    native.copy(x, out)
+    return out
+
+
 @needs_cc
 def test_statistics_count_what_is_not_finite(tmp_path: Path):
     native = _built(tmp_path, ARCHES["native"])

@@ -14,6 +14,8 @@
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
+#include <pthread.h>
+#include <string.h>
 
 typedef _Float16 half;
 #define BLOCK 4096 /* values per fp32 partial sum: short enough to keep fp32 rounding ~1e-6 relative */
@@ -122,7 +124,7 @@ static inline void finish(double *stats, acc_t acc, double unit) {
 }
 
 /* out = a - b; returns the sum of squares of out (non-finite if any value is) */
-double zb_sub_sumsq(const float *a, const float *b, float *out, int64_t n, int stream) {
+static double sub_sumsq(const float *a, const float *b, float *out, int64_t n, int stream) {
     acc_t acc = {0.0, 0};
     int64_t i = 0;
 #define ELEM(i)                  \
@@ -151,7 +153,7 @@ double zb_sub_sumsq(const float *a, const float *b, float *out, int64_t n, int s
 }
 
 /* out = in, streamed when `stream` (the copy back into the model) */
-void zb_copy(const float *in, float *out, int64_t n, int stream) {
+static void copy_(const float *in, float *out, int64_t n, int stream) {
     int64_t i = 0;
 #if LANES
     for (int64_t k = lead(out, n, stream); i < k; i++) out[i] = in[i];
@@ -162,7 +164,7 @@ void zb_copy(const float *in, float *out, int64_t n, int stream) {
 }
 
 /* max |x|; NaN if any value is NaN, 0 for no values */
-float zb_max_abs(const float *x, int64_t n) {
+static float max_abs(const float *x, int64_t n) {
     float m = 0.0f;
     int64_t nans = 0, i = 0;
 #if LANES
@@ -184,8 +186,8 @@ float zb_max_abs(const float *x, int64_t n) {
 
 /* out = fp16(fp32(x * factor)); decoded (nullable; streamed when `stream`) = fp32(out) * unit;
  * stats += those values' */
-void zb_encode_f16(const float *x, int64_t n, float factor, half *out, float *decoded, double unit, double *stats,
-                   int stream) {
+static void encode_f16(const float *x, int64_t n, float factor, half *out, float *decoded, double unit, double *stats,
+                       int stream) {
     const float u = (float)unit;
     acc_t acc = {0.0, 0};
     int64_t i = 0;
@@ -219,7 +221,7 @@ void zb_encode_f16(const float *x, int64_t n, float factor, half *out, float *de
 }
 
 /* out (streamed when `stream`) = fp32(in) * unit; stats += those values' */
-void zb_decode_f16(const half *in, int64_t n, double unit, float *out, double *stats, int stream) {
+static void decode_f16(const half *in, int64_t n, double unit, float *out, double *stats, int stream) {
     const float u = (float)unit;
     acc_t acc = {0.0, 0};
     int64_t i = 0;
@@ -251,7 +253,7 @@ void zb_decode_f16(const half *in, int64_t n, double unit, float *out, double *s
 }
 
 /* total = (first ? +0 : total) + fp32(in) * unit; stats += the decoded values' */
-void zb_add_f16(float *total, const half *in, int64_t n, double unit, int first, double *stats) {
+static void add_f16(float *total, const half *in, int64_t n, double unit, int first, double *stats) {
     const float u = (float)unit;
     acc_t acc = {0.0, 0};
     int64_t i = 0;
@@ -278,7 +280,7 @@ void zb_add_f16(float *total, const half *in, int64_t n, double unit, int first,
 }
 
 /* total = (first ? +0 : total) + fp32(x * weight); stats += those products' */
-void zb_add_f32(float *total, const float *x, int64_t n, float weight, int first, double *stats) {
+static void add_f32(float *total, const float *x, int64_t n, float weight, int first, double *stats) {
     acc_t acc = {0.0, 0};
     int64_t i = 0;
 #if LANES
@@ -312,8 +314,8 @@ void zb_add_f32(float *total, const float *x, int64_t n, float weight, int first
  * zeroband/comm/kernels.py checks these bits against torch's own optimizer before using this, since
  * where torch's compiler fused a product into a sum is a property of its build. `local` (nullable,
  * streamed when `stream`) receives the new p in the same pass: the copy back into the model. */
-void zb_sgd(float *p, const float *g, float *buf, float *local, int64_t n, float lr, float m, int nesterov,
-            int first, int64_t tail_from, int stream) {
+static void sgd(float *p, const float *g, float *buf, float *local, int64_t n, float lr, float m, int nesterov,
+                int first, int64_t tail_from, int stream) {
     int64_t i = 0;
 #define ELEM(i)                                                                         \
     do {                                                                                \
@@ -344,4 +346,214 @@ void zb_sgd(float *p, const float *g, float *buf, float *local, int64_t n, float
 #endif
     for (; i < n; i++) ELEM(i);
 #undef ELEM
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * The exported kernels: each cuts its n values into up to `threads` runs of whole BLOCKs (at least
+ * MIN_PART values each) and runs the kernel above on every run, on the calling thread and the
+ * library's own worker threads. Every value is written by the same arithmetic whatever the cut, so
+ * the outputs are bitwise the same at any thread count; statistics are summed per run, then over
+ * the runs in order.
+ *
+ * Why a pool of our own and not OpenMP: torch loads libgomp too, and the dynamic linker gives us
+ * its copy, so a team we start becomes torch's. A child forked after that (tests fork their ranks)
+ * inherits a pool whose threads do not exist, and GNU libgomp hangs on the child's next parallel
+ * region, torch's included. This pool forgets its threads in a forked child and starts new ones
+ * there. Its workers sleep on a condition variable between jobs instead of spinning, so sites that
+ * share a few cores do not take CPU from each other. One job at a time: a second caller meanwhile
+ * (the exchange thread beside the training loop, simulated sites) runs its job on its own thread. */
+#define MIN_PART (64 * 1024) /* 256 KB of fp32: ~20 us of work, above the cost of waking a worker */
+#define MAX_PARTS 64
+
+typedef void (*run_fn)(void *job, int k);
+
+static struct {
+    pthread_mutex_t busy; /* held by the caller whose job the workers run */
+    pthread_mutex_t mu;   /* guards the fields below */
+    pthread_cond_t go, done;
+    int workers;
+    unsigned long gen; /* bumped per job: a worker runs runs of jobs newer than the last it saw */
+    run_fn fn;
+    void *job;
+    int parts, next, finished;
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER,
+          0, 0, NULL, NULL, 0, 0, 0};
+
+/* Runs of the current job, taken one at a time; called and returns with pool.mu held. */
+static void take_runs(void) {
+    while (pool.next < pool.parts) {
+        int k = pool.next++;
+        run_fn fn = pool.fn;
+        void *job = pool.job;
+        pthread_mutex_unlock(&pool.mu);
+        fn(job, k);
+        pthread_mutex_lock(&pool.mu);
+        if (++pool.finished == pool.parts) pthread_cond_broadcast(&pool.done);
+    }
+}
+
+static void *worker(void *arg) {
+    (void)arg;
+    unsigned long seen = 0;
+    pthread_mutex_lock(&pool.mu);
+    for (;;) {
+        while (pool.gen == seen) pthread_cond_wait(&pool.go, &pool.mu);
+        seen = pool.gen;
+        take_runs();
+    }
+    return NULL;
+}
+
+/* In a forked child only the forking thread exists: start over with no workers. */
+static void forget_workers(void) {
+    pthread_mutex_init(&pool.busy, NULL);
+    pthread_mutex_init(&pool.mu, NULL);
+    pthread_cond_init(&pool.go, NULL);
+    pthread_cond_init(&pool.done, NULL);
+    pool.workers = 0;
+    pool.parts = pool.next = pool.finished = 0;
+}
+__attribute__((constructor)) static void watch_forks(void) { pthread_atfork(NULL, NULL, forget_workers); }
+
+/* fn(job, k) for k < parts, on this thread and parts - 1 workers; returns when all have run. */
+static void run_all(run_fn fn, void *job, int parts) {
+    if (parts > 1 && pthread_mutex_trylock(&pool.busy) == 0) {
+        pthread_mutex_lock(&pool.mu);
+        while (pool.workers < parts - 1) {
+            pthread_t t;
+            pthread_attr_t attr;
+            pthread_attr_init(&attr);
+            pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+            int failed = pthread_create(&t, &attr, worker, NULL);
+            pthread_attr_destroy(&attr);
+            if (failed) break; /* fewer workers: this thread runs more of the runs */
+            pool.workers++;
+        }
+        pool.next = pool.finished = 0;
+        pool.fn = fn;
+        pool.job = job;
+        pool.parts = parts;
+        pool.gen++;
+        pthread_cond_broadcast(&pool.go);
+        take_runs();
+        while (pool.finished < pool.parts) pthread_cond_wait(&pool.done, &pool.mu);
+        pool.parts = pool.next = 0;
+        pthread_mutex_unlock(&pool.mu);
+        pthread_mutex_unlock(&pool.busy);
+        return;
+    }
+    for (int k = 0; k < parts; k++) fn(job, k);
+}
+
+static inline int nparts(int64_t n, int threads) {
+    int64_t p = n / MIN_PART;
+    if (p > threads) p = threads;
+    if (p > MAX_PARTS) p = MAX_PARTS;
+    return p < 1 ? 1 : (int)p;
+}
+
+static inline int64_t cut(int64_t n, int parts, int k) { /* start of run k; cut(n, parts, parts) == n */
+    int64_t blocks = (n + BLOCK - 1) / BLOCK, c = blocks * k / parts * BLOCK;
+    return c < n ? c : n;
+}
+
+/* A job: the kernel's arguments, its run count, and per-run results (statistics rows, sums). */
+typedef struct {
+    const void *a, *b;
+    void *out, *out2, *out3;
+    int64_t n, tail;
+    double unit, res[MAX_PARTS], rows[2 * MAX_PARTS];
+    float f, g;
+    int flag, flag2, stream, parts, has_stats;
+} job_t;
+
+#define RUN(name) static void name(void *ctx, int k)
+#define RANGE                                                                     \
+    job_t *j = ctx;                                                               \
+    const int64_t lo = cut(j->n, j->parts, k), hi = cut(j->n, j->parts, k + 1); \
+    double *row = j->has_stats ? j->rows + 2 * k : NULL;                          \
+    (void)row
+
+RUN(run_sub) { RANGE; j->res[k] = sub_sumsq((const float *)j->a + lo, (const float *)j->b + lo, (float *)j->out + lo, hi - lo, j->stream); }
+RUN(run_copy) { RANGE; copy_((const float *)j->a + lo, (float *)j->out + lo, hi - lo, j->stream); }
+RUN(run_max) { RANGE; j->res[k] = max_abs((const float *)j->a + lo, hi - lo); }
+RUN(run_encode) {
+    RANGE;
+    encode_f16((const float *)j->a + lo, hi - lo, j->f, (half *)j->out + lo, j->out2 ? (float *)j->out2 + lo : NULL,
+               j->unit, row, j->stream);
+}
+RUN(run_decode) { RANGE; decode_f16((const half *)j->a + lo, hi - lo, j->unit, (float *)j->out + lo, row, j->stream); }
+RUN(run_add_f16) { RANGE; add_f16((float *)j->out + lo, (const half *)j->a + lo, hi - lo, j->unit, j->flag, row); }
+RUN(run_add_f32) { RANGE; add_f32((float *)j->out + lo, (const float *)j->a + lo, hi - lo, j->f, j->flag, row); }
+RUN(run_sgd) {
+    RANGE;
+    sgd((float *)j->out + lo, (const float *)j->a + lo, j->out2 ? (float *)j->out2 + lo : NULL,
+        j->out3 ? (float *)j->out3 + lo : NULL, hi - lo, j->f, j->g, j->flag, j->flag2,
+        j->tail < lo ? 0 : (j->tail > hi ? hi : j->tail) - lo, j->stream);
+}
+
+/* Runs `fn` over the job's n values; adds the runs' statistics to `stats` (nullable) in run order. */
+static void split(run_fn fn, job_t *j, int threads, double *stats) {
+    j->parts = nparts(j->n, threads);
+    j->has_stats = stats != NULL;
+    if (stats) memset(j->rows, 0, sizeof(double) * 2 * j->parts);
+    run_all(fn, j, j->parts);
+    for (int k = 0; stats && k < j->parts; k++) {
+        stats[0] += j->rows[2 * k];
+        stats[1] += j->rows[2 * k + 1];
+    }
+}
+
+double zb_sub_sumsq(const float *a, const float *b, float *out, int64_t n, int stream, int threads) {
+    job_t j = {.a = a, .b = b, .out = out, .n = n, .stream = stream};
+    split(run_sub, &j, threads, NULL);
+    double sum = 0.0;
+    for (int k = 0; k < j.parts; k++) sum += j.res[k];
+    return sum;
+}
+
+void zb_copy(const float *in, float *out, int64_t n, int stream, int threads) {
+    job_t j = {.a = in, .out = out, .n = n, .stream = stream};
+    split(run_copy, &j, threads, NULL);
+}
+
+float zb_max_abs(const float *x, int64_t n, int threads) {
+    job_t j = {.a = x, .n = n};
+    split(run_max, &j, threads, NULL);
+    float best = 0.0f;
+    for (int k = 0; k < j.parts; k++) {
+        float m = (float)j.res[k];
+        if (m != m) return NAN;
+        best = m > best ? m : best;
+    }
+    return best;
+}
+
+void zb_encode_f16(const float *x, int64_t n, float factor, half *out, float *decoded, double unit, double *stats,
+                   int stream, int threads) {
+    job_t j = {.a = x, .out = out, .out2 = decoded, .n = n, .f = factor, .unit = unit, .stream = stream};
+    split(run_encode, &j, threads, stats);
+}
+
+void zb_decode_f16(const half *in, int64_t n, double unit, float *out, double *stats, int stream, int threads) {
+    job_t j = {.a = in, .out = out, .n = n, .unit = unit, .stream = stream};
+    split(run_decode, &j, threads, stats);
+}
+
+void zb_add_f16(float *total, const half *in, int64_t n, double unit, int first, double *stats, int threads) {
+    job_t j = {.a = in, .out = total, .n = n, .unit = unit, .flag = first};
+    split(run_add_f16, &j, threads, stats);
+}
+
+void zb_add_f32(float *total, const float *x, int64_t n, float weight, int first, double *stats, int threads) {
+    job_t j = {.a = x, .out = total, .n = n, .f = weight, .flag = first};
+    split(run_add_f32, &j, threads, stats);
+}
+
+/* `tail_from` is where torch's scalar loop starts in the whole vector: each run gets its own offset */
+void zb_sgd(float *p, const float *g, float *buf, float *local, int64_t n, float lr, float m, int nesterov,
+            int first, int64_t tail_from, int stream, int threads) {
+    job_t j = {.a = g, .out = p, .out2 = buf, .out3 = local, .n = n, .f = lr, .g = m, .flag = nesterov,
+               .flag2 = first, .tail = tail_from, .stream = stream};
+    split(run_sgd, &j, threads, NULL);
 }

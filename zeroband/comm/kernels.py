@@ -37,7 +37,7 @@ from torch.optim.sgd import sgd as torch_sgd
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels.c")
-FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC", "-std=gnu11"]
+FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC", "-std=gnu11", "-pthread"]
 ARCH_FLAGS = (["-march=native"], [])  # the host's vector units; then whatever the compiler defaults to
 STREAM_BYTES = 64 << 20  # outputs larger than a last-level cache (32 MB here) gain nothing from going through it
 EXACT_UNIT = 2.0**-100  # fp16 values x a power of two >= this stay exact in fp32 (finest step 2**-149)
@@ -224,30 +224,31 @@ class Native:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         p, n, f, d, i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_double, ctypes.c_int
-        sig = {"zb_sub_sumsq": (d, [p, p, p, n, i]), "zb_copy": (None, [p, p, n, i]), "zb_max_abs": (f, [p, n]),
-               "zb_encode_f16": (None, [p, n, f, p, p, d, p, i]), "zb_decode_f16": (None, [p, n, d, p, p, i]),
-               "zb_add_f16": (None, [p, p, n, d, i, p]), "zb_add_f32": (None, [p, p, n, f, i, p]),
-               "zb_sgd": (None, [p, p, p, p, n, f, f, i, i, n, i])}
+        sig = {"zb_sub_sumsq": (d, [p, p, p, n, i, i]), "zb_copy": (None, [p, p, n, i, i]), "zb_max_abs": (f, [p, n, i]),
+               "zb_encode_f16": (None, [p, n, f, p, p, d, p, i, i]), "zb_decode_f16": (None, [p, n, d, p, p, i, i]),
+               "zb_add_f16": (None, [p, p, n, d, i, p, i]), "zb_add_f32": (None, [p, p, n, f, i, p, i]),
+               "zb_sgd": (None, [p, p, p, p, n, f, f, i, i, n, i, i])}  # each ends with its thread count
         for name, (restype, argtypes) in sig.items():
             fn = getattr(lib, name)
             fn.restype, fn.argtypes = restype, argtypes
         self.lib = lib
+        self.threads = 1  # per call, at most (`set_threads`); one run on the calling thread at 1
         self.exact_sgd = True  # `kernels()` turns it off when torch's optimizer rounds otherwise (`check_sgd`)
 
     def sub_sumsq(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, stream: bool = False) -> float:
         if not _fits((a, F32), (b, F32), (out, F32)):
             return EAGER.sub_sumsq(a, b, out)
-        return self.lib.zb_sub_sumsq(a.data_ptr(), b.data_ptr(), out.data_ptr(), out.numel(), stream)
+        return self.lib.zb_sub_sumsq(a.data_ptr(), b.data_ptr(), out.data_ptr(), out.numel(), stream, self.threads)
 
     def copy(self, src: torch.Tensor, out: torch.Tensor, stream: bool = False) -> None:
         if not _fits((src, F32), (out, F32)):
             return EAGER.copy(src, out)
-        self.lib.zb_copy(src.data_ptr(), out.data_ptr(), out.numel(), stream)
+        self.lib.zb_copy(src.data_ptr(), out.data_ptr(), out.numel(), stream, self.threads)
 
     def max_abs(self, x: torch.Tensor) -> float:
         if not _fits((x, F32)):
             return EAGER.max_abs(x)
-        return self.lib.zb_max_abs(x.data_ptr(), x.numel())
+        return self.lib.zb_max_abs(x.data_ptr(), x.numel(), self.threads)
 
     def encode_f16(self, x: torch.Tensor, factor: float, half: torch.Tensor, scratch: torch.Tensor,
                    decoded: torch.Tensor | None = None, unit: float = 1.0, stats: Row = None,
@@ -255,25 +256,25 @@ class Native:
         if not _fits((x, F32), (half, F16), (decoded, F32), (stats, F64)):
             return EAGER.encode_f16(x, factor, half, scratch, decoded, unit, stats)
         self.lib.zb_encode_f16(x.data_ptr(), x.numel(), factor, half.data_ptr(), _ptr(decoded), unit, _ptr(stats),
-                               stream)
+                               stream, self.threads)
 
     def decode_f16(self, half: torch.Tensor, unit: float, out: torch.Tensor, stats: Row = None,
                    stream: bool = False) -> None:
         if not _fits((half, F16), (out, F32), (stats, F64)):
             return EAGER.decode_f16(half, unit, out, stats)
-        self.lib.zb_decode_f16(half.data_ptr(), half.numel(), unit, out.data_ptr(), _ptr(stats), stream)
+        self.lib.zb_decode_f16(half.data_ptr(), half.numel(), unit, out.data_ptr(), _ptr(stats), stream, self.threads)
 
     def add_f16(self, total: torch.Tensor, half: torch.Tensor, unit: float, first: bool, scratch: torch.Tensor,
                 stats: Row = None) -> None:
         if not _fits((total, F32), (half, F16), (stats, F64)):
             return EAGER.add_f16(total, half, unit, first, scratch, stats)
-        self.lib.zb_add_f16(total.data_ptr(), half.data_ptr(), half.numel(), unit, int(first), _ptr(stats))
+        self.lib.zb_add_f16(total.data_ptr(), half.data_ptr(), half.numel(), unit, int(first), _ptr(stats), self.threads)
 
     def add_f32(self, total: torch.Tensor, x: torch.Tensor, weight: float, first: bool, scratch: torch.Tensor,
                 stats: Row = None) -> None:
         if not _fits((total, F32), (x, F32), (stats, F64)):
             return EAGER.add_f32(total, x, weight, first, scratch, stats)
-        self.lib.zb_add_f32(total.data_ptr(), x.data_ptr(), x.numel(), weight, int(first), _ptr(stats))
+        self.lib.zb_add_f32(total.data_ptr(), x.data_ptr(), x.numel(), weight, int(first), _ptr(stats), self.threads)
 
     def sgd(self, p: torch.Tensor, g: torch.Tensor, buf: torch.Tensor | None, local: torch.Tensor | None, lr: float,
             momentum: float, nesterov: bool, stream: bool = False) -> torch.Tensor | None:
@@ -284,7 +285,7 @@ class Native:
             buf = torch.empty_like(p)
         n = p.numel()
         self.lib.zb_sgd(p.data_ptr(), g.data_ptr(), _ptr(buf) if momentum != 0 else None, _ptr(local), n,
-                        lr, momentum, nesterov, first, n - n % TORCH_SCALAR_TAIL, stream)
+                        lr, momentum, nesterov, first, n - n % TORCH_SCALAR_TAIL, stream, self.threads)
         return buf
 
 
@@ -426,6 +427,17 @@ def kernels() -> Kernels:
     """The kernels to use: `Native` if it builds and passes `check`, else `Eager` (one log line why);
     `Eager` while ZEROBAND_KERNELS=eager (read on every call: tests run both through it)."""
     return EAGER if os.environ.get("ZEROBAND_KERNELS", "auto") == "eager" else native_or_eager()
+
+
+def set_threads(n: int) -> int:
+    """Threads each native kernel call may split its values over from now on (the outer step's
+    `diloco.outer_threads`); returns the previous count. The bits written do not depend on it.
+    No-op while the eager kernels run (those use torch's own threads)."""
+    k = kernels()
+    if not isinstance(k, Native):
+        return n
+    before, k.threads = k.threads, max(1, n)
+    return before
 
 
 def check_sgd(native: Native, n: int = 40_000) -> bool:

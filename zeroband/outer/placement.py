@@ -13,7 +13,7 @@ from contextlib import contextmanager
 import torch
 
 from zeroband.comm.direct import flat_base
-from zeroband.comm.kernels import ChunkStats, Measured, count_nonfinite, kernels, streams
+from zeroband.comm.kernels import ChunkStats, Measured, count_nonfinite, kernels, set_threads, streams
 from zeroband.comm.timing import Parts
 from zeroband.config import DilocoConfig
 from zeroband.outer.stats import chunks_of
@@ -58,16 +58,20 @@ def outer_thread_count(setting: int, affinity_cores: int, local_ranks: int) -> i
 
 @contextmanager
 def torch_threads(n: int) -> Iterator[None]:
-    """torch's intra-op threads set to `n` for the block (the inner step keeps its own setting)."""
-    before = torch.get_num_threads()
-    if n == before:  # nothing to change: leave the process-wide setting alone
-        yield
-        return
-    torch.set_num_threads(n)
+    """torch's intra-op threads and the native kernels' (comm/kernels.py) set to `n` for the block
+    (the inner step keeps its own setting)."""
+    before, kernel_before = torch.get_num_threads(), set_threads(n)
     try:
-        yield
+        if n == before:  # nothing to change: leave the process-wide setting alone
+            yield
+            return
+        torch.set_num_threads(n)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(before)
     finally:
-        torch.set_num_threads(before)
+        set_threads(kernel_before)
 
 
 class OuterCopy:
