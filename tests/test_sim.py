@@ -25,20 +25,22 @@ def run_simulated(tree: dict, sites: int) -> dict:
     return run_ranks(_simulate, 1, (tree, sites), timeout=120)[0]
 
 
-@pytest.mark.parametrize("diloco", [
-    {"comm_dtype": "fp16", "inner_steps": 2},
-    {"comm_dtype": "int8", "error_feedback": True, "inner_steps": 3, "outer_lr_schedule": "inner"},
-    {"mode": "data_parallel", "comm_dtype": "fp32"},
-    {"overlap": True, "inner_steps": 2},
+@pytest.mark.parametrize("diloco, precision", [
+    ({"comm_dtype": "fp16", "inner_steps": 2}, "fp32"),
+    ({"comm_dtype": "int8", "error_feedback": True, "inner_steps": 3, "outer_lr_schedule": "inner"}, "fp32"),
+    ({"mode": "data_parallel", "comm_dtype": "fp32"}, "fp32"),
+    ({"overlap": True, "inner_steps": 2}, "fp32"),
+    ({"comm_dtype": "fp16", "inner_steps": 2}, "bf16"),  # 1-rank sites: autocast, per thread
 ])
-def test_simulated_sites_equal_forked_sites(corpus, tmp_path, diloco):
+def test_simulated_sites_equal_forked_sites(corpus, tmp_path, diloco, precision):
     """Same config, 3 sites: the same losses on every site and bitwise the same final parameters.
 
     Exact equality is the right bar: both paths run the same code with one intra-op thread, so every
     operation sees the same inputs in the same order; only the transport of the global group differs,
     and it moves bytes, not values.
     """
-    extra = dict(train={"steps": 6, "global_batch": 2, "micro_batch": 2}, checkpoint={"interval": 0},
+    extra = dict(train={"steps": 6, "global_batch": 2, "micro_batch": 2, "mixed_precision": precision},
+                 checkpoint={"interval": 0},
                  eval={"interval": 3, "batches": 2}, diloco=diloco)
     forked, simulated = diloco_tree(corpus, tmp_path / "forked", **extra), diloco_tree(corpus, tmp_path / "sim", **extra)
     out = run_forked(_train, 3, 1, (forked,), timeout=120)
