@@ -139,7 +139,9 @@ def fsdp_step(preset: str, seq: int, batch: int, setup: Setup, topology: Any) ->
     return zeroband_step(preset, seq, batch, setup, topology, shard=True)
 
 
-LOOPS = (("zeroband", zeroband_step), ("zeroband-FSDP2 (1 rank)", fsdp_step), ("plain LlamaForCausalLM", plain_step))
+# (the row's name, its profile file's tag, how to build it)
+LOOPS = (("zeroband", "zeroband", zeroband_step), ("zeroband-FSDP2 (1 rank)", "FSDP2", fsdp_step),
+         ("plain LlamaForCausalLM", "plain", plain_step))
 
 
 def measure(presets: dict[str, tuple[int, int]], setup: Setup, peak: float,
@@ -155,14 +157,14 @@ def measure(presets: dict[str, tuple[int, int]], setup: Setup, peak: float,
     rows = []
     try:
         for preset, (seq, batch) in presets.items():
-            for name, build in LOOPS:
+            for name, tag, build in LOOPS:
                 built = build(preset, seq, batch, setup, topology)
                 if built is None:
                     continue
                 step, params = built
                 seconds, mem = timed(step, setup)
                 if profile_dir is not None:
-                    profile(step, setup, profile_dir / f"profile_{preset}_{name.split()[0].split('-')[-1]}.txt")
+                    profile(step, setup, profile_dir / f"profile_{preset}_{tag}.txt")
                 tps = batch * seq / seconds
                 rows.append({"preset": preset, "loop": name, "params": params, "tokens_s": tps,
                              "mfu": 6 * params * tps / (peak * 1e12), "peak_gb": mem})

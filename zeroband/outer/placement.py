@@ -61,16 +61,14 @@ def torch_threads(n: int) -> Iterator[None]:
     """torch's intra-op threads and the native kernels' (comm/kernels.py) set to `n` for the block
     (the inner step keeps its own setting)."""
     before, kernel_before = torch.get_num_threads(), set_threads(n)
-    try:
-        if n == before:  # nothing to change: leave the process-wide setting alone
-            yield
-            return
+    change = n != before  # nothing to change: leave the process-wide setting alone
+    if change:
         torch.set_num_threads(n)
-        try:
-            yield
-        finally:
-            torch.set_num_threads(before)
+    try:
+        yield
     finally:
+        if change:
+            torch.set_num_threads(before)
         set_threads(kernel_before)
 
 
