@@ -59,6 +59,23 @@ def test_kill_during_all_reduce_retries_without_partial_result(corpus, tmp_path,
     assert_identical(tree, [0, 2], 10)
 
 
+def test_a_member_stuck_in_an_aborted_exchange_hears_the_abort_and_retries_with_the_rest(corpus, tmp_path,
+                                                                                        store_address):
+    """Site 0's all-reduce fails and it votes fail; site 1 is stuck in its exchange (as behind a peer
+    that stopped sending), alive, until sites.timeout_s. It must read the abort from the store and
+    arrive at the retry within site 0's grace window, not be left out of a round it was ready for."""
+    tree = elastic_tree(corpus, tmp_path, store_address, comm_dtype="fp32")
+    out = run_sites(_train, 2, 1, (tree,), faults="site0:step4:allreduce:raise,site1:step4:allreduce:hang",
+                    timeout=120)
+    assert out[(0, 0)]["steps"] == out[(1, 0)]["steps"] == 10
+    by_step = {r["step"]: r for r in outer_records(tmp_path, 0)}
+    assert by_step[4]["sites_used"] == 2, by_step[4]  # the retry had both sites
+    events = [json.loads(line) for line in (tmp_path / "t" / "site1" / "metrics.jsonl").read_text().splitlines()]
+    round2 = [e["event"] for e in events if e.get("kind") == "membership" and e["round"] == 2]
+    assert round2 == ["decision", "aborted", "decision", "commit"], round2
+    assert_identical(tree, [0, 1], 10)
+
+
 def _late_train(tree: dict, delay_site: int, after_round: int) -> dict:
     """Site `delay_site` starts only once the others have committed `after_round` rounds."""
     import os

@@ -156,7 +156,7 @@ class ElasticMembership:
                 self.fresh, self.round = True, self.round + 1
                 raise LeftOut
             work = prepare(not self.fresh, self.round > 0)
-            outcome = self._attempt(decision, work)
+            outcome = self._attempt(decision, attempt, work)
             verdict = self.rounds.vote_and_verdict(self.round, attempt, decision,
                                                    self._site_ok(outcome is not NOT_DONE), self.sites.timeout_s)
             if verdict == "commit":
@@ -182,13 +182,13 @@ class ElasticMembership:
             return self.generation
         return self.topology.store.add(self.prefix + "generation", 1)
 
-    def _attempt(self, decision: Decision, work: Callable[[GlobalGroup], Any]) -> Any:
+    def _attempt(self, decision: Decision, attempt: int, work: Callable[[GlobalGroup], Any]) -> Any:
         """Groups, state hand-over, the outer loop's `work`; NOT_DONE if anything failed (the vote
         then aborts). Site-group collectives happen only on the main thread, before and after the
         watched thread: an abandoned thread must never hold a site collective that the others would
         then match with a different one."""
         try:
-            crcs, result = self._watched(decision, lambda: self._exchange(decision, work))
+            crcs, result = self._watched(decision, attempt, lambda: self._exchange(decision, work))
         except PeerRefused as e:
             if self.world.site_rank not in [decision.members[i] for i in e.admitted]:
                 self.leave()  # we are the foreign peer: stop, and let the others go on without us
@@ -230,12 +230,20 @@ class ElasticMembership:
                                       self.sites.backend, self.watch, mark, self.auth)
         self.generation, self.members = decision.generation, decision.members
 
-    def _watched(self, decision: Decision, work: Callable[[], Any]) -> Any:
-        """Run `work` on a thread; give up as soon as a member is seen dead or the timeout passes."""
+    def _watched(self, decision: Decision, attempt: int, work: Callable[[], Any]) -> Any:
+        """Run `work` on a thread; give up as soon as a member is seen dead, another member has
+        already aborted the attempt, or the timeout passes.
+
+        The abort matters when a member died mid all-reduce: the sites next to it get an error at
+        once and vote fail, but a site waiting on one of *them* hears nothing until the dead site's
+        heartbeat expires (dead_after_s). Left waiting, it would reach the retry after the others'
+        grace window and be left out of a round it was ready for."""
         def check() -> None:
             dead = self.liveness.dead_among(decision.members)
             if dead:
                 raise MemberLost(f"sites {sorted(dead)} stopped responding")
+            if self.rounds.verdict(self.round, attempt) == "abort":
+                raise MemberLost("another member aborted this attempt")
 
         self.watch.current = "the members (forming the group)"
         return self.watch.run(work, f"round {self.round} exchange", check)

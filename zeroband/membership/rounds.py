@@ -12,7 +12,8 @@ Every outer round r (round 0 is the start) may take several attempts a. For each
 5. **verdict**: any site may write `commit` (all members voted ok) or `abort` (a fail vote, a
    member dead or gone, or the vote timed out), again by compare-and-set. A committed step is
    applied by every member; an aborted one by none, and the round is retried as attempt a+1 in
-   a new generation. So no two survivors ever apply different results.
+   a new generation. So no two survivors ever apply different results. A member still inside
+   its exchange gives up as soon as it reads an abort, so it reaches the retry with the others.
 
 The store is linearizable (one TCPStore server, or etcd), which is all the agreement needs. Every
 value is signed with the shared secret (zeroband/membership/signed.py): a forged arrival, member
@@ -175,6 +176,11 @@ class RoundCoordinator:
                 self.store.compare_set(key, "", verdict)
             time.sleep(POLL_S)
         return self.store.get(key).decode()
+
+    def verdict(self, r: int, a: int) -> str | None:
+        """The attempt's verdict, or None while there is none (a forged one reads as none)."""
+        raw = self.store.read(self._key(r, a, "verdict"))
+        return None if raw is None else raw.decode()
 
     def _tally(self, r: int, a: int, decision: Decision) -> str | None:
         votes = {}

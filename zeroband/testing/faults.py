@@ -3,8 +3,10 @@
     site1:step30:allreduce:kill,site0:step20:checkpoint:kill:rank1
 
 Each entry: site, step (the inner step about to finish, 1-based), point, action (`kill` = SIGKILL,
-`term` = SIGTERM, `stop` = SIGSTOP, `raise`, or `nan`: the pseudo-gradient sent at that `allreduce`
-is poisoned with NaN), and optionally the rank inside the site (default: every rank).
+`term` = SIGTERM, `stop` = SIGSTOP, `raise`, `hang`: the calling thread blocks for good while the
+process lives on, as a collective waiting on a peer that stopped sending does, or `nan`: the
+pseudo-gradient sent at that `allreduce` is poisoned with NaN), and optionally the rank inside the
+site (default: every rank).
 
 Production code knows nothing of this: `install` wraps, from outside, the seams the outer loop and
 the checkpoint module keep for it (docs: the fault seams in the notes of issue 14):
@@ -32,6 +34,7 @@ from typing import Any
 
 POINTS = ("inner", "allreduce", "checkpoint", "seal")
 ACTIONS = {"kill": signal.SIGKILL, "term": signal.SIGTERM, "stop": signal.SIGSTOP}
+OTHER_ACTIONS = ("raise", "hang", "nan")
 # Where the outer classes live, before and after the outer/membership split; missing ones are skipped.
 OUTER_MODULES = ("zeroband.outer", "zeroband.membership", "zeroband.diloco", "zeroband.elastic",
                  "zeroband.cross_site_dp")
@@ -59,9 +62,9 @@ def parse_faults(spec: str) -> list[Fault]:
         if len(parts) not in (4, 5) or not parts[0].startswith("site") or not parts[1].startswith("step"):
             raise ValueError(f"fault {entry!r} must look like site<N>:step<N>:<point>:<action>[:rank<N>]")
         point, action = parts[2], parts[3]
-        if point not in POINTS or (action not in ACTIONS and action not in ("raise", "nan")):
+        if point not in POINTS or (action not in ACTIONS and action not in OTHER_ACTIONS):
             raise ValueError(f"fault {entry!r}: point must be one of {POINTS}, "
-                             f"action one of {[*ACTIONS, 'raise', 'nan']}")
+                             f"action one of {[*ACTIONS, *OTHER_ACTIONS]}")
         rank = int(parts[4].removeprefix("rank")) if len(parts) == 5 else None
         faults.append(Fault(int(parts[0][4:]), int(parts[1][4:]), point, action, rank))
     return faults
@@ -87,7 +90,9 @@ class Injector:
         for f in self.due(point, step):
             if f.action == "raise":
                 raise InjectedFault(f"injected fault at site {self.site} rank {self.rank} step {step} ({point})")
-            if f.action != "nan":  # nan is applied to the pseudo-gradient, not here
+            if f.action == "hang":
+                threading.Event().wait()  # a watched thread: the watcher abandons it, the process goes on
+            if f.action in ACTIONS:  # nan is applied to the pseudo-gradient, not here
                 os.kill(os.getpid(), ACTIONS[f.action])
 
     def poisons(self) -> bool:
