@@ -126,9 +126,14 @@ def final_params(tree: dict, site: int | None, step: int) -> dict[str, torch.Ten
     return dict(load_for_export(cfg, root / f"step_{step:09d}").state_dict())
 
 
-def outer_records(out: Path, site: int) -> list[dict]:
+def site_records(out: Path, site: int, kind: str) -> list[dict]:
+    """The records of one kind ("outer", "membership", ...) in a site's metrics.jsonl."""
     lines = (out / "t" / f"site{site}" / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r["kind"] == "outer"]
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+def outer_records(out: Path, site: int) -> list[dict]:
+    return site_records(out, site, "outer")
 
 
 def _corrupt(ckpt: Path) -> None:

@@ -14,7 +14,7 @@ from datetime import timedelta
 import pytest
 import torch
 
-from tests.helpers import _train, elastic_tree, final_params, outer_records
+from tests.helpers import _train, elastic_tree, final_params, outer_records, site_records
 from tests.multiproc import Died, free_port, run_sites
 from zeroband.membership.store import open_store
 
@@ -70,8 +70,7 @@ def test_a_member_stuck_in_an_aborted_exchange_hears_the_abort_and_retries_with_
     assert out[(0, 0)]["steps"] == out[(1, 0)]["steps"] == 10
     by_step = {r["step"]: r for r in outer_records(tmp_path, 0)}
     assert by_step[4]["sites_used"] == 2, by_step[4]  # the retry had both sites
-    events = [json.loads(line) for line in (tmp_path / "t" / "site1" / "metrics.jsonl").read_text().splitlines()]
-    round2 = [e["event"] for e in events if e.get("kind") == "membership" and e["round"] == 2]
+    round2 = [e["event"] for e in site_records(tmp_path, 1, "membership") if e["round"] == 2]
     assert round2 == ["decision", "aborted", "decision", "commit"], round2
     assert_identical(tree, [0, 1], 10)
 

@@ -167,15 +167,15 @@ class RoundCoordinator:
             self.store.set(self._key(r, a, "vote", self.site), "ok" if site_ok else "fail")
         key, deadline = self._key(r, a, "verdict"), time.monotonic() + timeout_s
         ticker = Ticker(f"round {r} attempt {a}: votes")
-        while not self.store.check([key]):
+        while (verdict := self.verdict(r, a)) is None:
             ticker.tick(f"the votes of sites {decision.members}")
-            verdict = self._tally(r, a, decision) if self.is_leader else None
-            if verdict is None and time.monotonic() > deadline:
-                verdict = "abort"  # a member that neither votes nor dies must not stall the others
-            if verdict is not None:
-                self.store.compare_set(key, "", verdict)
+            proposal = self._tally(r, a, decision) if self.is_leader else None
+            if proposal is None and time.monotonic() > deadline:
+                proposal = "abort"  # a member that neither votes nor dies must not stall the others
+            if proposal is not None:
+                self.store.compare_set(key, "", proposal)
             time.sleep(POLL_S)
-        return self.store.get(key).decode()
+        return verdict
 
     def verdict(self, r: int, a: int) -> str | None:
         """The attempt's verdict, or None while there is none (a forged one reads as none)."""
