@@ -112,8 +112,9 @@ def retire_previous_run(run_dir: Path, ckpt_root: Path, keep_old: int, now: floa
         for path in steps:
             os.replace(path, into / path.name)
     removed = prune_old(run_dir, ckpt_root, keep_old)
-    log.warning("fresh start: moved the previous run (%s%d checkpoints) to %s%s", "".join(f"{p.name}, " for p in records),
-                len(steps), dest, f"; deleted {', '.join(removed)} (checkpoint.keep_old = {keep_old})" if removed else "")
+    moved = [p.name for p in records] + [f"{len(steps)} checkpoint{'s' * (len(steps) != 1)}"] * bool(steps)
+    log.warning("fresh start: moved the previous run (%s) to %s/%s", ", ".join(moved), dest,
+                f"; deleted {', '.join(removed)} (checkpoint.keep_old = {keep_old})" if removed else "")
     return dest
 
 
