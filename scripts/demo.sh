@@ -11,8 +11,9 @@ shift || true
 
 # Every cross-site message is authenticated with a shared secret; it reaches the sites through the
 # environment, never the command line. A secret made up here cannot verify an earlier demo's signed
-# checkpoints, so such a run starts over (the old checkpoints are moved aside, not deleted); with
-# your own ZEROBAND_SECRET a second run resumes where the first stopped.
+# checkpoints, so such a run starts over: each site moves the previous run's metrics, config and
+# checkpoints together into runs/<name>/site<k>/old-<time>/ and keeps the newest checkpoint.keep_old
+# of those (zeroband/rundir.py); with your own ZEROBAND_SECRET a second run resumes where it stopped.
 FRESH=()
 if [ -z "${ZEROBAND_SECRET:-}" ]; then
   ZEROBAND_SECRET="$(python -c 'import secrets; print(secrets.token_urlsafe(32))')"

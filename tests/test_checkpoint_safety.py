@@ -68,7 +68,7 @@ def test_foreign_checkpoint_is_never_pruned_and_the_new_one_is_kept(corpus, tmp_
     tree = _tree(corpus, tmp_path, train={"steps": 6}, checkpoint={"keep_last": 1, "resume": "none"})
     run_ranks(_train, 1, (tree,))
     # resume=none moved it aside untouched; the new run's newest checkpoint survives its own pruning.
-    [aside] = list(root.glob("old-*"))
+    [aside] = list((tmp_path / "t").glob("old-*/checkpoints"))
     assert _snapshot(aside) == before
     assert sorted(p.name for p in root.glob("step_*")) == ["step_000000006"]
     ours = read_run_id(root / "step_000000006")
@@ -106,7 +106,8 @@ def test_resume_none_moves_old_run_aside_and_auto_resume_takes_the_new_run(corpu
     root = tmp_path / "t" / "checkpoints"
     old_id, before = read_run_id(root / "step_000000004"), _snapshot(root)
     run_ranks(_train, 1, (deep_merge(tree, {"train": {"steps": 2}, "checkpoint": {"resume": "none"}}),))
-    assert _snapshot(root / f"old-{old_id}") == before  # every old checkpoint intact, bit for bit
+    [aside] = (tmp_path / "t").glob("old-*/checkpoints")  # with the old run's metrics (test_run_dir.py)
+    assert _snapshot(aside) == before and read_run_id(aside / "step_000000004") == old_id  # intact, bit for bit
     new_id = read_run_id(root / "step_000000002")
     assert new_id != old_id
     again = run_ranks(_train, 1, (deep_merge(tree, {"train": {"steps": 4}}),))[0]
@@ -126,7 +127,7 @@ def test_only_corrupt_candidates_stop_auto_resume(corpus, tmp_path, capfd):
     assert _snapshot(root) == before and find_checkpoint(root, "auto") is None
     # Asking for a fresh start works, and keeps the (corrupt, maybe salvageable) files aside.
     assert run_ranks(_main, 1, (deep_merge(tree, {"train": {"steps": 2}, "checkpoint": {"resume": "none"}}),)) == [0]
-    [aside] = root.glob("old-*")
+    [aside] = (tmp_path / "t").glob("old-*/checkpoints")
     assert _snapshot(aside) == before and find_checkpoint(root, "auto").step == 2
 
 

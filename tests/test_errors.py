@@ -27,7 +27,7 @@ def test_world_size_that_does_not_fit(corpus, tmp_path):
 def test_checkpoint_of_another_model_shape(corpus, tmp_path):
     run_ranks(_train, 1, (tiny_overrides(corpus, tmp_path, train={"steps": 2}),))
     err = _error(tiny_overrides(corpus, tmp_path, train={"steps": 4}, model={"n_layers": 3}))
-    assert "model.n_layers: checkpoint 2 vs config 3" in err and "--checkpoint.resume none" in err
+    assert "model.n_layers = 2, this config has 3" in err and "--checkpoint.resume none" in err
 
 
 def test_corrupt_and_partial_checkpoints(corpus, tmp_path):

@@ -24,7 +24,7 @@ it), so there is no moment without a valid checkpoint. Loading verifies the mani
 
 Every manifest carries the `run_id` of the run that wrote it (new at a fresh start, kept across
 resumes). Pruning only ever deletes older checkpoints of the same run, never the one just written.
-`checkpoint.resume = "none"` in a directory that holds checkpoints moves them to `old-<run_id>/`.
+A fresh start moves the previous run's checkpoints aside with its metrics (zeroband/rundir.py).
 """
 
 from __future__ import annotations
@@ -331,14 +331,6 @@ def resume_checkpoint(root: Path, resume: str, secret: bytes | None = None,
             "--checkpoint.resume none (moves these aside)"
         )
     return found
-
-
-def move_aside(root: Path) -> Path | None:
-    """Start-fresh in a directory that holds checkpoints: move them all into `old-<run_id>/` (a new
-    name if taken), so the new run neither loads nor prunes them. Returns where they went."""
-    if not step_dirs(root):
-        return None
-    return _into_old(root, sorted(root.glob("step_*")))
 
 
 def _into_old(root: Path, paths: list[Path]) -> Path:

@@ -37,7 +37,10 @@ def sync_due(cfg: CheckpointConfig, step: int, total_steps: int) -> bool:
 
 
 def checkpoint_meta(cfg: Config) -> dict[str, Any]:
-    return {"model": cfg.model.model_dump(exclude={"init_from", "preset"}), "fingerprint": cfg.fingerprint()}
+    """What a manifest says about the run: the model shape, and the whole resolved config (the
+    secret is never part of a dump), which a resume compares with its own (resume_rules.py)."""
+    return {"model": cfg.model.model_dump(exclude={"init_from", "preset"}), "fingerprint": cfg.fingerprint(),
+            "config": cfg.model_dump(mode="json")}
 
 
 def checkpoint_secret(cfg: Config) -> bytes | None:

@@ -141,6 +141,9 @@ class CheckpointConfig(Section):
     dir: str | None = None  # default: <run_dir>/checkpoints
     interval: int = Field(0, ge=0)  # steps between saves; 0 saves only at the end
     keep_last: int = Field(2, gt=0)
+    # A fresh start moves the previous run (metrics, config, checkpoints) into <run dir>/old-<time>/;
+    # this many of those folders are kept, the oldest beyond it deleted (0: keep none).
+    keep_old: int = Field(2, ge=0)
     # "auto" resumes from the newest valid checkpoint in dir if any; "none" starts fresh; or a path.
     resume: str = "auto"
     save_at_end: bool = True

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import torch
@@ -121,3 +123,22 @@ def lr_factor(step: int, total_steps: int, cfg: OptimConfig) -> float:
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int) -> LambdaLR:
     return LambdaLR(optimizer, lambda step: lr_factor(step, total_steps, cfg))
+
+
+@contextmanager
+def hyperparameters_kept(optimizer: torch.optim.Optimizer, scheduler: LambdaLR | None = None) -> Iterator[None]:
+    """Load a checkpoint inside this and the optimizer keeps the hyperparameters it was built with
+    (this run's config), the scheduler this run's base lr; the lr is then recomputed at the loaded
+    step. Why: `optimizer.load_state_dict` restores every group's saved lr, betas, weight decay,
+    kernel..., and `LambdaLR.load_state_dict` its saved base lrs, so a resume with a new `optim.lr`
+    would silently train on with the old one. The schedule's shape (steps, warmup, decay) is this
+    run's already: LambdaLR never saves a plain function."""
+    mine = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    yield
+    for group, settings in zip(optimizer.param_groups, mine, strict=True):
+        group.update(settings)
+    if scheduler is not None:
+        scheduler.base_lrs = [group["initial_lr"] for group in optimizer.param_groups]
+        for group, base, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+            group["lr"] = base * factor(scheduler.last_epoch)
+        scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]

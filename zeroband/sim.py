@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from zeroband.comm.group import new_global_group
-from zeroband.config import Config, deep_merge, validate_config
+from zeroband.config import Config, deep_merge, dump_config, validate_config
 from zeroband.mesh import Topology
 from zeroband.world import World
 
@@ -100,6 +100,7 @@ def _site(cfg: Config, sites: int, store: dist.Store, full_eval: bool, results: 
             group = new_global_group(store, f"zeroband/{cfg.name}/sim/", site, sites, timeout, "gloo")
         with sync.lock:
             run = setup(cfg, world, Topology(world, None, group, store, timeout_s=cfg.sites.timeout_s))
+            dump_config(cfg, run.run_dir / "config.toml")
         sync.barrier.wait()
         if not full_eval:
             run.eval_set = run.eval_set[:1]

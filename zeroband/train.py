@@ -10,7 +10,7 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,11 +30,13 @@ from zeroband.membership.store import StoreUnreachable
 from zeroband.mesh import Topology, admission_mark, init_topology, shutdown
 from zeroband.metrics import ComputeClock, MetricsLogger, peak_flops, peak_memory_mb
 from zeroband.models.llama import Llama, flops_per_token, num_params
-from zeroband.optim import build_optimizer, build_scheduler, lr_factor
+from zeroband.optim import build_optimizer, build_scheduler, hyperparameters_kept, lr_factor
 from zeroband.outer.base import NoOuter, Outer
 from zeroband.outer.data_parallel import CrossSiteDataParallel
 from zeroband.outer.diloco import DiLoCo
 from zeroband.parallelize import build_model
+from zeroband.resume_rules import ConfigChange, config_changes, refusal
+from zeroband.rundir import retire_previous_run, run_dir_lock
 from zeroband.step import (
     ComputeTimer,
     evaluate,
@@ -115,14 +117,15 @@ def train(cfg: Config) -> dict[str, Any]:
     world = world_from_env(cfg)
     d, s = cfg.diloco, cfg.sites
     secret = run_secret(s.secret, s.insecure, world.site_count) if d else None  # before any port opens
-    topology = init_topology(world, s.store if d else None, cfg.name, s.timeout_s if d else 600.0,
-                             s.backend if d else "gloo", host_store=s.host_store if d else False,
-                             build_group=not (d and d.elastic), mark=admission_mark(s.secret if d else None),
-                             secret=secret)
-    try:
-        return _train(cfg, world, topology)
-    finally:
-        shutdown()
+    with run_dir_lock(site_dirs(cfg, world)[0], world.rank == 0):  # a second run of this name stops here
+        topology = init_topology(world, s.store if d else None, cfg.name, s.timeout_s if d else 600.0,
+                                 s.backend if d else "gloo", host_store=s.host_store if d else False,
+                                 build_group=not (d and d.elastic), mark=admission_mark(s.secret if d else None),
+                                 secret=secret)
+        try:
+            return _train(cfg, world, topology)
+        finally:
+            shutdown()
 
 
 @dataclass
@@ -145,6 +148,7 @@ class Run:
     ckpt_root: Path
     checkpointer: Checkpointer
     run_id: str = ""  # set by resume_or_start: new at a fresh start, the checkpoint's on a resume
+    changes: list[ConfigChange] = field(default_factory=list)  # settings a resume changed (resume_rules.py)
 
     @property
     def stateful(self) -> dict[str, Any]:
@@ -152,11 +156,14 @@ class Run:
         return self.checkpointer.stateful
 
 
-def setup(cfg: Config, world: World, topology: Topology) -> Run:
+def site_dirs(cfg: Config, world: World) -> tuple[Path, Path]:
+    """This site's run directory and checkpoint directory (each DiLoCo site has its own)."""
     site_part = f"site{world.site_rank}" if cfg.diloco else ""
-    run_dir, ckpt_root = cfg.run_dir / site_part, cfg.checkpoint_dir / site_part
-    if world.rank == 0:
-        dump_config(cfg, run_dir / "config.toml")
+    return cfg.run_dir / site_part, cfg.checkpoint_dir / site_part
+
+
+def setup(cfg: Config, world: World, topology: Topology) -> Run:
+    run_dir, ckpt_root = site_dirs(cfg, world)
     torch.manual_seed(cfg.train.seed)
     tokenizer = TextTokenizer.load(cfg.data.tokenizer)
     check_vocab(cfg, tokenizer)
@@ -180,13 +187,12 @@ def setup(cfg: Config, world: World, topology: Topology) -> Run:
 
 def resume_or_start(run: Run) -> ckpt.CheckpointInfo | None:
     """Load the newest valid checkpoint if there is one (returned), else make the sites agree."""
-    if run.cfg.checkpoint.resume == "none":
-        start_fresh_here(run)
     found = agreed_checkpoint(run, ckpt.resume_checkpoint(run.ckpt_root, run.cfg.checkpoint.resume,
                                                           checkpoint_secret(run.cfg), run.cfg.checkpoint.allow_unsigned))
     if found is not None:
+        run.changes = resume_changes(run, found)
         ckpt.check_compatible(found, checkpoint_meta(run.cfg), run.world.ranks_per_site)
-        ckpt.load_checkpoint(found, run.model, run.optimizer, run.stateful)
+        load_state(run, found, run.stateful)
         log.info("resumed from %s (step %d)", found.path, run.progress.step)
     run.run_id = (found and found.manifest.get("run_id")) or site_agreed(ckpt.new_run_id())
     run.checkpointer.run_id = run.run_id
@@ -196,14 +202,32 @@ def resume_or_start(run: Run) -> ckpt.CheckpointInfo | None:
     return found
 
 
-def start_fresh_here(run: Run) -> None:
-    """`checkpoint.resume = "none"` where checkpoints exist: move them aside (rank 0), and say so."""
-    if run.world.rank == 0:
-        moved = ckpt.move_aside(run.ckpt_root)
-        if moved is not None:
-            log.warning("checkpoint.resume=none: moved the existing checkpoints to %s (not loaded, never pruned)", moved)
-    if run.world.ranks_per_site > 1:
-        dist.barrier()
+def resume_changes(run: Run, found: ckpt.CheckpointInfo) -> list[ConfigChange]:
+    """The settings this resume changes from the checkpoint's config (they apply from here on);
+    ConfigError naming the first one a resume may not change."""
+    old = found.manifest.get("config")
+    if old is None:  # written before manifests carried the config: nothing to compare with
+        return []
+    changes = config_changes(old, run.cfg.model_dump(mode="json"))
+    if (refused := refusal(changes, str(found.path))) is not None:
+        raise ConfigError(refused)
+    return changes
+
+
+def load_state(run: Run, found: ckpt.CheckpointInfo, stateful: dict[str, Any]) -> None:
+    """A checkpoint's state under this run's optimizer settings and schedule (optim.hyperparameters_kept)."""
+    with hyperparameters_kept(run.optimizer, run.scheduler):
+        ckpt.load_checkpoint(found, run.model, run.optimizer, stateful)
+
+
+def record_start(run: Run, fresh: bool) -> None:
+    """Rank 0, once training goes ahead: move a previous run aside (a fresh start deletes nothing),
+    write the config this run really uses, and print each setting the resume changed."""
+    if fresh:
+        retire_previous_run(run.run_dir, run.ckpt_root, run.cfg.checkpoint.keep_old)
+    dump_config(run.cfg, run.run_dir / "config.toml")
+    for change in run.changes:
+        print(change.line(), flush=True)
 
 
 def site_agreed(value: str) -> str:
@@ -351,6 +375,8 @@ def _train(cfg: Config, world: World, topology: Topology) -> dict[str, Any]:
                 "complete": True, "run_dir": str(run.run_dir)}
     tag = f"site{world.site_rank}" if cfg.diloco else ""
     keep = run.progress.step if found is not None or run.progress.step else -1
+    if world.rank == 0:
+        record_start(run, fresh=keep == -1)
     metrics = MetricsLogger(cfg, run.run_dir, world.rank == 0, cfg.train.steps, run.progress.step, tag=tag,
                             keep_through=keep)
     run.outer.attach(lambda event: metrics.log(run.progress.step, event, "membership"))
@@ -358,7 +384,9 @@ def _train(cfg: Config, world: World, topology: Topology) -> dict[str, Any]:
         metrics.log(0, {"params": num_params(cfg.model), "ranks": world.ranks_per_site, "sites": world.site_count,
                         "run_id": run.run_id}, "run")
     else:
-        metrics.log(run.progress.step, {"from": str(found.path), "run_id": run.run_id}, "resumed")
+        changed = {c.key: [c.old, c.new] for c in run.changes}
+        metrics.log(run.progress.step, {"from": str(found.path), "run_id": run.run_id,
+                                        **({"changed": changed} if changed else {})}, "resumed")
     try:
         result = train_loop(run, metrics)
     finally:
@@ -390,7 +418,7 @@ def on_nonfinite(run: Run, metrics: MetricsLogger, loss: float, grad_norm: float
     if run.cfg.train.on_nonfinite == "rollback" and good is not None and rollbacks < run.cfg.train.max_rollbacks:
         # Everything but the data position (and the wall clock): replaying the same batches would diverge again.
         keep = {k: v for k, v in run.stateful.items() if k not in ("data", "clock")}
-        ckpt.load_checkpoint(good, run.model, run.optimizer, keep)
+        load_state(run, good, keep)
         log.warning("step %d: non-finite loss or gradient norm (%s, %s); rolled back to %s (rollback %d of %d)",
                     step, loss, grad_norm, good.path, rollbacks + 1, run.cfg.train.max_rollbacks)
         metrics.rewind(run.progress.step)  # the steps after it are redone: no step logged twice

@@ -67,6 +67,7 @@ from zeroband.comm.timing import Parts
 from zeroband.config import DilocoConfig
 from zeroband.membership.base import NOT_DONE, FixedMembership, Membership
 from zeroband.mesh import Topology
+from zeroband.optim import hyperparameters_kept
 from zeroband.outer.base import OuterStats, RoundClock
 from zeroband.outer.overlap import OverlapRules, Scratch, _InFlight
 from zeroband.outer.placement import OuterCopy, _views, outer_thread_count, torch_threads
@@ -337,7 +338,8 @@ class DiLoCo(OverlapRules):
     def load_shared_state_dict(self, state: dict[str, Any]) -> None:
         for o, saved in zip(self.outer, state["outer"], strict=True):
             o.copy_(saved)
-        self.optimizer.load_state_dict(state["optimizer"])
+        with hyperparameters_kept(self.optimizer):  # a resume's new outer_momentum / nesterov apply
+            self.optimizer.load_state_dict(state["optimizer"])
         self.outer_step = state["outer_step"]
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
