@@ -41,8 +41,9 @@ def checkpoint_meta(cfg: Config) -> dict[str, Any]:
 
 
 def checkpoint_secret(cfg: Config) -> bytes | None:
-    """What checkpoints are signed and verified with: the run's shared secret, if it has one."""
-    return optional_secret(cfg.sites.secret if cfg.diloco else None)
+    """What checkpoints are signed and verified with: the run's shared secret (ZEROBAND_SECRET or
+    sites.secret_file), if it has one; a one-site config (or `--diloco none` for an export) too."""
+    return optional_secret(cfg.sites.secret)
 
 
 class Checkpointer:

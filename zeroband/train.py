@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from zeroband import checkpoint as ckpt
 from zeroband.checkpointer import Checkpointer, checkpoint_meta, checkpoint_secret, sync_due
-from zeroband.config import Config, ConfigError, dump_config, load_config
+from zeroband.config import ALLOW_UNSIGNED_WARNING, Config, ConfigError, dump_config, load_config
 from zeroband.data.loader import PackedBatches
 from zeroband.data.tokenizer import TextTokenizer
 from zeroband.fingerprint import run_fingerprint
@@ -28,7 +28,7 @@ from zeroband.membership.elastic import ElasticMembership
 from zeroband.membership.resume import ResumeMismatch, agree_resume
 from zeroband.membership.store import StoreUnreachable
 from zeroband.mesh import Topology, admission_mark, init_topology, shutdown
-from zeroband.metrics import ComputeClock, MetricsLogger, peak_flops, peak_memory_mb
+from zeroband.metrics import ComputeClock, MetricsLogger, insecure_choices, peak_flops, peak_memory_mb
 from zeroband.models.llama import Llama, flops_per_token, num_params
 from zeroband.optim import build_optimizer, build_scheduler, lr_factor
 from zeroband.outer.base import NoOuter, Outer
@@ -115,6 +115,8 @@ def train(cfg: Config) -> dict[str, Any]:
     world = world_from_env(cfg)
     d, s = cfg.diloco, cfg.sites
     secret = run_secret(s.secret, s.insecure, world.site_count) if d else None  # before any port opens
+    if cfg.checkpoint.allow_unsigned and world.rank == 0:
+        log.warning(ALLOW_UNSIGNED_WARNING)  # the opt-out's one loud line; recorded in metrics.jsonl too
     topology = init_topology(world, s.store if d else None, cfg.name, s.timeout_s if d else 600.0,
                              s.backend if d else "gloo", host_store=s.host_store if d else False,
                              build_group=not (d and d.elastic), mark=admission_mark(s.secret if d else None),
@@ -354,6 +356,8 @@ def _train(cfg: Config, world: World, topology: Topology) -> dict[str, Any]:
     metrics = MetricsLogger(cfg, run.run_dir, world.rank == 0, cfg.train.steps, run.progress.step, tag=tag,
                             keep_through=keep)
     run.outer.attach(lambda event: metrics.log(run.progress.step, event, "membership"))
+    unauthenticated = cfg.diloco is not None and world.site_count > 1 and topology.secret is None
+    metrics.record_insecure(run.progress.step, insecure_choices(cfg, unauthenticated))
     if found is None:
         metrics.log(0, {"params": num_params(cfg.model), "ranks": world.ranks_per_site, "sites": world.site_count,
                         "run_id": run.run_id}, "run")
