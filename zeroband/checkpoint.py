@@ -256,10 +256,11 @@ class SecretNeeded(CheckpointError):
 
 
 def check_trust(path: Path, manifest: dict[str, Any], secret: bytes | None, own_root: Path | None,
-                allow_unsigned: bool = False) -> None:
+                allow_unsigned: bool = False, require_signature: bool = False) -> None:
     """Refuse (CheckpointError, one line) a checkpoint whose author we cannot vouch for; see the module doc.
     A signature that fails is refused always, and one we hold no secret to check needs allow_unsigned;
-    an unsigned checkpoint is refused with a secret set or from elsewhere."""
+    an unsigned checkpoint is refused with a secret set or from elsewhere. `require_signature`: its
+    run signed every checkpoint (a multi-site run has a secret), so a missing signature was stripped."""
     signature = manifest.get(SIGNATURE)
     if secret is not None and signature is not None:
         mac = signature.get("mac", "") if isinstance(signature, dict) else ""
@@ -269,8 +270,9 @@ def check_trust(path: Path, manifest: dict[str, Any], secret: bytes | None, own_
         return
     if allow_unsigned:
         return
-    if signature is not None:  # signed, but nothing to check the signature with: never loaded as if unsigned
-        raise SecretNeeded(f"{path} is signed and no secret is at hand to verify it. Fix: {SUPPLY_SECRET}; or "
+    if signature is not None or require_signature:  # nothing to check the signature with: never loaded as if unsigned
+        what = "is signed" if signature is not None else "belongs to a run that signs its checkpoints (multi-site)"
+        raise SecretNeeded(f"{path} {what} and no secret is at hand to verify it. Fix: {SUPPLY_SECRET}; or "
                            "--checkpoint.allow_unsigned true to load it unverified (only if you trust its author)")
     if secret is not None:
         raise CheckpointError(f"{path}: manifest is not signed but the run has a secret; refusing it (loading a "
@@ -307,14 +309,16 @@ def verify_checkpoint(path: Path) -> dict[str, Any]:
     return manifest
 
 
-def verify_trusted(path: Path, secret: bytes | None, own_root: Path | None, allow_unsigned: bool = False) -> dict[str, Any]:
+def verify_trusted(path: Path, secret: bytes | None, own_root: Path | None, allow_unsigned: bool = False,
+                   require_signature: bool = False) -> dict[str, Any]:
     """The manifest of a checkpoint that is complete and whose author we trust (check_trust)."""
     manifest = verify_checkpoint(path)
-    check_trust(path, manifest, secret, own_root, allow_unsigned)
+    check_trust(path, manifest, secret, own_root, allow_unsigned, require_signature)
     return manifest
 
 
-def find_checkpoint(root: Path, resume: str, secret: bytes | None = None, allow_unsigned: bool = False) -> CheckpointInfo | None:
+def find_checkpoint(root: Path, resume: str, secret: bytes | None = None, allow_unsigned: bool = False,
+                    require_signature: bool = False) -> CheckpointInfo | None:
     """Resolve `checkpoint.resume`: 'none', 'auto' (newest valid under root) or an explicit path.
     Only checkpoints that pass `check_trust` (root being the run's own directory) are returned."""
     if resume == "none":
@@ -323,11 +327,11 @@ def find_checkpoint(root: Path, resume: str, secret: bytes | None = None, allow_
         path = Path(resume)
         if not path.is_dir():
             raise CheckpointError(f"checkpoint.resume={resume!r} is not a directory")
-        manifest = verify_trusted(path, secret, root, allow_unsigned)
+        manifest = verify_trusted(path, secret, root, allow_unsigned, require_signature)
         return CheckpointInfo(path, manifest["step"], manifest)
     for path, _ in step_dirs(root):
         try:
-            manifest = verify_trusted(path, secret, root, allow_unsigned)
+            manifest = verify_trusted(path, secret, root, allow_unsigned, require_signature)
         except SecretNeeded:
             raise  # every signed checkpoint would fail alike: falling back to an older one hides why
         except CheckpointError as e:

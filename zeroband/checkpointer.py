@@ -46,6 +46,12 @@ def checkpoint_secret(cfg: Config) -> bytes | None:
     return optional_secret(cfg.sites.secret)
 
 
+def signs_every_checkpoint(cfg: Config) -> bool:
+    """A multi-site run cannot start without a secret unless sites.insecure, so all its checkpoints
+    are signed: an unsigned one was stripped (site_count unset: launched sites, several)."""
+    return cfg.diloco is not None and not cfg.sites.insecure and cfg.sites.site_count != 1
+
+
 class Checkpointer:
     def __init__(self, cfg: Config, root: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  stateful: dict[str, ckpt.Stateful]) -> None:

@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from zeroband.config import ALLOW_UNSIGNED_WARNING, Config, ConfigError, load_config, refuse_secret_arguments
+from zeroband.config import ConfigError, load_config, refuse_secret_arguments, warn_allow_unsigned
 
 
 def _cmd_data(args: argparse.Namespace) -> int:
@@ -57,7 +57,7 @@ def _cmd_launch(args: argparse.Namespace, rest: list[str]) -> int:
     from zeroband.world import check_devices
 
     check_devices(cfg)  # before any site starts: one refused site would leave the others waiting
-    warn_insecure(cfg)
+    warn_allow_unsigned(cfg)  # the sites record it in their metrics; `sites.insecure` is the launcher's line
     log_dir = cfg.run_dir / "logs"
     print(f"starting {args.sites} sites x {args.nproc} ranks; logs in {log_dir}/", flush=True)
     wan = WanLink.parse(args.wan) if args.wan else None
@@ -91,7 +91,7 @@ def _cmd_export(args: argparse.Namespace, rest: list[str]) -> int:
     from zeroband.export import export
 
     cfg = load_config(args.config, rest)
-    warn_insecure(cfg)
+    warn_allow_unsigned(cfg)
     out = Path(args.out) if args.out else cfg.run_dir / "hf"
     try:
         result = export(cfg, Path(args.checkpoint) if args.checkpoint else None, out)
@@ -100,13 +100,6 @@ def _cmd_export(args: argparse.Namespace, rest: list[str]) -> int:
         return 2
     print(json.dumps(result, indent=1))
     return 0
-
-
-def warn_insecure(cfg: Config) -> None:
-    """The loud line of `checkpoint.allow_unsigned` on the terminal that started the command (the
-    sites record it in their metrics; `sites.insecure` is the launcher's own line)."""
-    if cfg.checkpoint.allow_unsigned:
-        print(f"zeroband: WARNING: {ALLOW_UNSIGNED_WARNING}", file=sys.stderr, flush=True)
 
 
 def _cmd_plan(args: argparse.Namespace, rest: list[str]) -> int:

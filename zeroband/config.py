@@ -156,6 +156,12 @@ ALLOW_UNSIGNED_WARNING = ("checkpoint.allow_unsigned = true: checkpoints are loa
                           "give this run any weights. Use it only for checkpoints whose author you trust")
 
 
+def warn_allow_unsigned(cfg: Config) -> None:
+    """The opt-out's one loud line, on stderr whatever logging is set up (the terminal that started the run)."""
+    if cfg.checkpoint.allow_unsigned:
+        print(f"zeroband: WARNING: {ALLOW_UNSIGNED_WARNING}", file=sys.stderr, flush=True)
+
+
 class EvalConfig(Section):
     interval: int = Field(50, ge=0)  # 0 disables periodic validation (it still runs at the end)
     batches: int = Field(8, gt=0)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from zeroband import checkpoint as ckpt
 from zeroband.checkpointer import Checkpointer, checkpoint_meta, checkpoint_secret, sync_due
-from zeroband.config import ALLOW_UNSIGNED_WARNING, Config, ConfigError, dump_config, load_config
+from zeroband.config import Config, ConfigError, dump_config, load_config, warn_allow_unsigned
 from zeroband.data.loader import PackedBatches
 from zeroband.data.tokenizer import TextTokenizer
 from zeroband.fingerprint import run_fingerprint
@@ -115,8 +115,8 @@ def train(cfg: Config) -> dict[str, Any]:
     world = world_from_env(cfg)
     d, s = cfg.diloco, cfg.sites
     secret = run_secret(s.secret, s.insecure, world.site_count) if d else None  # before any port opens
-    if cfg.checkpoint.allow_unsigned and world.rank == 0:
-        log.warning(ALLOW_UNSIGNED_WARNING)  # the opt-out's one loud line; recorded in metrics.jsonl too
+    if world.rank == 0:
+        warn_allow_unsigned(cfg)  # the opt-out's one loud line; recorded in metrics.jsonl too
     topology = init_topology(world, s.store if d else None, cfg.name, s.timeout_s if d else 600.0,
                              s.backend if d else "gloo", host_store=s.host_store if d else False,
                              build_group=not (d and d.elastic), mark=admission_mark(s.secret if d else None),
