@@ -12,7 +12,9 @@ Loading is code execution unless the author is known: DCP's metadata (and its no
 are pickles, so a checkpoint from a stranger runs whatever its author put in it, and a sha256
 manifest proves nothing against whoever wrote the manifest. So before anything is unpickled,
 `check_trust` requires a valid signature under the run's secret, or (no secret) that the checkpoint
-lies in the run's own checkpoint directory, or the deliberate `checkpoint.allow_unsigned`.
+is unsigned and lies in the run's own checkpoint directory, or the deliberate (and loudly printed)
+`checkpoint.allow_unsigned`. A signed checkpoint is never taken for an unsigned one: with no secret
+to check it, the load stops (`SecretNeeded`) with one line saying how to supply the secret.
 rank_*.pt holds only tensors and plain Python values and is read with weights_only=True, and DCP is
 read without its pickles' power too (`dcp_load`): metadata through an unpickler that builds only
 DCP's own metadata classes, non-tensor entries with weights_only=True.
