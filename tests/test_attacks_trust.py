@@ -156,8 +156,12 @@ def test_crafted_metadata_naming_a_torch_module_is_refused_before_importing_it(v
     step4 = step_dir(victim["root"], 4)
     runs_cli = _crafted_metadata(step4, tmp_path / "a" / "step_000000004", "torch.utils.model_dump.__main__", "main")
     quiet = _crafted_metadata(step4, tmp_path / "b" / "step_000000004", "torch.utils.model_dump", "main")
+    garbled = _crafted_metadata(step4, tmp_path / "c" / "step_000000004", "torch", "Size")
+    (garbled / "dcp" / ".metadata").write_bytes(b"\x80\x04garbage")
+    _rehash(garbled)
     export = ["export", victim["config"], "--checkpoint.allow_unsigned", "true", "--checkpoint"]
-    quiet_import, cli = _export_cases([(export + [str(quiet)], {}), (export + [str(runs_cli)], {})])
+    quiet_import, cli, truncated = _export_cases([(export + [str(p)], {}) for p in (quiet, runs_cli, garbled)])
+    _one_line_error(truncated, "unreadable DCP metadata")
     _one_line_error(cli, "refers to torch.utils.model_dump.__main__.main", "refusing to unpickle it")
     _one_line_error(quiet_import, "refers to torch.utils.model_dump.main", "refusing to unpickle it")
     assert not quiet_import["model_dump"]  # not imported: the name was refused first

@@ -471,7 +471,12 @@ def _first_failure(e: CheckpointException, path: Path) -> CheckpointError:
 def dcp_load(state: dict[str, Any], path: Path, no_dist: bool = False) -> None:
     """dcp.load without pickle's power (see the module doc); whatever fails is one CheckpointError line."""
     with open(path / ".metadata", "rb") as f:  # checked here too: inside dcp.load the error loses its message
-        _MetadataUnpickler(f).load()
+        try:
+            _MetadataUnpickler(f).load()
+        except CheckpointError as e:
+            raise CheckpointError(f"{path}: {e}") from None
+        except Exception as e:  # truncated or garbled: whatever pickle says, one line
+            raise CheckpointError(f"{path}: unreadable DCP metadata ({type(e).__name__}: {e}); refusing it") from None
     try:
         dcp.load(state, storage_reader=_DataOnlyReader(str(path)), planner=_DataOnlyPlanner(), no_dist=no_dist)
     except CheckpointException as e:
