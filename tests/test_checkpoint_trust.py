@@ -87,8 +87,8 @@ def test_signed_checkpoint_round_trips(signed, corpus, tmp_path):
 def test_crafted_checkpoint_is_refused_by_resume_and_export(signed, tmp_path):
     marker = tmp_path / "code-ran"
     evil = _craft(step_dir(signed["root"], 4), tmp_path / "evil" / "step_000000004", marker)
-    # No secret: a checkpoint from outside the run's directory is not loaded without a deliberate act.
-    assert "outside this run's checkpoint directory" in _resume_error(signed["tree"], evil, {})
+    # No secret: a signed checkpoint (the signature copied along) is not loaded unverified...
+    assert "is signed and no secret is at hand" in _resume_error(signed["tree"], evil, {})
     # With the secret: the signature copied along no longer matches the manifest...
     assert "signature does not verify" in _resume_error(signed["tree"], evil, ENV)
     # ...and without one the manifest is unsigned, which a run with a secret refuses.
@@ -96,6 +96,8 @@ def test_crafted_checkpoint_is_refused_by_resume_and_export(signed, tmp_path):
     del manifest["signature"]
     (evil / MANIFEST).write_text(json.dumps(manifest))
     assert "is not signed but the run has a secret" in _resume_error(signed["tree"], evil, ENV)
+    # ...and an unsigned one from outside the run's directory is not loaded without a deliberate act.
+    assert "outside this run's checkpoint directory" in _resume_error(signed["tree"], evil, {})
     # export refuses it the same way, in one line.
     config = tmp_path / "run.toml"
     config.write_text(tomli_w.dumps(signed["tree"]))
@@ -153,6 +155,11 @@ def test_trust_rule_without_a_secret(tmp_path):
     with pytest.raises(CheckpointError, match="not signed"):
         check_trust(own / "step_1", unsigned, b"a-secret-of-enough-length", own)
     forged = {**unsigned, "signature": {"alg": "hmac-sha256", "mac": "00" * 32}}
+    with pytest.raises(CheckpointError, match="is signed and no secret is at hand"):  # never read as unsigned
+        check_trust(own / "step_1", forged, None, own)
+    with pytest.raises(CheckpointError, match="signs its checkpoints"):  # a multi-site run's, signature stripped
+        check_trust(own / "step_1", unsigned, None, own, require_signature=True)
+    check_trust(own / "step_1", forged, None, own, allow_unsigned=True)  # the loud opt-out
     with pytest.raises(CheckpointError, match="does not verify"):
         check_trust(own / "step_1", forged, b"a-secret-of-enough-length", own, allow_unsigned=True)
 

@@ -145,3 +145,29 @@ def test_old_key_on_the_command_line_is_one_line_from_the_cli(capsys):
     assert cli_main(["launch", "configs/demo_diloco.toml", "--sites", "2", "--diloco.store", "tcp://127.0.0.1:1"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.splitlines() == [err] and "diloco.store moved to sites.store: write [sites] store =" in err, err
+
+
+def test_every_command_line_form_of_a_secret_is_refused_without_echo(tmp_path):
+    from zeroband.config import holds_secret, names_secret, refuse_secret_arguments
+
+    secret = "cli-form-secret-0123456789"
+    forms = [["--sites.secret", secret], [f"--sites.secret={secret}"], [f'--sites={{secret="{secret}"}}'],
+             ["--sites", f'{{ "secret" = "{secret}" }}'], [f'--sites={{a.secret="{secret}"}}'],
+             [f"--sites={{secret={secret}}}"], [f'--sites={{"secret": "{secret}"}}'], [f"--sites-secret={secret}"],
+             [f"--sites.SECRET={secret}"], [f'--x=[{{secret="{secret}"}}]']]
+    for form in forms:
+        with pytest.raises(ConfigError, match="puts a secret on the command line") as e:
+            load_config(None, form)
+        assert secret not in str(e.value) and "ZEROBAND_SECRET" in str(e.value) and "0600" in str(e.value)
+    # Where the secret is kept is not the secret: these pass.
+    assert not names_secret("sites.secret_file") and not holds_secret({"sites": {"secret_file": "/s"}})
+    refuse_secret_arguments(["train", "configs/demo.toml", "--sites.secret_file", "/run/zb.secret", "--name", "x"])
+    # A config file that holds the secret must be 0600, like sites.secret_file.
+    toml = tmp_path / "c.toml"
+    toml.write_text(f'[sites]\nsecret = "{secret}"\n')
+    toml.chmod(0o640)
+    with pytest.raises(ConfigError, match="other users can read it") as e:
+        load_config(toml)
+    assert secret not in str(e.value)
+    toml.chmod(0o600)
+    assert load_config(toml).sites.secret == secret

@@ -38,6 +38,9 @@ def test_launch_two_sites_then_export(corpus, tmp_path):
     summary = json.loads(out.stdout[out.stdout.index("{") : out.stdout.rindex("}") + 1])
     assert summary["site0"]["outer_steps"] == 2 and summary["site0"]["val_loss"] == summary["site1"]["val_loss"]
     assert (tmp_path / "t" / "loss.png").is_file()
+    for site in (0, 1):  # the insecure choice is a structured record in every site's metrics
+        records = map(json.loads, (tmp_path / "t" / f"site{site}" / "metrics.jsonl").read_text().splitlines())
+        assert [(r["setting"], r["step"]) for r in records if r["kind"] == "insecure"] == [("sites.insecure", 0)]
 
     hf_dir = tmp_path / "hf"
     out = _zeroband("export", config, "--diloco", "none", "--out", str(hf_dir))

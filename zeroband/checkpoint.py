@@ -12,7 +12,9 @@ Loading is code execution unless the author is known: DCP's metadata (and its no
 are pickles, so a checkpoint from a stranger runs whatever its author put in it, and a sha256
 manifest proves nothing against whoever wrote the manifest. So before anything is unpickled,
 `check_trust` requires a valid signature under the run's secret, or (no secret) that the checkpoint
-lies in the run's own checkpoint directory, or the deliberate `checkpoint.allow_unsigned`.
+is unsigned and lies in the run's own checkpoint directory, or the deliberate (and loudly printed)
+`checkpoint.allow_unsigned`. A signed checkpoint is never taken for an unsigned one: with no secret
+to check it, the load stops (`SecretNeeded`) with one line saying how to supply the secret.
 rank_*.pt holds only tensors and plain Python values and is read with weights_only=True, and DCP is
 read without its pickles' power too (`dcp_load`): metadata through an unpickler that builds only
 DCP's own metadata classes, non-tensor entries with weights_only=True.
@@ -39,6 +41,7 @@ import pickle
 import random
 import re
 import shutil
+import sys
 import time
 import uuid
 from dataclasses import dataclass
@@ -49,13 +52,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import torch.distributed.checkpoint.filesystem  # noqa: F401  (its _StorageInfo is in the metadata allow-list)
+import torch.distributed.checkpoint.metadata as dcp_metadata
 from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from zeroband.membership.auth import derive_key
+from zeroband.membership.auth import SECRET_ENV, derive_key
 
 log = logging.getLogger(__name__)
 
@@ -242,10 +248,21 @@ def manifest_mac(key: bytes, manifest: dict[str, Any]) -> str:
     return hmac.new(key, SIGN_LABEL.encode() + b"|" + canonical, hashlib.sha256).hexdigest()
 
 
+SUPPLY_SECRET = (f"export {SECRET_ENV}=<the secret it was signed with>, or set sites.secret_file to a file "
+                 "(mode 0600) holding it")
+
+
+class SecretNeeded(CheckpointError):
+    """A signed checkpoint and no secret to verify it: the same answer for every checkpoint, so
+    auto-resume and export stop at once instead of falling back to another one."""
+
+
 def check_trust(path: Path, manifest: dict[str, Any], secret: bytes | None, own_root: Path | None,
-                allow_unsigned: bool = False) -> None:
+                allow_unsigned: bool = False, require_signature: bool = False) -> None:
     """Refuse (CheckpointError, one line) a checkpoint whose author we cannot vouch for; see the module doc.
-    A signature that fails is refused always; an unsigned one only with a secret set or from elsewhere."""
+    A signature that fails is refused always, and one we hold no secret to check needs allow_unsigned;
+    an unsigned checkpoint is refused with a secret set or from elsewhere. `require_signature`: its
+    run signed every checkpoint (a multi-site run has a secret), so a missing signature was stripped."""
     signature = manifest.get(SIGNATURE)
     if secret is not None and signature is not None:
         mac = signature.get("mac", "") if isinstance(signature, dict) else ""
@@ -255,13 +272,17 @@ def check_trust(path: Path, manifest: dict[str, Any], secret: bytes | None, own_
         return
     if allow_unsigned:
         return
+    if signature is not None or require_signature:  # nothing to check the signature with: never loaded as if unsigned
+        what = "is signed" if signature is not None else "belongs to a run that signs its checkpoints (multi-site)"
+        raise SecretNeeded(f"{path} {what} and no secret is at hand to verify it. Fix: {SUPPLY_SECRET}; or "
+                           "--checkpoint.allow_unsigned true to load it unverified (only if you trust its author)")
     if secret is not None:
         raise CheckpointError(f"{path}: manifest is not signed but the run has a secret; refusing it (loading a "
                               "checkpoint can run its author's code). Fix: --checkpoint.allow_unsigned true if you wrote it")
     if own_root is None or not path.resolve().is_relative_to(own_root.resolve()):
         raise CheckpointError(f"{path}: no secret to verify who wrote it, and it is outside this run's checkpoint "
-                              f"directory {own_root}; loading a checkpoint can run its author's code. Fix: set the "
-                              "secret it was signed with (ZEROBAND_SECRET), or --checkpoint.allow_unsigned true if you trust it")
+                              f"directory {own_root}; loading a checkpoint can run its author's code. Fix: "
+                              f"{SUPPLY_SECRET}, or --checkpoint.allow_unsigned true if you trust it")
 
 
 def verify_checkpoint(path: Path) -> dict[str, Any]:
@@ -290,14 +311,16 @@ def verify_checkpoint(path: Path) -> dict[str, Any]:
     return manifest
 
 
-def verify_trusted(path: Path, secret: bytes | None, own_root: Path | None, allow_unsigned: bool = False) -> dict[str, Any]:
+def verify_trusted(path: Path, secret: bytes | None, own_root: Path | None, allow_unsigned: bool = False,
+                   require_signature: bool = False) -> dict[str, Any]:
     """The manifest of a checkpoint that is complete and whose author we trust (check_trust)."""
     manifest = verify_checkpoint(path)
-    check_trust(path, manifest, secret, own_root, allow_unsigned)
+    check_trust(path, manifest, secret, own_root, allow_unsigned, require_signature)
     return manifest
 
 
-def find_checkpoint(root: Path, resume: str, secret: bytes | None = None, allow_unsigned: bool = False) -> CheckpointInfo | None:
+def find_checkpoint(root: Path, resume: str, secret: bytes | None = None, allow_unsigned: bool = False,
+                    require_signature: bool = False) -> CheckpointInfo | None:
     """Resolve `checkpoint.resume`: 'none', 'auto' (newest valid under root) or an explicit path.
     Only checkpoints that pass `check_trust` (root being the run's own directory) are returned."""
     if resume == "none":
@@ -306,11 +329,13 @@ def find_checkpoint(root: Path, resume: str, secret: bytes | None = None, allow_
         path = Path(resume)
         if not path.is_dir():
             raise CheckpointError(f"checkpoint.resume={resume!r} is not a directory")
-        manifest = verify_trusted(path, secret, root, allow_unsigned)
+        manifest = verify_trusted(path, secret, root, allow_unsigned, require_signature)
         return CheckpointInfo(path, manifest["step"], manifest)
     for path, _ in step_dirs(root):
         try:
-            manifest = verify_trusted(path, secret, root, allow_unsigned)
+            manifest = verify_trusted(path, secret, root, allow_unsigned, require_signature)
+        except SecretNeeded:
+            raise  # every signed checkpoint would fail alike: falling back to an older one hides why
         except CheckpointError as e:
             log.warning("skipping unusable checkpoint: %s", e)
             continue
@@ -363,22 +388,30 @@ def check_compatible(info: CheckpointInfo, meta: dict[str, Any], world_size: int
         )
 
 
-# DCP metadata is made of these (and torch dtypes); nothing else may be built while reading it.
-_METADATA_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-                     ("pathlib", "PurePosixPath"), ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
-_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+# DCP metadata is made of these, DCP's own metadata classes and torch dtypes; nothing else may be
+# built while reading it. Every allowed (module, name) is decided from names alone, before anything
+# is imported or even looked up: a name outside the list never reaches pickle's import machinery
+# (importing a torch.* module can itself run code, e.g. a module that acts on being imported).
+_METADATA_GLOBALS = frozenset(
+    {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+     ("pathlib", "PurePosixPath"), ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
+    | {("torch", name) for name, value in vars(torch).items() if isinstance(value, torch.dtype)}
+    | {(dcp_metadata.__name__, name) for name, value in vars(dcp_metadata).items()
+       if isinstance(value, type) and value.__module__ == dcp_metadata.__name__}
+)
+
+
+def metadata_global_allowed(module: str, name: str) -> bool:
+    """Whether DCP metadata may refer to `module.name`: an exact pair of the allow-list (pure)."""
+    return (module, name) in _METADATA_GLOBALS
 
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        trusted = module in ("torch", "pathlib") or module.startswith("torch.")
-        found = super().find_class(module, name) if trusted else None
-        if (module, name) in _METADATA_GLOBALS or isinstance(found, torch.dtype) or (
-            module == _METADATA_MODULE and isinstance(found, type) and found.__module__ == module
-        ):
-            return found
-        raise CheckpointError(f"DCP metadata refers to {module}.{name}, which checkpoint metadata never holds; "
-                              "refusing to unpickle it (crafted checkpoint?)")
+        if not metadata_global_allowed(module, name):  # checked before any import or attribute lookup
+            raise CheckpointError(f"DCP metadata refers to {module}.{name}, which checkpoint metadata never "
+                                  "holds; refusing to unpickle it (crafted checkpoint?)")
+        return getattr(sys.modules[module], name)  # every allowed module is imported by this file's imports
 
 
 class _DataOnlyReader(dcp.FileSystemReader):
@@ -400,18 +433,46 @@ class _DataOnlyPlanner(DefaultLoadPlanner):
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         # DefaultLoadPlanner.load_bytes with weights_only=True instead of False
-        obj = torch.load(value, weights_only=True)
+        fqn = read_item.dest_index.fqn
+        try:
+            obj = torch.load(value, weights_only=True)
+        except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as e:
+            raise CheckpointError(f"DCP entry {fqn!r} {_not_plain_data(e)}") from None
         if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            set_element(self.original_state_dict, self.mappings[fqn], obj)
         else:
-            self.state_dict[read_item.dest_index.fqn] = obj
+            self.state_dict[fqn] = obj
+
+
+def _not_plain_data(e: Exception) -> str:
+    """`holds more than tensors and plain values; refusing it (why)`: torch.load's reason, in one line."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    why = next((line for line in lines if "Unsupported" in line), lines[0] if lines else type(e).__name__)
+    return f"holds more than tensors and plain values; refusing it ({why.split(' was not')[0]})"
+
+
+def _first_failure(e: CheckpointException, path: Path) -> CheckpointError:
+    """DCP gathers every rank's exception (with its traceback) into one: keep the first as one line."""
+    exc = next(iter(e.failures.values()))[0] if e.failures else e
+    if isinstance(exc, CheckpointError):
+        return CheckpointError(f"{path}: {exc}")
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return CheckpointError(f"{path}: DCP could not read it ({type(exc).__name__}: {first})")
 
 
 def dcp_load(state: dict[str, Any], path: Path, no_dist: bool = False) -> None:
-    """dcp.load without pickle's power (see the module doc)."""
+    """dcp.load without pickle's power (see the module doc); whatever fails is one CheckpointError line."""
     with open(path / ".metadata", "rb") as f:  # checked here too: inside dcp.load the error loses its message
-        _MetadataUnpickler(f).load()
-    dcp.load(state, storage_reader=_DataOnlyReader(str(path)), planner=_DataOnlyPlanner(), no_dist=no_dist)
+        try:
+            _MetadataUnpickler(f).load()
+        except CheckpointError as e:
+            raise CheckpointError(f"{path}: {e}") from None
+        except Exception as e:  # truncated or garbled: whatever pickle says, one line
+            raise CheckpointError(f"{path}: unreadable DCP metadata ({type(e).__name__}: {e}); refusing it") from None
+    try:
+        dcp.load(state, storage_reader=_DataOnlyReader(str(path)), planner=_DataOnlyPlanner(), no_dist=no_dist)
+    except CheckpointException as e:
+        raise _first_failure(e, path) from None
 
 
 # numpy's array reconstruction builds plain arrays only (object arrays would need other globals).
@@ -430,9 +491,7 @@ def load_checkpoint(
         with torch.serialization.safe_globals(_NUMPY_ARRAYS):
             own = torch.load(rank_file, weights_only=True)
     except pickle.UnpicklingError as e:
-        why = next((line for line in str(e).splitlines() if "Unsupported global" in line), "not plain data")
-        raise CheckpointError(f"{rank_file} holds more than tensors and plain values; refusing it "
-                              f"({why.split(' was not')[0].strip()})") from None
+        raise CheckpointError(f"{rank_file} {_not_plain_data(e)}") from None
     for name, obj in extras.items():
         obj.load_state_dict(own[name])
     set_rng_state(own["rng"])

@@ -44,8 +44,15 @@ def checkpoint_meta(cfg: Config) -> dict[str, Any]:
 
 
 def checkpoint_secret(cfg: Config) -> bytes | None:
-    """What checkpoints are signed and verified with: the run's shared secret, if it has one."""
-    return optional_secret(cfg.sites.secret if cfg.diloco else None)
+    """What checkpoints are signed and verified with: the run's shared secret (ZEROBAND_SECRET or
+    sites.secret_file), if it has one; a one-site config (or `--diloco none` for an export) too."""
+    return optional_secret(cfg.sites.secret)
+
+
+def signs_every_checkpoint(cfg: Config) -> bool:
+    """A multi-site run cannot start without a secret unless sites.insecure, so all its checkpoints
+    are signed: an unsigned one was stripped (site_count unset: launched sites, several)."""
+    return cfg.diloco is not None and not cfg.sites.insecure and cfg.sites.site_count != 1
 
 
 class Checkpointer:

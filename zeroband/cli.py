@@ -16,13 +16,17 @@ import os
 import sys
 from pathlib import Path
 
-from zeroband.config import ConfigError, load_config
+from zeroband.config import ConfigError, load_config, refuse_secret_arguments, warn_allow_unsigned
 
 
 def _cmd_data(args: argparse.Namespace) -> int:
-    from zeroband.data.fetch import prepare_demo
+    from zeroband.data.fetch import FetchError, prepare_demo
 
-    stats = prepare_demo(Path(args.out), vocab_size=args.vocab_size, force=args.force)
+    try:
+        stats = prepare_demo(Path(args.out), vocab_size=args.vocab_size, force=args.force)
+    except FetchError as e:  # a download or pinned-hash failure the user can act on: one line
+        print(f"zeroband data: error: {e}", file=sys.stderr)
+        return 2
     print(json.dumps(stats, indent=1, default=str))
     return 0
 
@@ -53,6 +57,7 @@ def _cmd_launch(args: argparse.Namespace, rest: list[str]) -> int:
     from zeroband.world import check_devices
 
     check_devices(cfg)  # before any site starts: one refused site would leave the others waiting
+    warn_allow_unsigned(cfg)  # the sites record it in their metrics; `sites.insecure` is the launcher's line
     log_dir = cfg.run_dir / "logs"
     print(f"starting {args.sites} sites x {args.nproc} ranks; logs in {log_dir}/", flush=True)
     wan = WanLink.parse(args.wan) if args.wan else None
@@ -86,6 +91,7 @@ def _cmd_export(args: argparse.Namespace, rest: list[str]) -> int:
     from zeroband.export import export
 
     cfg = load_config(args.config, rest)
+    warn_allow_unsigned(cfg)
     out = Path(args.out) if args.out else cfg.run_dir / "hf"
     try:
         result = export(cfg, Path(args.checkpoint) if args.checkpoint else None, out)
@@ -146,6 +152,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    argv = sys.argv[1:] if argv is None else argv
+    try:  # before argparse, whose errors would echo it (`--sites={secret=...}` is an int for launch)
+        refuse_secret_arguments(argv)
+    except ConfigError as e:
+        print(f"zeroband: {e}", file=sys.stderr)
+        return 2
     args, rest = build_parser().parse_known_args(argv)
     try:
         if args.command == "data":

@@ -10,6 +10,7 @@ import difflib
 import hashlib
 import json
 import os
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -150,6 +151,18 @@ class CheckpointConfig(Section):
     # Load an unsigned checkpoint from outside this run's checkpoint dir (or any unsigned one when a
     # secret is set). DCP metadata is a pickle: only for checkpoints whose author you trust.
     allow_unsigned: bool = False
+
+
+# The loud line of the deliberate opt-out (printed where the run starts, recorded in its metrics).
+ALLOW_UNSIGNED_WARNING = ("checkpoint.allow_unsigned = true: checkpoints are loaded WITHOUT checking who wrote them "
+                          "(unsigned ones, and signed ones when no secret is at hand); a crafted checkpoint can "
+                          "give this run any weights. Use it only for checkpoints whose author you trust")
+
+
+def warn_allow_unsigned(cfg: Config) -> None:
+    """The opt-out's one loud line, on stderr whatever logging is set up (the terminal that started the run)."""
+    if cfg.checkpoint.allow_unsigned:
+        print(f"zeroband: WARNING: {ALLOW_UNSIGNED_WARNING}", file=sys.stderr, flush=True)
 
 
 class EvalConfig(Section):
@@ -440,8 +453,9 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
     """`["--optim.lr", "3e-4", "--train.compile"]` -> `{"optim": {"lr": 3e-4}, "train": {"compile": True}}`.
 
     Values are parsed as TOML literals (numbers, booleans, strings, arrays); anything else is a string.
-    `--key=value` works too.
+    `--key=value` works too. A secret in any form is refused (`refuse_secret_arguments`).
     """
+    refuse_secret_arguments(args)
     out: dict[str, Any] = {}
     i = 0
     while i < len(args):
@@ -449,9 +463,6 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
         if not arg.startswith("--"):
             raise ConfigError(f"unexpected argument {arg!r}: overrides look like --section.key value")
         key = arg[2:]
-        if key.split("=", 1)[0].replace("-", "_").split(".")[-1] == "secret":
-            raise ConfigError(f"{key.split('=', 1)[0]} on the command line is visible to every user in `ps`; "
-                              "set ZEROBAND_SECRET or sites.secret_file (mode 0600) instead")
         if "=" in key:
             key, raw = key.split("=", 1)
             i += 1
@@ -463,6 +474,52 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
             i += 1
         _set_dotted(out, key.replace("-", "_"), _parse_literal(raw))
     return out
+
+
+def refuse_secret_arguments(args: list[str]) -> None:
+    """Refuse (ConfigError, one line that never echoes it) a command line that carries a secret in
+    any form: `--sites.secret X`, `--sites.secret=X`, `--sites={secret="X"}`, `--sites '{a.secret="X"}'`."""
+    for i, arg in enumerate(args):
+        key, eq, raw = arg[2:].partition("=") if arg.startswith("--") else ("", "", arg)
+        before = args[i - 1] if i else ""
+        owner = f"--{key}" if key else before.partition("=")[0] if before.startswith("--") else "an argument"
+        if (key and names_secret(key)) or ((eq or not key) and holds_secret(_parse_literal(raw))):
+            raise ConfigError(secret_on_command_line(owner))
+
+
+# `secret = ` / `"secret":` in a value that did not parse as TOML: it would be echoed in an error.
+_SECRET_ASSIGNMENT = re.compile(r"""\bsecret\b["']?\s*[=:]""", re.IGNORECASE)
+
+
+def names_secret(dotted: str) -> bool:
+    """Whether an override key (`sites.secret`, `sites-secret`, `x.SECRET.y`) names a secret (not
+    `secret_file`, which names where it is)."""
+    return any(part == "secret" or part.endswith("_secret") for part in dotted.replace("-", "_").lower().split("."))
+
+
+def holds_secret(value: Any, text: bool = True) -> bool:
+    """Whether an override's parsed value carries a `secret` key at any depth (inline tables, dotted
+    keys inside them, arrays of tables), or (`text`) is unparsed text that assigns one."""
+    if isinstance(value, dict):
+        return any(names_secret(str(k)) or holds_secret(v, text) for k, v in value.items())
+    if isinstance(value, list):
+        return any(holds_secret(v, text) for v in value)
+    return text and isinstance(value, str) and bool(_SECRET_ASSIGNMENT.search(value))
+
+
+def check_secret_file_mode(path: Path, raw: dict[str, Any]) -> None:
+    """A config file may hold the secret only if no other user can read it (like sites.secret_file)."""
+    mode = path.stat().st_mode & 0o777
+    if mode & 0o077 and holds_secret(raw, text=False):
+        raise ConfigError(f"{path} holds sites.secret and other users can read it (mode {mode:o}); refused. Fix: "
+                          f"move the secret to ZEROBAND_SECRET or to sites.secret_file (mode 0600), or `chmod 600 {path}`")
+
+
+def secret_on_command_line(key: str) -> str:
+    """The refusal of a secret given as an override; never echoes the value."""
+    return (f"{key} puts a secret on the command line, where it is visible to every user in `ps` and is "
+            "copied into logs and wandb's run files; refused. Fix: export ZEROBAND_SECRET=<secret>, or set "
+            "sites.secret_file to a file of mode 0600 holding it")
 
 
 def _parse_literal(raw: str) -> Any:
@@ -503,6 +560,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | di
             raw = tomllib.loads(p.read_text())
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{p}: not valid TOML: {e}") from None
+        check_secret_file_mode(p, raw)
     if overrides:
         raw = deep_merge(raw, overrides if isinstance(overrides, dict) else parse_overrides(overrides))
     if raw.get("diloco") in (False, "none"):  # `--diloco none`: run a multi-site config as one site

@@ -17,13 +17,13 @@ def load_for_export(cfg: Config, checkpoint_path: Path) -> Llama:
     """An unsharded CPU model holding a checkpoint's weights (DCP reshards any rank count onto one).
     The checkpoint must pass the same trust check as a resume (signature, or the run's own dir)."""
     # the trainer defines what a checkpoint must match and what signs it
-    from zeroband.checkpointer import checkpoint_meta, checkpoint_secret
+    from zeroband.checkpointer import checkpoint_meta, checkpoint_secret, signs_every_checkpoint
 
     if not checkpoint_path.is_dir():
         raise ckpt.CheckpointError(f"--checkpoint {checkpoint_path}: no such directory; pass a step_* directory "
                                    f"(e.g. under {cfg.checkpoint_dir}), or leave it out for the newest")
     manifest = ckpt.verify_trusted(checkpoint_path, checkpoint_secret(cfg), cfg.checkpoint_dir,
-                                   cfg.checkpoint.allow_unsigned)
+                                   cfg.checkpoint.allow_unsigned, signs_every_checkpoint(cfg))
     info = ckpt.CheckpointInfo(checkpoint_path, manifest["step"], manifest)
 
     ckpt.check_compatible(info, checkpoint_meta(cfg), manifest["world_size"])
@@ -36,11 +36,12 @@ def load_for_export(cfg: Config, checkpoint_path: Path) -> Llama:
 
 
 def latest_checkpoint(cfg: Config) -> Path:
-    from zeroband.checkpointer import checkpoint_secret
+    from zeroband.checkpointer import checkpoint_secret, signs_every_checkpoint
 
     roots = [cfg.checkpoint_dir] + sorted(cfg.checkpoint_dir.glob("site*"))
     for root in roots:
-        info = ckpt.find_checkpoint(root, "auto", checkpoint_secret(cfg), cfg.checkpoint.allow_unsigned)
+        info = ckpt.find_checkpoint(root, "auto", checkpoint_secret(cfg), cfg.checkpoint.allow_unsigned,
+                                    signs_every_checkpoint(cfg))
         if info is not None:
             return info.path
     raise FileNotFoundError(f"no complete checkpoint under {cfg.checkpoint_dir}; train first (zeroband train "

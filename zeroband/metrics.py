@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from zeroband.config import Config
+from zeroband.config import ALLOW_UNSIGNED_WARNING, Config
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ class MetricsLogger:
         if not self.enabled:
             return
         record = {"kind": kind, "step": step, "time": time.time(), **metrics}
-        self.file.write(json.dumps(record, default=float) + "\n")
+        self._write(record)
         if self.wandb is not None:
             self.wandb.log({f"{kind}/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
         if kind == "train":
@@ -114,6 +114,19 @@ class MetricsLogger:
             self.bar.write(f"{kind} step {step} {_short(metrics)}", file=sys.stderr)
         else:
             log.info("%s step %d %s", kind, step, _short(metrics))
+
+    def _write(self, record: dict[str, Any]) -> None:
+        self.file.write(json.dumps(record, default=float) + "\n")
+
+    def record_insecure(self, step: int, choices: dict[str, str]) -> None:
+        """One `insecure` record per insecure setting in effect (`insecure_choices`), in the file only:
+        its loud line was printed where the run started."""
+        if not self.enabled:
+            return
+        for setting, effect in choices.items():
+            self._write({"kind": "insecure", "step": step, "time": time.time(), "setting": setting, "effect": effect})
+        if self.wandb is not None and choices:
+            self.wandb.config.update({"insecure": sorted(choices)}, allow_val_change=True)
 
     def rewind(self, step: int) -> None:
         """Drop the records after `step` (a rollback will redo those steps)."""
@@ -138,6 +151,19 @@ class MetricsLogger:
             self.file.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+SITES_INSECURE_EFFECT = ("cross-site messages are NOT authenticated: anyone who can reach the store or the sites' "
+                         "ports can join the run or forge its messages")
+
+
+def insecure_choices(cfg: Config, unauthenticated: bool) -> dict[str, str]:
+    """The insecure settings in effect, setting -> what it lets through: `sites.insecure` when this
+    run's cross-site traffic is `unauthenticated` (several sites, no secret), `checkpoint.allow_unsigned`."""
+    choices = {"sites.insecure": SITES_INSECURE_EFFECT} if unauthenticated else {}
+    if cfg.checkpoint.allow_unsigned:
+        choices["checkpoint.allow_unsigned"] = ALLOW_UNSIGNED_WARNING
+    return choices
 
 
 def records_through(lines: list[str], step: int) -> list[str]:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from zeroband import checkpoint as ckpt
 from zeroband.checkpointer import Checkpointer, checkpoint_meta, checkpoint_secret, sync_due
-from zeroband.config import Config, ConfigError, dump_config, load_config
+from zeroband.config import Config, ConfigError, dump_config, load_config, warn_allow_unsigned
 from zeroband.data.loader import PackedBatches
 from zeroband.data.tokenizer import TextTokenizer
 from zeroband.fingerprint import run_fingerprint
@@ -28,7 +28,7 @@ from zeroband.membership.elastic import ElasticMembership
 from zeroband.membership.resume import ResumeMismatch, agree_resume
 from zeroband.membership.store import StoreUnreachable
 from zeroband.mesh import Topology, admission_mark, init_topology, shutdown
-from zeroband.metrics import ComputeClock, MetricsLogger, peak_flops, peak_memory_mb
+from zeroband.metrics import ComputeClock, MetricsLogger, insecure_choices, peak_flops, peak_memory_mb
 from zeroband.models.llama import Llama, flops_per_token, num_params
 from zeroband.optim import build_optimizer, build_scheduler, hyperparameters_kept, lr_factor
 from zeroband.outer.base import NoOuter, Outer
@@ -117,6 +117,8 @@ def train(cfg: Config) -> dict[str, Any]:
     world = world_from_env(cfg)
     d, s = cfg.diloco, cfg.sites
     secret = run_secret(s.secret, s.insecure, world.site_count) if d else None  # before any port opens
+    if world.rank == 0:
+        warn_allow_unsigned(cfg)  # the opt-out's one loud line; recorded in metrics.jsonl too
     with run_dir_lock(site_dirs(cfg, world)[0], world.rank == 0):  # a second run of this name stops here
         topology = init_topology(world, s.store if d else None, cfg.name, s.timeout_s if d else 600.0,
                                  s.backend if d else "gloo", host_store=s.host_store if d else False,
@@ -380,6 +382,8 @@ def _train(cfg: Config, world: World, topology: Topology) -> dict[str, Any]:
     metrics = MetricsLogger(cfg, run.run_dir, world.rank == 0, cfg.train.steps, run.progress.step, tag=tag,
                             keep_through=keep)
     run.outer.attach(lambda event: metrics.log(run.progress.step, event, "membership"))
+    unauthenticated = cfg.diloco is not None and world.site_count > 1 and topology.secret is None
+    metrics.record_insecure(run.progress.step, insecure_choices(cfg, unauthenticated))
     if found is None:
         metrics.log(0, {"params": num_params(cfg.model), "ranks": world.ranks_per_site, "sites": world.site_count,
                         "run_id": run.run_id}, "run")

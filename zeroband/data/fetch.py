@@ -94,7 +94,8 @@ def _download_verified(url: str, path: Path, digest: str, opener: Opener) -> Non
     if got != digest:
         partial.unlink()
         raise FetchError(f"{path.name} from {_redact(url)}: sha256 {got} does not match the pinned {digest}; "
-                         "the index served a different file (nothing from it was opened)")
+                         "the index served a different file (nothing from it was opened). Fix: point "
+                         "PIP_INDEX_URL (or pip.conf index-url) at PyPI or a faithful mirror of it")
     partial.replace(path)
 
 
