@@ -31,6 +31,8 @@ PROSE_V2 = "prose-v2.jsonl.xz"
 PROSE_V2_SHA256 = "ffc3e6d4e34485675d72c8e6281127dedf9224a94ff69304921b906b7bf03410"
 TOKENIZER_SAMPLE_MB = 20  # train-split text the BPE is trained on (a 20 MB sample: 4 s at 4k, docs/data)
 CAUSAL_SDPA = "sdpa_causal"
+# Where a checkout finds the shared corpus: ../shared/data beside it (or beside its worktrees' parent).
+SHARED_DATA = (REPO.parent / "shared" / "data", REPO.parent.parent / "shared" / "data")
 
 
 @dataclass(frozen=True)
@@ -203,6 +205,8 @@ def plan_text(plan: list[tuple[str, Row]], cache: dict[str, Any], seconds: Any, 
             pending_s += est
             failed = cache["failures"].get(key)
             status = ("this run" if key in chosen else "too long for --budget-s" if est > budget else "a later run")
+            if failed and failed.get("count", 0) >= 2:
+                status = "skipped: failed twice (fix it, or delete its entry under failures in the cache)"
             status += f" (failed before: {failed['error'][:60]})" if failed else ""
         lines.append(f"{n:>3}  {row.name:<34} {row.kind:<6} {est:>7.0f}  {status}")
     mine = sum(seconds(r) for k, r in plan if k in chosen)
@@ -276,7 +280,7 @@ def decompressed_v2(data: Path, cache: Path) -> Path:
     out = cache / "prose-v2.jsonl"
     if out.is_file() and sha256_file(out) == PROSE_V2_SHA256:
         return out
-    src = next((p for p in (data / PROSE_V2, REPO.parent / "shared" / "data" / PROSE_V2) if p.is_file()), None)
+    src = next((p for p in (data / PROSE_V2, *(d / PROSE_V2 for d in SHARED_DATA)) if p.is_file()), None)
     if src is None:
         raise SystemExit(f"{data / PROSE_V2} not found: run `python scripts/gpu_suite.py --prepare` on the CPU "
                          "machine and carry .gpudata (docs/gpu_runbook.md)")
@@ -334,10 +338,10 @@ def train_split_bytes(corpus: Path, val_fraction: float) -> int:
 def prepare(data: Path) -> dict[str, Any]:
     """On the CPU machine: .gpudata/ with the corpus, both tokenizers and the commit (the GPU has no .git)."""
     data.mkdir(parents=True, exist_ok=True)
-    shared = REPO.parent / "shared" / "data" / PROSE_V2
+    shared = next((d / PROSE_V2 for d in SHARED_DATA if (d / PROSE_V2).is_file()), None)
     if not (data / PROSE_V2).is_file():
-        if not shared.is_file():
-            raise SystemExit(f"{shared} not found: copy prose-v2.jsonl.xz into {data}")
+        if shared is None:
+            raise SystemExit(f"{PROSE_V2} not found in {', '.join(map(str, SHARED_DATA))}: copy it into {data}")
         shutil.copy(shared, data / PROSE_V2)
     ctx = {"quick": False, "data": str(data), "cache_dir": str(Path(tempfile.gettempdir()) / "zeroband-gpu-suite"),
            "corpus": None}

@@ -74,6 +74,8 @@ def mask_reaching_attention(model: Any, seq: int, device: Any) -> bool:
     must pass none, or the row fails instead of reporting an unfair number."""
     import torch
 
+    if model.config._attn_implementation != CAUSAL_SDPA:
+        return True
     seen: list[Any] = []
     attn = model.model.layers[0].self_attn
     hook = attn.register_forward_pre_hook(lambda m, a, kw: seen.append(kw.get("attention_mask")), with_kwargs=True)
@@ -192,7 +194,7 @@ def run_speed(c: dict[str, Any], ctx: dict[str, Any]) -> dict[str, Any]:
             step = spec[name]()
             seconds, mem = timed(step, setup)
             if c["profile"] and not ctx["quick"] and (c["mode"] == "bench" or name == "zeroband"):
-                path = Path(ctx["out"]) / "profiles" / f"{c['mode']}_{spec['model'].n_layers}L_{name}.txt"
+                path = Path(ctx["out"]) / "gpu_suite_profiles" / f"{c['mode']}_{spec['model'].n_layers}L_{name}.txt"
                 path.parent.mkdir(parents=True, exist_ok=True)
                 profile(step, setup, path)
             tps = spec["tokens_per_step"] / seconds

@@ -125,6 +125,18 @@ def pending(plan: list[tuple[str, Row]], cache: dict[str, Any]) -> list[tuple[st
     return [(k, r) for k, r in plan if k not in cache["rows"]]
 
 
+MAX_FAILURES = 2  # a spec that failed this often is not tried again (GPU time is scarce): fix it, or clear its entry
+
+
+def retryable(todo: list[tuple[str, Row]], cache: dict[str, Any]) -> list[tuple[str, Row]]:
+    return [(k, r) for k, r in todo if cache["failures"].get(k, {}).get("count", 0) < MAX_FAILURES]
+
+
+def record_failure(cache: dict[str, Any], key: str, name: str, error: str) -> None:
+    count = cache["failures"].get(key, {}).get("count", 0) + 1
+    cache["failures"][key] = {"row": name, "error": error, "count": count, "at": time.time()}
+
+
 # ---------------------------------------------------------------------------------- estimates and budget
 
 
@@ -169,7 +181,7 @@ def run_rows(chosen: list[tuple[str, Row]], out: Path, spawn: Callable[[list[tup
             running = cache.pop("running", None)
             if running is not None:  # the worker died (or was stopped) inside this row
                 name = next(r.name for k, r in batch if k == running)
-                cache["failures"][running] = {"row": name, "error": f"worker exited with {rc} in this row", "at": time.time()}
+                record_failure(cache, running, name, f"worker exited with {rc} in this row")
                 save_cache(out, cache)
                 print(f"    FAILED: {name}: worker exited with {rc}", flush=True)
             elif rc != 0:  # died outside any row (e.g. at import): retrying would fail the same way
@@ -222,7 +234,7 @@ def worker(job_path: Path, out: Path) -> int:
             cache = load_cache(out)
             cache.pop("running", None)
             first = f"{type(e).__name__}: {e}".strip().splitlines()[:2]  # the report keeps the first lines
-            cache["failures"][key] = {"row": row.name, "error": " / ".join(first)[:400], "at": time.time()}
+            record_failure(cache, key, row.name, " / ".join(first)[:400])
             save_cache(out, cache)
             print(f"    FAILED: {type(e).__name__}: {e}", flush=True)
             continue
@@ -372,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     factor = calibration(plan, cache, estimate)
     seconds = lambda r: estimate(r) * factor.get(r.kind, 1.0)  # noqa: E731
     todo = pending(plan, cache)
-    chosen = choose(todo, seconds, args.budget_s)
+    chosen = choose(retryable(todo, cache), seconds, args.budget_s)
     print(gpu_rows.plan_text(plan, cache, seconds, {k for k, _ in chosen}, out, gpu, args.budget_s), flush=True)
     if args.dry_run:
         return 0
@@ -387,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{len(plan) - left} of {len(plan)} rows measured, {left} left "
           f"({'run the same command again' if left else 'suite complete'}); report: {out}/gpu_suite.md", flush=True)
     if args.tar:
-        subprocess.run(["tar", "czf", str(args.tar), "-C", str(out.parent), out.name], check=True)
+        subprocess.run(["tar", "czf", str(args.tar), "--exclude=.worker.json", "-C", str(out.parent), out.name], check=True)
     return 0
 
 

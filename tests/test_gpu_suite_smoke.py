@@ -19,7 +19,18 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
 
 import gpu_suite  # noqa: E402
-from gpu_suite import Row, checks, choose, code_hash, keyed, load_cache, pending, run_rows, save_cache  # noqa: E402
+from gpu_suite import (  # noqa: E402
+    Row,
+    checks,
+    choose,
+    code_hash,
+    keyed,
+    load_cache,
+    pending,
+    retryable,
+    run_rows,
+    save_cache,
+)
 
 
 def _rows(n: int, kind: str = "conv") -> list[Row]:
@@ -80,7 +91,10 @@ def test_a_worker_that_dies_costs_only_its_row(tmp_path: Path) -> None:
     assert calls == [["conv/r0/seed0", "conv/r1/seed0", "conv/r2/seed0"], ["conv/r2/seed0"]]
     assert len(cache["rows"]) == 2 and [f["row"] for f in cache["failures"].values()] == ["conv/r1/seed0"]
     assert "running" not in cache
-    assert [r.name for _, r in pending(plan, cache)] == ["conv/r1/seed0"]  # a failure is retried next time
+    assert [r.name for _, r in retryable(pending(plan, cache), cache)] == ["conv/r1/seed0"]  # retried next time
+    run_rows(retryable(pending(plan, cache), cache), tmp_path, spawn)  # ... and dies again
+    cache = load_cache(tmp_path)
+    assert [f["count"] for f in cache["failures"].values()] == [2] and retryable(pending(plan, cache), cache) == []
 
 
 def _conv(loss: float) -> dict[str, Any]:
@@ -135,3 +149,30 @@ def test_quick_runs_every_row_kind_and_resumes(tmp_path: Path) -> None:
     with pytest.raises(subprocess.CalledProcessError):  # quick numbers never land in benchmarks/
         subprocess.run([*cmd[:-4], "--out", str(REPO / "benchmarks" / "quick")], cwd=REPO, check=True,
                        capture_output=True, timeout=60)
+
+
+def test_the_fair_plain_loop_is_causal_and_gets_no_mask() -> None:
+    """The plain loop's attention: no mask reaches it, and it is still causal (the same logits as
+    transformers' eager attention with its full mask, and a later token never changes an earlier logit)."""
+    import copy
+
+    import torch
+    from gpu_runners import fair_llama, mask_reaching_attention
+    from transformers import LlamaForCausalLM
+
+    from zeroband.config import ModelConfig
+
+    torch.manual_seed(0)
+    fair = fair_llama(ModelConfig(preset="debug", max_seq_len=32), torch.device("cpu"), False).eval()
+    assert not mask_reaching_attention(fair, 16, torch.device("cpu"))
+    eager_cfg = copy.deepcopy(fair.config)
+    eager_cfg._attn_implementation = "eager"
+    eager = LlamaForCausalLM(eager_cfg).eval()
+    eager.load_state_dict(fair.state_dict())
+    x = torch.randint(0, 512, (2, 24))
+    y = x.clone()
+    y[:, 12] = (y[:, 12] + 1) % 512
+    with torch.no_grad():
+        logits, ref, changed = (m(input_ids=t, use_cache=False).logits for m, t in ((fair, x), (eager, x), (fair, y)))
+    assert torch.allclose(logits, ref, atol=1e-5)
+    assert torch.equal(logits[:, :12], changed[:, :12]) and not torch.allclose(logits[:, 12:], changed[:, 12:])
