@@ -31,6 +31,8 @@ import argparse
 import hashlib
 import inspect
 import json
+import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -166,8 +168,8 @@ def choose(todo: list[tuple[str, Row]], seconds: Callable[[Row], float], budget_
 
 def run_rows(chosen: list[tuple[str, Row]], out: Path, spawn: Callable[[list[tuple[str, Row]]], int]) -> None:
     """Run the chosen rows in workers: consecutive rows of one kind share a worker (one torch import,
-    one CUDA context), an isolated row gets its own. A worker that dies takes only the row it was running (recorded as failed); a new
-    worker goes on with the rest of its batch."""
+    one CUDA context), an isolated row gets its own. A worker that dies takes only the row it was
+    running (recorded as failed); a new worker goes on with the rows after it."""
     batches: list[list[tuple[str, Row]]] = []
     for key, row in chosen:
         last = batches[-1][-1][1] if batches else None
@@ -184,11 +186,12 @@ def run_rows(chosen: list[tuple[str, Row]], out: Path, spawn: Callable[[list[tup
                 record_failure(cache, running, name, f"worker exited with {rc} in this row")
                 save_cache(out, cache)
                 print(f"    FAILED: {name}: worker exited with {rc}", flush=True)
+                batch = batch[[k for k, _ in batch].index(running) + 1:]  # the worker ran its rows in order
             elif rc != 0:  # died outside any row (e.g. at import): retrying would fail the same way
-                print(f"worker exited with {rc} before its rows; stopping", flush=True)
+                print(f"worker exited with {rc} outside its rows; stopping", flush=True)
                 return
-            done = set(cache["rows"]) | set(cache["failures"])
-            batch = [(k, r) for k, r in batch if k not in done] if running is not None else []
+            else:
+                batch = []
 
 
 def spawn_worker(out: Path, ctx: dict[str, Any], seconds: Callable[[Row], float],
@@ -201,10 +204,14 @@ def spawn_worker(out: Path, ctx: dict[str, Any], seconds: Callable[[Row], float]
         job.write_text(json.dumps({"rows": [[k, asdict(r), seconds(r)] for k, r in batch], "ctx": ctx,
                                    "deadline": deadline}, default=str))
         timeout = max(10.0, deadline - time.time() + 60)
+        # Its own process group: a stopped worker takes the site processes it forked with it.
+        proc = subprocess.Popen([sys.executable, __file__, "--worker", str(job), "--out", str(out)],
+                                start_new_session=True)
         try:
-            return subprocess.run([sys.executable, __file__, "--worker", str(job), "--out", str(out)],
-                                  timeout=timeout).returncode
+            return proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
             print(f"worker stopped after {timeout:.0f} s (past the budget)", flush=True)
             return 124
     return spawn

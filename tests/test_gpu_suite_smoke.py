@@ -176,3 +176,32 @@ def test_the_fair_plain_loop_is_causal_and_gets_no_mask() -> None:
         logits, ref, changed = (m(input_ids=t, use_cache=False).logits for m, t in ((fair, x), (eager, x), (fair, y)))
     assert torch.allclose(logits, ref, atol=1e-5)
     assert torch.equal(logits[:, :12], changed[:, :12]) and not torch.allclose(logits[:, 12:], changed[:, 12:])
+
+
+def test_the_gpu_plan_meets_the_issue_minimums() -> None:
+    """The full-scale rows are what issue 24 asks for, so a GPU window is never spent on a plan that
+    could not pass review: k = 4, >= 25M parameters, seq >= 256, bf16, H = 100 with >= 16 outer steps
+    and H = 500 with >= 8, data parallel over >= 3 lrs, 2 seeds of every headline row, the fair speed
+    rows at both presets and both shapes, and every row inside one budget."""
+    from gpu_rows import FULL, estimate_s, plan_rows
+
+    from zeroband.config import ModelConfig
+    from zeroband.models.llama import num_params
+
+    rows = plan_rows(FULL)
+    names = {r.name for r in rows}
+    assert len(names) == len(rows)
+    assert {f"speed/{m}-{p}" for m in ("bench", "shipped") for p in ("150M", "1B")} | {"outer/1B"} <= names
+    conv = [r.config for r in rows if r.kind == "conv"]
+    assert num_params(ModelConfig(**conv[0]["model"], vocab_size=conv[0]["vocab"])) >= 25e6
+    assert all(c["seq"] >= 256 and c["bf16"] and c["sites"] == 4 and c["device"] == "cuda" for c in conv)
+    for h, least in ((100, 16), (500, 8)):
+        runs = [c for c in conv if c.get("h") == h]
+        assert runs and all(c["steps"] // h >= least for c in runs)
+        for outer in ("defaults", "plain_avg", "paper"):
+            assert {f"conv/{outer}_H{h}/seed{s}" for s in (0, 1)} <= names
+    assert len({c["lr"] for c in conv if c["method"] == "dp"}) >= 3
+    assert {f"conv/single/seed{s}" for s in (0, 1)} <= names
+    tokens = max(c["steps"] * c["batch"] * c["seq"] * c["sites"] for c in conv)
+    assert tokens <= 66.5e6  # at most ~1 epoch of prose-v2 (66.5M tokens at vocab 4k)
+    assert max(estimate_s(r, FULL) for r in rows) < 480  # every row fits one default budget
