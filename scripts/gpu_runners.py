@@ -51,6 +51,7 @@ def register_causal_sdpa() -> None:
 
 def fair_llama(model_cfg: Any, device: Any, checkpointing: bool) -> Any:
     """LlamaForCausalLM with zeroband's shapes, the causal sdpa path and no KV cache."""
+    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     register_causal_sdpa()
@@ -59,7 +60,8 @@ def fair_llama(model_cfg: Any, device: Any, checkpointing: bool) -> Any:
                      vocab_size=model_cfg.vocab_size, max_position_embeddings=model_cfg.max_seq_len,
                      rms_norm_eps=model_cfg.norm_eps, rope_theta=model_cfg.rope_theta,
                      tie_word_embeddings=model_cfg.tie_embeddings, use_cache=False, attn_implementation=CAUSAL_SDPA)
-    model = LlamaForCausalLM(hf).to(device)
+    with torch.device(device):  # built where it runs: a 1B model initialised on the host takes a while
+        model = LlamaForCausalLM(hf)
     if checkpointing:  # transformers 5.x renamed it; the GPU image may have either name
         if hasattr(model, "activation_checkpointing_enable"):
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
