@@ -50,6 +50,12 @@ def kernel_impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
 UNIT_MODULES = {"test_config", "test_data", "test_model", "test_plan", "test_rounds", "test_fetch_safety",
                 "test_outer_units", "test_outer_step", "test_save_policy"}
 UNIT_TESTS = {
+    "test_gpu_suite_smoke": {"test_cached_spec_is_skipped_and_a_changed_spec_runs_again",
+                             "test_budget_stops_between_rows_and_the_next_invocation_goes_on",
+                             "test_a_worker_that_dies_costs_only_its_row",
+                             "test_checks_are_fixed_and_a_failing_check_stays_failing",
+                             "test_the_fair_plain_loop_is_causal_and_gets_no_mask",
+                             "test_the_gpu_plan_meets_the_issue_minimums"},
     "test_attacks": {"test_verified_sites_rule", "test_forged_heartbeat_and_leave_are_refused",
                      "test_forged_members_votes_verdict_and_committed_are_refused",
                      "test_multi_site_without_a_secret_needs_insecure"},

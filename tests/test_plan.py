@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from zeroband.cli import main as cli_main
@@ -109,3 +112,65 @@ def test_overlap_steps_cover_the_all_reduce() -> None:
     assert overlap_steps(2.5, 1.0, 500) == 3  # 2.5 s of all-reduce over 1 s steps: lands at step 3
     assert overlap_steps(0.01, 1.0, 500) == 1  # the earliest it can land
     assert overlap_steps(600.0, 1.0, 500) == 0  # longer than a round: a whole round (the default)
+
+
+# ------------------------------------------------------------------------------- from a config file (issue 24)
+
+CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.toml"))
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=[c.name for c in CONFIGS])
+def test_plan_reads_every_shipped_config(config: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from zeroband.config import load_config
+    from zeroband.models.llama import num_params
+
+    cfg = load_config(config, [])
+    assert cli_main(["plan", str(config), "--sites", "4", "--gbps", "1", "--latency-ms", "50"]) == 0
+    out = capsys.readouterr().out
+    h = cfg.diloco.inner_steps if cfg.diloco else 500
+    dtype = cfg.diloco.comm_dtype if cfg.diloco else "fp16"
+    assert f"H={h}" in out and f"wire {dtype}" in out and "4 sites" in out and "compute utilisation" in out
+    assert f"{num_params(cfg.model):.3g} params" in out
+
+
+def test_plan_from_config_by_hand(tmp_path: Path) -> None:
+    import argparse
+
+    from zeroband.tools.plan import plan_from_config
+
+    args = argparse.Namespace(sites=4, gbps=1.0, latency_ms=50.0, overlap=False, no_tcp_ramp=True, mtu=1500,
+                              step_time=None, step_json=None, gpus_per_site=8)
+    cp = plan_from_config("configs/1B.toml", args)
+    assert cp.plan.inner_steps == 500 and cp.plan.dtype == "fp16" and cp.piece_mb == 16
+    assert cp.tokens_per_step == 256 * 2048
+    assert cp.pieces == -(-int(cp.plan.params) * 4 // (16 * 2**20))  # ceil(fp32 bytes / piece bytes)
+    # a measured step: tokens per step / (tokens/s per GPU x GPUs per site), from a gpu_suite.json
+    bench = tmp_path / "gpu_suite.json"
+    bench.write_text(json.dumps({"gpu": "H100", "rows": {"speed/shipped-1B": {"result": {"loops": {
+        "zeroband": {"tokens_s": 65536.0}}}}}}))
+    args.step_json = bench
+    cp = plan_from_config("configs/1B.toml", args)
+    assert cp.plan.step_time_s == pytest.approx(524288 / (65536.0 * 8)) and "measured" in cp.step_source
+    # and from bench_step.py --inner's inner_step.json
+    bench.write_text(json.dumps({"device": "H100", "rows": [{"preset": "1B", "loop": "zeroband", "tokens_s": 131072.0}]}))
+    assert plan_from_config("configs/1B.toml", args).plan.step_time_s == pytest.approx(0.5)
+
+
+def test_plan_step_json_without_the_model_is_one_clear_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bench = tmp_path / "inner_step.json"
+    bench.write_text(json.dumps({"rows": [{"preset": "150M", "loop": "zeroband", "tokens_s": 1e5}]}))
+    assert cli_main(["plan", "configs/1B.toml", "--step-json", str(bench)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--step-json" in err and "'1B'" in err
+
+
+def test_plan_vs_every_measured_wan_row(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    wan = Path(__file__).resolve().parent.parent / "benchmarks" / "wan.json"
+    out = tmp_path / "plan_vs_wan.md"
+    assert cli_main(["plan", "--vs-wan", str(wan)]) == 0
+    assert not out.exists()  # written only when asked
+    assert cli_main(["plan", "--vs-wan", str(wan), "--write", str(out)]) == 0
+    text = out.read_text()
+    rows = json.loads(wan.read_text())["results"]
+    assert sum(line.startswith("| DiLoCo") or line.startswith("| DP") for line in text.splitlines()) == len(rows)
+    assert "mean |error|" in text and capsys.readouterr().out.count("# zeroband plan vs") == 2

@@ -4,7 +4,7 @@
     zeroband train CONFIG [--nproc N] [--k v ...]  one site (torchrun when N > 1)
     zeroband launch CONFIG --sites S --nproc W     S sites x W ranks on this machine (DiLoCo)
     zeroband export CONFIG [--checkpoint P] [--out DIR]   Hugging Face Llama directory
-    zeroband plan [--params N --step-time S ...] [--table]   predict WAN sync cost and utilisation
+    zeroband plan [CONFIG | --params N ...] [--table]    predict WAN sync cost and utilisation
 """
 
 from __future__ import annotations
@@ -103,21 +103,38 @@ def _cmd_export(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace, rest: list[str]) -> int:
-    from zeroband.tools.plan import input_from_args, predict, prediction_text, table_markdown
+    from zeroband.tools import plan
 
     if rest:
-        print(f"zeroband plan: unknown arguments {rest}", file=sys.stderr)
+        print(f"zeroband plan: unknown arguments {rest} (usage: zeroband plan [CONFIG.toml] [--sites N --gbps G "
+              "--latency-ms L --step-json FILE] | --params N ... | --table | --vs-wan FILE)", file=sys.stderr)
         return 2
-    if args.table:
-        print(table_markdown())
-        return 0
     try:
-        plan_input = input_from_args(args)
-        print(prediction_text(plan_input, predict(plan_input)))
-    except ValueError as e:
+        if args.table:
+            print(plan.table_markdown())
+        elif args.vs_wan is not None:
+            print(_plan_vs_wan(plan, args.vs_wan, args.write))
+        elif args.config is not None:
+            print(plan.config_plan_text(args.config, plan.plan_from_config(args.config, args)))
+        else:
+            plan_input = plan.input_from_args(args)
+            print(plan.prediction_text(plan_input, plan.predict(plan_input)))
+    except (ValueError, OSError) as e:
         print(f"zeroband plan: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def _plan_vs_wan(plan: object, wan_json: Path, write: Path | None) -> str:
+    """The planner against every measured WAN row; written to `write` only when asked."""
+    try:
+        data = json.loads(Path(wan_json).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--vs-wan {wan_json}: cannot read it as JSON ({e})") from None
+    text = plan.wan_table(data, str(wan_json))  # type: ignore[attr-defined]
+    if write is not None:
+        Path(write).write_text(text + "\n")
+    return text
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -27,8 +27,10 @@ Per-step data parallel is the same model with H = 1, fp32, blocking.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from typing import Any
 
 DTYPE_BYTES: dict[str, float] = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0 + 2 / 128, "int4": 0.5 + 2 / 64}
@@ -235,17 +237,163 @@ def params_of_preset(preset: str) -> int:
 
 def input_from_args(args: argparse.Namespace) -> PlanInput:
     if (args.params is None) == (args.preset is None):
-        raise ValueError("give exactly one of --params or --preset")
+        raise ValueError("give exactly one of --params or --preset (or a config file: zeroband plan CONFIG.toml)")
     params = float(args.params) if args.params is not None else float(params_of_preset(args.preset))
-    return PlanInput(params, args.step_time, args.sites, args.gbps, args.latency_ms, args.inner_steps, args.dtype,
+    step = 1.0 if args.step_time is None else args.step_time
+    return PlanInput(params, step, args.sites, args.gbps, args.latency_ms, args.inner_steps, args.dtype,
                      args.overlap, not args.no_tcp_ramp, args.mtu)
 
 
+# ------------------------------------------------------------------------------- from a config file
+
+
+@dataclass(frozen=True)
+class ConfigPlan:
+    """What `zeroband plan CONFIG.toml` read and assumed, beside the planner's input."""
+
+    plan: PlanInput
+    model: str
+    piece_mb: float
+    pieces: int  # pipeline pieces of one all-reduce (diloco.piece_mb of fp32 values each)
+    tokens_per_step: int
+    step_source: str
+    notes: tuple[str, ...]
+
+
+def measured_tokens_s(data: dict[str, Any], preset: str | None) -> tuple[float, str] | None:
+    """zeroband's inner-step tokens/s for `preset` in a benchmark JSON: scripts/gpu_suite.py's
+    gpu_suite.json (the shipped-config row first, then the bench-shape row) or bench_step.py --inner's
+    inner_step.json."""
+    rows = data.get("rows")
+    if isinstance(rows, dict):  # gpu_suite.json
+        for name in (f"speed/shipped-{preset}", f"speed/bench-{preset}"):
+            if name in rows:
+                return rows[name]["result"]["loops"]["zeroband"]["tokens_s"], f"{name} on {data.get('gpu', '?')}"
+    elif isinstance(rows, list):  # inner_step.json
+        for row in rows:
+            if row.get("preset") == preset and row.get("loop") == "zeroband":
+                return row["tokens_s"], f"inner_step.json {preset} on {data.get('device', '?')}"
+    return None
+
+
+def step_time_from_json(path: Path, preset: str | None, tokens_per_step: int, gpus: int) -> tuple[float, str]:
+    """Seconds per inner step of a site of `gpus` GPUs, from one GPU's measured tokens/s (assumes the
+    site scales linearly over its GPUs)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--step-json {path}: cannot read it as JSON ({e})") from None
+    found = measured_tokens_s(data, preset)
+    if found is None:
+        raise ValueError(f"--step-json {path}: no zeroband row for model preset {preset!r}; give a gpu_suite.json "
+                         "or inner_step.json that measured it, or --step-time SECONDS")
+    tokens_s, where = found
+    return tokens_per_step / (tokens_s * gpus), f"measured: {tokens_s:,.0f} tokens/s per GPU ({where}) x {gpus} GPUs"
+
+
+def plan_from_config(path: str, args: argparse.Namespace) -> ConfigPlan:
+    """The planner's input from a training config: model size, H, wire format, overlap and piece size
+    from the file; the step time from --step-time, --step-json, or 6N + attention at TABLE_MFU."""
+    from zeroband.config import DilocoConfig, load_config
+    from zeroband.models.llama import flops_per_token, num_params
+
+    cfg = load_config(path, [])
+    notes = []
+    d = cfg.diloco
+    if d is None:
+        d = DilocoConfig()
+        notes.append(f"{path} has no [diloco] section: planned with DiLoCo's defaults (H={d.inner_steps}, {d.comm_dtype})")
+    tokens = cfg.train.global_batch * cfg.data.seq_len
+    gpus = args.gpus_per_site
+    if args.step_time is not None:
+        step, source = args.step_time, "given (--step-time)"
+    elif args.step_json is not None:
+        step, source = step_time_from_json(args.step_json, cfg.model.preset, tokens, gpus)
+    else:
+        flops = flops_per_token(cfg.model, cfg.data.seq_len) * tokens
+        step = flops / (gpus * H100_PEAK_FLOPS * TABLE_MFU)
+        source = f"assumed: (6N + attention) x tokens / ({gpus} GPUs x H100 989 TFLOP/s x {TABLE_MFU:.0%} MFU)"
+    params = num_params(cfg.model)
+    plan = PlanInput(float(params), step, args.sites, args.gbps, args.latency_ms, d.inner_steps, d.comm_dtype,
+                     d.overlap or args.overlap, not args.no_tcp_ramp, args.mtu)
+    pieces = max(1, math.ceil(params * 4 / (d.piece_mb * 2**20)))
+    return ConfigPlan(plan, cfg.model.preset or f"{params / 1e6:.0f}M", d.piece_mb, pieces, tokens, source, tuple(notes))
+
+
+def config_plan_text(path: str, cp: ConfigPlan) -> str:
+    p = cp.plan
+    size = f"{p.params / 1e9:.3g}B" if p.params >= 1e9 else f"{p.params / 1e6:.3g}M"
+    head = [f"{path}: model {cp.model} ({size} params), H={p.inner_steps}, wire {p.dtype}, piece {cp.piece_mb:g} MB "
+            f"({cp.pieces} piece{'s' if cp.pieces > 1 else ''} per all-reduce), {cp.tokens_per_step:,} tokens per step per site",
+            f"  step time {p.step_time_s:.3g} s: {cp.step_source}", *(f"  note: {n}" for n in cp.notes)]
+    return "\n".join(head) + "\n" + prediction_text(p, predict(p))
+
+
+# ------------------------------------------------------------------------------- checked against benchmarks/wan.json
+
+
+def wan_prediction(meta: dict[str, Any], m: dict[str, Any]) -> dict[str, Any]:
+    """This planner's prediction for one measured WAN row (scripts/bench_wan.py), from the row's own
+    measured compute per step; TCP ramp off (the emulator disables slow start after idle)."""
+    p = PlanInput(m["shard_params"] * meta["nproc"], m["compute_s_per_step"], meta["sites"], m["rate_mbit"] / 1e3,
+                  meta["delay_ms"], m["inner_steps"], m["dtype"], m["overlap"], False, meta["mtu"])
+    if m["mode"] == "data_parallel":
+        step = predict_data_parallel(p)
+        comm, util = step.comm_s * m["inner_steps"], step.utilisation
+    else:
+        pred = predict(p)
+        comm = max(0.0, pred.comm_s - pred.compute_s) if m["overlap"] else pred.comm_s  # overlapped: the wait
+        util = pred.utilisation
+    return {"comm_s": comm, "utilisation": util}
+
+
+def _rel(pred: float, measured: float) -> float | None:
+    """Relative error; None where the measured wait is under 50 ms (overlapped rows: both ~0)."""
+    return (pred - measured) / measured if measured > 0.05 else None
+
+
+def wan_table(data: dict[str, Any], source: str) -> str:
+    """Prediction vs every measured WAN row, with the relative errors and their summary."""
+    meta, rows, comm_errs, util_errs = data["meta"], [], [], []
+    for m in data["results"]:
+        pred = wan_prediction(meta, m)
+        ce = _rel(pred["comm_s"], m["allreduce_s_last_arrival"])
+        ue = (pred["utilisation"] - m["utilisation_steady_last_arrival"]) / m["utilisation_steady_last_arrival"]
+        comm_errs += [abs(ce)] if ce is not None else []
+        util_errs.append(abs(ue))
+        rows.append([m["row"], f"{m['rate_mbit']:g}", m["inner_steps"], f"{m['allreduce_s_last_arrival']:.3f}",
+                     f"{pred['comm_s']:.3f}", "n/a (both ~0)" if ce is None else f"{100 * ce:+.1f}%",
+                     f"{100 * m['utilisation_steady_last_arrival']:.1f}%", f"{100 * pred['utilisation']:.1f}%",
+                     f"{100 * ue:+.1f}%"])
+    headers = ["row", "Mbit/s", "H", "comm s measured (last arrival)", "comm s predicted", "error",
+               "util measured (steady, last arrival)", "util predicted", "error"]
+    summary = (f"Error over the {len(data['results'])} measured rows: communication time mean |error| "
+               f"{100 * sum(comm_errs) / len(comm_errs):.1f}% (max {100 * max(comm_errs):.1f}%, {len(comm_errs)} rows "
+               f"with a measurable wait), utilisation mean |error| {100 * sum(util_errs) / len(util_errs):.1f}% "
+               f"(max {100 * max(util_errs):.1f}%).")
+    return "\n".join([
+        "# zeroband plan vs the measured WAN rows", "", f"Measured: `{source}` ({meta['preset']} preset, "
+        f"{meta['params']:,} params, {meta['sites']} sites x {meta['nproc']} rank, {meta['delay_ms']:g} ms one-way, "
+        f"MTU {meta['mtu']}, emulated link `{meta['backend']}`). Predicted: `zeroband.tools.plan.predict` with each row's "
+        "measured compute per step, rate, delay and MTU, no TCP slow start (the emulator turns it off). "
+        "Overlapped rows compare the predicted wait, max(0, T_comm - H x step), with the measured wait.", "",
+        markdown(headers, rows), "", summary, "",
+        "Regenerate: `zeroband plan --vs-wan benchmarks/wan.json --write docs/results/plan_vs_wan.md`."])
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", nargs="?", default=None,
+                   help="a training config (.toml): model size, H, wire format, piece size and overlap from it")
     p.add_argument("--table", action="store_true", help="print the 150M..100B x bandwidth x H x dtype table")
+    p.add_argument("--step-json", type=Path, default=None,
+                   help="with a config: the inner step time from a benchmark JSON (gpu_suite.json, inner_step.json)")
+    p.add_argument("--gpus-per-site", type=int, default=8, help="with a config: GPUs per site (default 8)")
+    p.add_argument("--vs-wan", type=Path, default=None, metavar="WAN_JSON",
+                   help="compare predictions with every measured row of benchmarks/wan.json")
+    p.add_argument("--write", type=Path, default=None, help="with --vs-wan: also write the table to this file")
     p.add_argument("--params", type=float, default=None, help="model parameters, e.g. 1e9")
     p.add_argument("--preset", default=None, help="or a model preset (debug, demo, 150M, 1B, 7B, 10B)")
-    p.add_argument("--step-time", type=float, default=1.0, help="inner step compute seconds")
+    p.add_argument("--step-time", type=float, default=None, help="inner step compute seconds (default 1.0)")
     p.add_argument("--sites", type=int, default=2)
     p.add_argument("--gbps", type=float, default=1.0, help="per-site WAN bandwidth, Gbit/s")
     p.add_argument("--latency-ms", type=float, default=50.0, help="one-way latency between sites")
