@@ -1,0 +1,110 @@
+"""scripts/slurm/site.sbatch under a real SLURM (tests/slurm_cluster.py): two sites, two jobs.
+
+Each site is one `sbatch` of the project's script on a one-node cluster started here (CPU, gloo),
+beside a coordination store started the way `zeroband launch` starts it, with the secret in the
+environment. While they run, `ss -ltnp` lists every listening socket of the jobs' processes; after,
+both sites must have trained to the last step with identical replicas (the outer state's checksum
+after every outer step) and listened only on loopback.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import tomli_w
+
+from tests.helpers import is_loopback, listeners, site_records, tiny_overrides
+from tests.slurm_cluster import SlurmCluster, ensure_installed, job_processes, start_cluster
+from zeroband.tools.launch import free_port, store_process
+
+ROOT = Path(__file__).resolve().parents[1]
+SECRET = "Zb-slurm-secret-5c2a91e07b"
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def slurm() -> SlurmCluster:
+    why = ensure_installed()
+    if why is not None:
+        pytest.skip(f"SLURM cannot run here: {why}")
+    cluster = start_cluster()
+    yield cluster
+    cluster.stop()
+
+
+def submit(slurm: SlurmCluster, config: Path, site: int, store: str, out: Path) -> str:
+    """sbatch the site script as a user would on a one-node CPU site (the #SBATCH lines ask for
+    2 GPU nodes: a site's shape is chosen on the command line)."""
+    env = {**slurm.env, "SITE_RANK": str(site), "SITE_COUNT": "2", "ZEROBAND_STORE": store,
+           "ZEROBAND_HOST_STORE": "false", "ZEROBAND_SECRET": SECRET, "ZEROBAND_PYTHON": sys.executable,
+           "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",  # as after `source .venv/bin/activate`:
+           "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    cmd = ["sbatch", "--parsable", "--nodes=1", "--gpus-per-node=0", "--cpus-per-task=1",
+           f"--output={out}/slurm-site{site}-%j.log", f"--chdir={ROOT}", "scripts/slurm/site.sbatch", str(config)]
+    return slurm.run(*cmd, env=env).strip().split(";")[0]
+
+
+@dataclass
+class Watched:
+    """What was seen of the jobs' processes while they ran."""
+
+    listeners: set[tuple[str, str]] = field(default_factory=set)
+    commands: set[str] = field(default_factory=set)
+    ps_hits: list[str] = field(default_factory=list)
+
+    def look(self, pids: set[int]) -> None:
+        self.listeners |= listeners(pids)
+        for pid in pids:
+            try:
+                self.commands.add(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode())
+            except OSError:
+                pass
+        ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+        self.ps_hits += [line for line in ps.splitlines() if SECRET in line]
+
+
+def wait_jobs(slurm: SlurmCluster, jobs: list[str], timeout_s: float, watched: Watched) -> dict[str, dict]:
+    """Poll until every job has ended, watching their processes; returns job id -> final record."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        states = {j: slurm.job(j) for j in jobs}
+        if all(s["JobState"] not in ("PENDING", "RUNNING", "COMPLETING", "CONFIGURING") for s in states.values()):
+            return states
+        if time.monotonic() > deadline:
+            pytest.fail(f"jobs still running after {timeout_s:.0f} s: {states}\n{slurm.log_tail()}")
+        watched.look(job_processes(set(jobs), sys.executable))
+        time.sleep(0.3)
+
+
+@pytest.mark.timeout(240)  # the cluster starts in ~5 s; the two sites train in ~30-60 s on 2 busy cores
+def test_sbatch_two_sites_train_identical_on_loopback(slurm, corpus, tmp_path):
+    tree = tiny_overrides(corpus, tmp_path, train={"steps": STEPS})
+    tree["diloco"] = {"inner_steps": 2, "log_checksum": True}
+    tree["sites"] = {"timeout_s": 60}
+    config = tmp_path / "run.toml"
+    config.write_text(tomli_w.dumps(tree))
+    port = free_port()
+    with store_process(["127.0.0.1", port], lambda cmd: cmd) as store:
+        jobs = [submit(slurm, config, site, f"tcp://127.0.0.1:{port}", tmp_path) for site in (0, 1)]
+        states = wait_jobs(slurm, jobs, 180, watched := Watched())
+        watched.look({store.pid})
+    logs = "\n".join(p.read_text(errors="replace")[-3000:] for p in sorted(tmp_path.glob("slurm-site*.log")))
+    assert [(s["JobState"], s["ExitCode"]) for s in states.values()] == [("COMPLETED", "0:0")] * 2, logs
+    crcs = [[(r["step"], r["outer_crc"]) for r in site_records(tmp_path, s, "outer")] for s in (0, 1)]
+    assert [step for step, _ in crcs[0]] == list(range(2, STEPS + 1, 2)), crcs
+    assert crcs[0] == crcs[1], crcs
+    # Both sites' torchrun agents (rendezvous + worker stores) and ranks (gloo) were seen, all on loopback.
+    seen = watched.listeners
+    assert len(seen) >= 5 and "pt_elastic" in {name for _, name in seen}, seen
+    assert [s for s in seen if not is_loopback(s[0])] == [], seen
+    # The same entry point as `zeroband launch`, never plain torchrun; the secret in no argv or log.
+    agents = [c for c in watched.commands if "torchrun" in c]
+    assert agents and all("-m zeroband.torchrun" in c and "--local-addr 127.0.0.1" in c for c in agents), agents
+    assert watched.ps_hits == [] and SECRET not in logs
