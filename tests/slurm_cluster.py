@@ -1,10 +1,12 @@
-"""A real one-node SLURM cluster on loopback ports, for the test of scripts/slurm/site.sbatch.
+"""A real SLURM cluster on loopback, for the test of scripts/slurm/site.sbatch.
 
-Debian's slurm-wlm (slurmctld + slurmd) and munge, each started here as its own foreground process
-with every file (munge key and socket, slurm.conf, state and spool directories, logs) in one temp
-directory, so nothing of the machine's own configuration is read or changed. The plugins are the
-ones that need no cgroup or systemd (proctrack/linuxproc, task/none), so it runs in containers and
-VMs too. Daemons are stopped by PID.
+Debian's slurm-wlm (slurmctld + one slurmd per node) and munge, each started here as its own
+foreground process with every file (munge key and socket, slurm.conf, state and spool directories,
+logs) in one temp directory, so nothing of the machine's own configuration is read or changed. The
+plugins are the ones that need no cgroup or systemd (proctrack/linuxproc, task/none), so it runs in
+containers and VMs too. Two nodes share this machine, each slurmd on its own port, each node with
+its own loopback address (NODE_ADDRS), so a multi-node job's binding can be told apart; each node
+declares the machine's real CPUs and memory. Daemons are stopped by PID.
 """
 
 from __future__ import annotations
@@ -19,72 +21,48 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests import debian
 from tests.multiproc import free_port
 
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "squeue", "sinfo", "scancel")
 PACKAGES = ("slurm-wlm", "munge")
 
 
-def missing_binaries() -> list[str]:
-    return [b for b in BINARIES if shutil.which(b) is None and not Path("/usr/sbin", b).is_file()]
+def ensure_installed() -> str | None:
+    """None once slurm-wlm + munge are installed (apt-get, once), else why SLURM cannot run here."""
+    return debian.ensure_installed(PACKAGES, BINARIES)
 
 
-def cannot_install() -> str | None:
-    """Why slurm-wlm cannot be installed here (None: it can be), the way scripts/test.sh decides."""
-    if os.environ.get("ZEROBAND_NO_APT"):
-        return "ZEROBAND_NO_APT is set"
-    if os.geteuid() != 0:
-        return "not root, so apt-get cannot install it"
-    if shutil.which("apt-get") is None:
-        return "no apt-get on this machine"
-    return None
+NODES = {"zb1": "127.0.0.2", "zb2": "127.0.0.3"}  # node name -> its address (NodeAddr)
 
 
-def ensure_installed(timeout_s: float = 600) -> str | None:
-    """Install slurm-wlm + munge if absent (once: skipped when present). Returns why SLURM cannot
-    run here, or None. scripts/test.sh installs them first, so this is a fallback for plain pytest."""
-    if not missing_binaries():
-        return None
-    why = cannot_install()
-    if why is not None:
-        return f"slurm-wlm is not installed ({', '.join(missing_binaries())} missing) and {why}"
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", *PACKAGES]):
-        try:
-            out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            return f"`{' '.join(cmd)}` did not finish in {timeout_s:.0f} s"
-        if out.returncode != 0:
-            last = (out.stderr or out.stdout).strip().splitlines()[-1:] or ["(no output)"]
-            return f"`{' '.join(cmd)}` failed (exit {out.returncode}): {last[0]}"
-    return None if not missing_binaries() else f"still missing after install: {missing_binaries()}"
-
-
-def node_line(name: str) -> str:
-    """This machine's real hardware as a slurm.conf NodeName line (`slurmd -C`), on loopback."""
+def hardware() -> str:
+    """This machine's real CPUs, sockets and memory as slurm.conf node fields (`slurmd -C`)."""
     out = subprocess.run(["slurmd", "-C"], capture_output=True, text=True, check=True, timeout=30).stdout
-    hardware = re.search(r"^NodeName=\S+ (.*)$", out, re.M)
-    assert hardware is not None, out
-    specs = re.sub(r" ?UpTime=\S+", "", hardware.group(1)).strip()
-    return f"NodeName={name} NodeAddr=127.0.0.1 {specs} State=UNKNOWN"
+    found = re.search(r"^NodeName=\S+ (.*)$", out, re.M)
+    assert found is not None, out
+    return re.sub(r" ?UpTime=\S+", "", found.group(1)).strip()
 
 
-def slurm_conf(root: Path, name: str, ctld_port: int, slurmd_port: int) -> str:
+def slurm_conf(root: Path, host: str, ctld_port: int) -> str:
+    specs = hardware()
+    nodes = [f"NodeName={name} NodeHostname={host} NodeAddr={addr} Port={free_port()} {specs} State=UNKNOWN"
+             for name, addr in NODES.items()]
     return "\n".join([
-        "ClusterName=zbtest", f"SlurmctldHost={name}(127.0.0.1)",
-        f"SlurmctldPort={ctld_port}", f"SlurmdPort={slurmd_port}", "SlurmUser=root", "SlurmdUser=root",
+        "ClusterName=zbtest", f"SlurmctldHost={host}(127.0.0.1)",
+        f"SlurmctldPort={ctld_port}", "SlurmUser=root", "SlurmdUser=root",
         "AuthType=auth/munge", "CredType=cred/munge", f"AuthInfo=socket={root}/munge/socket",
-        f"StateSaveLocation={root}/state", f"SlurmdSpoolDir={root}/spool",
-        f"SlurmctldPidFile={root}/slurmctld.pid", f"SlurmdPidFile={root}/slurmd.pid",
-        f"SlurmctldLogFile={root}/slurmctld.log", f"SlurmdLogFile={root}/slurmd.log",
+        f"StateSaveLocation={root}/state", f"SlurmdSpoolDir={root}/spool-%n",
+        f"SlurmctldPidFile={root}/slurmctld.pid", f"SlurmdPidFile={root}/slurmd-%n.pid",
+        f"SlurmctldLogFile={root}/slurmctld.log", f"SlurmdLogFile={root}/slurmd-%n.log",
         # No cgroup, no systemd: processes are tracked by their parent links in /proc.
         "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "JobAcctGatherType=jobacct_gather/none",
         "AccountingStorageType=accounting_storage/none", "MpiDefault=none", "ReturnToService=2",
         "SchedulerType=sched/backfill", "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core",
         "MinJobAge=600",  # finished jobs stay visible to `scontrol show job` while the test reads them
-        node_line(name),
-        # FORCE:2: two one-CPU sites fit together even on a one-CPU machine (they must run at once).
-        f"PartitionName=debug Nodes={name} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:2",
+        *nodes,
+        # FORCE:2: two sites fit together even on a one-CPU machine (they must run at once).
+        f"PartitionName=debug Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:2",
         "",
     ])
 
@@ -122,7 +100,7 @@ class SlurmCluster:
             deadline = time.monotonic() + 15
             while time.monotonic() < deadline and _jobs_left(self):
                 time.sleep(0.3)
-        for name in ("slurmd", "slurmctld", "munged"):
+        for name in (*(f"slurmd-{n}" for n in NODES), "slurmctld", "munged"):
             proc = self.procs.get(name)
             if proc is not None and proc.poll() is None:
                 proc.terminate()
@@ -142,25 +120,26 @@ def _jobs_left(cluster: SlurmCluster) -> bool:
 
 
 def start_cluster(timeout: float = 30.0) -> SlurmCluster:
-    """munged, slurmctld and slurmd on loopback; returns once the node is idle (ready for jobs)."""
+    """munged, slurmctld and a slurmd per node on loopback; returns once every node is idle."""
     root = Path(tempfile.mkdtemp(prefix="zb-slurm-"))
     root.chmod(0o755)  # munged wants its socket's directories searchable by every user
     cluster = SlurmCluster(root)
     try:
-        for sub in ("munge", "state", "spool"):
+        for sub in ("munge", "state", *(f"spool-{n}" for n in NODES)):
             (root / sub).mkdir(mode=0o755)
         key = root / "munge" / "munge.key"
         key.write_bytes(os.urandom(128))
         key.chmod(0o600)
-        name = socket.gethostname().split(".")[0]  # slurmctld only runs where SlurmctldHost names it
-        (root / "slurm.conf").write_text(slurm_conf(root, name, free_port(), free_port()))
+        host = socket.gethostname().split(".")[0]  # slurmctld/slurmd only run where the config names them
+        (root / "slurm.conf").write_text(slurm_conf(root, host, free_port()))
         _spawn(cluster, "munged", ["munged", "--foreground", "--force", f"--socket={root}/munge/socket",
                                    f"--key-file={key}", f"--pid-file={root}/munge/pid",
                                    f"--seed-file={root}/munge/seed", f"--log-file={root}/munged.log"])
         _wait(lambda: (root / "munge" / "socket").exists(), cluster, "munged", timeout)
         _spawn(cluster, "slurmctld", ["slurmctld", "-D", "-i"])  # -i: ignore (no) saved state
-        _spawn(cluster, "slurmd", ["slurmd", "-D"])
-        _wait(lambda: _node_state(cluster) == "idle", cluster, "the node to be idle", timeout)
+        for node in NODES:
+            _spawn(cluster, f"slurmd-{node}", ["slurmd", "-D", "-N", node])
+        _wait(lambda: _node_state(cluster) == "idle", cluster, "every node to be idle", timeout)
     except BaseException:
         cluster.stop()
         raise
@@ -175,7 +154,7 @@ def _spawn(cluster: SlurmCluster, name: str, cmd: list[str]) -> None:
 
 def _node_state(cluster: SlurmCluster) -> str:
     out = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, env=cluster.env)
-    return out.stdout.strip() if out.returncode == 0 else ""
+    return " ".join(sorted(set(out.stdout.split()))) if out.returncode == 0 else ""
 
 
 def _wait(ready, cluster: SlurmCluster, what: str, timeout: float) -> None:
