@@ -5,7 +5,7 @@ stopped by PID), a base image made from Debian packages (debootstrap + `docker i
 wheelhouse that this machine's own pip fills (`pip download`: the same torch build as this venv and
 the project's dependencies) served on a loopback port, so `docker build --network host` installs
 offline through scripts/setup.sh. What is slow to make is kept between runs under
-ZEROBAND_DOCKER_CACHE (default /var/cache/zeroband-docker): the daemon's images and layer cache,
+ZEROBAND_DOCKER_CACHE (default /var/cache/zeroband-docker as root): the daemon's images and layer cache,
 the base image, the wheelhouse. The first run takes minutes; later ones seconds.
 """
 
@@ -36,7 +36,8 @@ WHEELHOUSE_PORT = 29876  # a fixed port when free: the build args, and so the la
 
 
 def cache_dir() -> Path:
-    path = Path(os.environ.get("ZEROBAND_DOCKER_CACHE", "/var/cache/zeroband-docker"))
+    default = "/var/cache/zeroband-docker" if os.geteuid() == 0 else "~/.cache/zeroband-docker"
+    path = Path(os.environ.get("ZEROBAND_DOCKER_CACHE", default)).expanduser()
     path.mkdir(parents=True, exist_ok=True)
     return path
 
