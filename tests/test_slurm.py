@@ -43,9 +43,13 @@ def slurm() -> SlurmCluster:
 
 def submit(slurm: SlurmCluster, config: Path, site: int, store: str, out: Path, *shape: str, **env: str) -> str:
     """sbatch the site script as a user would, choosing the site's shape on the command line (the
-    #SBATCH lines ask for 2 nodes x 8 GPUs); `env` adds to the job's environment."""
-    env = {**slurm.env, "SITE_RANK": str(site), "SITE_COUNT": "2", "ZEROBAND_STORE": store,
-           "ZEROBAND_HOST_STORE": "false", "ZEROBAND_SECRET": SECRET, "ZEROBAND_PYTHON": sys.executable,
+    #SBATCH lines ask for 2 nodes x 8 GPUs); `env` adds to the job's environment (the secret in
+    ZEROBAND_SECRET unless it names a ZEROBAND_SECRET_FILE)."""
+    if "ZEROBAND_SECRET_FILE" not in env:
+        env["ZEROBAND_SECRET"] = SECRET
+    mine = {k: v for k, v in slurm.env.items() if k not in ("ZEROBAND_SECRET", "ZEROBAND_SECRET_FILE")}
+    env = {**mine, "SITE_RANK": str(site), "SITE_COUNT": "2", "ZEROBAND_STORE": store,
+           "ZEROBAND_HOST_STORE": "false", "ZEROBAND_PYTHON": sys.executable,
            "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",  # as after `source .venv/bin/activate`:
            "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])), **env}
@@ -130,8 +134,11 @@ def test_sbatch_sites_of_different_shapes_bind_their_node_addresses(slurm, corpu
     """Site 0 on 2 nodes x 1 rank, site 1 on 1 node x 2 ranks: each site picks its own shape.
     Site 0's rendezvous store listens on its head node's address (SLURM's NodeAddr of the first
     node), never on every interface; nothing listens anywhere but those addresses and loopback."""
-    rdzv = free_port()
-    shapes = [(["--nodes=2"], {"ZEROBAND_RDZV_PORT": str(rdzv)}), (["--nodes=1"], {"ZEROBAND_CPU_RANKS": "2"})]
+    rdzv, secret = free_port(), tmp_path / "secret"
+    secret.write_text(SECRET)
+    secret.chmod(0o600)  # site 0 reads the secret from a file, site 1 from its environment
+    shapes = [(["--nodes=2"], {"ZEROBAND_RDZV_PORT": str(rdzv), "ZEROBAND_SECRET_FILE": str(secret)}),
+              (["--nodes=1"], {"ZEROBAND_CPU_RANKS": "2"})]
     watched = run_sites(slurm, write_config(corpus, tmp_path), tmp_path, shapes)
     head = next(iter(NODES.values()))
     seen = {address for address, _ in watched.listeners}
