@@ -105,7 +105,7 @@ def _daemon(engine: Engine) -> str | None:
     if _answers(engine.env):
         return None
     run = Path(tempfile.mkdtemp(prefix="zb-dockerd-"))  # short: the socket path has a length limit
-    engine.stoppers.append(lambda: shutil.rmtree(run, ignore_errors=True))
+    engine.stoppers.append(lambda: (_unmount_under(run), shutil.rmtree(run, ignore_errors=True)))
     log = open(run / "dockerd.log", "w")  # noqa: SIM115 - closed by a stopper
     engine.stoppers.append(log.close)
     cmd = ["dockerd", "--data-root", str(cache_dir() / "data"), "--exec-root", str(run / "exec"),
@@ -121,6 +121,14 @@ def _daemon(engine: Engine) -> str | None:
             return f"dockerd does not start here: {(errors or ['(no error line)'])[-1][-300:]}"
         time.sleep(0.3)
     return None
+
+
+def _unmount_under(root: Path) -> None:
+    """dockerd leaves its network namespace file mounted under its exec root when it stops."""
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        point = line.split()[4]
+        if point.startswith(f"{root}/"):
+            subprocess.run(["umount", point], capture_output=True)
 
 
 def _base_image(engine: Engine) -> str | None:
