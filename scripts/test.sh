@@ -1,19 +1,29 @@
 #!/usr/bin/env bash
 # Install (if needed) and run the lint and the test suite. CI (.ci/run) runs exactly this.
-#   ZEROBAND_NO_APT=1   never call apt-get (the etcd tests then skip, and this says so)
+#   ZEROBAND_NO_APT=1   never call apt-get (the etcd, SLURM and Docker tests then skip, and this says so)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 VENV="${ZEROBAND_VENV:-.venv}"
 
-# The etcd tests need Debian's etcd-server (a real 3-member cluster on loopback). Install it where
-# we can (root with apt-get); otherwise say what will be skipped, here and again at the end.
+# Some tests need Debian packages: a real 3-member etcd cluster on loopback (etcd-server), a real
+# SLURM cluster for the sbatch script (slurm-wlm, munge), a Docker engine and a Debian base image for
+# docker/Dockerfile (docker.io, debootstrap). Install what is missing where we can (root with
+# apt-get), once; otherwise say what will be skipped, here and again at the end.
+declare -A NEEDS=([etcd]="etcd-server" [slurmctld]="slurm-wlm" [slurmd]="slurm-wlm" [munged]="munge"
+                  [dockerd]="docker.io" [debootstrap]="debootstrap")
+MISSING=""
+for bin in "${!NEEDS[@]}"; do
+  command -v "$bin" >/dev/null 2>&1 || [ -x "/usr/sbin/$bin" ] || MISSING="$MISSING ${NEEDS[$bin]}"
+done
+MISSING=$(echo "$MISSING" | tr ' ' '\n' | sort -u | xargs)
 SKIPPED=""
-if ! command -v etcd >/dev/null 2>&1; then
+if [ -n "$MISSING" ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && [ -z "${ZEROBAND_NO_APT:-}" ]; then
-    echo "== installing etcd-server (for the etcd tests)"
-    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server >/dev/null) \
-      || SKIPPED="apt-get install etcd-server failed"
+    echo "== installing $MISSING (for the etcd, SLURM and Docker tests)"
+    # shellcheck disable=SC2086  # one word per package
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $MISSING >/dev/null) \
+      || SKIPPED="apt-get install $MISSING failed"
   elif [ -n "${ZEROBAND_NO_APT:-}" ]; then
     SKIPPED="ZEROBAND_NO_APT is set"
   elif [ "$(id -u)" != 0 ]; then
@@ -23,7 +33,7 @@ if ! command -v etcd >/dev/null 2>&1; then
   fi
 fi
 if [ -n "$SKIPPED" ]; then
-  SKIPPED="SKIPPED: etcd-server is not installed ($SKIPPED), so the etcd store tests skip; CI runs them. Install it with: sudo apt-get install etcd-server"
+  SKIPPED="SKIPPED: $MISSING not installed ($SKIPPED), so the tests that need them skip; CI runs them. Install with: sudo apt-get install $MISSING"
   echo "== $SKIPPED"
 fi
 

@@ -113,6 +113,8 @@ SLOW_TESTS = {
     "test_checkpoint_safety": {"test_foreign_checkpoint_is_never_pruned_and_the_new_one_is_kept"},
     "test_elastic": {"test_foreign_peer_refused"},
     "test_faults": {"test_inject_under_launch_arms_the_sites"},
+    # ~15 s once its image is cached; the first run builds the base image and the deps layer (~3 min).
+    "test_docker": {"test_image_builds_and_two_sites_train_identical_on_loopback"},
 }
 UNIT_TIMEOUT_S = 30  # a unit test that needs longer is doing integration work
 

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import random
+import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -141,3 +144,39 @@ def _corrupt(ckpt: Path) -> None:
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0xFF
     victim.write_bytes(bytes(data))
+
+
+# ------------------------------------------------------------------ who listens where (ss -ltnp, /proc)
+LOOPBACK = ("127.0.0.1", "::1", "[::1]")
+
+
+def process_tree(root: int) -> set[int]:
+    """`root` and all its descendants, from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+    tree, todo = set(), [root]
+    while todo:
+        pid = todo.pop()
+        tree.add(pid)
+        todo += children.get(pid, [])
+    return tree
+
+
+def listeners(pids: set[int]) -> set[tuple[str, str]]:
+    """(local address:port, process name) of every listening TCP socket owned by one of `pids`."""
+    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
+    found = set()
+    for line in out.splitlines():
+        if {int(p) for p in re.findall(r"pid=(\d+)", line)} & pids:
+            found.add((line.split()[3], re.findall(r'\(\("([^"]*)"', line)[0]))
+    return found
+
+
+def is_loopback(address: str) -> bool:
+    return address.rsplit(":", 1)[0] in LOOPBACK

@@ -8,52 +8,17 @@ Afterwards every file of the run directory and the captured output are searched 
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import tomli_w
 
-from tests.helpers import tiny_overrides
+from tests.helpers import is_loopback, listeners, process_tree, tiny_overrides
 
 SECRET = "Zb-distinctive-secret-4e1f0c93a7d2"
-LOOPBACK = ("127.0.0.1", "::1", "[::1]")
-
-
-def process_tree(root: int) -> set[int]:
-    """`root` and all its descendants, from /proc."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
-    tree, todo = set(), [root]
-    while todo:
-        pid = todo.pop()
-        tree.add(pid)
-        todo += children.get(pid, [])
-    return tree
-
-
-def listeners(pids: set[int]) -> set[tuple[str, str]]:
-    """(local address:port, process name) of every listening TCP socket owned by one of `pids`."""
-    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
-    found = set()
-    for line in out.splitlines():
-        if {int(p) for p in re.findall(r"pid=(\d+)", line)} & pids:
-            found.add((line.split()[3], re.findall(r'\(\("([^"]*)"', line)[0]))
-    return found
-
-
-def is_loopback(address: str) -> bool:
-    return address.rsplit(":", 1)[0] in LOOPBACK
 
 
 @pytest.mark.timeout(120)
