@@ -14,9 +14,10 @@ from datetime import timedelta
 import pytest
 import torch
 
-from tests.helpers import _train, elastic_tree, final_params, outer_records, site_records
+from tests.helpers import _args, _main, _train, elastic_tree, final_params, outer_records, site_records
 from tests.multiproc import Died, free_port, run_sites
 from zeroband.membership.store import open_store
+from zeroband.tools.launch import store_process
 
 SECRET = "correct horse battery staple"
 
@@ -195,3 +196,29 @@ def test_site_that_left_can_rejoin(corpus, tmp_path, store_address):
     assert out[(2, 0)]["steps"] == out[(0, 0)]["steps"] == 40
     assert outer_records(tmp_path, 0)[-1]["sites_used"] == 3
     assert_identical(tree, [0, 1, 2], 40)
+
+
+def test_killed_store_stops_every_site_with_one_line_naming_it(corpus, tmp_path):
+    """The store runs in its own process (as under `zeroband launch`); SIGKILL it mid-run. Before,
+    each site ended in a C++ traceback (DistNetworkError: Connection reset by peer)."""
+    port = free_port()
+    address = f"tcp://127.0.0.1:{port}"
+    tree = elastic_tree(corpus, tmp_path, address, steps=400)
+    metrics = tmp_path / "t" / "site0" / "metrics.jsonl"
+
+    def kill_after_a_round(store) -> None:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and not (metrics.is_file() and '"kind": "outer"' in metrics.read_text()):
+            time.sleep(0.2)
+        store.kill()
+
+    with store_process(["127.0.0.1", port], lambda cmd: cmd) as store:
+        killer = threading.Thread(target=kill_after_a_round, args=(store,), daemon=True)
+        killer.start()
+        out = run_sites(_main, 2, 1, (_args(tree),), timeout=110)
+        killer.join()
+    for site in (0, 1):
+        code, err = out[(site, 0)]
+        errors = [line for line in err.splitlines() if line.startswith("zeroband: error:")]
+        assert code == 1 and "Traceback" not in err and len(errors) == 1, err[-3000:]
+        assert f"coordination store {address} stopped answering" in errors[0] and "Fix: restart it" in errors[0], errors
