@@ -86,7 +86,7 @@ UNIT_TESTS = {
                    "test_add_is_atomic_across_clients[tcp]", "test_wait_and_blocking_get[tcp]",
                    "test_missing_key_times_out_clearly[tcp]"},  # the etcd variants start an etcd cluster
     "test_train": {"test_wsd_schedule_shape"},
-    "test_user_messages": {"test_launch_without_a_diloco_section",
+    "test_user_messages": {"test_launch_without_a_diloco_section", "test_data_command_names_a_bad_corpus_it_would_reuse",
                            "test_steps_not_a_multiple_of_inner_steps_names_each_fix_once",
                            "test_first_bad_json_line_kinds", "test_log_lines_print_above_the_progress_bar",
                            "test_records_through_drops_redone_steps"},

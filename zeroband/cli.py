@@ -20,9 +20,13 @@ from zeroband.config import ConfigError, load_config
 
 
 def _cmd_data(args: argparse.Namespace) -> int:
-    from zeroband.data.fetch import prepare_demo
+    from zeroband.data.fetch import FetchError, prepare_demo
 
-    stats = prepare_demo(Path(args.out), vocab_size=args.vocab_size, force=args.force)
+    try:
+        stats = prepare_demo(Path(args.out), vocab_size=args.vocab_size, force=args.force)
+    except FetchError as e:  # names the file or the download and the fix
+        print(f"zeroband: error: {e}", file=sys.stderr)
+        return 1
     print(json.dumps(stats, indent=1, default=str))
     return 0
 
