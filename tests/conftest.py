@@ -81,7 +81,8 @@ UNIT_TESTS = {
                         "test_adamw_kernel_is_the_single_tensor_loop_off_the_gpu"},
     "test_quantized": {"test_nearest_level_table_equals_bucketize", "test_codec_round_trip_sizes",
                        "test_codec_rejects_non_finite", "test_chunks_cover_everything_on_block_boundaries"},
-    "test_scripts_smoke": {"test_experiment_corpus_location_is_a_flag"},
+    "test_scripts_smoke": {"test_experiment_corpus_location_is_a_flag",
+                           "test_out_refusal_keeps_smoke_runs_out_of_the_committed_results"},
     "test_store": {"test_set_get_check_delete[tcp]", "test_add_and_compare_set[tcp]",
                    "test_add_is_atomic_across_clients[tcp]", "test_wait_and_blocking_get[tcp]",
                    "test_missing_key_times_out_clearly[tcp]"},  # the etcd variants start an etcd cluster

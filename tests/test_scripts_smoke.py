@@ -108,6 +108,22 @@ def test_shell_script_parses_and_answers_help(script: str, tmp_path: Path) -> No
     assert _written(tmp_path) == [] and _repo_changes() == before
 
 
+def test_out_refusal_keeps_smoke_runs_out_of_the_committed_results(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    from bench_common import out_refusal, output_dir
+
+    for committed in ("benchmarks", "docs/results", "benchmarks/h100", "docs/../benchmarks"):
+        assert "never writes to" in out_refusal(REPO / committed, quick=True)
+        assert out_refusal(REPO / committed, quick=False) is None  # a real run, asked for
+    assert out_refusal(tmp_path, quick=True) is None and out_refusal(None, quick=True) is None
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR
+    made = output_dir(None, "step", quick=True)
+    assert made.parent == tmp_path and made.name.startswith("zeroband-step-") and made.is_dir()
+
+
 def test_slurm_script_states_its_usage() -> None:
     done = subprocess.run(["bash", str(SCRIPTS / "slurm" / "site.sbatch")], capture_output=True, text=True, timeout=30)
     assert done.returncode != 0 and "usage: sbatch scripts/slurm/site.sbatch CONFIG" in done.stderr
