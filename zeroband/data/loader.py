@@ -194,8 +194,8 @@ def _check_text_field(ds: Any, cfg: DataConfig) -> None:
         raise DataError(f"{where} contains no documents. Fix: {_DATA_HINT}")
     if cfg.text_field not in columns:
         raise DataError(
-            f"{where}: no {cfg.text_field!r} field holds the text (the documents have {columns}). "
-            f"Fix: set data.text_field to the field that holds it, e.g. --data.text_field {columns[0]}"
+            f"{where}: data.text_field={cfg.text_field!r} is not a field of its documents (they have {columns}). "
+            f"Fix: set data.text_field to the field that holds the text, e.g. --data.text_field {columns[0]}"
         )
 
 
