@@ -298,7 +298,7 @@ class Controller:
             self.attribute_env_kill(p)
             fault = self.expected_exit.pop(p.site, None)
         done = chaos.last_step(self.metrics[p.site]) >= self.s.steps
-        if "RoundTimeout" in self.log_since(p):
+        if stuck_join(self.log_since(p), bool(self.finished)):
             self.stuck.append(f"site {p.site} incarnation {inc.number}: RoundTimeout (never admitted)")
         self.log(f"site {p.site} incarnation {inc.number} exited {inc.returncode}"
                  + (f" ({fault.kind})" if fault else "") + (" after the last step" if done else ""))
@@ -438,6 +438,12 @@ class Controller:
 
 
 # ---------------------------------------------------------------------------------- analysis
+
+
+def stuck_join(log: str, run_finished: bool) -> bool:
+    """A restarted site that timed out waiting to be admitted. One that came back as the run ended
+    and gave up because nobody was left to join ("nothing to join") did what it should: no hang."""
+    return "RoundTimeout" in log and not (run_finished and "nothing to join" in log)
 
 
 def analyse(s: Settings, c: Controller, out: Path, baseline: dict[str, Any] | None, wall_s: float) -> dict[str, Any]:

@@ -159,7 +159,8 @@ class ElasticMembership:
                           generation=decision.generation)
                 self.fresh, self.round = True, self.round + 1
                 raise LeftOut
-            work = prepare(not self.fresh, self.round > 0)
+            # no member holds the state: the donor's is the run's, handed over like round 0's
+            work = prepare(not self.fresh, self.round > 0 and decision.has_holder)
             outcome = self._attempt(decision, attempt, work)
             verdict = self.rounds.vote_and_verdict(self.round, attempt, decision,
                                                    self._site_ok(outcome is not NOT_DONE), self.sites.timeout_s)
