@@ -31,7 +31,15 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_common import REPO, load_average, load_note, markdown_table, write_outputs  # noqa: E402
+from bench_common import (  # noqa: E402
+    REPO,
+    add_out_argument,
+    load_average,
+    load_note,
+    markdown_table,
+    output_dir,
+    write_outputs,
+)
 
 WIRES = ("fp32", "fp16", "int8", "int4")
 
@@ -47,7 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--wires", default=",".join(WIRES))
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--piece-mb", type=float, default=32.0)
-    p.add_argument("--out", type=Path, default=REPO / "benchmarks")
+    add_out_argument(p, "benchmarks", "allreduce.{json,md}")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -165,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker(args)
         return 0
+    args.out = output_dir(args.out, "allreduce")
     load0 = load_average()
     rows = []
     for rate in [float(r) for r in args.rates_mbit.split(",")]:

@@ -14,6 +14,7 @@ import queue as queue_module
 import resource
 import socket
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -203,9 +204,50 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
     return "\n".join(lines)
 
 
+# Where the results on record live: a script writes there only when its command names the place.
+COMMITTED = (REPO / "benchmarks", REPO / "docs" / "results")
+
+
+def add_out_argument(p: Any, committed: str, what: str) -> None:
+    """The one --out every benchmark script takes (`p` an argparse parser): default None, i.e. a
+    fresh temporary directory (`output_dir`), so trying a script never overwrites the results on
+    record; `--out <committed>` (e.g. benchmarks) updates them."""
+    p.add_argument("--out", type=Path, default=None, metavar="DIR",
+                   help=f"where {what} go (default: a new temporary directory, printed at the end; "
+                        f"--out {committed} updates the committed results)")
+
+
+def out_refusal(out: Path | None, quick: bool) -> str | None:
+    """Why `out` may not be written by this run, or None: a smoke run (--quick) measures nothing
+    worth keeping, so it never writes into the committed results."""
+    if not quick or out is None:
+        return None
+    where = out.resolve()
+    for committed in COMMITTED:
+        if where == committed or committed in where.parents:
+            return (f"--out {out}: --quick is a smoke test and never writes to {committed.relative_to(REPO)}/ "
+                    "(the results on record); drop --quick, or give --out a directory elsewhere")
+    return None
+
+
+def output_dir(out: Path | None, name: str, quick: bool = False) -> Path:
+    """The directory a run writes to: `out`, or a new temporary one. Exits with one line if a
+    smoke run names the committed results. Call it before measuring, so a refusal costs nothing."""
+    refusal = out_refusal(out, quick)
+    if refusal is not None:
+        raise SystemExit(f"{Path(sys.argv[0]).name}: error: {refusal}")
+    return out if out is not None else Path(tempfile.mkdtemp(prefix=f"zeroband-{name}-"))
+
+
+def say_written(*paths: Path) -> None:
+    """The last line of every benchmark: where its files are (a temporary directory is not obvious)."""
+    print(f"wrote {', '.join(str(p) for p in paths)}", flush=True)
+
+
 def write_outputs(out_dir: Path, name: str, data: dict[str, Any], markdown: str) -> None:
-    """out_dir/name.json and out_dir/name.md; prints the markdown."""
+    """out_dir/name.json and out_dir/name.md; prints the markdown, then where the files are."""
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"{name}.json").write_text(json.dumps(data, indent=1, default=float) + "\n")
     (out_dir / f"{name}.md").write_text(markdown + "\n")
     print(markdown, flush=True)
+    say_written(out_dir / f"{name}.json", out_dir / f"{name}.md")

@@ -33,10 +33,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import (
     REPO,
+    add_out_argument,
     ensure_demo_data,
     load_average,
     load_note,
     markdown_table,
+    output_dir,
     prewarm,
     run_forked,
     thread_env,
@@ -59,9 +61,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--outer-steps", type=int, default=2, help="outer steps per run")
     p.add_argument("--dtypes", default=",".join(DTYPES), help="comm dtypes to measure, comma separated")
     p.add_argument("--quick", action="store_true", help="debug preset, tiny H (CI smoke test)")
-    p.add_argument("--out", type=Path, default=REPO / "benchmarks", help="where diloco.json / diloco.md go")
+    add_out_argument(p, "benchmarks", "diloco.json / diloco.md")
     p.add_argument("--timeout", type=float, default=900, help="seconds per run")
     args = p.parse_args(argv)
+    args.out = output_dir(args.out, "diloco", args.quick)
     args.preset = args.preset or ("debug" if args.quick else "demo")
     args.inner_steps = args.inner_steps or (2 if args.quick else 20)
     args.dtypes = [d for d in args.dtypes.split(",") if d]

@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench_common import REPO, markdown_table, run_forked, thread_env, write_outputs  # noqa: E402
+from bench_common import add_out_argument, markdown_table, output_dir, run_forked, thread_env, write_outputs  # noqa: E402
 
 from zeroband.comm.dense import all_reduce_dense  # noqa: E402
 from zeroband.comm.direct import chunk_bounds  # noqa: E402
@@ -169,9 +169,10 @@ def main() -> None:
     parser.add_argument("--params", type=float, default=16.8e6)
     parser.add_argument("--sites", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks")
+    add_out_argument(parser, "benchmarks", "quantized.{json,md}")
     parser.add_argument("--quick", action="store_true", help="200k params, S = 2, 1 repeat (smoke test)")
     args = parser.parse_args()
+    args.out = output_dir(args.out, "quantized", args.quick)
     if args.quick:
         args.params, args.sites, args.repeats = 2e5, [2], 1
     shapes = shapes_for(int(args.params))
@@ -184,7 +185,7 @@ def main() -> None:
                    r["ring_requantised_error"]] for r in study]
     md = "\n\n".join([
         f"# Quantised all-reduce, {results[0]['params']:,} fp32 params per site, loopback gloo\n\n"
-        "Command: `python scripts/bench_quantized.py`. fp16 bytes are the ring estimate 2(S-1)/S x payload; "
+        "Command: `python scripts/bench_quantized.py --out benchmarks`. fp16 bytes are the ring estimate 2(S-1)/S x payload; "
         "int8/int4 bytes are counted from the buffers sent. Seconds are CPU cost on loopback.",
         markdown_table(headers, rows),
         f"## Codecs and schedules (local model, S = 4, {study[0]['values']:,} values)",

@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Where the time of one step goes: DiLoCo's outer step by part, against one fused pass over the parameters.
 
-    flock /tmp/zeroband-bench.lock python scripts/bench_step.py            # 102M params, ~1-2 min
+    flock /tmp/zeroband-bench.lock python scripts/bench_step.py --out benchmarks  # 102M params, ~1-2 min
     python scripts/bench_step.py --quick                                  # tiny preset (CI smoke test)
-    python scripts/bench_step.py --inner                                  # CUDA only: inner step vs a plain loop
+    python scripts/bench_step.py --inner --out benchmarks                 # CUDA only: inner step vs a plain loop
     python scripts/bench_step.py --inner --quick                          # its plumbing on the CPU (CI smoke test)
     python scripts/bench_step.py --device cuda --width 10000 --threads 1,8  # the outer step of a 1B model on a GPU
 
@@ -25,7 +25,8 @@ Inner step (`--inner`, CUDA only): the trainer's model and step (bf16, torch.com
 plain compiled loop over transformers' LlamaForCausalLM with the same shapes; tokens/s, MFU, peak
 memory, for the 150M and 1B presets.
 
-Writes benchmarks/step.{json,md} (outer) and benchmarks/inner_step.{json,md} (inner).
+Writes step.{json,md} (outer) or inner_step.{json,md} (inner) to `--out` (default: a new temporary
+directory; `--out benchmarks` updates the committed results, which `--quick` never does).
 """
 
 from __future__ import annotations
@@ -39,7 +40,16 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import CORES, REPO, load_average, load_note, markdown_table, run_forked, write_outputs  # noqa: E402
+from bench_common import (  # noqa: E402
+    CORES,
+    add_out_argument,
+    load_average,
+    load_note,
+    markdown_table,
+    output_dir,
+    run_forked,
+    write_outputs,
+)
 
 PARTS = ("d2h", "pseudo_grad", "stats", "encode", "mac", "network_wait", "decode", "review", "optimizer", "h2d")
 
@@ -60,9 +70,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--inner", action="store_true", help="CUDA: trainer's inner step vs a plain compiled loop")
     p.add_argument("--profile", action="store_true", help="--inner: also write each loop's top ops (torch.profiler)")
     p.add_argument("--peak-tflops", type=float, default=None, help="--inner: the GPU's dense bf16 peak (MFU)")
-    p.add_argument("--out", type=Path, default=REPO / "benchmarks")
+    add_out_argument(p, "benchmarks", "step.{json,md} / inner_step.{json,md}")
     p.add_argument("--timeout", type=float, default=600)
     a = p.parse_args(argv)
+    a.out = output_dir(a.out, "inner_step" if a.inner else "step", a.quick)
     a.layers = a.layers or (4 if a.quick else 10)
     a.width = a.width or (256 if a.quick else 3200)
     a.repeats = a.repeats or (1 if a.quick else 3)

@@ -1,7 +1,7 @@
 """zeroband DiLoCo versus torchft's DiLoCo on the same model, data, batch, schedule and H, in one run.
 
-    python scripts/bench_torchft.py                                  # loopback, demo preset
-    python scripts/bench_torchft.py --rate-mbit 100 --delay-ms 50    # loopback + an emulated WAN
+    python scripts/bench_torchft.py --out benchmarks                 # loopback, demo preset
+    python scripts/bench_torchft.py --rate-mbit 100 --delay-ms 50    # loopback + an emulated WAN (temp dir)
     python scripts/bench_torchft.py --quick                          # CI smoke test (debug preset)
 
 Per network setting (plain loopback, or zeroband.wan.WanEmulator namespaces with a rate/delay link):
@@ -40,11 +40,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import (
     CORES,
     REPO,
+    add_out_argument,
     ensure_demo_data,
     free_port,
     load_average,
     load_note,
     markdown_table,
+    output_dir,
     write_outputs,
 )
 
@@ -67,9 +69,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay of the emulated link")
     p.add_argument("--no-loopback", action="store_true", help="skip the plain loopback setting")
     p.add_argument("--quick", action="store_true", help="debug preset, seq 64, tiny run (CI smoke test)")
-    p.add_argument("--out", type=Path, default=REPO / "benchmarks", help="where torchft.json / torchft.md go")
+    add_out_argument(p, "benchmarks", "torchft.json / torchft.md")
     p.add_argument("--timeout", type=float, default=900, help="seconds per run")
     args = p.parse_args(argv)
+    args.out = output_dir(args.out, "torchft", args.quick)
     args.steps = args.steps or (6 if args.quick else 100)
     args.inner_steps = args.inner_steps or (2 if args.quick else config_h())
     args.zb_dtypes = [d for d in (args.zb_dtypes or ("fp16" if args.quick else "fp16,fp32")).split(",") if d]

@@ -1,6 +1,6 @@
 """Training throughput and peak RSS of one site: 1 and 2 ranks, eager and torch.compile.
 
-    python scripts/bench_train.py                 # demo preset, configs/demo.toml (several minutes)
+    python scripts/bench_train.py --out benchmarks  # demo preset, configs/demo.toml (several minutes)
     python scripts/bench_train.py --quick         # debug preset, a few eager steps (CI smoke test)
 
 Every case is a real `torchrun --standalone --nproc-per-node N` job running the trainer
@@ -28,11 +28,13 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import (
     REPO,
+    add_out_argument,
     ensure_demo_data,
     load_average,
     load_note,
     markdown_table,
     maxrss_mb,
+    output_dir,
     prewarm,
     run_forked,
     thread_env,
@@ -62,13 +64,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=None, help="timed steps after warm-up (default 20; 3 with --quick)")
     p.add_argument("--warmup", type=int, default=None, help="untimed warm-up steps (default 3; 1 with --quick)")
     p.add_argument("--quick", action="store_true", help="debug preset, few steps, eager only (CI smoke test)")
-    p.add_argument("--out", type=Path, default=REPO / "benchmarks", help="where train.json / train.md go")
+    add_out_argument(p, "benchmarks", "train.json / train.md")
     p.add_argument("--warm-cache", action="store_true", help="reuse the default inductor cache (not cold compile)")
     p.add_argument("--keep-runs", action="store_true", help="keep run directories and logs under OUT/train-runs")
     p.add_argument("--launcher", choices=["torchrun", "fork"], default=None,
                    help="torchrun jobs (default) or forked ranks (default with --quick: no per-rank torch import)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per case")
     args = p.parse_args(argv)
+    args.out = output_dir(args.out, "train", args.quick)
     args.steps = args.steps if args.steps is not None else (3 if args.quick else 20)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
     args.launcher = args.launcher or ("fork" if args.quick else "torchrun")

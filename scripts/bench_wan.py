@@ -1,6 +1,6 @@
 """Per-step data parallel vs DiLoCo (blocking fp32/fp16/int8/int4, overlapped fp16) over an emulated WAN.
 
-    flock /tmp/zeroband-bench.lock python scripts/bench_wan.py              # full run, ~19 min
+    flock /tmp/zeroband-bench.lock python scripts/bench_wan.py --out benchmarks  # full run, ~19 min
     python scripts/bench_wan.py --quick --out /tmp/wan                      # CI smoke test, < 60 s
 
 Every row is a real multi-site run: S torchrun jobs (`zeroband.tools.launch.launch_sites`), each site in
@@ -43,7 +43,17 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import REPO, ensure_demo_data, load_average, load_note, markdown_table, write_outputs
+from bench_common import (
+    REPO,
+    add_out_argument,
+    ensure_demo_data,
+    load_average,
+    load_note,
+    markdown_table,
+    output_dir,
+    say_written,
+    write_outputs,
+)
 
 from zeroband.tools.launch import WanLink, launch_sites
 from zeroband.tools.plan import PlanInput, predict, predict_data_parallel, ring_factor
@@ -103,7 +113,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     p.add_argument("--quick", action="store_true", help="debug model, tiny steps, 2 rows (CI smoke test)")
     p.add_argument("--no-pin-cpus", dest="pin_cpus", action="store_false",
                    help="let the sites share all CPUs (default: each site its own, when there are enough)")
-    p.add_argument("--out", type=Path, default=REPO / "benchmarks", help="where wan.{json,md,png} go")
+    add_out_argument(p, "benchmarks", "wan.{json,md,png}")
     p.add_argument("--timeout", type=float, default=900, help="seconds per run")
     p.add_argument("--raw", type=Path, default=None, help="also dump every run's records and counter samples here")
     p.add_argument("--from-raw", type=Path, default=None, help="re-analyse a --raw dump instead of running")
@@ -113,6 +123,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
 
 def _defaults(args: argparse.Namespace) -> argparse.Namespace:
     q = args.quick
+    args.out = output_dir(args.out, "wan", q)
     args.preset = args.preset or ("debug" if q else "demo")
     args.rate_mbit = args.rate_mbit or (200.0 if q else 20.0)
     args.delay_ms = args.delay_ms if args.delay_ms is not None else (5.0 if q else 50.0)
@@ -592,7 +603,8 @@ def main(argv: list[str] | None = None) -> int:
     data: dict[str, Any] = {"meta": meta, "results": results}
     data["targets"] = targets(args, results)
     write_outputs(args.out, "wan", data, render(data))
-    plot(results, args.out / "wan.png")
+    if plot(results, args.out / "wan.png") is not None:
+        say_written(args.out / "wan.png")
     return 0
 
 

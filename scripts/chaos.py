@@ -2,7 +2,7 @@
 restarted on a schedule, and etcd members lost; then a report of what was detected, how fast, what
 was lost, and whether every surviving replica stayed bitwise identical.
 
-    flock /tmp/zeroband-bench.lock python scripts/chaos.py --faults 32 --sites 4 --wan rate=1000 --etcd
+    flock /tmp/zeroband-bench.lock python scripts/chaos.py --faults 32 --sites 4 --wan rate=1000 --etcd --out docs/results
 
 Fault kinds (each a few times, round-robin in a seeded order):
   kill_inner / kill_allreduce / kill_checkpoint  phase-exact SIGKILL armed by zeroband.testing.inject (only in the
@@ -38,6 +38,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+sys.path.insert(0, str(ROOT / "scripts"))
+from bench_common import add_out_argument, output_dir, say_written  # noqa: E402
 
 from zeroband.testing import chaos  # noqa: E402
 from zeroband.tools.launch import WanLink, free_port, store_process  # noqa: E402
@@ -295,7 +298,7 @@ class Controller:
             self.attribute_env_kill(p)
             fault = self.expected_exit.pop(p.site, None)
         done = chaos.last_step(self.metrics[p.site]) >= self.s.steps
-        if "RoundTimeout" in self.log_since(p):
+        if stuck_join(self.log_since(p), bool(self.finished)):
             self.stuck.append(f"site {p.site} incarnation {inc.number}: RoundTimeout (never admitted)")
         self.log(f"site {p.site} incarnation {inc.number} exited {inc.returncode}"
                  + (f" ({fault.kind})" if fault else "") + (" after the last step" if done else ""))
@@ -435,6 +438,12 @@ class Controller:
 
 
 # ---------------------------------------------------------------------------------- analysis
+
+
+def stuck_join(log: str, run_finished: bool) -> bool:
+    """A restarted site that timed out waiting to be admitted. One that came back as the run ended
+    and gave up because nobody was left to join ("nothing to join") did what it should: no hang."""
+    return "RoundTimeout" in log and not (run_finished and "nothing to join" in log)
 
 
 def analyse(s: Settings, c: Controller, out: Path, baseline: dict[str, Any] | None, wall_s: float) -> dict[str, Any]:
@@ -649,8 +658,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="with --fixed: extra overrides, e.g. --overrides='--data.path X --model.vocab_size 384'")
     p.add_argument("--no-baseline", action="store_true")
     p.add_argument("--workdir", type=Path, default=Path("/tmp/zeroband-chaos"))
-    p.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "chaos")
-    return p.parse_args(argv)
+    add_out_argument(p, "docs/results", "chaos.{md,json} (chaos_fixed.* with --fixed)")
+    args = p.parse_args(argv)
+    args.out = output_dir(args.out, "chaos", args.quick)
+    return args
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
@@ -710,9 +721,7 @@ def main(argv: list[str] | None = None) -> int:
         results = run_fixed(args.fixed, args.workdir, args.seed, shlex.split(args.overrides))
         report = render_fixed(results, "python scripts/chaos.py " + " ".join(sys.argv[1:] if argv is None else argv))
         print(report)
-        out = args.out.with_name(args.out.name + "_fixed")
-        out.with_suffix(".md").write_text(report)
-        out.with_suffix(".json").write_text(json.dumps([asdict(x) for x in results], indent=1))
+        write_report(args.out / "chaos_fixed", report, [asdict(x) for x in results])
         return 0 if not any(x.hung or x.data_lost for x in results) else 1
     s = settings_from(args)
     kinds = SITE_KINDS[:-1] + (["partition"] if args.wan else []) + (["etcd_member"] if args.etcd else [])
@@ -731,10 +740,15 @@ def main(argv: list[str] | None = None) -> int:
     command = "python scripts/chaos.py " + " ".join(sys.argv[1:] if argv is None else argv)
     report = render(result, command)
     print(report)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".md").write_text(report)
-    args.out.with_suffix(".json").write_text(json.dumps(result, indent=1, default=str))
+    write_report(args.out / "chaos", report, result)
     return 0 if ok(result) else 1
+
+
+def write_report(stem: Path, report: str, data: Any) -> None:
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    stem.with_suffix(".md").write_text(report)
+    stem.with_suffix(".json").write_text(json.dumps(data, indent=1, default=str))
+    say_written(stem.with_suffix(".json"), stem.with_suffix(".md"))
 
 
 def ok(r: dict[str, Any]) -> bool:

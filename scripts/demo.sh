@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
+# usage: bash scripts/demo.sh [CONFIG (default configs/demo_diloco.toml)] [--section.key value ...]
 # The main job on a fresh machine: install, fetch the demo corpus, train 2 DiLoCo sites x 2 FSDP
 # ranks on this machine, export a Hugging Face model. Takes about 5 minutes on 2 CPU cores.
 set -euo pipefail
+[[ "${1:-}" == -h || "${1:-}" == --help ]] && { awk 'NR > 1 && !/^#( |$)/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 0; }  # the header above
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 source "${ZEROBAND_VENV:-.venv}/bin/activate"

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
+# usage: bash scripts/test.sh [pytest arguments]
 # Install (if needed) and run the lint and the test suite. CI (.ci/run) runs exactly this.
 #   ZEROBAND_NO_APT=1   never call apt-get (the etcd, SLURM and Docker tests then skip, and this says so)
 set -euo pipefail
+[[ "${1:-}" == -h || "${1:-}" == --help ]] && { awk 'NR > 1 && !/^#( |$)/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 0; }  # the header above
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 VENV="${ZEROBAND_VENV:-.venv}"

@@ -45,3 +45,33 @@ def test_bench_inner_quick_runs_both_loops_on_every_preset(tmp_path: Path) -> No
         assert ours["params"] == fsdp["params"] == plain["params"]
         assert ours["tokens_s"] > 0 and fsdp["tokens_s"] > 0 and plain["tokens_s"] > 0
     assert "plain LlamaForCausalLM" in (tmp_path / "inner_step.md").read_text()
+
+
+def _committed_state() -> tuple[str, dict[str, int]]:
+    """git status of the committed results, and their files' mtimes."""
+    status = subprocess.run(["git", "status", "--porcelain", "benchmarks", "docs/results"], cwd=REPO,
+                            capture_output=True, text=True).stdout
+    mtimes = {str(p): p.stat().st_mtime_ns for d in ("benchmarks", "docs/results") for p in (REPO / d).rglob("*")}
+    return status, mtimes
+
+
+@pytest.mark.timeout(120)
+def test_bench_quick_writes_to_a_temp_dir_and_never_to_benchmarks(tmp_path: Path) -> None:
+    """Issue 28: `bench_step.py --quick` overwrote the committed benchmarks/step.{md,json}."""
+    import os
+
+    before = _committed_state()
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    script = str(REPO / "scripts" / "bench_step.py")
+    done = subprocess.run([sys.executable, script, "--quick"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=110)
+    assert done.returncode == 0, done.stderr[-3000:]
+    wrote = done.stdout.strip().splitlines()[-1]
+    [where] = [p for p in tmp_path.iterdir() if p.name.startswith("zeroband-step-")]
+    assert wrote == f"wrote {where / 'step.json'}, {where / 'step.md'}" and (where / "step.json").is_file()
+    refused = subprocess.run([sys.executable, script, "--quick", "--out", "benchmarks"], cwd=REPO, env=env,
+                             capture_output=True, text=True, timeout=60)
+    assert refused.returncode != 0 and refused.stdout == "", refused.stdout
+    [line] = refused.stderr.strip().splitlines()
+    assert "never writes to benchmarks/" in line and "drop --quick" in line, line
+    assert _committed_state() == before

@@ -14,9 +14,10 @@ from datetime import timedelta
 import pytest
 import torch
 
-from tests.helpers import _train, elastic_tree, final_params, outer_records, site_records
+from tests.helpers import _args, _main, _train, elastic_tree, final_params, outer_records, site_records
 from tests.multiproc import Died, free_port, run_sites
 from zeroband.membership.store import open_store
+from zeroband.tools.launch import store_process
 
 SECRET = "correct horse battery staple"
 
@@ -195,3 +196,46 @@ def test_site_that_left_can_rejoin(corpus, tmp_path, store_address):
     assert out[(2, 0)]["steps"] == out[(0, 0)]["steps"] == 40
     assert outer_records(tmp_path, 0)[-1]["sites_used"] == 3
     assert_identical(tree, [0, 1, 2], 40)
+
+
+def test_killed_store_stops_every_site_with_one_line_naming_it(corpus, tmp_path):
+    """The store runs in its own process (as under `zeroband launch`); SIGKILL it mid-run. Before,
+    each site ended in a C++ traceback (DistNetworkError: Connection reset by peer)."""
+    port = free_port()
+    address = f"tcp://127.0.0.1:{port}"
+    tree = elastic_tree(corpus, tmp_path, address, steps=400)
+    metrics = tmp_path / "t" / "site0" / "metrics.jsonl"
+
+    def kill_after_a_round(store) -> None:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and not (metrics.is_file() and '"kind": "outer"' in metrics.read_text()):
+            time.sleep(0.2)
+        store.kill()
+
+    with store_process(["127.0.0.1", port], lambda cmd: cmd) as store:
+        killer = threading.Thread(target=kill_after_a_round, args=(store,), daemon=True)
+        killer.start()
+        out = run_sites(_main, 2, 1, (_args(tree),), timeout=110)
+        killer.join()
+    for site in (0, 1):
+        code, err = out[(site, 0)]
+        errors = [line for line in err.splitlines() if line.startswith("zeroband: error:")]
+        assert code == 1 and "Traceback" not in err and len(errors) == 1, err[-3000:]
+        assert f"coordination store {address} stopped answering" in errors[0] and "Fix: restart it" in errors[0], errors
+
+
+def test_every_holder_dead_the_restarted_sites_reform_the_run(corpus, tmp_path, store_address):
+    """scripts/chaos.py --quick hung here: each site died (and was restarted) before the next one
+    died, so every live site was a fresh joiner and none would propose a round; they waited until
+    join_timeout_s. Now the fresh sites form it, the lowest one's checkpoint handed to the other."""
+    tree = elastic_tree(corpus, tmp_path, store_address, steps=12, join_timeout_s=40.0)
+    tree["checkpoint"] = {"interval": 2, "keep_last": 3}
+    first = run_sites(_train, 2, 1, (tree,), faults="site0:step5:inner:kill,site1:step5:inner:kill",
+                      allow_death=True, timeout=120)
+    assert all(isinstance(first[(s, 0)], Died) for s in (0, 1)), first
+    out = run_sites(_train, 2, 1, (tree,), timeout=120)  # the store kept the run's rounds
+    assert out[(0, 0)]["steps"] == out[(1, 0)]["steps"] == 12
+    reformed = [r for r in site_records(tmp_path, 1, "membership")
+                if r["event"] == "commit" and r["round"] > 0 and r["joined"] == [0, 1]]
+    assert reformed and reformed[0]["members"] == [0, 1], site_records(tmp_path, 1, "membership")
+    assert_identical(tree, [0, 1], 12)

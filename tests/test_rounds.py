@@ -16,6 +16,7 @@ from zeroband.membership.rounds import (
     WaitState,
     decide_members,
     decide_verdict,
+    orphaned,
 )
 from zeroband.membership.store import open_store
 
@@ -38,6 +39,14 @@ def test_quorum_and_launch_wait_for_unseen_sites():
     wait = WaitState()
     assert decide_members({0}, {0}, {0, 1}, 1, 3.0, now=0.0, wait=wait, wait_for_unseen=True) is None
     assert decide_members({0}, {0}, {0, 1}, 1, 3.0, now=3.0, wait=wait, wait_for_unseen=True) == [0]
+
+
+def test_orphaned_only_when_every_live_site_arrived_fresh():
+    assert orphaned({0: "fresh", 1: "fresh"}, alive={0, 1}, me=1)  # every holder died: re-form
+    assert not orphaned({0: "fresh", 1: "ready"}, alive={0, 1}, me=0)  # a holder proposes
+    assert not orphaned({1: "fresh"}, alive={0, 1}, me=1)  # 0 is alive, not arrived: it may hold the state
+    assert orphaned({1: "fresh", 2: "fresh"}, alive={1, 2}, me=2)  # a dead site's old arrival is not needed
+    assert not orphaned({1: "fresh"}, alive={1}, me=1) and not orphaned({}, alive=set(), me=0)  # alone: nothing to join
 
 
 def test_verdict():

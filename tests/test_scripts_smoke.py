@@ -1,11 +1,13 @@
-"""Every script under scripts/ starts: Python ones answer `--help` (so their imports resolve, the
-bug that left bench_quantized.py unable to start), shell ones parse. One child process runs all
-the `--help`s, so torch is imported once. Scripts with a `--quick` mode run it in their own tests
-(test_bench_*_smoke.py, test_experiment_smoke.py); bench_quantized.py's is here."""
+"""Every script under scripts/ (found by glob, so a new one is covered) answers `--help` at once:
+exit 0, a usage line, no work done and nothing written (the bug that ran compiled_codec.py's
+experiment on --help, and demo.sh's install). Python ones run in one child process, torch imported
+once before the clock starts; shell ones each in their own bash. Scripts with a `--quick` mode run
+it in their own tests (test_bench_*_smoke.py, test_experiment_smoke.py); bench_quantized.py's is here."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,44 +18,110 @@ REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO / "scripts"
 PYTHON = sorted(str(p.relative_to(SCRIPTS)) for p in SCRIPTS.rglob("*.py"))
 SHELL = sorted(str(p.relative_to(SCRIPTS)) for p in [*SCRIPTS.rglob("*.sh"), *SCRIPTS.rglob("*.sbatch")])
+HELP_S = 10.0  # parsing arguments; anything slower started the work itself
 
-# Runs each script as __main__ with --help; prints {script: "ok" | the error}.
+# Runs each script as __main__ with --help; prints {script: [exit code or error, stdout, seconds]}.
 _RUNNER = """
-import contextlib, io, json, runpy, sys
+import contextlib, io, json, runpy, sys, time
+import torch, zeroband.train  # paid once, before any clock starts
 out = {}
 for script in sys.argv[1:]:
     sys.argv = [script, "--help"]
-    saved = list(sys.path)
+    saved, text, t0 = list(sys.path), io.StringIO(), time.monotonic()
     try:
-        with contextlib.redirect_stdout(io.StringIO()):
+        with contextlib.redirect_stdout(text):
             runpy.run_path(script, run_name="__main__")
-        out[script] = "ok"
+        code = 0
     except SystemExit as e:
-        out[script] = "ok" if e.code in (0, None) else f"exit {e.code}"
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else str(e.code))
     except BaseException as e:
-        out[script] = f"{type(e).__name__}: {e}"
+        code = f"{type(e).__name__}: {e}"
+    out[script] = [code, text.getvalue(), time.monotonic() - t0]
     sys.path[:] = saved
 print(json.dumps(out))
 """
 
 
+def _sandbox(tmp: Path) -> dict[str, str]:
+    """An environment whose temporary directory, home and venv are empty folders of the test's,
+    so anything a script writes (a temp results dir, a cache, a venv) shows up there."""
+    for d in ("tmp", "home"):
+        (tmp / d).mkdir(exist_ok=True)
+    return {**os.environ, "TMPDIR": str(tmp / "tmp"), "HOME": str(tmp / "home"), "ZEROBAND_VENV": str(tmp / "venv"),
+            "PYTHON": "false", "ZEROBAND_NO_APT": "1"}
+
+
+def _written(tmp: Path) -> list[str]:
+    return sorted(str(p.relative_to(tmp)) for d in ("tmp", "home", "venv") for p in (tmp / d).rglob("*")
+                  if "__pycache__" not in p.parts)
+
+
+def _repo_changes() -> set[str]:
+    done = subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True)
+    return set(done.stdout.splitlines())
+
+
 @pytest.fixture(scope="module")
-def help_results() -> dict[str, str]:
+def help_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list]:
+    tmp, before = tmp_path_factory.mktemp("help"), _repo_changes()
     done = subprocess.run([sys.executable, "-c", _RUNNER, *(str(SCRIPTS / s) for s in PYTHON)], cwd=REPO,
-                          capture_output=True, text=True, timeout=240)
+                          capture_output=True, text=True, timeout=240, env=_sandbox(tmp))
     assert done.returncode == 0, done.stderr[-4000:]
-    return {str(Path(k).relative_to(SCRIPTS)): v for k, v in json.loads(done.stdout.splitlines()[-1]).items()}
+    results = {str(Path(k).relative_to(SCRIPTS)): v for k, v in json.loads(done.stdout.splitlines()[-1]).items()}
+    results["(all)"] = [_written(tmp), sorted(_repo_changes() - before)]
+    return results
+
+
+def _usage_line(text: str) -> bool:
+    return any(line.lower().startswith("usage:") for line in text.splitlines())
+
+
+def _is_library(script: str) -> bool:
+    """A helper module the scripts import (bench_common.py): no `__main__` block, nothing to ask."""
+    return 'if __name__ == "__main__":' not in (SCRIPTS / script).read_text()
 
 
 @pytest.mark.parametrize("script", PYTHON)
-def test_python_script_answers_help(script: str, help_results: dict[str, str]) -> None:
-    assert help_results[script] == "ok", help_results[script]
+def test_python_script_answers_help(script: str, help_results: dict[str, list]) -> None:
+    code, text, seconds = help_results[script]
+    assert code == 0, code
+    if _is_library(script):  # run as a script, it must do nothing at all
+        assert text == "", f"{script} has no __main__ block but printed:\n{text[:2000]}"
+    else:
+        assert _usage_line(text), f"no usage line in:\n{text[:2000]}"
+    assert seconds < HELP_S, f"--help took {seconds:.1f} s: it did work"
+
+
+def test_python_scripts_help_writes_nothing(help_results: dict[str, list]) -> None:
+    written, changed = help_results["(all)"]
+    assert written == [] and changed == [], (written, changed)
 
 
 @pytest.mark.parametrize("script", SHELL)
-def test_shell_script_parses(script: str) -> None:
+def test_shell_script_parses_and_answers_help(script: str, tmp_path: Path) -> None:
     done = subprocess.run(["bash", "-n", str(SCRIPTS / script)], capture_output=True, text=True, timeout=30)
     assert done.returncode == 0, done.stderr
+    before = _repo_changes()
+    done = subprocess.run(["bash", str(SCRIPTS / script), "--help"], cwd=tmp_path, env=_sandbox(tmp_path),
+                          capture_output=True, text=True, timeout=HELP_S)
+    assert done.returncode == 0 and _usage_line(done.stdout), done.stdout + done.stderr
+    assert _written(tmp_path) == [] and _repo_changes() == before
+
+
+def test_out_refusal_keeps_smoke_runs_out_of_the_committed_results(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    from bench_common import out_refusal, output_dir
+
+    for committed in ("benchmarks", "docs/results", "benchmarks/h100", "docs/../benchmarks"):
+        assert "never writes to" in out_refusal(REPO / committed, quick=True)
+        assert out_refusal(REPO / committed, quick=False) is None  # a real run, asked for
+    assert out_refusal(tmp_path, quick=True) is None and out_refusal(None, quick=True) is None
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR
+    made = output_dir(None, "step", quick=True)
+    assert made.parent == tmp_path and made.name.startswith("zeroband-step-") and made.is_dir()
 
 
 def test_slurm_script_states_its_usage() -> None:

@@ -46,6 +46,50 @@ def test_bad_json_line_is_one_line_naming_file_and_line(corpus, tmp_path, stream
     assert f"{bad}:7: not valid JSON" in line and "repair or delete that line" in line, line
 
 
+BINARY = bytes(range(256)) * 8  # no UTF-8 text: a model file, an archive, a copied binary
+
+
+def _bad_data(kind: str, tmp_path: Path) -> tuple[dict, str, str]:
+    """(data overrides, the file the line must name, what it must say) for one kind of bad file."""
+    files = {"empty": ("empty.jsonl", b""), "binary": ("model.txt", BINARY), "binary_gz": ("data.jsonl.gz", BINARY),
+             "textless": ("titles.jsonl", b'{"title": "a"}\n{"title": "b"}\n'),
+             "blank_texts": ("blank.jsonl", b'{"text": ""}\n{"text": ""}\n'), "parquet": ("x.parquet", b"PAR1 not")}
+    said = {"empty": "empty file", "binary": "not UTF-8 text", "binary_gz": "cannot be read as gzip",
+            "textless": "--data.text_field title", "blank_texts": "contains no text", "parquet": "not a Parquet file"}
+    name, content = files[kind]
+    path = tmp_path / name
+    path.write_bytes(content)
+    return {"path": str(path)}, str(path), said[kind]
+
+
+@pytest.mark.parametrize("kind", ["empty", "binary", "binary_gz", "textless", "blank_texts", "parquet"])
+def test_bad_data_file_is_one_line_naming_it(corpus, tmp_path, kind):
+    data, path, said = _bad_data(kind, tmp_path)
+    err = _error(tiny_overrides(corpus, tmp_path, data=data))
+    [line] = [x for x in err.splitlines() if "error" in x.lower()]  # (the rest: datasets' progress bar)
+    assert line.startswith("zeroband: error:") and path in line and said in line and "Fix:" in line, err
+
+
+@pytest.mark.parametrize("content", [b"", BINARY])
+def test_bad_tokenizer_file_is_one_line_naming_it(corpus, tmp_path, content):
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_bytes(content)
+    err = _error(tiny_overrides(corpus, tmp_path, data={"tokenizer": str(tok)}))
+    [line] = [x for x in err.splitlines() if "error" in x.lower()]
+    assert f"{tok / 'tokenizer.json'}: not a tokenizer.json" in line and "data.tokenizer" in line, err
+
+
+@pytest.mark.parametrize("content, said", [(b"", "empty file"), (BINARY, "not UTF-8 text"),
+                                           (b'{"title": "a"}\n', ':1: no "text" string')])
+def test_data_command_names_a_bad_corpus_it_would_reuse(tmp_path, capsys, content, said):
+    (tmp_path / "train.jsonl").write_bytes(content)  # kept from an earlier run: no download is tried
+    assert cli_main(["data", "--out", str(tmp_path)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"zeroband: error: {tmp_path / 'train.jsonl'}") and said in err and "--force" in err, err
+    assert len(err.splitlines()) == 1 and not (tmp_path / "tokenizer").exists()
+
+
 def test_first_bad_json_line_kinds(tmp_path):
     from zeroband.data.loader import first_bad_json_line
 

@@ -24,9 +24,9 @@ def _cmd_data(args: argparse.Namespace) -> int:
 
     try:
         stats = prepare_demo(Path(args.out), vocab_size=args.vocab_size, force=args.force)
-    except FetchError as e:  # a download or pinned-hash failure the user can act on: one line
-        print(f"zeroband data: error: {e}", file=sys.stderr)
-        return 2
+    except FetchError as e:  # a download, pinned-hash or corpus failure: names the file and the fix
+        print(f"zeroband: error: {e}", file=sys.stderr)
+        return 1
     print(json.dumps(stats, indent=1, default=str))
     return 0
 

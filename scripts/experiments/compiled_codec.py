@@ -11,6 +11,7 @@ eager ones and prints milliseconds per slice. An experiment: nothing in zeroband
 
 from __future__ import annotations
 
+import argparse
 import time
 from collections.abc import Callable
 
@@ -69,4 +70,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    # No options; parsing still answers --help (and refuses typos) before minutes of compiling.
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     main()

@@ -1,7 +1,7 @@
 """Convergence benchmark: can DiLoCo train as well as data parallel? One command, results in docs/results/.
 
-    python scripts/experiments/convergence.py                      # the report (~35-45 min on 2 cores)
-    python scripts/experiments/convergence.py --phase tune         # the tuning grid behind the defaults
+    python scripts/experiments/convergence.py --out docs/results   # the report (~35-45 min on 2 cores)
+    python scripts/experiments/convergence.py --phase tune --out docs/results  # the grid behind the defaults
     python scripts/experiments/convergence.py --quick --out /tmp/q # pipeline check (~2 min; CI smoke)
 
 Every row is one run of the real trainer. Multi-site rows run k sites as k threads of one process
@@ -37,6 +37,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench_common import add_out_argument, output_dir, say_written  # noqa: E402
 from exp_data import (  # noqa: E402
     DEFAULT_CACHE,
     SHARED_CORPUS_ENV,
@@ -501,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--phase", choices=["report", "tune"], default="report")
     p.add_argument("--quick", action="store_true", help="tiny model and rows: checks the pipeline, not the method")
     p.add_argument("--gpu", action="store_true", help="the CUDA scale: a ~27M-parameter model, 4 sites on one GPU")
-    p.add_argument("--out", type=Path, default=REPO / "docs" / "results")
+    add_out_argument(p, "docs/results", "convergence*.{md,json,png}")
     p.add_argument("--corpus", type=Path, default=None, help="jsonl corpus (default: the shared prose corpus)")
     p.add_argument("--shared-corpus", type=Path, default=None,
                    help=f"prose-v1.jsonl.xz to decompress into --cache (default: ${SHARED_CORPUS_ENV})")
@@ -509,6 +511,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--rows", default="", help="comma-separated row names to keep (default: all)")
     args = p.parse_args(argv)
+    args.out = output_dir(args.out, "convergence", args.quick)
     scale = QUICK if args.quick else GPU if args.gpu else FULL
     start = time.perf_counter()
     corpus = args.corpus or shared_corpus(args.cache, args.shared_corpus)
@@ -533,7 +536,7 @@ def main(argv: list[str] | None = None) -> int:
         tune_report(results, args.out, shown, time.perf_counter() - start)
     else:
         write_report(results, scale, args.out, shown, time.perf_counter() - start)
-    print(f"wrote {args.out}", flush=True)
+    say_written(*sorted(args.out.glob("convergence*")))
     return 0
 
 

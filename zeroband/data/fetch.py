@@ -359,6 +359,28 @@ def fetch_demo_corpus(
     return out
 
 
+def corpus_texts(corpus: Path) -> list[str]:
+    """The "text" of every line of a demo corpus; FetchError naming the file and the line when it is
+    empty, binary, not JSON Lines or without text (a file left by an interrupted copy, or a user's)."""
+    from zeroband.data.loader import first_unreadable
+
+    problem = f"{corpus}: empty file" if corpus.stat().st_size == 0 else first_unreadable([str(corpus)], "json")
+    texts: list[str] = []
+    if problem is None:
+        with corpus.open(encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                text = json.loads(line).get("text") if line.strip() else ""
+                if not isinstance(text, str):
+                    problem = f'{corpus}:{number}: no "text" string in this document'
+                    break
+                texts.append(text)
+        if problem is None and not any(texts):
+            problem = f"{corpus}: no text in any document"
+    if problem is not None:
+        raise FetchError(f"{problem}; `zeroband data --force` replaces it with the demo corpus")
+    return texts
+
+
 def prepare_demo(out_dir: Path, vocab_size: int = 4096, force: bool = False) -> dict[str, Any]:
     """Fetch the corpus to `out_dir/train.jsonl` and train a tokenizer into `out_dir/tokenizer/`.
 
@@ -369,13 +391,12 @@ def prepare_demo(out_dir: Path, vocab_size: int = 4096, force: bool = False) -> 
     out_dir = Path(out_dir)
     t0 = time.perf_counter()
     corpus = fetch_demo_corpus(out_dir, cache_dir=out_dir / ".cache", force=force, filename="train.jsonl")
+    texts = corpus_texts(corpus)  # before the tokenizer: one kept from an earlier run may be anything
     t1 = time.perf_counter()
     tok_dir = out_dir / "tokenizer"
     if force or not (tok_dir / "tokenizer.json").is_file():
         train_tokenizer([corpus], vocab_size, tok_dir)
     t2 = time.perf_counter()
-    with corpus.open(encoding="utf-8") as f:
-        texts = [json.loads(line)["text"] for line in f]
     return {
         "corpus": str(corpus),
         "tokenizer": str(tok_dir),

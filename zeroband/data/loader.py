@@ -82,9 +82,8 @@ def load_documents(cfg: DataConfig) -> Any:
         fmt = infer_format(files, cfg.format)
         # datasets fails with a bare StopIteration on empty files; say what is wrong instead.
         if all(Path(f).stat().st_size == 0 for f in files):
-            raise ValueError(
-                f"data.path={cfg.path!r} contains no documents (all {len(files)} file(s) are empty)"
-            )
+            shown = files[0] if len(files) == 1 else f"data.path={cfg.path!r}: all {len(files)} files"
+            raise DataError(f"{shown}: empty file, no documents. Fix: {_DATA_HINT}")
         # Paragraphs, not lines, so that prose in a .txt file is not cut into one-line documents.
         extra = {"sample_by": "paragraph"} if fmt == "text" else {}
         quiet = logging.getLogger("datasets")  # it logs its own multi-line report of a bad row first
@@ -108,7 +107,7 @@ def bad_rows_named(cfg: DataConfig) -> Iterator[None]:
         raise
     except Exception:
         files = [] if cfg.hub_name else resolve_files(cfg.path)
-        bad = first_bad_json_line(files) if files and infer_format(files, cfg.format) == "json" else None
+        bad = first_unreadable(files, infer_format(files, cfg.format)) if files else None
         if bad is None:
             raise
         raise DataError(bad) from None
@@ -116,6 +115,49 @@ def bad_rows_named(cfg: DataConfig) -> Iterator[None]:
 
 class DataError(ConfigError):
     """A data file a user must fix: the message names the file, the line and what to do."""
+
+
+def first_unreadable(files: list[str], fmt: str) -> str | None:
+    """'FILE: what is wrong. Fix: ...' for the first file the `fmt` reader cannot read (not gzip
+    though named .gz, not UTF-8 text, not Parquet, a bad JSON line); None if none is found."""
+    for name in files:
+        if fmt == "parquet":
+            problem = _parquet_problem(name)
+        else:
+            problem = _text_problem(name) or (first_bad_json_line([name]) if fmt == "json" else None)
+        if problem is not None:
+            return problem if problem.startswith(name) else f"{name}: {problem}"
+    return None
+
+
+def _text_problem(name: str) -> str | None:
+    """Why `name` is not UTF-8 text (a binary file, a bad .gz), or None."""
+    opener = gzip.open if name.endswith(".gz") else open
+    offset = 0
+    try:
+        with opener(name, "rb") as f:
+            while chunk := f.read(1 << 20):
+                try:
+                    chunk.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    if e.start < len(chunk) - 4:  # not merely a character cut by the chunk's end
+                        return (f"not UTF-8 text (byte {chunk[e.start]:#04x} at offset {offset + e.start}): is it a "
+                                f"binary file? Fix: data.path takes UTF-8 .jsonl/.json/.txt or .parquet files")
+                offset += len(chunk)
+    except (OSError, EOFError) as e:  # gzip.BadGzipFile is an OSError
+        return f"cannot be read as {'gzip' if name.endswith('.gz') else 'a file'} ({e}). Fix: repair or remove it"
+    return None
+
+
+def _parquet_problem(name: str) -> str | None:
+    import pyarrow.parquet as pq
+
+    try:
+        pq.read_schema(name)
+    except Exception as e:  # pyarrow's errors are many types; the message is what matters
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return f"not a Parquet file ({first}). Fix: repair or remove it, or set data.format"
+    return None
 
 
 def first_bad_json_line(files: list[str]) -> str | None:
@@ -147,11 +189,13 @@ def _check_text_field(ds: Any, cfg: DataConfig) -> None:
     if columns is None:  # streaming json: columns are only known after reading a row
         first = next(iter(ds), None)
         columns = list(first) if first is not None else []
+    where = cfg.hub_name or f"data.path={cfg.path!r}"
     if not columns:
-        raise ValueError(f"data.path={cfg.path!r} contains no documents")
+        raise DataError(f"{where} contains no documents. Fix: {_DATA_HINT}")
     if cfg.text_field not in columns:
-        raise ValueError(
-            f"data.text_field={cfg.text_field!r} is not a column of the dataset; available columns: {columns}"
+        raise DataError(
+            f"{where}: data.text_field={cfg.text_field!r} is not a field of its documents (they have {columns}). "
+            f"Fix: set data.text_field to the field that holds the text, e.g. --data.text_field {columns[0]}"
         )
 
 
@@ -302,13 +346,14 @@ class PackedBatches:
         if n_train is None:  # streaming: counts are only known after a pass, checked at the first epoch end
             return
         if n_train + (n_val or 0) == 0:
-            raise ValueError(f"data.path={self.cfg.path!r} contains no non-empty documents")
+            raise DataError(f"data.path={self.cfg.path!r} contains no text: every document's "
+                            f"{self.cfg.text_field!r} is empty. Fix: {_DATA_HINT}")
         if self.split == "train" and n_train < self.dp_size:
             raise self._no_documents_error("train")
 
-    def _no_documents_error(self, split: Split) -> ValueError:
+    def _no_documents_error(self, split: Split) -> DataError:
         n = self._source.count(split)
-        return ValueError(
+        return DataError(
             f"the {split} split has {n if n is not None else 'too few'} documents but dp_size={self.dp_size}: "
             f"rank {self.dp_rank} gets none (data.val_fraction={self.cfg.val_fraction}). "
             "Use more data, fewer ranks/sites, or a different val_fraction."

@@ -101,11 +101,19 @@ class TextTokenizer:
 
     @classmethod
     def _from_json(cls, file: Path) -> TextTokenizer:
-        tok = Tokenizer.from_file(str(file))
+        from zeroband.config import ConfigError
+
+        try:
+            tok = Tokenizer.from_file(str(file))
+        except Exception as e:  # the Rust side raises a bare Exception: empty, binary, not a tokenizer
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ConfigError(f"{file}: not a tokenizer.json ({'empty file' if file.stat().st_size == 0 else first}) "
+                              f"(data.tokenizer). Fix: {_MISSING_HINT}") from None
         for name in _KNOWN_EOS:
             if (eos := tok.token_to_id(name)) is not None:
                 return cls(tok, eos)
-        raise ValueError(f"{file}: no EOS token found (looked for {', '.join(_KNOWN_EOS)})")
+        raise ConfigError(f"{file}: no EOS token found (looked for {', '.join(_KNOWN_EOS)}) (data.tokenizer). "
+                          f"Fix: {_MISSING_HINT}")
 
     @classmethod
     def _from_auto(cls, directory: Path) -> TextTokenizer:
@@ -116,7 +124,9 @@ class TextTokenizer:
         except (OSError, ValueError) as e:
             raise FileNotFoundError(f"{directory} is not a tokenizer directory ({e}): {_MISSING_HINT}") from e
         if tok.eos_token_id is None:
-            raise ValueError(f"tokenizer {directory} defines no eos_token; the packer needs one")
+            from zeroband.config import ConfigError
+
+            raise ConfigError(f"tokenizer {directory} defines no eos_token; the packer needs one (data.tokenizer)")
         return cls(tok, int(tok.eos_token_id))
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:

@@ -44,7 +44,7 @@ from zeroband.membership.base import NOT_DONE, Event, EventLog, Prepare
 from zeroband.membership.heartbeat import Heartbeat, Liveness, heartbeat_key, leave_key
 from zeroband.membership.rounds import Decision, RoundCoordinator
 from zeroband.membership.signed import SignedStore
-from zeroband.membership.store import open_store
+from zeroband.membership.store import open_store, store_failures_named
 from zeroband.mesh import Topology
 from zeroband.watchdog import Watch, read_by_all
 
@@ -119,13 +119,15 @@ class ElasticMembership:
         """Find the round being formed: round 0 at launch, the next boundary when joining. A resumed
         site is still fresh: the live run (or, after a full restart, the lowest site) decides the
         state, so sites restarted from different checkpoints cannot diverge."""
-        self.liveness.poll()
-        self.round = self.rounds.committed_round() + 1
+        with store_failures_named(self.sites.store):
+            self.liveness.poll()
+            self.round = self.rounds.committed_round() + 1
 
     def leave(self) -> None:
         """Announce the departure, stop the heartbeat thread and drop the group (clean exit)."""
         if self.world.rank == 0:
-            self.signed.set(leave_key(self.prefix, self.world.site_rank), str(self.round))
+            with store_failures_named(self.sites.store):
+                self.signed.set(leave_key(self.prefix, self.world.site_rank), str(self.round))
         if self.heartbeat is not None:
             self.heartbeat.stop()
             self.heartbeat = None
@@ -133,12 +135,14 @@ class ElasticMembership:
 
     # ------------------------------------------------------------------ one round
     def run_round(self, prepare: Prepare) -> Any:
-        """One outer round; a site left out of it waits for the next boundary as a joiner."""
-        while True:
-            try:
-                return self._try_round(prepare)
-            except LeftOut:
-                continue  # fresh now: its own progress of this round is dropped
+        """One outer round; a site left out of it waits for the next boundary as a joiner. Every
+        step of it talks to the store: if the store goes away, that is the error, in one line."""
+        with store_failures_named(self.sites.store):
+            while True:
+                try:
+                    return self._try_round(prepare)
+                except LeftOut:
+                    continue  # fresh now: its own progress of this round is dropped
 
     def _try_round(self, prepare: Prepare) -> Any:
         for attempt in range(self.cfg.max_retries + 1):
@@ -155,7 +159,8 @@ class ElasticMembership:
                           generation=decision.generation)
                 self.fresh, self.round = True, self.round + 1
                 raise LeftOut
-            work = prepare(not self.fresh, self.round > 0)
+            # no member holds the state: the donor's is the run's, handed over like round 0's
+            work = prepare(not self.fresh, self.round > 0 and decision.has_holder)
             outcome = self._attempt(decision, attempt, work)
             verdict = self.rounds.vote_and_verdict(self.round, attempt, decision,
                                                    self._site_ok(outcome is not NOT_DONE), self.sites.timeout_s)

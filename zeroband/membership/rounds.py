@@ -47,6 +47,11 @@ class Decision:
     generation: int  # groups are built under this generation's store prefix
 
     @property
+    def has_holder(self) -> bool:
+        """Some member holds the run's state (else the round re-forms the run from the lowest member's)."""
+        return any(m not in self.fresh for m in self.members)
+
+    @property
     def donor(self) -> int:
         """The member that sends the state: the lowest one that has it (or the lowest of all)."""
         holders = [m for m in self.members if m not in self.fresh]
@@ -91,6 +96,15 @@ def decide_members(
     return None
 
 
+def orphaned(arrivals: dict[int, str], alive: set[int], me: int) -> bool:
+    """No live site holds the run's state: every live site has arrived at this attempt, and fresh.
+    All the holders died (one after another, each restarted before the next died), so waiting for
+    one of them to propose would wait forever; the fresh sites form the round among themselves and
+    the lowest one's state (its checkpoint) goes to the others, as after a full restart. A site
+    alone is not orphaned: the run finished or every other site is gone (`_alone` says so)."""
+    return bool(alive - {me}) and alive <= set(arrivals) and all(arrivals[s] == "fresh" for s in alive)
+
+
 def decide_verdict(members: list[int], votes: dict[int, str], gone: set[int]) -> str | None:
     """'commit', 'abort', or None to keep waiting for votes."""
     if any(v != "ok" for v in votes.values()) or gone & set(members) - set(votes):
@@ -133,6 +147,8 @@ class RoundCoordinator:
                 raise RoundTimeout(f"round {r} attempt {a}: no member decision within {timeout_s:.0f} s")
             if may_propose:
                 self._maybe_propose(r, a, expected, min_sites, grace_s, wait, new_generation)
+            elif self.is_leader and self._propose_if_orphaned(r, a, min_sites, new_generation):
+                continue
             elif self._alone(wait):
                 raise RoundTimeout(f"round {r}: no other site has been alive for {self.liveness.dead_after_s:.0f} s; "
                                    "the run has finished or every other site is gone, so there is nothing to join")
@@ -147,6 +163,26 @@ class RoundCoordinator:
             return False
         since = wait.extra.setdefault("alone_since", time.monotonic())
         return time.monotonic() - since > self.liveness.dead_after_s
+
+    def _arrivals(self, r: int, a: int) -> dict[int, str]:
+        """{site: "ready" | "fresh"} of the sites that arrived at this attempt."""
+        out = {}
+        for s in self.liveness.sites:
+            raw = self.store.read(self._key(r, a, "arrive", s))
+            if raw is not None:
+                out[s] = raw.decode()
+        return out
+
+    def _propose_if_orphaned(self, r: int, a: int, min_sites: int, new_generation: Callable[[list[int]], int]) -> bool:
+        """A fresh site proposes only when no live site holds the state (`orphaned`)."""
+        self.liveness.poll()
+        arrivals, alive = self._arrivals(r, a), self.liveness.alive()
+        if not orphaned(arrivals, alive, self.site) or len(alive) < min_sites:
+            return False
+        members = sorted(alive)
+        proposal = Decision(members, members, new_generation(members)).to_json()
+        self.store.compare_set(self._key(r, a, "members"), "", proposal)
+        return True
 
     def _maybe_propose(self, r: int, a: int, expected: set[int], min_sites: int, grace_s: float, wait: WaitState,
                        new_generation: Callable[[list[int]], int]) -> None:

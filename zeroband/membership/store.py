@@ -12,6 +12,8 @@ import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -19,7 +21,7 @@ from urllib.parse import urlparse
 
 import torch.distributed as dist
 
-from zeroband.membership.etcd import EtcdStore, parse_endpoints
+from zeroband.membership.etcd import EtcdStore, StoreUnavailable, parse_endpoints
 
 DEFAULT_ETCD_PREFIX = "zeroband"
 _GUARDS: list[subprocess.Popen] = []  # a hosted store's guard lives as long as the process
@@ -27,6 +29,32 @@ _GUARDS: list[subprocess.Popen] = []  # a hosted store's guard lives as long as 
 
 class StoreUnreachable(ConnectionError):
     """The store address does not answer as a store within the timeout."""
+
+
+# What a store call raises once the store is gone: c10d's socket errors (a TCPStore whose server
+# died) and EtcdStore's after its failover budget (a majority of members down). A key that does not
+# appear in time (DistStoreError) is not here: that is a peer's silence, which the watchdog names.
+STORE_GONE = (dist.DistNetworkError, StoreUnavailable)
+
+
+def store_gone_message(address: str, error: BaseException) -> str:
+    """One line: which store stopped answering, and what to do."""
+    text = str(error).strip()
+    first = text.splitlines()[0] if text else type(error).__name__
+    fix = ("bring a majority of its etcd members back" if address.startswith("etcd://") else
+           "restart it (zeroband launch's store process, or site 0 with sites.host_store = true)")
+    return (f"the coordination store {address} stopped answering ({first}); no round can be formed without it. "
+            f"Fix: {fix}, then relaunch the sites: they resume from their last checkpoints")
+
+
+@contextmanager
+def store_failures_named(address: str) -> Iterator[None]:
+    """Turns a store that went away mid-run into one StoreUnreachable naming it (train.main prints
+    that as one line) instead of a C++ traceback from deep inside a store call."""
+    try:
+        yield
+    except STORE_GONE as e:
+        raise StoreUnreachable(store_gone_message(address, e)) from None
 
 
 def open_store(address: str, is_host: bool, timeout: timedelta) -> dist.Store:
