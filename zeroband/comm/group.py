@@ -8,7 +8,6 @@ coordination store, never from torchrun's rendezvous, because each site is its o
 from __future__ import annotations
 
 import os
-import zlib
 from collections.abc import Callable
 from datetime import timedelta
 from typing import TypeVar
@@ -74,19 +73,26 @@ class GlobalGroup:
         opts.rootTensor = 0
         self.wait(self.pg.broadcast([tensor], opts), src if src != self.rank else "every site", "broadcast")
 
-    def broadcast_bytes(self, payload: bytes | None, src: int) -> bytes:
-        """`src`'s bytes on every member, sealed with the group's key (`payload` is read on `src` only)."""
+    def broadcast_sealed(self, buf: torch.Tensor, src: int) -> torch.Tensor:
+        """`src`'s `buf` (uint8, ending with `auth.tag_bytes` spare bytes that receive the tag) on every
+        member; returns the payload once its tag verified, or raises WireAuthError on a member that
+        received it altered. The same bytes go to every member: one message identity, sealed once."""
         fields = (self.next_call(), "broadcast", src, "all")
         if self.rank == src:
-            sealed = self.auth.seal(torch.frombuffer(bytearray(payload), dtype=torch.uint8), self.context, fields)
-            size = torch.tensor([sealed.numel()], dtype=torch.int64)
-        else:
-            size = torch.zeros(1, dtype=torch.int64)
+            self.auth.seal_tail(buf, self.context, fields)
+        self.broadcast(buf, src)
+        if self.rank == src:
+            return buf[: buf.numel() - self.auth.tag_bytes]
+        return self.auth.open(buf, self.context, fields)
+
+    def broadcast_bytes(self, payload: bytes | None, src: int) -> bytes:
+        """`src`'s bytes on every member, sealed with the group's key (`payload` is read on `src` only)."""
+        size = torch.tensor([len(payload) if self.rank == src else 0], dtype=torch.int64)
         self.broadcast(size, src)
-        if self.rank != src:
-            sealed = torch.empty(int(size.item()), dtype=torch.uint8)
-        self.broadcast(sealed, src)
-        return bytes(self.auth.open(sealed, self.context, fields).numpy())
+        buf = torch.empty(int(size.item()) + self.auth.tag_bytes, dtype=torch.uint8)
+        if self.rank == src and payload:
+            buf[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        return bytes(self.broadcast_sealed(buf, src).numpy())
 
     def peers(self) -> list[int]:
         """The other sites, starting after this one: rotating the order spreads the load instead of
@@ -123,16 +129,18 @@ class GlobalGroup:
         return wait
 
 
-def crc32_of(tensors: list[torch.Tensor]) -> int:
-    crc = 0
-    for t in tensors:
-        crc = zlib.crc32(t.detach().to("cpu").contiguous().view(torch.uint8).numpy(), crc)  # the buffer, not a copy
-    return crc
+def digest48(tensors: list[torch.Tensor], auth: WireAuth) -> int:
+    """The first 48 bits of the keyed replica digest (comm/mac.py): a value a float64 carries exactly,
+    for the per-step replica check (SiteStats.crc) and the `outer_crc` metric."""
+    return int.from_bytes(auth.replica_digest(tensors)[:6], "big")
 
 
-def checksum_table(tensors: list[torch.Tensor], group: GlobalGroup) -> list[int]:
-    """crc32 of this rank's tensors (their bytes) on every member of the group (global group only)."""
-    return [int(c) for c in group.gather_scalars([float(crc32_of(tensors))])[:, 0].tolist()]
+def checksum_table(tensors: list[torch.Tensor], group: GlobalGroup) -> list[str]:
+    """The keyed digest (comm/mac.py, never CRC32) of this rank's tensors on every member of the group,
+    as hex: 16 bytes sent as three 48-bit words, which float64 carries exactly."""
+    digest = group.auth.replica_digest(tensors)
+    words = [float(int.from_bytes(digest[i : i + 6], "big")) for i in range(0, len(digest), 6)]
+    return ["".join(f"{int(w):012x}" for w in row) for row in group.gather_scalars(words).tolist()]
 
 
 def new_global_group(
