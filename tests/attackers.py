@@ -168,7 +168,7 @@ class BroadcastTamperer:
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Any:
         work = self.pg.broadcast(tensors, opts)
-        buf = tensors[0].view(torch.uint8)
+        buf = tensors[0].view(torch.uint8).view(-1)  # the bytes as they came off the wire
         if opts.rootRank == self.rank or "flipped" in self.report or buf.numel() < len(self.delta):
             return work
         return _ThenTamper(work, buf[: len(self.delta)], self.delta, self.report)
