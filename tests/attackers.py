@@ -228,3 +228,27 @@ class WireTap:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.pg, name)
+
+
+class ReplayingStore(dist.Store):
+    """A store as one site sees it through an on-path attacker: reads of the keys in `replay` return
+    the recorded values instead (e.g. an earlier incarnation's admission transcript)."""
+
+    def __init__(self, inner: dist.Store, replay: dict[str, bytes]) -> None:
+        super().__init__()  # required by the pybind trampoline
+        self.inner, self.replay = inner, replay
+
+    def get(self, key: str) -> bytes:
+        return self.replay[key] if key in self.replay else self.inner.get(key)
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self.inner.set(key, value)
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        return self.inner.compare_set(key, expected, desired)
+
+    def check(self, keys: list[str]) -> bool:
+        return self.inner.check(keys)
+
+    def wait(self, keys: list[str], timeout: Any = None) -> None:
+        self.inner.wait(keys) if timeout is None else self.inner.wait(keys, timeout)
