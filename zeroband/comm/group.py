@@ -87,9 +87,11 @@ class GlobalGroup:
 
     def broadcast_bytes(self, payload: bytes | None, src: int) -> bytes:
         """`src`'s bytes on every member, sealed with the group's key (`payload` is read on `src` only)."""
-        size = torch.tensor([len(payload) if self.rank == src else 0], dtype=torch.int64)
-        self.broadcast(size, src)
-        buf = torch.empty(int(size.item()) + self.auth.tag_bytes, dtype=torch.uint8)
+        size = torch.zeros(8 + self.auth.tag_bytes, dtype=torch.uint8)  # the size is sealed too
+        if self.rank == src:
+            size[:8] = torch.tensor([len(payload)], dtype=torch.int64).view(torch.uint8)
+        size = int(self.broadcast_sealed(size, src).view(torch.int64).item())
+        buf = torch.empty(size + self.auth.tag_bytes, dtype=torch.uint8)
         if self.rank == src and payload:
             buf[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         return bytes(self.broadcast_sealed(buf, src).numpy())
