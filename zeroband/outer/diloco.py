@@ -2,8 +2,8 @@
 
 Contract (shared by `NoOuter`, `DiLoCo` and `CrossSiteDataParallel`, so the training loop has
 no branches on the method):
-- `start()` once, on a fresh run: every site takes site 0's parameters (broadcast, then verified
-  by checksum);
+- `start()` once, on a fresh run: every site takes site 0's parameters (a sealed broadcast, then
+  verified by a keyed digest: docs/security.md);
 - `sync_gradients()` between backward and the inner optimizer step (a no-op here);
 - `after_inner_step(step, sync_point)` after every inner step; every `inner_steps` steps it runs
   an outer step and returns `OuterStats`, otherwise None. `sync_point=True` asks for a blocking
