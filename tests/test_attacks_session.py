@@ -38,11 +38,12 @@ def _tampered_start(tree: dict) -> dict:
         return {"error": str(e), **report}
 
 
-def test_start_broadcast_altered_with_a_crc_preserving_delta_stops_every_site(corpus, tmp_path):
+@pytest.mark.parametrize("mode", ["diloco", "data_parallel"])
+def test_start_broadcast_altered_with_a_crc_preserving_delta_stops_every_site(corpus, tmp_path, mode):
     """The issue's attack: sign flips on site 1's copy of site 0's parameters, chosen so that CRC32
     stays the same. Both sites used to train on to exit 0 with different replicas."""
     tree = tiny_overrides(corpus, tmp_path, train={"steps": 2, "global_batch": 2, "micro_batch": 2})
-    tree["diloco"] = {"inner_steps": 2}
+    tree["diloco"] = {"inner_steps": 2, "mode": mode, "comm_dtype": "fp32"}
     tree["sites"] = {"store": f"tcp://127.0.0.1:{free_port()}", "timeout_s": 20}
     out = run_sites(_tampered_start, 2, 1, (tree,), env={"ZEROBAND_SECRET": SECRET}, timeout=55)
     assert out[(1, 0)]["flipped"] == 960 and out[(1, 0)]["crc_kept"]  # the attack happened, CRC-neutral
