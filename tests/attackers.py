@@ -5,6 +5,7 @@ Nothing here is a hook in production code."""
 from __future__ import annotations
 
 import json
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -125,3 +126,129 @@ def forge_leaves(store: dist.Store, prefix: str, sites: int, stop: Any) -> int:
             store.set(f"{prefix}leave/{site}", "0")
             writes += 1
     return writes
+
+
+# ---------------------------------------------------------------------- on-path attacks (issue 23, items 1-2)
+def crc_neutral_delta(floats: int = 40) -> bytes:
+    """A delta over `floats` fp32 values that flips the sign of some of them and leaves CRC32 unchanged
+    wherever it is XORed into a message: CRC32 is linear over GF(2), crc(m ^ d) = crc(m) ^ crc(d) ^
+    crc(0...0), so any set of sign bits whose CRC contributions XOR to zero will do; 40 candidates in
+    a 32-bit space always contain one (Gaussian elimination). Its contribution is the polynomial of
+    the delta times x^k modulo CRC32's generator, and shifting a multiple of it keeps it a multiple:
+    the same delta at any offset, or at many, keeps the CRC."""
+    n, zero = 4 * floats, zlib.crc32(bytes(4 * floats))
+
+    def sign_flips(mask: int) -> bytes:
+        d = bytearray(n)
+        for i in range(floats):
+            d[4 * i + 3] = 0x80 if mask >> i & 1 else 0  # the sign bit of little-endian fp32 value i
+        return bytes(d)
+
+    basis: dict[int, tuple[int, int]] = {}  # leading bit -> (CRC contribution, which sign bits)
+    for i in range(floats):
+        c, mask = zlib.crc32(sign_flips(1 << i)) ^ zero, 1 << i
+        while c:
+            top = c.bit_length() - 1
+            if top not in basis:
+                basis[top] = (c, mask)
+                break
+            c, mask = c ^ basis[top][0], mask ^ basis[top][1]
+        else:
+            return sign_flips(mask)
+    raise AssertionError("unreachable: more candidates than CRC bits")
+
+
+class BroadcastTamperer:
+    """On the path into a site: XORs `delta` into the first broadcast it receives of at least
+    `len(delta)` bytes, once gloo delivered it (what a forwarder on the WAN link would rewrite).
+    `report` gets the number of values changed and whether the region's CRC32 stayed the same."""
+
+    def __init__(self, pg: dist.ProcessGroup, rank: int, delta: bytes, report: dict) -> None:
+        self.pg, self.rank, self.delta, self.report = pg, rank, delta, report
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Any:
+        work = self.pg.broadcast(tensors, opts)
+        buf = tensors[0].view(torch.uint8).view(-1)  # the bytes as they came off the wire
+        if opts.rootRank == self.rank or "flipped" in self.report or buf.numel() < len(self.delta):
+            return work
+        return _ThenTamper(work, buf[: len(self.delta)], self.delta, self.report)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.pg, name)
+
+
+@dataclass
+class _ThenTamper:
+    work: Any
+    region: torch.Tensor
+    delta: bytes
+    report: dict
+
+    def wait(self, *args: Any) -> Any:
+        out = self.work.wait(*args)
+        before = zlib.crc32(self.region.numpy())
+        self.region.bitwise_xor_(torch.frombuffer(bytearray(self.delta), dtype=torch.uint8))
+        self.report.update(flipped=sum(b != 0 for b in self.delta[3::4]), crc_kept=zlib.crc32(self.region.numpy()) == before)
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.work, name)
+
+
+def tamper_start_broadcast(repeats: int = 48) -> dict:
+    """Make every global group of this (forked) process receive broadcasts through a tamperer with
+    `repeats` copies of `crc_neutral_delta()` back to back. Returns its report (filled in later)."""
+    from zeroband.comm.group import GlobalGroup
+
+    honest, report, delta = GlobalGroup.__init__, {}, crc_neutral_delta() * repeats
+
+    def init(self: GlobalGroup, pg: dist.ProcessGroup, rank: int, *args: Any, **kwargs: Any) -> None:
+        honest(self, BroadcastTamperer(pg, rank, delta, report), rank, *args, **kwargs)
+
+    GlobalGroup.__init__ = init
+    return report
+
+
+class WireTap:
+    """On the path out of a site: keeps a copy of every message it sends, by (round, destination,
+    tag) (`round` is set by the caller), and sends `swap(key, sealed bytes)` instead where that
+    returns a tensor (a replayed or forged message)."""
+
+    def __init__(self, pg: dist.ProcessGroup, swap: Any = None) -> None:
+        self.pg, self.swap, self.round, self.sent, self.kept = pg, swap, 0, {}, []
+
+    def send(self, bufs: list[torch.Tensor], dst: int, tag: int) -> Any:
+        key = (self.round, dst, tag)
+        self.sent[key] = bufs[0].clone()
+        other = self.swap(key, bufs[0]) if self.swap else None
+        if other is not None:
+            self.kept.append(other)  # gloo reads it until the send completes
+            bufs = [other]
+        return self.pg.send(bufs, dst, tag)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.pg, name)
+
+
+class ReplayingStore(dist.Store):
+    """A store as one site sees it through an on-path attacker: reads of the keys in `replay` return
+    the recorded values instead (e.g. an earlier incarnation's admission transcript)."""
+
+    def __init__(self, inner: dist.Store, replay: dict[str, bytes]) -> None:
+        super().__init__()  # required by the pybind trampoline
+        self.inner, self.replay = inner, replay
+
+    def get(self, key: str) -> bytes:
+        return self.replay[key] if key in self.replay else self.inner.get(key)
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self.inner.set(key, value)
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        return self.inner.compare_set(key, expected, desired)
+
+    def check(self, keys: list[str]) -> bool:
+        return self.inner.check(keys)
+
+    def wait(self, keys: list[str], timeout: Any = None) -> None:
+        self.inner.wait(keys) if timeout is None else self.inner.wait(keys, timeout)

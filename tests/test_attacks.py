@@ -64,16 +64,19 @@ def _wire_site(port: int, secrets_: dict[int, str], rogue: str, rounds: int, out
     from zeroband.comm.group import new_global_group
     from zeroband.comm.mac import WireAuth
     from zeroband.comm.reduce import reduce_across_sites
+    from zeroband.membership.base import admit_group
 
     site, sites = int(os.environ["ZEROBAND_SITE_RANK"]), int(os.environ["ZEROBAND_SITE_COUNT"])
     how, _, who = rogue.partition("@")
     is_rogue = who != "" and int(who) == site
     timeout = timedelta(seconds=5 if is_rogue else 20)
     store = dist.TCPStore("127.0.0.1", port, is_master=site == 0, timeout=timeout, wait_for_workers=False)
-    auth = WireAuth.from_secret(secrets_[site].encode() if secrets_.get(site) else None, "attack")
+    secret = secrets_[site].encode() if secrets_.get(site) else None
     out: dict = {"rounds": []}
     try:
-        group = new_global_group(store, "zeroband/attack/gen0/shard0/", site, sites, timeout, auth=auth)
+        group = new_global_group(store, "zeroband/attack/gen0/shard0/", site, sites, timeout,
+                                 auth=WireAuth.from_secret(secret, "attack"))
+        admit_group(group, store, secret, {}, timeout.total_seconds())  # this incarnation's session key
         if is_rogue and how == "replay":
             group.pg = ReplayingPG(group.pg)
         if is_rogue and how == "truncate":
@@ -127,14 +130,16 @@ def _foreign_sender(port: int) -> str:
     from zeroband.comm.group import new_global_group
     from zeroband.comm.mac import WireAuth
     from zeroband.comm.reduce import reduce_across_sites
+    from zeroband.membership.base import admit_group
 
     site = int(os.environ["ZEROBAND_SITE_RANK"])
     timeout = timedelta(seconds=5 if site else 20)
     store = dist.TCPStore("127.0.0.1", port, is_master=site == 0, timeout=timeout, wait_for_workers=False)
     group = new_global_group(store, "zeroband/f/gen0/shard0/", site, 2, timeout,
                              auth=WireAuth.from_secret(SECRET.encode(), "f"))
-    if site == 1:
-        group.auth = WireAuth.from_secret(WRONG.encode(), "f")
+    nonces = admit_group(group, store, SECRET.encode(), {}, 20).nonces
+    if site == 1:  # the same session's nonces, under another secret's key
+        group.auth = WireAuth.from_secret(WRONG.encode(), "f").for_session(group.context, nonces)
     try:
         reduce_across_sites(grads_of(site, 0), honest_stats(grads_of(site, 0)), group, "fp16", 2000)
         return "accepted"

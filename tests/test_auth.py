@@ -173,3 +173,52 @@ def test_reused_prefix_is_rejected():
     admit(store, "p/", 0, 1, SECRET, FP, timedelta(seconds=5))
     with pytest.raises(RuntimeError, match="must be fresh"):
         admit(store, "p/", 0, 1, SECRET, FP, timedelta(seconds=5))
+
+
+# ---- session keys (comm/mac.py): one per admission -------------------------------------------------
+
+def test_session_keys_are_new_at_every_admission_and_each_identity_is_sealed_once():
+    import torch
+
+    from zeroband.comm.mac import TAG_BYTES, SealGuard, WireAuth, WireAuthError
+
+    auth, body = WireAuth.from_secret(SECRET, "run"), torch.arange(64, dtype=torch.uint8)
+    with pytest.raises(WireAuthError, match="no session key yet"):
+        auth.seal(body, b"ctx", (1, 7, 0, 1))  # before admission nothing goes out
+    first = auth.for_session(b"ctx", {0: b"a" * 32, 1: b"b" * 32})
+    again = auth.for_session(b"ctx", {0: b"a" * 32, 1: b"c" * 32})  # a restart: site 1 drew another nonce
+    assert first.session != again.session
+    sealed = first.seal(body, b"ctx", (1, 7, 0, 1))
+    assert torch.equal(first.open(sealed, b"ctx", (1, 7, 0, 1)), body) and sealed.numel() == 64 + TAG_BYTES
+    with pytest.raises(WireAuthError, match="failed authentication"):
+        again.open(sealed, b"ctx", (1, 7, 0, 1))  # recorded in one incarnation, refused in the next
+    with pytest.raises(WireAuthError, match="twice under one session key"):
+        first.seal(body + 1, b"ctx", (1, 7, 0, 1))  # one key+nonce, two payloads: never
+    first.seal(body, b"ctx", (1, 7, 0, 2))  # another destination: another identity
+    for call in range(2, 2 + SealGuard.WINDOW):
+        first.seal(body, b"ctx", (call, 7, 0, 1))
+    with pytest.raises(WireAuthError, match="twice"):
+        first.seal(body, b"ctx", (1, 8, 0, 1))  # older than the window: refused, not forgotten
+
+
+def test_replayed_admission_transcript_is_refused():
+    """An on-path attacker replays an earlier incarnation's admission to site 0: its own nonce read
+    back as the old one, site 1's old nonce and proofs. Site 0 keys with the nonce it drew, so the
+    old proofs fail and it refuses, rather than agreeing on the old session key."""
+    import threading
+
+    import torch.distributed as dist
+
+    from tests.attackers import ReplayingStore
+    from zeroband.membership.auth import PeerRefused, admission
+
+    earlier, timeout = dist.HashStore(), timedelta(seconds=10)
+    threads = [threading.Thread(target=admission, args=(earlier, "p/", s, 2, SECRET, FP, timeout)) for s in (0, 1)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    now = dist.HashStore()
+    for key in ("nonce/1", "proof/1", "fingerprint/1"):  # site 1's slots, filled from the recording
+        now.set(f"p/admit/{key}", earlier.get(f"p/admit/{key}"))
+    lying = ReplayingStore(now, {"p/admit/nonce/0": earlier.get("p/admit/nonce/0")})
+    with pytest.raises(PeerRefused, match="only sites \\[0\\] of 2 prove the same secret"):
+        admission(lying, "p/", 0, 2, SECRET, FP, timeout)

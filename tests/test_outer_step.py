@@ -134,11 +134,12 @@ def test_weighted_encode_is_the_encoding_of_the_product(wire: str, peak: float, 
 
 
 def test_sealed_in_place_equals_sealed_by_copy():
-    auth = WireAuth(b"k" * 32)
+    # two senders of one session (each seals a message identity once: its guard refuses a second seal)
+    auth, other = (WireAuth(b"k" * 32).for_session(b"ctx", {0: b"a" * 32, 1: b"b" * 32}) for _ in range(2))
     body = torch.randint(0, 255, (1000,), dtype=torch.uint8)
     spare = torch.cat([body, torch.zeros(TAG_BYTES, dtype=torch.uint8)])
     fields = (1, 7, 0, 1)
-    assert torch.equal(auth.seal_tail(spare, b"ctx", fields), auth.seal(body, b"ctx", fields))
+    assert torch.equal(auth.seal_tail(spare, b"ctx", fields), other.seal(body, b"ctx", fields))
     assert torch.equal(auth.open(spare, b"ctx", fields), body)
 
 

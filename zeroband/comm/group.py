@@ -8,7 +8,6 @@ coordination store, never from torchrun's rendezvous, because each site is its o
 from __future__ import annotations
 
 import os
-import zlib
 from collections.abc import Callable
 from datetime import timedelta
 from typing import TypeVar
@@ -37,9 +36,11 @@ class GlobalGroup:
     `watched(fn, what)` runs blocking cross-site work on a helper thread so that the caller logs
     while it waits and gives up at the deadline with a message naming the phase and the site.
 
-    `auth` seals the messages of `post_scalars` and comm/direct.py (comm/mac.py); `prefix` (the
-    group's store prefix: run, generation, shard) and the call counter `next_call()` bind each
-    message to this group and this call, so a message from an earlier round does not verify.
+    `auth` seals the messages of `post_scalars`, the broadcasts and comm/direct.py (comm/mac.py)
+    under the session key this group's admission agreed (zeroband/membership/base.py
+    `admit_group`: new at every start and generation); `prefix` (the group's store prefix: run,
+    generation, shard) and the call counter `next_call()` bind each message to this group and this
+    call, so a message from an earlier round or incarnation does not verify.
     """
 
     def __init__(self, pg: dist.ProcessGroup, rank: int, size: int, store: dist.Store | None = None,
@@ -74,19 +75,28 @@ class GlobalGroup:
         opts.rootTensor = 0
         self.wait(self.pg.broadcast([tensor], opts), src if src != self.rank else "every site", "broadcast")
 
-    def broadcast_bytes(self, payload: bytes | None, src: int) -> bytes:
-        """`src`'s bytes on every member, sealed with the group's key (`payload` is read on `src` only)."""
+    def broadcast_sealed(self, buf: torch.Tensor, src: int) -> torch.Tensor:
+        """`src`'s `buf` (uint8, ending with `auth.tag_bytes` spare bytes that receive the tag) on every
+        member; returns the payload once its tag verified, or raises WireAuthError on a member that
+        received it altered. The same bytes go to every member: one message identity, sealed once."""
         fields = (self.next_call(), "broadcast", src, "all")
         if self.rank == src:
-            sealed = self.auth.seal(torch.frombuffer(bytearray(payload), dtype=torch.uint8), self.context, fields)
-            size = torch.tensor([sealed.numel()], dtype=torch.int64)
-        else:
-            size = torch.zeros(1, dtype=torch.int64)
-        self.broadcast(size, src)
-        if self.rank != src:
-            sealed = torch.empty(int(size.item()), dtype=torch.uint8)
-        self.broadcast(sealed, src)
-        return bytes(self.auth.open(sealed, self.context, fields).numpy())
+            self.auth.seal_tail(buf, self.context, fields)
+        self.broadcast(buf, src)
+        if self.rank == src:
+            return buf[: buf.numel() - self.auth.tag_bytes]
+        return self.auth.open(buf, self.context, fields)
+
+    def broadcast_bytes(self, payload: bytes | None, src: int) -> bytes:
+        """`src`'s bytes on every member, sealed with the group's key (`payload` is read on `src` only)."""
+        size = torch.zeros(8 + self.auth.tag_bytes, dtype=torch.uint8)  # the size is sealed too
+        if self.rank == src:
+            size[:8] = torch.tensor([len(payload)], dtype=torch.int64).view(torch.uint8)
+        size = int(self.broadcast_sealed(size, src).view(torch.int64).item())
+        buf = torch.empty(size + self.auth.tag_bytes, dtype=torch.uint8)
+        if self.rank == src and payload:
+            buf[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        return bytes(self.broadcast_sealed(buf, src).numpy())
 
     def peers(self) -> list[int]:
         """The other sites, starting after this one: rotating the order spreads the load instead of
@@ -123,16 +133,18 @@ class GlobalGroup:
         return wait
 
 
-def crc32_of(tensors: list[torch.Tensor]) -> int:
-    crc = 0
-    for t in tensors:
-        crc = zlib.crc32(t.detach().to("cpu").contiguous().view(torch.uint8).numpy(), crc)  # the buffer, not a copy
-    return crc
+def digest48(tensors: list[torch.Tensor], auth: WireAuth) -> int:
+    """The first 48 bits of the keyed replica digest (comm/mac.py): a value a float64 carries exactly,
+    for the per-step replica check (SiteStats.crc) and the `outer_crc` metric."""
+    return int.from_bytes(auth.replica_digest(tensors)[:6], "big")
 
 
-def checksum_table(tensors: list[torch.Tensor], group: GlobalGroup) -> list[int]:
-    """crc32 of this rank's tensors (their bytes) on every member of the group (global group only)."""
-    return [int(c) for c in group.gather_scalars([float(crc32_of(tensors))])[:, 0].tolist()]
+def checksum_table(tensors: list[torch.Tensor], group: GlobalGroup) -> list[str]:
+    """The keyed digest (comm/mac.py, never CRC32) of this rank's tensors on every member of the group,
+    as hex: 16 bytes sent as three 48-bit words, which float64 carries exactly."""
+    digest = group.auth.replica_digest(tensors)
+    words = [float(int.from_bytes(digest[i : i + 6], "big")) for i in range(0, len(digest), 6)]
+    return ["".join(f"{int(w):012x}" for w in row) for row in group.gather_scalars(words).tolist()]
 
 
 def new_global_group(

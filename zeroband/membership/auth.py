@@ -12,7 +12,12 @@ runs over the store, under the generation's own (fresh) prefix P:
    another site's slot) do not verify. scrypt makes each offline guess at the secret cost ~50 ms
    and 16 MiB, and `load_secret` refuses secrets shorter than 16 bytes;
 3. every site reads all proofs, which are public, and checks every pair. Since all honest sites
-   hold the same key and read the same write-once values, they reach the same verdict (`decide`).
+   hold the same key and read the same write-once values, they reach the same verdict (`decide`);
+4. the admitted members key this group's messages for this incarnation only: K_s from every
+   member's nonce (`Admission.nonces`, comm/mac.py `WireAuth.for_session`). A proof verifies only
+   if its author read the same two nonces as the verifier, so all admitted members derive the same
+   K_s, and each member's own fresh nonce makes K_s new at every admission: a message recorded in
+   an earlier incarnation (restart, resume) or generation is checked under another key.
 
 Verdict rules: the sites whose proofs verify under our key form our "club". If it is not a strict
 majority we cannot tell who holds the right secret, so we admit nobody. Within the club, the
@@ -210,11 +215,24 @@ def fingerprint_diff(theirs: Mapping[str, str], reference: Mapping[str, str], la
 
 # ---- protocol over the store ----------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class Admission:
+    admitted: list[int]
+    nonces: dict[int, bytes]  # every member's fresh random nonce of this admission ({} without a secret)
+
+
 def admit(store: dist.Store, prefix: str, site_rank: int, site_count: int, secret: bytes | None,
           fingerprint: Mapping[str, str], timeout: timedelta) -> list[int]:
+    """`admission`'s admitted sites."""
+    return admission(store, prefix, site_rank, site_count, secret, fingerprint, timeout).admitted
+
+
+def admission(store: dist.Store, prefix: str, site_rank: int, site_count: int, secret: bytes | None,
+              fingerprint: Mapping[str, str], timeout: timedelta) -> Admission:
     """Run the handshake for one generation on every site; returns the admitted sites (all of
-    them), or raises PeerRefused everywhere if any site is refused. `prefix` must be fresh.
-    Without a secret (sites.insecure) only the fingerprints are compared."""
+    them) and the nonces the session key comes from, or raises PeerRefused everywhere if any site
+    is refused. `prefix` must be fresh. Without a secret (sites.insecure) only the fingerprints
+    are compared."""
     scoped = dist.PrefixStore(f"{prefix.rstrip('/')}/admit", store)  # PrefixStore adds the "/"
     fp = {str(k): str(v) for k, v in fingerprint.items()}
     scoped.set(f"fingerprint/{site_rank}", _canonical(fp))
@@ -224,10 +242,14 @@ def admit(store: dist.Store, prefix: str, site_rank: int, site_count: int, secre
         verdict = decide(site_count, site_rank, sites, fps)
         if verdict.refused:
             raise PeerRefused(site_rank, verdict)
-        return verdict.admitted
+        return Admission(verdict.admitted, {})
     key = derive_key(secret, prefix)
-    _publish_once(scoped, f"nonce/{site_rank}", secrets.token_bytes(NONCE_BYTES).hex())
+    own = secrets.token_bytes(NONCE_BYTES)
+    _publish_once(scoped, f"nonce/{site_rank}", own.hex())
+    # Our own nonce as drawn, never as read back: a transcript of an earlier admission replayed to
+    # this site (old nonces, old valid proofs) then fails, and K_s always holds our fresh randomness.
     nonces = {s: bytes.fromhex(v.decode()) for s, v in _read_all(scoped, "nonce", sites, timeout).items()}
+    nonces[site_rank] = own
     fps = {s: json.loads(v) for s, v in _read_all(scoped, "fingerprint", sites, timeout).items()}
     mine = {j: proof(key, prefix, site_rank, j, nonces, fp) for j in sites if j != site_rank}
     scoped.set(f"proof/{site_rank}", json.dumps(mine))
@@ -236,7 +258,7 @@ def admit(store: dist.Store, prefix: str, site_rank: int, site_count: int, secre
     verdict = decide(site_count, site_rank, verified_sites(key, prefix, nonces, fps, proofs), fps)
     if verdict.refused:
         raise PeerRefused(site_rank, verdict)
-    return verdict.admitted
+    return Admission(verdict.admitted, nonces)
 
 
 def _publish_once(store: dist.Store, key: str, value: str) -> None:

@@ -17,9 +17,10 @@ from datetime import timedelta
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 
 from zeroband.comm.group import GlobalGroup
-from zeroband.membership.auth import admit
+from zeroband.membership.auth import Admission, admission
 from zeroband.mesh import Topology
 
 Exchange = Callable[[GlobalGroup], Any]
@@ -53,10 +54,18 @@ def agree_on_run(topology: Topology, timeout_s: float) -> None:
     """Before anything crosses the global group: every site proves the shared secret and shows the
     same settings (`topology.fingerprint`); else PeerRefused on every site, naming each differing
     key with both values (zeroband/membership/auth.py). Settings that agree also fix every
-    message's size, so a misconfigured site can never make gloo abort on a wrong-size message."""
-    group = topology.global_group
-    admit(topology.store, group.prefix, group.rank, group.size, topology.secret, topology.fingerprint,
-          timedelta(seconds=timeout_s))
+    message's size, so a misconfigured site can never make gloo abort on a wrong-size message.
+    Runs at every start (fresh, resumed, restarted): the group's session key is this incarnation's."""
+    admit_group(topology.global_group, topology.store, topology.secret, topology.fingerprint, timeout_s)
+
+
+def admit_group(group: GlobalGroup, store: dist.Store, secret: bytes | None, fingerprint: dict[str, str],
+                timeout_s: float) -> Admission:
+    """Admission on the group's prefix, after which the group seals under the session key it agreed
+    (comm/mac.py): until then its auth refuses to seal or open anything."""
+    result = admission(store, group.prefix, group.rank, group.size, secret, fingerprint, timedelta(seconds=timeout_s))
+    group.auth = group.auth.for_session(group.context, result.nonces)
+    return result
 
 
 class Membership(Protocol):

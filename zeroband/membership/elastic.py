@@ -39,7 +39,7 @@ import torch.distributed as dist
 from zeroband.comm.group import OPEN, SECRET, GlobalGroup, checksum_table, new_global_group, rendezvous
 from zeroband.comm.mac import WireAuth
 from zeroband.config import DilocoConfig, SitesConfig
-from zeroband.membership.auth import PeerRefused, Verdict, admit
+from zeroband.membership.auth import PeerRefused, Verdict, admission
 from zeroband.membership.base import NOT_DONE, Event, EventLog, Prepare
 from zeroband.membership.heartbeat import Heartbeat, Liveness, heartbeat_key, leave_key
 from zeroband.membership.rounds import Decision, RoundCoordinator
@@ -211,7 +211,7 @@ class ElasticMembership:
             return NOT_DONE
         return result
 
-    def _exchange(self, decision: Decision, work: Callable[[GlobalGroup], Any]) -> tuple[list[int] | None, Any]:
+    def _exchange(self, decision: Decision, work: Callable[[GlobalGroup], Any]) -> tuple[list[str] | None, Any]:
         """Everything that crosses sites in one attempt (global groups and the store only)."""
         self._ensure_group(decision)
         crcs = self._hand_over(decision) if decision.fresh else None
@@ -230,9 +230,11 @@ class ElasticMembership:
         timeout = timedelta(seconds=self.sites.timeout_s)
         mark = OPEN if self.secret is None else SECRET
         rendezvous(self.topology.store, prefix, index, len(decision.members), self.sites.timeout_s, mark)
-        admit(self.topology.store, prefix, index, len(decision.members), self.secret, self.fingerprint, timeout)
+        admitted = admission(self.topology.store, prefix, index, len(decision.members), self.secret,
+                             self.fingerprint, timeout)
+        auth = self.auth.for_session(prefix.encode(), admitted.nonces)  # this generation's key only
         self.group = new_global_group(self.topology.store, prefix, index, len(decision.members), timeout,
-                                      self.sites.backend, self.watch, mark, self.auth)
+                                      self.sites.backend, self.watch, mark, auth)
         self.generation, self.members = decision.generation, decision.members
 
     def _watched(self, decision: Decision, attempt: int, work: Callable[[], Any]) -> Any:
@@ -263,8 +265,8 @@ class ElasticMembership:
         return outcome
 
     # ------------------------------------------------------------------ state hand-over
-    def _hand_over(self, decision: Decision) -> list[int]:
-        """The donor's registered state to every member; returns the members' checksums."""
+    def _hand_over(self, decision: Decision) -> list[str]:
+        """The donor's registered state to every member; returns the members' keyed digests."""
         hand_over(self.group, decision.members.index(decision.donor), self.handed)
         return checksum_table([t for fn in self.checksums for t in fn()], self.group)
 

@@ -2,8 +2,8 @@
 
 Contract (shared by `NoOuter`, `DiLoCo` and `CrossSiteDataParallel`, so the training loop has
 no branches on the method):
-- `start()` once, on a fresh run: every site takes site 0's parameters (broadcast, then verified
-  by checksum);
+- `start()` once, on a fresh run: every site takes site 0's parameters (a sealed broadcast, then
+  verified by a keyed digest: docs/security.md);
 - `sync_gradients()` between backward and the inner optimizer step (a no-op here);
 - `after_inner_step(step, sync_point)` after every inner step; every `inner_steps` steps it runs
   an outer step and returns `OuterStats`, otherwise None. `sync_point=True` asks for a blocking
@@ -61,10 +61,12 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from zeroband.comm.direct import Arena, flat_base
-from zeroband.comm.group import GlobalGroup, checksum_table, crc32_of
+from zeroband.comm.group import GlobalGroup, checksum_table, digest48
+from zeroband.comm.mac import NO_AUTH, WireAuthError
 from zeroband.comm.reduce import ReduceResult, SiteStats, reduce_across_sites
 from zeroband.comm.timing import Parts
 from zeroband.config import DilocoConfig
+from zeroband.membership.auth import TrustError
 from zeroband.membership.base import NOT_DONE, FixedMembership, Membership
 from zeroband.mesh import Topology
 from zeroband.optim import hyperparameters_kept
@@ -83,27 +85,59 @@ def local_shard(param: torch.nn.Parameter) -> torch.Tensor:
 
 
 def broadcast_from_site0(tensors: list[torch.Tensor], topology: Topology) -> None:
+    """Every site takes site 0's tensors: one sealed message (comm/mac.py, under this incarnation's
+    session key), opened before any value is used. A site that received it altered applies nothing,
+    and every site then stops with the same line (`refuse_if_any`), not just the one that saw it."""
     group = topology.global_group
-    bufs = [t.detach().to("cpu", torch.float32, copy=True) for t in tensors]
+    numel = sum(t.numel() for t in tensors)
+    buf = torch.empty(4 * numel + group.auth.tag_bytes, dtype=torch.uint8)
+    flat = buf[: 4 * numel].view(torch.float32)
+    if group.rank == 0:
+        for t, v in zip(tensors, _split(flat, tensors)):
+            v.copy_(t.detach().reshape(-1))
 
-    def send() -> None:
-        for buf in bufs:
-            group.broadcast(buf, src=0)
+    def send() -> bool:
+        try:
+            group.broadcast_sealed(buf, src=0)
+            return True
+        except WireAuthError:
+            return False
 
-    group.watched(send, "initial broadcast")
-    for t, buf in zip(tensors, bufs):
-        t.copy_(buf)
+    verified = group.watched(send, "initial broadcast")
+    refuse_if_any(not verified, topology, "initial broadcast", lambda sites: (
+        f"the parameters that sites {sites} received from site 0 failed authentication (altered on the way: "
+        "an on-path attacker or a corrupting link); no site applied them. Check the network path between the sites"))
+    for t, v in zip(tensors, _split(flat, tensors)):
+        t.copy_(v.view_as(t))
+
+
+def _split(flat: torch.Tensor, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Consecutive 1-D views of `flat`, one per tensor."""
+    return list(flat.split([t.numel() for t in tensors]))
+
+
+def refuse_if_any(bad: bool, topology: Topology, when: str, why: Callable[[list[int]], str]) -> None:
+    """Every site says whether `bad` holds for it (on every shard's group); if it does anywhere,
+    every rank of every site raises the same TrustError, naming those sites."""
+    group = topology.global_group
+    table = group.watched(lambda: group.gather_scalars([float(bad)]), f"agreeing on the {when}")[:, 0]
+    flags = table.to(topology.world.device)
+    topology.site_all_reduce(flags, op=dist.ReduceOp.MAX)  # another rank's shard may be the one altered
+    sites = [s for s, f in enumerate(flags.tolist()) if f]
+    if sites:
+        raise TrustError(f"{when}: {why(sites)}")
 
 
 def verify_identical(tensors: list[torch.Tensor], topology: Topology, when: str) -> None:
-    """crc32 of this rank's tensors on every site must agree (on every shard); raises if not."""
+    """The keyed digest (comm/mac.py `replica_digest`, not CRC32: a linear checksum lets an attacker
+    choose a change that keeps it) of this rank's tensors must agree on every site and shard."""
     group = topology.global_group
     table = group.watched(lambda: checksum_table(tensors, group), f"checksum after {when}")
     mismatch = torch.tensor([float(len(set(table)) > 1)], device=topology.world.device)
     topology.site_all_reduce(mismatch, op=dist.ReduceOp.MAX)
     if mismatch.item():
-        raise RuntimeError(
-            f"sites disagree after {when}: checksums of shard {topology.world.rank} per site are {table}"
+        raise TrustError(
+            f"sites disagree after {when}: keyed digests of shard {topology.world.rank} per site are {table}"
         )
 
 
@@ -130,7 +164,7 @@ def outer_stats(diloco: DiLoCo, result: ReduceResult, stats: SiteStats, grads: l
         sites_used=result.sites_used,
         excluded_sites=result.excluded_sites,
         overlapped=overlapped,
-        outer_crc=crc32_of(diloco.checksum_tensors()) if diloco.cfg.log_checksum else None,
+        outer_crc=diloco.digest48() if diloco.cfg.log_checksum else None,
         timings=diloco.parts.seconds,  # the same dict: the step's CPU seconds land in it when the step ends
     )
 
@@ -205,6 +239,11 @@ class DiLoCo(OverlapRules):
     def sync_gradients(self) -> None:
         pass
 
+    def digest48(self, group: GlobalGroup | None = None) -> int:
+        """48 bits of the keyed digest of the outer state (comm/group.py): the per-step replica check."""
+        group = group or self.group
+        return digest48(self.checksum_tensors(), group.auth if group is not None else NO_AUTH)
+
     def checksum_tensors(self) -> list[torch.Tensor]:
         bufs = [self.optimizer.state.get(o, {}).get("momentum_buffer") for o in self.outer]
         return self.outer + [b for b in bufs if b is not None]
@@ -272,7 +311,7 @@ class DiLoCo(OverlapRules):
         or is abandoned by its watcher keeps it (a posted receive or the abandoned thread may still
         write into it), and the next one starts from fresh memory; one that completes gives it back."""
         if self.cfg.log_checksum and not stats.abstain:  # compared across sites by the reduce itself
-            stats = replace(stats, crc=float(crc32_of(self.checksum_tensors())))
+            stats = replace(stats, crc=float(self.digest48(group)))
         piece_bytes = int(self.cfg.piece_mb * 2**20)
         arena, self.arena = self.arena, Arena()
         result = reduce_across_sites(grads, stats, group or self.group, self.cfg.comm_dtype, piece_bytes,
