@@ -100,6 +100,10 @@ UNIT_TESTS = {
                    "test_add_is_atomic_across_clients[tcp]", "test_wait_and_blocking_get[tcp]",
                    "test_missing_key_times_out_clearly[tcp]"},  # the etcd variants start an etcd cluster
     "test_train": {"test_wsd_schedule_shape"},
+    "test_wire_agreement": {*(f"test_honest_measurements_of_the_same_bytes_agree[{w}]"
+                              for w in ("fp32", "bf16", "fp16", "int8", "int4")),
+                            "test_agreement_tolerance_is_tight_and_handles_zero_and_overflow",
+                            "test_exclusions_say_what_happened"},
     "test_user_messages": {"test_launch_without_a_diloco_section", "test_data_command_names_a_bad_corpus_it_would_reuse",
                            "test_steps_not_a_multiple_of_inner_steps_names_each_fix_once",
                            "test_first_bad_json_line_kinds", "test_log_lines_print_above_the_progress_bar",

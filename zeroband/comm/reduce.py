@@ -34,6 +34,7 @@ import torch
 from zeroband.comm.dense import FP32_MAX, DenseCodec
 from zeroband.comm.direct import Arena, DirectExchange, WireCodec, flatten
 from zeroband.comm.group import GlobalGroup
+from zeroband.comm.kernels import STATS_BLOCK
 from zeroband.comm.quantized import DEFAULT_BLOCK, Codec
 from zeroband.comm.timing import Parts
 from zeroband.membership.auth import TrustError
@@ -44,6 +45,49 @@ SUMSQ, NONFINITE, ABSTAIN, TOKENS, CRC = range(len(STAT_COLUMNS))  # their indic
 # A source may send at most this multiple of the norm it declared (quantisation moves a norm by a
 # few percent at most; NF4's coarsest rounding by well under 2x).
 CLAIM_SLACK = 4.0
+FP32_UNIT = 2.0**-24  # fp32's unit roundoff: one rounding moves a value by at most this fraction
+FP64_UNIT = 2.0**-53
+FP32_UNDERFLOW = 2.0**-150  # half fp32's smallest subnormal: the most a square or a sum loses below fp32's range
+
+# How far apart two honest measurements of the same bytes can be (`disputes`). The source measures
+# what it sent while encoding, the owner what it received while decoding: statistics of the SAME
+# decoded values, so the wire format's own rounding (bf16's 8 and fp16's 11 mantissa bits, the
+# int8/int4 quantisation steps) happened before either side measures and does not enter the
+# comparison; exactly-zero values (unused vocabulary rows) add exact zeros. What differs is only the
+# measurement's arithmetic (kernels.c or torch, vector width, thread count: sites may differ), which
+# both implementations share: each square rounded to fp32, summed in fp32 in groups of at most
+# STATS_BLOCK values in any order, the groups added in float64 (kernels.c, kernels.value_stats). A sum
+# of m non-negative terms in any order is within (m - 1) roundings of the exact sum, so one side is
+# within rel = (STATS_BLOCK + 3) u32 + (values + 64) u64 (~2.4e-4) of the exact S, plus, where
+# squares fall below fp32's range (|v| < 2**-63), FP32_UNDERFLOW per square and per add. The old
+# check took one fp32 norm over a whole chunk (its error grows with the length: 2.7e-4 at 3.5M
+# values) and a fixed 1e-4: honest fp32/bf16 sites accused each other (issue 28).
+# A liar gains nothing inside this: 5e-4 of a sum of squares, where every decision built on these
+# numbers (CLAIM_SLACK, outlier_factor) has margins of 100% and more.
+
+
+def stat_tolerance(values: int) -> tuple[float, float]:
+    """(relative, absolute) bound on how far one honest measurement of the sum of squares of
+    `values` fp32 values lies from the exact sum."""
+    return (STATS_BLOCK + 3) * FP32_UNIT + (values + 64) * FP64_UNIT, 2 * values * FP32_UNDERFLOW
+
+
+def measurements_agree(a: float, b: float, values: int) -> bool:
+    """Whether two honest measurements of the sum of squares of the same `values` fp32 values can be
+    `a` and `b` (module comment above `stat_tolerance`). Pure."""
+    if a == b or (math.isnan(a) and math.isnan(b)):
+        return True
+    rel, floor = stat_tolerance(values)
+    if math.isinf(a) or math.isinf(b):  # a group's fp32 sum past fp32's range overflows in one order, not another
+        return min(a, b) >= FP32_MAX * (1 - 2 * rel)
+    return abs(a - b) <= 2 * (rel * max(abs(a), abs(b)) / (1 - rel) + floor)
+
+
+def norm_floor(values: int) -> float:
+    """What underflow can hide from the norm of `values` fp32 values (their squares below fp32's
+    range measure as 0): an absolute slack for rules that compare norms, so an all-but-zero
+    pseudo-gradient is never judged by a relative rule on 0."""
+    return math.sqrt(4 * values * FP32_UNDERFLOW)
 
 
 class ReplicaMismatch(TrustError):
@@ -77,25 +121,43 @@ class ReduceResult:
     excluded_sites: list[int] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)  # seconds per part (comm/timing.py)
     sumsq: float | None = None  # sum of squares of this rank's averaged values (None: not measured)
+    exclusions: dict[int, str] = field(default_factory=dict)  # excluded site -> what it did, in words
+
+
+def _norm(sumsq: float) -> float:
+    return math.sqrt(sumsq) if sumsq >= 0 else 0.0 if math.isfinite(sumsq) else math.inf  # NaN/inf: inf
+
+
+def outliers(norms: dict[int, float], factor: float, floor: float = 0.0) -> dict[int, str]:
+    """Among 3+ candidates (site -> norm), those above `factor` x the median of the others' norms
+    (+ `floor`), with why; none when `factor` is 0."""
+    out: dict[int, str] = {}
+    if factor <= 0 or len(norms) < 3:
+        return out
+    for s, norm in norms.items():
+        median = float(torch.tensor([v for o, v in norms.items() if o != s], dtype=torch.float64).median())
+        if norm > factor * median + floor:
+            out[s] = f"outlier: norm {norm:.3g} is over {factor:g}x the median {median:.3g} of the others'"
+    return out
+
+
+def declared_exclusions(table: torch.Tensor, outlier_factor: float = 0.0) -> dict[int, str]:
+    """Sites left out on what they declared (columns as STAT_COLUMNS), with why: any NaN/inf, and (with
+    `outlier_factor` > 0 and at least 3 candidates) a norm above `outlier_factor` x the median norm of
+    the other candidates, so one broken or malicious site cannot drag the average far. Abstaining
+    sites contribute nothing and are not listed. Pure: the table is identical on every site."""
+    present = [s for s in range(table.shape[0]) if table[s, ABSTAIN] == 0]
+    out = {s: f"non-finite: declared {float(table[s, NONFINITE]):.0f} NaN/inf values" for s in present
+           if table[s, NONFINITE] != 0 or not torch.isfinite(table[s, SUMSQ])}
+    norms = {s: _norm(float(table[s, SUMSQ])) for s in present if s not in out}
+    return out | outliers(norms, outlier_factor)
 
 
 def contributing_sites(table: torch.Tensor, outlier_factor: float = 0.0) -> list[bool]:
-    """Which sites' pseudo-gradients enter the average; columns as STAT_COLUMNS.
-
-    Excluded: a site that abstains, a site with any NaN/inf, and (with `outlier_factor` > 0 and at
-    least 3 candidates) a site whose norm exceeds `outlier_factor` x the median norm of the other
-    candidates: one broken or malicious site cannot drag the average far. The decision depends
-    only on the table, which is identical on every site, so every site decides the same.
-    """
-    use = [bool(table[s, NONFINITE] == 0 and table[s, ABSTAIN] == 0 and torch.isfinite(table[s, SUMSQ])) for s in range(table.shape[0])]
-    candidates = [s for s, ok in enumerate(use) if ok]
-    if outlier_factor > 0 and len(candidates) >= 3:
-        norms = table[:, SUMSQ].sqrt()
-        for s in candidates:
-            others = torch.stack([norms[o] for o in candidates if o != s])
-            if norms[s] > outlier_factor * others.median():
-                use[s] = False
-    return use
+    """Which sites' pseudo-gradients enter the average: those that neither abstain nor are excluded
+    by `declared_exclusions`. Every site decides the same."""
+    out = declared_exclusions(table, outlier_factor)
+    return [bool(table[s, ABSTAIN] == 0) and s not in out for s in range(table.shape[0])]
 
 
 def site_weight(table: torch.Tensor, use: list[bool], me: int, by_tokens: bool) -> float:
@@ -108,33 +170,40 @@ def site_weight(table: torch.Tensor, use: list[bool], me: int, by_tokens: bool) 
     return 1.0 / sum(use)
 
 
-def verified_sites(claims: torch.Tensor, use: list[bool], weights: list[float], sent: torch.Tensor,
-                   outlier_factor: float = 0.0) -> list[bool]:
-    """`use`, less the sources whose bytes betray them; `sent[s]` = (sum of squares, non-finite
-    count) of what source s sent on this group (its weighted shard), summed over the chunk owners.
+def sent_exclusions(claims: torch.Tensor, use: list[bool], weights: list[float], sent: torch.Tensor,
+                    outlier_factor: float = 0.0, values: int = 0) -> dict[int, str]:
+    """Sources in `use` whose bytes betray them, with why; `sent[s]` = (sum of squares, non-finite
+    count) of what source s sent on this group (its weighted shard), summed over the chunk owners;
+    `values`: how many values that covers at most (for `norm_floor`).
 
     Rejected: any NaN/inf; a norm that could overflow the fp32 sum; a norm above CLAIM_SLACK x the
     site-wide norm it declared (its shard's can only be smaller); with `outlier_factor` and 3+
     candidates, a norm above `outlier_factor` x the median of the others. Pure: every site feeds
     the same tables, so every site rejects the same sources.
     """
-    keep, norms = list(use), {}
-    for s, ok in enumerate(use):
-        if not ok:
-            continue
-        sumsq, nonfinite = float(sent[s, 0]), float(sent[s, 1])
-        weighted = math.sqrt(sumsq) if math.isfinite(sumsq) else math.inf
-        norms[s] = weighted / weights[s] if weights[s] > 0 else (math.inf if weighted else 0.0)
-        declared = math.sqrt(max(float(claims[s, 0]), 0.0))
-        if nonfinite or weighted > FP32_MAX / len(use) or norms[s] > CLAIM_SLACK * declared * (1 + 1e-6) + 1e-30:
-            keep[s] = False
-    candidates = [s for s, ok in enumerate(keep) if ok]
-    if outlier_factor > 0 and len(candidates) >= 3:
-        for s in candidates:
-            others = sorted(norms[o] for o in candidates if o != s)
-            if norms[s] > outlier_factor * float(torch.tensor(others).median()):
-                keep[s] = False
-    return keep
+    out, norms, floor = {}, {}, norm_floor(values)
+    for s in (s for s, ok in enumerate(use) if ok):
+        sumsq, nonfinite, w = float(sent[s, 0]), float(sent[s, 1]), weights[s]
+        weighted = _norm(sumsq)
+        norm = weighted / w if w > 0 else (math.inf if weighted > floor else 0.0)
+        declared = _norm(max(float(claims[s, 0]), 0.0))
+        if nonfinite or not math.isfinite(sumsq):
+            out[s] = f"non-finite: sent {nonfinite:.0f} NaN/inf values"
+        elif weighted > FP32_MAX / len(use):
+            out[s] = f"sent values of norm {weighted:.3g}, which could overflow the sum"
+        elif weighted > w * CLAIM_SLACK * declared * (1 + 1e-6) + (1 + w) * floor:
+            out[s] = (f"statistics do not match the bytes: sent a norm of {norm:.3g}, over {CLAIM_SLACK:g}x "
+                      f"the {declared:.3g} it declared")
+        else:
+            norms[s] = norm
+    return out | outliers(norms, outlier_factor, floor)
+
+
+def verified_sites(claims: torch.Tensor, use: list[bool], weights: list[float], sent: torch.Tensor,
+                   outlier_factor: float = 0.0, values: int = 0) -> list[bool]:
+    """`use`, less the sources `sent_exclusions` rejects."""
+    out = sent_exclusions(claims, use, weights, sent, outlier_factor, values)
+    return [ok and s not in out for s, ok in enumerate(use)]
 
 
 def check_replicas(table: torch.Tensor) -> None:
@@ -144,31 +213,27 @@ def check_replicas(table: torch.Tensor) -> None:
         raise ReplicaMismatch(f"sites diverged: checksums of the outer state entering this step are {crcs}")
 
 
-def disputes(seen: torch.Tensor, sent: torch.Tensor) -> list[tuple[int, int]]:
+def disputes(seen: torch.Tensor, sent: torch.Tensor, values: int) -> list[tuple[int, int]]:
     """(owner, source) pairs where what the owner says it received (`seen[owner, source]`) is not
     what the source says it sent (`sent[source, owner]`): both are statistics of the same decoded
-    bytes, so they differ only if one of the two lies."""
+    bytes (at most `values` values), so beyond `measurements_agree` they differ only if one lies."""
     size = seen.shape[0]
     out = []
     for c in range(size):
         for s in range(size):
             a, b = seen[c, s], sent[s, c]
-            if c != s and (a[1] != b[1] or not _close(float(a[0]), float(b[0]))):
+            if c != s and (a[1] != b[1] or not measurements_agree(float(a[0]), float(b[0]), values)):
                 out.append((c, s))
     return out
 
 
-def _close(a: float, b: float) -> bool:
-    # the same bytes on both sides; only another CPU's summation order could move the last bits
-    return (math.isnan(a) and math.isnan(b)) or a == b or abs(a - b) <= 1e-4 * max(abs(a), abs(b))
-
-
-def gather_bounds(seen: torch.Tensor, keep: list[bool], scale: float | None) -> list[float]:
+def gather_bounds(seen: torch.Tensor, keep: list[bool], scale: float | None, values: int = 0) -> list[float]:
     """Largest norm each owner's shared sum can have: the norms of the kept inputs it saw, added up
-    (triangle inequality), rescaled, with room for one rounding of the wire format."""
-    return [CLAIM_SLACK * (scale or 1.0) * sum(math.sqrt(max(float(seen[c, s, 0]), 0.0))
-                                               for s, ok in enumerate(keep) if ok) + 1e-30
-            for c in range(seen.shape[0])]
+    (triangle inequality), rescaled, with room for one rounding of the wire format (and for what
+    underflow hid from each measured norm)."""
+    floor = norm_floor(values) * (sum(keep) + 1)
+    return [CLAIM_SLACK * (scale or 1.0) * sum(_norm(float(seen[c, s, 0])) for s, ok in enumerate(keep) if ok)
+            + CLAIM_SLACK * floor + 1e-30 for c in range(seen.shape[0])]
 
 
 @dataclass
@@ -181,24 +246,28 @@ class SentReview:
     weights: list[float]
     outlier_factor: float
     parts: Parts = field(default_factory=Parts)
+    values: int = 0  # the exchange's length: bounds how many values any one statistic covers
     keep: list[bool] = field(default_factory=list)
     bounds: list[float] = field(default_factory=list)
+    exclusions: dict[int, str] = field(default_factory=dict)
 
     def decide(self, seen: torch.Tensor, sent: torch.Tensor) -> tuple[list[bool], float | None]:
         size = self.group.size
         with self.parts("network_wait"):
             table = self.group.gather_scalars(torch.cat([seen.reshape(-1), sent.reshape(-1)]).tolist())
         owners, senders = table[:, : 2 * size].view(size, size, 2), table[:, 2 * size :].view(size, size, 2)
-        if bad := disputes(owners, senders):
+        if bad := disputes(owners, senders, self.values):
             raise PeerMisbehaved("; ".join(f"site {c} says site {s} sent it other values than site {s} says it sent"
                                            for c, s in bad) + ": one of each pair lies, the step cannot be trusted")
         # each owner saw its own chunk: sum the owners' tables, in the same order on every site
-        self.keep = verified_sites(self.claims, self.use, self.weights, owners.sum(dim=0), self.outlier_factor)
+        self.exclusions = sent_exclusions(self.claims, self.use, self.weights, owners.sum(dim=0), self.outlier_factor,
+                                          self.values)
+        self.keep = [ok and s not in self.exclusions for s, ok in enumerate(self.use)]
         scale = None
         if self.keep != self.use:
             kept = sum(w for w, ok in zip(self.weights, self.keep) if ok)
             scale = 1.0 / kept if kept > 0 else 0.0  # the survivors' weights sum to 1 again
-        self.bounds = gather_bounds(owners, self.keep, scale)
+        self.bounds = gather_bounds(owners, self.keep, scale, self.values)
         return self.keep, scale
 
     def check_gathered(self, got: torch.Tensor) -> None:
@@ -207,6 +276,11 @@ class SentReview:
             if nonfinite or not math.sqrt(sumsq) <= self.bounds[c]:
                 raise PeerMisbehaved(f"site {c} shared a sum of norm {math.sqrt(sumsq):.3g} (non-finite values: "
                                      f"{nonfinite:.0f}) that its inputs bound by {self.bounds[c]:.3g}")
+
+
+def describe_exclusions(exclusions: dict[int, str]) -> str:
+    """One line for the log: which sites were left out of an average and why."""
+    return "; ".join(f"site {s} ({why})" for s, why in sorted(exclusions.items()))
 
 
 def wire_codec(wire: str) -> WireCodec:
@@ -248,7 +322,7 @@ def _reduce(grads: list[torch.Tensor], stats: SiteStats, group: GlobalGroup, cod
     check_replicas(table)
     use = contributing_sites(table, outlier_factor)
     weights = [site_weight(table, use, s, weight_by_tokens) for s in range(group.size)]
-    review = SentReview(group, table, use, weights, outlier_factor, parts)
+    review = SentReview(group, table, use, weights, outlier_factor, parts, values=numel)
     finite = bool(table[group.rank, NONFINITE] == 0)  # this site's own count, which covers this rank's grads
     wire_bytes = exchange.run(grads, weights[group.rank], error_feedback, flat, review if group.size > 1 else None,
                               finite)
@@ -261,4 +335,5 @@ def _reduce(grads: list[torch.Tensor], stats: SiteStats, group: GlobalGroup, cod
         excluded_sites=[s for s, ok in enumerate(keep) if not ok and table[s, ABSTAIN] == 0],
         timings=parts.seconds,
         sumsq=exchange.sumsq,
+        exclusions=declared_exclusions(table, outlier_factor) | review.exclusions,
     )

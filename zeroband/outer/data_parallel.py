@@ -9,13 +9,14 @@ communication totals are reported.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from zeroband.comm.reduce import reduce_across_sites
+from zeroband.comm.reduce import describe_exclusions, reduce_across_sites
 from zeroband.config import DilocoConfig
 from zeroband.membership.base import agree_on_run
 from zeroband.mesh import Topology
@@ -26,6 +27,8 @@ from zeroband.outer.diloco import (
     site_stats,
     verify_identical,
 )
+
+log = logging.getLogger(__name__)
 
 
 class CrossSiteDataParallel:
@@ -58,6 +61,8 @@ class CrossSiteDataParallel:
         group = self.topology.global_group
         result = group.watched(lambda: reduce_across_sites(grads, stats, group, self.cfg.comm_dtype,
                                                            int(self.cfg.piece_mb * 2**20)), "gradient all-reduce")
+        if result.exclusions:  # the others' average stands in for their gradients this step
+            log.error("gradient all-reduce: excluded %s", describe_exclusions(result.exclusions))
         for shard, g in zip(shards, grads):
             shard.copy_(g.to(shard.device, shard.dtype))
         self.window["comm_s"] += time.perf_counter() - t0

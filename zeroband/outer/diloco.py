@@ -63,7 +63,7 @@ from torch.distributed.tensor import DTensor
 from zeroband.comm.direct import Arena, flat_base
 from zeroband.comm.group import GlobalGroup, checksum_table, digest48
 from zeroband.comm.mac import NO_AUTH, WireAuthError
-from zeroband.comm.reduce import ReduceResult, SiteStats, reduce_across_sites
+from zeroband.comm.reduce import ReduceResult, SiteStats, describe_exclusions, reduce_across_sites
 from zeroband.comm.timing import Parts
 from zeroband.config import DilocoConfig
 from zeroband.membership.auth import TrustError
@@ -335,7 +335,7 @@ class DiLoCo(OverlapRules):
     def _apply(self, grads: list[torch.Tensor], result: ReduceResult, into_local: bool = False) -> None:
         """The outer step with the average `grads`; `into_local`: the local shard takes the new outer copy."""
         if result.excluded_sites:
-            log.error("outer step %d: excluded sites %s (non-finite pseudo-gradient)", self.outer_step, result.excluded_sites)
+            log.error("outer step %d: excluded %s", self.outer_step, describe_exclusions(result.exclusions))
         with self.parts("stats"):  # of the average, for OuterStats (measured by the exchange when it can)
             self.applied_sumsq = result.sumsq if result.sumsq is not None else tensor_stats(grads)[0]
         if result.sites_used == 0:  # nobody had a usable pseudo-gradient: keep the outer copy, drop the round
