@@ -353,8 +353,9 @@ class Supervisor:
         if code == 0 or site in self.stopping:
             _say(f"site {site} {'finished' if code == 0 else 'stopped'} ({exit_text(code)})")
             return ""
-        error = last_error_line((self.log_dir / f"site{site}.log").read_text(errors="replace"))
-        _say(f"site {site} exited with {exit_text(code)}: {error}")
+        text = (self.log_dir / f"site{site}.log").read_text(errors="replace")
+        error = last_error_line(text) if text.strip() else ""  # killed before it wrote anything
+        _say(f"site {site} failed ({exit_text(code)})" + (f": {error}" if error else ""))
         return error
 
     def _new_waits(self, site: int) -> list[str]:
