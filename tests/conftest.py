@@ -77,7 +77,10 @@ UNIT_TESTS = {
     "test_hangs": {"test_store_survives_a_flood_of_idle_connections",
                    "test_decide_resume_takes_the_newest_common_step_or_names_who_has_what", "test_launcher_lines",
                    "test_store_waits_name_the_missing_sites_and_log_while_waiting"},
-    "test_launch": {"test_site_cpus_are_disjoint_and_refuse_too_many_sites"},
+    "test_launch": {"test_site_cpus_are_disjoint_and_refuse_too_many_sites",
+                    "test_decide_names_the_first_failure_and_bounds_the_rest", "test_policy_bound_follows_the_config",
+                    "test_terminal_filter_holds_back_everything_from_the_first_failure_on",
+                    "test_local_secret_is_made_once_0600_and_reused"},
     "test_optim": {"test_muon_takes_hidden_matrices_adamw_the_rest", "test_resume_keeps_the_muon_runs_adamw_kernel",
                    "test_resume_keeps_this_runs_adamw_kernel[host-gpu]",
                    "test_resume_keeps_this_runs_adamw_kernel[gpu-host]"},
@@ -112,7 +115,10 @@ UNIT_TESTS = {
 # Measured at 15-60 s each on a loaded 2-core machine (besides the modules that mark themselves slow).
 SLOW_TESTS = {
     "test_chaos": {"test_killed_site_rejoins_identical", "test_fixed_mode_frozen_peer_then_resume"},
-    "test_launch": {"test_launch_two_sites_then_export", "test_train_command_runs_torchrun_with_two_ranks"},
+    "test_launch": {"test_launch_two_sites_then_export", "test_train_command_runs_torchrun_with_two_ranks",
+                    "test_launcher_names_a_stopped_site_and_ends_the_run_within_the_bound",
+                    "test_launch_without_a_secret_makes_one_for_the_run_and_shows_it_nowhere",
+                    "test_a_failing_two_rank_site_is_one_line_on_the_launchers_terminal"},
     "test_hangs": {"test_one_site_with_secret_one_without_both_stop_naming_the_cause",
                    "test_sigterm_to_launcher_stops_every_site", "test_sigterm_interrupts_a_wait_on_a_frozen_peer"},
     "test_exposure": {"test_default_launch_listens_on_loopback_and_never_shows_its_secret"},

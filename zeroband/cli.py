@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from zeroband.config import ConfigError, load_config, refuse_secret_arguments, warn_allow_unsigned
+from zeroband.config import Config, ConfigError, load_config, refuse_secret_arguments, warn_allow_unsigned
 
 
 def _cmd_data(args: argparse.Namespace) -> int:
@@ -34,22 +34,38 @@ def _cmd_data(args: argparse.Namespace) -> int:
 def _cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
     from zeroband.world import check_devices
 
-    check_devices(load_config(args.config, rest))  # refuse before torchrun starts any rank
+    cfg = load_config(args.config, rest)
+    check_devices(cfg)  # refuse before torchrun starts any rank
     if args.nproc > 1:
         from zeroband import torchrun
+        from zeroband.tools.launch import last_error_line, run_job
 
-        cmd = [*torchrun.command(args.nproc), "-m", "zeroband.train", args.config, *rest]
-        os.execvp(cmd[0], cmd)
+        log = cfg.run_dir / "logs" / "train.log"
+        env = {**os.environ, "ZEROBAND_FORCE_BAR": "1"} if cfg.log.progress_bar and sys.stderr.isatty() else None
+        code, held = run_job([*torchrun.command(args.nproc), "-m", "zeroband.train", args.config, *rest], log, env)
+        if code:  # the ranks' errors and torchrun's report went to the log only: one line here
+            print(f"zeroband train: {last_error_line(log.read_text(errors='replace'))}; full output in {log}",
+                  file=sys.stderr)
+        elif held:
+            print(f"zeroband train: some output went only to {log}", file=sys.stderr)
+        return code
     from zeroband.train import main as train_main
 
     return train_main([args.config, *rest])
 
 
 def _cmd_launch(args: argparse.Namespace, rest: list[str]) -> int:
-    from zeroband.tools.launch import Stopped, WanLink, launch_sites
+    from zeroband.tools.launch import (
+        Stopped,
+        SupervisePolicy,
+        WanLink,
+        launch_sites,
+        local_secret_env,
+        site_identity,
+    )
     from zeroband.tools.report import plot_losses, read_metrics, summarise_site
 
-    cfg = load_config(args.config, rest + ["--sites.site_rank", "0", "--sites.site_count", str(args.sites)])
+    cfg = load_config(args.config, rest + site_identity(0, args.sites))
     if cfg.diloco is None:
         raise ConfigError(f"{args.config} has no [diloco] section, and `zeroband launch` runs DiLoCo sites. Fix: "
                           f"train one site with `zeroband train {args.config}`, or add a [diloco] section "
@@ -59,18 +75,23 @@ def _cmd_launch(args: argparse.Namespace, rest: list[str]) -> int:
     check_devices(cfg)  # before any site starts: one refused site would leave the others waiting
     warn_allow_unsigned(cfg)  # the sites record it in their metrics; `sites.insecure` is the launcher's line
     log_dir = cfg.run_dir / "logs"
-    print(f"starting {args.sites} sites x {args.nproc} ranks; logs in {log_dir}/", flush=True)
+    site_env, secret_file = local_secret_env(cfg)
+    if cfg.sites.insecure:
+        print("zeroband launch: WARNING: sites.insecure = true: cross-site messages are NOT authenticated; anyone "
+              "who can reach the store or the sites' ports can join the run or forge its messages", file=sys.stderr)
+    policy = SupervisePolicy.from_config(cfg)
+    print(f"starting {args.sites} sites x {args.nproc} ranks; logs in {log_dir}/"
+          + (f"; secret: this run's own, in {secret_file} (mode 0600)" if secret_file else ""), flush=True)
     wan = WanLink.parse(args.wan) if args.wan else None
     try:
         codes = launch_sites(args.config, args.sites, args.nproc, rest, log_dir, args.timeout, wan,
                              pin_cpus=args.pin_cpus, progress=cfg.run_dir / "site0" / "metrics.jsonl",
-                             grace_s=args.grace)
+                             grace_s=args.grace, policy=policy, site_env=site_env)
     except Stopped as e:
         print(f"zeroband launch: {e}", file=sys.stderr)
         return 128 + e.signum
-    if any(codes):  # each failure was printed as it happened, with its error line
-        failed = [site for site, code in enumerate(codes) if code]
-        print(f"zeroband launch: sites {failed} failed; full logs in {log_dir}/", file=sys.stderr)
+    if any(codes):  # each exit was printed as it happened, with its error line
+        print(f"zeroband launch: {codes.failure or 'a site failed'}; full logs in {log_dir}/", file=sys.stderr)
         return 1
     series = {f"site{s}": read_metrics(cfg.run_dir / f"site{s}" / "metrics.jsonl") for s in range(args.sites)}
     summary = {name: summarise_site(records) for name, records in series.items()}
@@ -91,6 +112,7 @@ def _cmd_export(args: argparse.Namespace, rest: list[str]) -> int:
     from zeroband.export import export
 
     cfg = load_config(args.config, rest)
+    _adopt_local_secret(cfg)
     warn_allow_unsigned(cfg)
     out = Path(args.out) if args.out else cfg.run_dir / "hf"
     try:
@@ -100,6 +122,20 @@ def _cmd_export(args: argparse.Namespace, rest: list[str]) -> int:
         return 2
     print(json.dumps(result, indent=1))
     return 0
+
+
+def _adopt_local_secret(cfg: Config) -> None:
+    """A run that `zeroband launch` gave its own secret signed its checkpoints with it: verify with it."""
+    from zeroband.config import read_secret_file
+    from zeroband.membership.auth import SECRET_ENV, optional_secret
+    from zeroband.tools.launch import SECRET_FILE
+
+    path = cfg.run_dir / SECRET_FILE
+    if optional_secret(cfg.sites.secret) is None and path.is_file():
+        try:
+            os.environ[SECRET_ENV] = read_secret_file(path)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
 
 def _cmd_plan(args: argparse.Namespace, rest: list[str]) -> int:

@@ -14,6 +14,9 @@ to `STOP_GRACE_S`, so a site blocked on a frozen peer stops within seconds, whil
 that is merely slow still gets a few seconds to finish.
 
 Store waits (`wait_keys`) poll `store.check`, so they need no thread.
+
+Every such log line reads "waiting N s for <site K | what> (...)": `zeroband launch` finds them in
+the site logs (`zeroband.tools.launch.WAIT_LINE`) and shows them on its terminal as they happen.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import select
 import signal
 import socket
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from zeroband import torchrun
+from zeroband.config import Config, load_config
 
 
 def free_port() -> int:
@@ -33,8 +35,7 @@ def free_port() -> int:
 
 def site_command(config: str, site: int, sites: int, nproc: int, store: str, overrides: list[str]) -> list[str]:
     return [
-        *torchrun.command(nproc), "-m", "zeroband.train", config,
-        "--sites.site_rank", str(site), "--sites.site_count", str(sites), "--sites.store", store,
+        *torchrun.command(nproc), "-m", "zeroband.train", config, *site_identity(site, sites), "--sites.store", store,
         "--sites.host_store", "false", *overrides,
     ]
 
@@ -137,20 +138,32 @@ def launch_sites(
     config: str, sites: int, nproc: int, overrides: list[str], log_dir: Path, timeout_s: float | None = None,
     wan: WanLink | None = None, on_started: Callable[[list[subprocess.Popen]], None] | None = None,
     pin_cpus: bool = False, progress: Path | None = None, grace_s: float = 40.0,
-) -> list[int]:
+    policy: SupervisePolicy | None = None, site_env: dict[str, str] | None = None,
+) -> Outcome:
     """Run every site to completion; returns their exit codes. Site logs go to log_dir/site{s}.log.
     `pin_cpus` gives each site its own share of the CPUs (`site_cpus`). `progress`: a metrics.jsonl
-    (site 0's) printed as it grows. SIGTERM/SIGINT are forwarded to every site, which get `grace_s`
-    to exit before SIGKILL, then `Stopped` is raised (the store is stopped on the way out)."""
+    (site 0's) printed as it grows. A site that fails (or freezes) ends the others as `policy` says
+    (default: `SupervisePolicy.from_config` of this config). `site_env`: extra environment of every
+    site (the run-local secret: never on argv). SIGTERM/SIGINT are forwarded to every site, which
+    get `grace_s` to exit before SIGKILL, then `Stopped` is raised (the store is stopped on the way out)."""
+    if policy is None:
+        policy = SupervisePolicy.from_config(load_config(config, [*overrides, *site_identity(0, sites)]))
     cpus = site_cpus(sites) if pin_cpus else None
-    with site_network(sites, wan) as (store, wrap, site_env):
+    with site_network(sites, wan) as (store, wrap, net_env):
         def pinned(site: int, cmd: list[str]) -> list[str]:
             return wrap(site, cmd if cpus is None else ["taskset", "-c", cpus[site], *cmd])
 
-        procs = _start_sites(config, sites, nproc, overrides, log_dir, store, pinned, site_env)
+        def env(site: int) -> dict:
+            return {**(site_env or {}), **net_env(site)}
+
+        procs = _start_sites(config, sites, nproc, overrides, log_dir, store, pinned, env)
         if on_started is not None:
             on_started(procs)
-        return Supervisor(procs, log_dir, progress, grace_s).run(timeout_s)
+        return Supervisor(procs, log_dir, progress, grace_s, policy).run(timeout_s)
+
+
+def site_identity(site: int, sites: int) -> list[str]:
+    return ["--sites.site_rank", str(site), "--sites.site_count", str(sites)]
 
 
 def _start_sites(config, sites, nproc, overrides, log_dir, store, wrap, site_env) -> list[subprocess.Popen]:
@@ -166,34 +179,142 @@ def _start_sites(config, sites, nproc, overrides, log_dir, store, wrap, site_env
     return procs
 
 
-class Supervisor:
-    """Watches the sites: prints site 0's progress and each failure as it happens, forwards
-    SIGTERM/SIGINT to every site's process group, and never leaves a site behind."""
+@dataclass(frozen=True)
+class SupervisePolicy:
+    """When the launcher gives up on sites. `from_config` derives it; the bounds are stated there."""
 
-    def __init__(self, procs: list[subprocess.Popen], log_dir: Path, progress: Path | None, grace_s: float) -> None:
-        self.procs, self.log_dir, self.grace_s = procs, log_dir, grace_s
+    frozen_after_s: float  # a site with a stopped process (state T) for this long has failed
+    failure_grace_s: float | None  # after a failure the others get this long to exit (None: they go on)
+    finish_grace_s: float  # once every other site has exited, the rest get this long
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> SupervisePolicy:
+        """bound = min(sites.timeout_s, diloco.dead_after_s) (10 s by default): elastic sites drop a
+        silent peer after dead_after_s, and a fixed site notices a dead peer within ~3 s (a closed
+        socket), so a site stopped for `bound` is frozen and the others of a fixed run, which cannot
+        go on without the failed site, get `bound` to exit on their own. Elastic sites go on without
+        it. A site still running when all others have exited gets sites.timeout_s, the bound of each
+        of its cross-site waits (it may be writing its last checkpoint)."""
+        d = cfg.diloco
+        bound = min(cfg.sites.timeout_s, d.dead_after_s if d is not None else cfg.sites.timeout_s)
+        elastic = d is not None and d.elastic
+        return cls(frozen_after_s=bound, failure_grace_s=None if elastic else bound, finish_grace_s=cfg.sites.timeout_s)
+
+
+@dataclass(frozen=True)
+class SiteSeen:
+    """What the launcher sees of one site now."""
+
+    code: int | None = None  # exit code, once it has exited
+    since: float | None = None  # when it exited, or since when a process of it has been stopped
+    stopped: bool = False  # a process of the site is stopped (SIGSTOP: /proc state T) now
+    error: str = ""  # after a failed exit: the line of its log that says why
+
+
+@dataclass(frozen=True)
+class Decision:
+    stop: tuple[int, ...]  # running sites to stop now (SIGTERM, SIGKILL after --grace)
+    failed: tuple[int, ...]  # sites that failed, the first first
+    why: str  # one line: who failed first and why the others are stopped
+
+
+def failure_time(seen: SiteSeen, policy: SupervisePolicy) -> float | None:
+    """When the site failed: its non-zero exit, or the moment its stop became a freeze; else None."""
+    if seen.code is not None:
+        return seen.since if seen.code != 0 else None
+    if seen.stopped and seen.since is not None:
+        return seen.since + policy.frozen_after_s
+    return None
+
+
+def decide(sites: list[SiteSeen], now: float, policy: SupervisePolicy) -> Decision | None:
+    """Whom to stop now (None: keep watching). Pure: the Supervisor acts on it."""
+    fails = {s: t for s, v in enumerate(sites) if (t := failure_time(v, policy)) is not None and t <= now}
+    failed = tuple(sorted(fails, key=lambda s: (fails[s], s)))
+    alive = [s for s, v in enumerate(sites) if v.code is None]
+    running = [s for s in alive if s not in fails]
+    why = _failure_text(sites, failed[0], policy) if failed else ""
+    if not alive:
+        return None
+    if not running:  # only frozen sites are left: nobody else will finish
+        return Decision(tuple(alive), failed, why)
+    # The grace runs from the moment the site exited or stopped: a fixed run cannot go on without it.
+    if failed and policy.failure_grace_s is not None and now >= sites[failed[0]].since + policy.failure_grace_s:
+        return Decision(tuple(alive), failed, f"{why}; the others did not exit within {policy.failure_grace_s:g} s "
+                                              "(min(sites.timeout_s, diloco.dead_after_s))")
+    finished = [v.since for v in sites if v.code == 0 and v.since is not None]
+    if finished and now >= max([*finished, *fails.values()]) + policy.finish_grace_s:
+        late = ", ".join(f"site {s}" for s in running)
+        return Decision(tuple(alive), failed, (f"{why}; " if why else "") +
+                        f"{late} still running {policy.finish_grace_s:g} s (sites.timeout_s) after the others ended")
+    return None
+
+
+def _failure_text(sites: list[SiteSeen], site: int, policy: SupervisePolicy) -> str:
+    v = sites[site]
+    if v.code is None:
+        return f"site {site} failed: stopped (SIGSTOP) for {policy.frozen_after_s:g} s, frozen"
+    return f"site {site} failed first ({exit_text(v.code)})" + (f": {v.error}" if v.error else "")
+
+
+def exit_text(code: int) -> str:
+    return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+
+
+class Outcome(list):
+    """The sites' exit codes (a list, as before), and `failure`: who failed first and why, if anyone."""
+
+    failure: str = ""
+
+
+class Supervisor:
+    """Watches the sites: prints site 0's progress, every site's "waiting for site N" lines, stops
+    and exits as they happen; applies `decide`; forwards SIGTERM/SIGINT to every site's process
+    group, and never leaves a site behind."""
+
+    def __init__(self, procs: list[subprocess.Popen], log_dir: Path, progress: Path | None, grace_s: float,
+                 policy: SupervisePolicy) -> None:
+        self.procs, self.log_dir, self.grace_s, self.policy = procs, log_dir, grace_s, policy
         self.progress = progress
         self.offset = progress.stat().st_size if progress is not None and progress.is_file() else 0
-        self.reported: set[int] = set()
+        self.seen = [SiteSeen() for _ in procs]
+        self.log_offsets = [0] * len(procs)
         self.signum: int | None = None
+        self.decision: Decision | None = None
+        self.stopping: set[int] = set()  # sites this launcher is stopping (their exit is no news)
+        self.failure = ""  # why it stopped them: the first failure, as seen then
 
-    def run(self, timeout_s: float | None) -> list[int]:
+    def run(self, timeout_s: float | None) -> Outcome:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         previous = self._forward_signals()
         try:
-            while any(p.poll() is None for p in self.procs) and self.signum is None:
+            while self.decision is None and self.signum is None and any(v.code is None for v in self.seen):
                 if deadline is not None and time.monotonic() > deadline:
                     raise TimeoutError(f"sites still running after {timeout_s:.0f} s")
-                self._report()
-                time.sleep(0.5)
-            self._report()
+                self._observe()
+                self.decision = decide(self.seen, time.monotonic(), self.policy)
+                if self.decision is None:
+                    time.sleep(0.5)
+            if self.decision is not None:
+                _say(f"zeroband launch: {self.decision.why}; stopping "
+                     f"{', '.join(f'site {s}' for s in self.decision.stop)}")
+                self.stopping = set(self.decision.stop)
+                failed = self.decision.failed
+                self.failure = _failure_text(self.seen, failed[0], self.policy) if failed else self.decision.why
         finally:
             self._stop_all(self.signum or signal.SIGTERM)
+            self._observe()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
         if self.signum is not None:
             raise Stopped(self.signum)
-        return [p.returncode for p in self.procs]
+        return self._outcome()
+
+    def _outcome(self) -> Outcome:
+        out = Outcome(p.returncode for p in self.procs)
+        failed = sorted((s for s in range(len(out)) if out[s]), key=lambda s: self.seen[s].since or 0)
+        out.failure = self.failure or (_failure_text(self.seen, failed[0], self.policy) if failed else "")
+        return out
 
     def _forward_signals(self) -> dict[int, Any]:
         if threading.current_thread() is not threading.main_thread():
@@ -204,16 +325,53 @@ class Supervisor:
 
         return {sig: signal.signal(sig, handle) for sig in (signal.SIGTERM, signal.SIGINT)}
 
-    def _report(self) -> None:
+    def _observe(self) -> None:
+        """Update `seen` and print what happened since the last look."""
         for line in self._new_progress():
             print(line, flush=True)
+        now = time.monotonic()
         for site, p in enumerate(self.procs):
-            code = p.poll()
-            if code is not None and site not in self.reported:
-                self.reported.add(site)
-                if code:
-                    text = (self.log_dir / f"site{site}.log").read_text(errors="replace")
-                    print(f"site {site} exited with code {code}: {last_error_line(text)}", file=sys.stderr, flush=True)
+            for line in self._new_waits(site):
+                _say(f"site {site}: {line}")
+            old, code = self.seen[site], p.poll()
+            if old.code is not None:
+                continue
+            if code is not None:
+                self.seen[site] = SiteSeen(code, now, error=self._report_exit(site, code))
+                continue
+            stopped = stopped_process(p.pid)
+            if stopped is not None and not old.stopped:
+                self.seen[site] = SiteSeen(None, now, True)
+                _say(f"site {site} is stopped: process {stopped} is in state T (SIGSTOP); it has failed unless "
+                     f"it resumes within {self.policy.frozen_after_s:g} s")
+            elif stopped is None and old.stopped:
+                self.seen[site] = SiteSeen()
+                _say(f"site {site} resumed")
+
+    def _report_exit(self, site: int, code: int) -> str:
+        """Print the exit; returns the error line of a failure."""
+        if code == 0 or site in self.stopping:
+            _say(f"site {site} {'finished' if code == 0 else 'stopped'} ({exit_text(code)})")
+            return ""
+        text = (self.log_dir / f"site{site}.log").read_text(errors="replace")
+        error = last_error_line(text) if text.strip() else ""  # killed before it wrote anything
+        _say(f"site {site} failed ({exit_text(code)})" + (f": {error}" if error else ""))
+        return error
+
+    def _new_waits(self, site: int) -> list[str]:
+        """The watchdog's "waiting N s for site K" lines that site's log gained (each rank's once)."""
+        path = self.log_dir / f"site{site}.log"
+        try:
+            with open(path, "rb") as f:
+                f.seek(self.log_offsets[site])
+                chunk = f.read()
+        except OSError:
+            return []
+        end = chunk.rfind(b"\n") + 1
+        self.log_offsets[site] += end
+        found = [m.group(1) for line in chunk[:end].decode(errors="replace").splitlines()
+                 if (m := WAIT_LINE.search(line))]
+        return list(dict.fromkeys(found))
 
     def _new_progress(self) -> list[str]:
         if self.progress is None or not self.progress.is_file():
@@ -227,11 +385,15 @@ class Supervisor:
 
     def _stop_all(self, sig: int) -> None:
         """`sig` to every running site's process group (torchrun passes it on to its ranks, which
-        run in sessions of their own), then SIGKILL to whatever of the tree is left after grace_s."""
+        run in sessions of their own), SIGCONT to any stopped process so that it can act on it, then
+        SIGKILL to whatever of the tree is left after grace_s."""
         running = [p for p in self.procs if p.poll() is None]
         trees = [descendants(p.pid) for p in running]
-        for p in running:
+        for p, tree in zip(running, trees):
             _killpg(p.pid, sig)
+            for pid in [p.pid, *tree]:
+                if proc_state(pid) == "T":
+                    _kill(pid, signal.SIGCONT)
         deadline = time.monotonic() + self.grace_s
         for p, tree in zip(running, trees):
             try:
@@ -241,6 +403,27 @@ class Supervisor:
                 p.wait()
             for pid in tree:  # ranks that outlived their torchrun agent
                 _kill(pid, signal.SIGKILL)
+
+
+# The watchdog (zeroband/watchdog.py) logs every cross-site wait as "waiting N s for site K (...)".
+WAIT_LINE = re.compile(r"zeroband\.watchdog WARNING (waiting \d+ s for .*)$")
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def proc_state(pid: int) -> str | None:
+    """The state letter of /proc/PID/stat (R, S, T, Z...), None if there is no such process."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def stopped_process(pid: int) -> int | None:
+    """A process of the tree at `pid` that is stopped by a signal (state T), if any."""
+    return next((p for p in [pid, *descendants(pid)] if proc_state(p) == "T"), None)
 
 
 def descendants(pid: int) -> list[int]:
@@ -291,13 +474,101 @@ def progress_line(raw: str) -> str | None:
 
 def last_error_line(log_text: str) -> str:
     """The line of a site's log that says why it failed: our one-line error if there is one, else
-    the last exception line that is not torchrun's own wrapper, else the last line."""
+    the last exception line that is not torchrun's own wrapper, else the last line; prefixed with
+    the rank that failed first when zeroband.torchrun named it."""
     lines = [line.strip() for line in log_text.splitlines() if line.strip()]
-    for line in reversed(lines):
-        if line.startswith("zeroband: error:"):
-            return line
-    for line in reversed(lines):
-        if re.match(r"^[\w.]*(Error|Exception|Timeout|Interrupted|Refused|Mismatch)\b", line) and \
-                "ChildFailedError" not in line:
-            return line
-    return lines[-1] if lines else "(empty log)"
+    first = next((line for line in reversed(lines) if line.startswith(torchrun.FIRST_FAILURE)), None)
+    rank = re.match(r"rank \d+", first[len(torchrun.FIRST_FAILURE):].strip()) if first else None
+    error = next((line for line in reversed(lines) if line.startswith("zeroband: error:")), None) or next(
+        (line for line in reversed(lines) if re.match(r"^[\w.]*(Error|Exception|Fault|Timeout|Interrupted|Refused|"
+                                                      r"Mismatch)\b", line) and "ChildFailedError" not in line), None)
+    if error is None:
+        return first or (lines[-1] if lines else "(empty log)")
+    return f"{rank.group(0)}: {error}" if rank else error
+
+
+# ------------------------------------------------------------------------------ the run-local secret
+SECRET_FILE = "launch.secret"
+
+
+def local_secret_env(cfg: Config) -> tuple[dict[str, str], Path | None]:
+    """The environment that hands every site of a one-machine launch the run's secret, and its file.
+
+    Nothing to add when a secret is configured (config, secret_file, ZEROBAND_SECRET) or the run is
+    sites.insecure. Else the launcher, which starts every site itself, uses <run_dir>/launch.secret:
+    made once (random, mode 0600) and reused by every later launch of the run, so its signed
+    checkpoints still verify on resume. It travels in the environment only (never argv, no log)."""
+    from zeroband.config import ConfigError, read_secret_file
+    from zeroband.membership.auth import SECRET_ENV, optional_secret
+
+    if cfg.sites.insecure or optional_secret(cfg.sites.secret) is not None:
+        return {}, None
+    path = cfg.run_dir / SECRET_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        pass
+    else:
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(32) + "\n")
+    try:
+        return {SECRET_ENV: read_secret_file(path)}, path
+    except ValueError as e:
+        raise ConfigError(f"{e} (the launcher's run-local secret; delete it to start the run afresh)") from None
+
+
+# ---------------------------------------------------------------- one torchrun job on this terminal
+FAILURE_START = re.compile(rb"^(zeroband: error:|Traceback \(most recent call last\)|"
+                           + re.escape(torchrun.FIRST_FAILURE.encode()) + rb"|E\d{4} \S+ \d+ torch/distributed/elastic/)")
+
+
+class TerminalFilter:
+    """What of a torchrun job's output reaches the terminal: all of it until the first sign of a
+    failure (an error line, a traceback, torchrun's report), none after; the log file keeps it all
+    and the caller ends with one line. Pieces end at \\n or \\r, so a progress bar still moves."""
+
+    def __init__(self) -> None:
+        self.pending: dict[int, bytes] = {}
+        self.failed = False
+
+    def feed(self, stream: int, data: bytes) -> bytes:
+        pieces = re.split(rb"(?<=[\r\n])", self.pending.get(stream, b"") + data)
+        self.pending[stream] = pieces.pop()  # no terminator yet (b"" when the data ended with one)
+        shown = []
+        for piece in pieces:
+            self.failed = self.failed or bool(FAILURE_START.match(piece.strip()))
+            if not self.failed:
+                shown.append(piece)
+        return b"".join(shown)
+
+
+def run_job(cmd: list[str], log_path: Path, env: dict[str, str] | None = None) -> tuple[int, bool]:
+    """Run `cmd` (a torchrun job): its output goes to `log_path` and, through `TerminalFilter`, to
+    this terminal. SIGTERM is passed on; SIGINT reaches the job from the terminal itself.
+    Returns (exit status, whether output was held back)."""
+    import selectors
+
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    previous = {signal.SIGINT: signal.signal(signal.SIGINT, lambda *_: None),
+                signal.SIGTERM: signal.signal(signal.SIGTERM, lambda *_: proc.terminate())}
+    filt, sel = TerminalFilter(), selectors.DefaultSelector()
+    outs = {proc.stdout.fileno(): sys.stdout.buffer, proc.stderr.fileno(): sys.stderr.buffer}
+    for fd in outs:
+        sel.register(fd, selectors.EVENT_READ)
+    try:
+        with open(log_path, "wb") as log_file:
+            while sel.get_map():
+                for key, _ in sel.select():
+                    data = os.read(key.fd, 1 << 16)
+                    if not data:
+                        sel.unregister(key.fd)
+                        continue
+                    log_file.write(data)
+                    outs[key.fd].write(filt.feed(key.fd, data))
+                    outs[key.fd].flush()
+        return proc.wait(), filt.failed
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
