@@ -77,7 +77,7 @@ UNIT_TESTS = {
     "test_hangs": {"test_store_survives_a_flood_of_idle_connections",
                    "test_decide_resume_takes_the_newest_common_step_or_names_who_has_what", "test_launcher_lines",
                    "test_store_waits_name_the_missing_sites_and_log_while_waiting"},
-    "test_launch": {"test_site_cpus_are_disjoint_and_refuse_too_many_sites",
+    "test_launch": {"test_site_cpus_are_disjoint_and_refuse_too_many_sites", "test_the_launcher_shows_the_settings_a_resume_changed",
                     "test_decide_names_the_first_failure_and_bounds_the_rest", "test_policy_bound_follows_the_config",
                     "test_terminal_filter_holds_back_everything_from_the_first_failure_on",
                     "test_local_secret_is_made_once_0600_and_reused"},

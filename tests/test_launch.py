@@ -288,3 +288,31 @@ def test_a_failing_two_rank_site_is_one_line_on_the_launchers_terminal(corpus, t
                                            "data.path=.*matches no file", said[0]), lines
     assert re.match(r"zeroband launch: site [01] failed first \(exit code 2\): rank [01]: zeroband: error: "
                     "data.path=", lines[-1]), lines
+
+
+def test_a_second_launch_of_a_running_run_stops_before_touching_its_logs(corpus, tmp_path):
+    """Before: a second `zeroband launch` of the same name reopened runs/<name>/logs/site*.log with "w",
+    emptying the running launch's logs, and printed the first run's progress as its own."""
+    from zeroband.rundir import run_dir_lock
+
+    tree = tiny_overrides(corpus, tmp_path, train={"steps": 2})
+    tree["diloco"] = {"inner_steps": 2}
+    config = _write(tree, tmp_path / "run.toml")
+    logs = tmp_path / "t" / "logs"
+    logs.mkdir(parents=True)
+    (logs / "site0.log").write_text("the running launch's log\n")
+    with run_dir_lock(logs, True):  # this test process plays the running launcher
+        out = _zeroband("launch", config, "--sites", "2", "--nproc", "1", timeout=60)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    [line] = [x for x in out.stderr.splitlines() if x.strip()]
+    assert line.startswith(f"zeroband: {logs} is in use by another run: PID {os.getpid()} ("), line
+    assert (logs / "site0.log").read_text() == "the running launch's log\n" and not (logs / "site1.log").exists()
+
+
+def test_the_launcher_shows_the_settings_a_resume_changed():
+    from zeroband.tools.launch import progress_line
+
+    rec = {"kind": "resumed", "step": 20, "from": "runs/t/site0/checkpoints/step_000000020",
+           "changed": {"optim.lr": [0.0003, 0.0001]}}
+    assert progress_line(json.dumps(rec)) == ("site 0 resumed at step 20 from runs/t/site0/checkpoints/step_000000020 "
+                                              "(optim.lr: 0.0003 -> 0.0001 from here on)")

@@ -55,15 +55,8 @@ def _cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def _cmd_launch(args: argparse.Namespace, rest: list[str]) -> int:
-    from zeroband.tools.launch import (
-        Stopped,
-        SupervisePolicy,
-        WanLink,
-        launch_sites,
-        local_secret_env,
-        site_identity,
-    )
-    from zeroband.tools.report import plot_losses, read_metrics, summarise_site
+    from zeroband.rundir import run_dir_lock
+    from zeroband.tools.launch import site_identity
 
     cfg = load_config(args.config, rest + site_identity(0, args.sites))
     if cfg.diloco is None:
@@ -75,6 +68,14 @@ def _cmd_launch(args: argparse.Namespace, rest: list[str]) -> int:
     check_devices(cfg)  # before any site starts: one refused site would leave the others waiting
     warn_allow_unsigned(cfg)  # the sites record it in their metrics; `sites.insecure` is the launcher's line
     log_dir = cfg.run_dir / "logs"
+    with run_dir_lock(log_dir, True):  # a second launch of this run stops here, before it truncates the logs
+        return _launch_locked(args, rest, cfg, log_dir)
+
+
+def _launch_locked(args: argparse.Namespace, rest: list[str], cfg: Config, log_dir: Path) -> int:
+    from zeroband.tools.launch import Stopped, SupervisePolicy, WanLink, launch_sites, local_secret_env
+    from zeroband.tools.report import plot_losses, read_metrics, summarise_site
+
     site_env, secret_file = local_secret_env(cfg)
     if cfg.sites.insecure:
         print("zeroband launch: WARNING: sites.insecure = true: cross-site messages are NOT authenticated; anyone "

@@ -469,6 +469,9 @@ def progress_line(raw: str) -> str | None:
                 f"all-reduce {rec.get('allreduce_s', 0):.2f} s")
     if kind == "val":
         return f"site 0 step {step}: val loss {rec.get('val_loss', float('nan')):.4f}, ppl {rec.get('val_ppl', 0):.2f}"
+    if kind == "resumed":  # the settings a resume applied, as the site printed them in its log
+        changes = "; ".join(f"{key}: {old} -> {new}" for key, (old, new) in rec.get("changed", {}).items())
+        return f"site 0 resumed at step {step} from {rec.get('from')}" + (f" ({changes} from here on)" if changes else "")
     return None
 
 
