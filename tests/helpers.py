@@ -121,12 +121,22 @@ def _error(tree: dict, ranks: int = 1) -> str:
     return err
 
 
-def final_params(tree: dict, site: int | None, step: int) -> dict[str, torch.Tensor]:
+def final_params(tree: dict, site: int | None, step: int, secret: str | None = None) -> dict[str, torch.Tensor]:
+    """A site's parameters at `step`, read as `zeroband export` reads them: a checkpoint signed with
+    `secret` (the run's ZEROBAND_SECRET) is verified with it, and refused without it."""
     from zeroband.export import load_for_export
 
     cfg = validate_config({k: v for k, v in tree.items() if k != "diloco"})
     root = cfg.checkpoint_dir / (f"site{site}" if site is not None else "")
-    return dict(load_for_export(cfg, root / f"step_{step:09d}").state_dict())
+    before = os.environ.pop("ZEROBAND_SECRET", None)
+    try:
+        if secret is not None:
+            os.environ["ZEROBAND_SECRET"] = secret
+        return dict(load_for_export(cfg, root / f"step_{step:09d}").state_dict())
+    finally:
+        os.environ.pop("ZEROBAND_SECRET", None)
+        if before is not None:
+            os.environ["ZEROBAND_SECRET"] = before
 
 
 def site_records(out: Path, site: int, kind: str) -> list[dict]:

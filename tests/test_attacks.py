@@ -292,7 +292,7 @@ def test_elastic_run_goes_on_through_forged_store_keys(corpus, tmp_path):
               env={"ZEROBAND_SECRET": SECRET}, timeout=55)
     for s in (0, 1):
         assert [(r["step"], r["sites_used"]) for r in outer_records(tmp_path, s)] == [(2, 2), (4, 2), (6, 2)]
-    a, b = final_params(tree, 0, 6), final_params(tree, 1, 6)
+    a, b = final_params(tree, 0, 6, SECRET), final_params(tree, 1, 6, SECRET)
     assert all(torch.equal(a[k], b[k]) and torch.isfinite(a[k]).all() for k in a)
     del host
 
@@ -317,7 +317,7 @@ def test_lying_site_in_a_training_run_is_excluded_every_round(corpus, tmp_path):
     records = [r for r in map(json.loads, (tmp_path / "t" / "site0" / "metrics.jsonl").read_text().splitlines())
                if r["kind"] == "outer"]
     assert [(r["excluded_sites"], r["sites_used"]) for r in records] == [([2], 2), ([2], 2)]
-    a, b = final_params(tree, 0, 4), final_params(tree, 1, 4)
+    a, b = final_params(tree, 0, 4, SECRET), final_params(tree, 1, 4, SECRET)
     assert all(torch.equal(a[k], b[k]) and torch.isfinite(a[k]).all() for k in a)
     assert all(torch.isfinite(torch.tensor(out[(s, 0)]["losses"])).all() for s in (0, 1))
 

@@ -30,10 +30,10 @@ def store_address():
     del host
 
 
-def assert_identical(tree: dict, sites: list[int], step: int) -> None:
-    ref = final_params(tree, sites[0], step)
+def assert_identical(tree: dict, sites: list[int], step: int, secret: str | None = None) -> None:
+    ref = final_params(tree, sites[0], step, secret)
     for s in sites[1:]:
-        got = final_params(tree, s, step)
+        got = final_params(tree, s, step, secret)
         assert all(torch.equal(ref[k], got[k]) for k in ref), f"site {s} differs from site {sites[0]} at step {step}"
 
 
@@ -135,7 +135,7 @@ def test_foreign_peer_refused(corpus, tmp_path, store_address, wrong):
     message = str(e.value)
     assert "site 2 rank 0: PeerRefused" in message and "site 0 rank 0" not in message and "site 1" not in message
     assert ("wrong shared secret" if wrong == "secret" else "n_layers") in message
-    assert_identical(tree, [0, 1], 4)
+    assert_identical(tree, [0, 1], 4, SECRET)
 
 
 def _by_site(args: dict) -> dict:

@@ -22,12 +22,13 @@ HELP_S = 10.0  # parsing arguments; anything slower started the work itself
 
 # Runs each script as __main__ with --help; prints {script: [exit code or error, stdout, seconds]}.
 _RUNNER = """
-import contextlib, io, json, runpy, sys, time
+import contextlib, io, json, os, runpy, sys, time
 import torch, zeroband.train  # paid once, before any clock starts
 out = {}
 for script in sys.argv[1:]:
     sys.argv = [script, "--help"]
     saved, text, t0 = list(sys.path), io.StringIO(), time.monotonic()
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as `python script.py` has it
     try:
         with contextlib.redirect_stdout(text):
             runpy.run_path(script, run_name="__main__")
