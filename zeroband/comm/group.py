@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 
 from zeroband.comm.mac import NO_AUTH, WireAuth
-from zeroband.membership.auth import SECRET_ENV, PeerRefused, Verdict, _frame
-from zeroband.membership.signed import SealedStore, SignedStore, exchange
+from zeroband.membership.auth import ADMIT_REFUSE_S, SECRET_ENV, PeerRefused, Verdict, _frame
+from zeroband.membership.signed import ForgedValue, SealedStore, SignedStore, exchange
 from zeroband.watchdog import PeerTimeout, Ticker, Watch, _sites, read_by_all, wait_keys
 
 T = TypeVar("T")
@@ -190,8 +190,10 @@ def rendezvous(store: dist.Store, prefix: str, site_rank: int, site_count: int, 
     keys = {s: f"{prefix}zeroband-arrive/{s}" for s in range(site_count)}
     signed = SignedStore(store, key)
     if key is not None:
-        exchange(signed, keys, site_rank, mark, "rendezvous", timeout_s)
-        return  # every mark verified: it was written by a site with our secret, so it is SECRET
+        # Every mark that verifies was written with our secret, so it is SECRET. One that keeps failing
+        # (another secret) decides nothing here: the signed gloo rendezvous refuses that site by name.
+        exchange(signed, keys, site_rank, mark, "rendezvous", timeout_s, ADMIT_REFUSE_S)
+        return
     store.set(keys[site_rank], mark)
     wait_keys(store, keys, "rendezvous", timeout_s)
     marks = {s: store.get(k).decode() for s, k in keys.items()}
@@ -216,13 +218,14 @@ def incarnation_prefix(store: dist.Store, base: str, site_rank: int, site_count:
     own, tick = secrets.token_hex(16), Ticker("the start of the run")
     arrive = {s: f"{base}arrive/{s}" for s in range(site_count)}
     done = {s: f"{base}nonces/{s}" for s in range(site_count)}
-    deadline = time.monotonic() + timeout_s
+    deadline, bad_since = time.monotonic() + timeout_s, {}
     while True:
         nonces = {s: signed.read(k) for s, k in arrive.items()}
         if nonces[site_rank] != own.encode():  # not written yet, or deleted / overwritten since
             signed.set(arrive[site_rank], own)
         nonces[site_rank] = own.encode()
         missing = {s for s, v in nonces.items() if v is None} | _mixed(signed, arrive, key, site_rank)
+        _foreign(signed, arrive, missing, bad_since)
         if not missing:
             agreed = hashlib.sha256(_frame(*(nonces[s] for s in range(site_count)))).hexdigest()[:32]
             if signed.read(done[site_rank]) != agreed.encode():
@@ -237,6 +240,22 @@ def incarnation_prefix(store: dist.Store, base: str, site_rank: int, site_count:
                               f"(sites.timeout_s){why}")
         tick.tick(_sites(missing))
         time.sleep(0.02)
+
+
+def _foreign(signed: SignedStore, keys: dict[int, str], missing: set[int], bad_since: dict[int, float]) -> None:
+    """Sites whose arrival has failed authentication for ADMIT_REFUSE_S while their owners would have
+    re-written it: another secret (or an outsider overwriting it all along). One forged write only
+    delays; this stops the start with one line naming both causes."""
+    now = time.monotonic()
+    for s in missing:
+        if signed.store.check([keys[s]]):
+            bad_since.setdefault(s, now)
+    for s in set(bad_since) - missing:
+        del bad_since[s]
+    if missing and missing == set(bad_since) and all(now - t >= ADMIT_REFUSE_S for t in bad_since.values()):
+        raise ForgedValue(f"start of the run: the arrival of {_sites(missing)} was written without the shared "
+                          f"secret for {ADMIT_REFUSE_S:g} s (it holds another secret, or an outsider keeps overwriting "
+                          "it); check ZEROBAND_SECRET on every site")
 
 
 def _mixed(signed: SignedStore, keys: dict[int, str], key: bytes | None, me: int) -> set[int]:
