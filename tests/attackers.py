@@ -252,3 +252,39 @@ class ReplayingStore(dist.Store):
 
     def wait(self, keys: list[str], timeout: Any = None) -> None:
         self.inner.wait(keys) if timeout is None else self.inner.wait(keys, timeout)
+
+
+# ---------------------------------------------------------------------- store attacks (issue 23, items 3-4)
+class StoreForger:
+    """An outsider who can reach the store, without the secret: every `period_s`, for every key that
+    `targets(keys now in the store)` returns, writes its value (bytes) or deletes it (None). Runs on
+    a thread of the test process until `stop()`; `writes` counts its operations."""
+
+    def __init__(self, host: str, port: int, targets: Any, period_s: float = 0.25) -> None:
+        import threading
+
+        self.host, self.port, self.targets, self.period_s, self.writes = host, port, targets, period_s, 0
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> StoreForger:
+        self.thread.start()
+        return self
+
+    def _run(self) -> None:
+        from datetime import timedelta
+
+        store = None
+        while not self.stopped.wait(self.period_s):
+            try:
+                store = store or dist.TCPStore(self.host, self.port, is_master=False, timeout=timedelta(seconds=2))
+                for key, value in self.targets(store.list_keys()).items():
+                    store.delete_key(key) if value is None else store.set(key, value)
+                    self.writes += 1
+            except Exception:  # the store is not up yet, or gone: try again
+                store = None
+
+    def stop(self) -> int:
+        self.stopped.set()
+        self.thread.join(timeout=10)
+        return self.writes

@@ -16,7 +16,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from zeroband.comm.group import OPEN, SECRET, GlobalGroup, admission_mark, new_global_group, rendezvous
+from zeroband.comm.group import (
+    OPEN,
+    SECRET,
+    GlobalGroup,
+    admission_mark,
+    incarnation_prefix,
+    new_global_group,
+    rendezvous,
+)
 from zeroband.comm.mac import WireAuth
 from zeroband.membership.store import open_store
 from zeroband.world import World
@@ -67,8 +75,10 @@ def init_topology(
         is_host = host_store and world.site_rank == 0 and world.rank == 0
         store = open_store(store_address, is_host, timeout)
         if build_group:
-            prefix = f"zeroband/{run_name}/gen0/shard{world.rank}/"
             auth = WireAuth.from_secret(secret, run_name)
+            # a fresh prefix per start: a persistent store's keys of earlier starts are never read
+            prefix = incarnation_prefix(store, f"zeroband/{run_name}/shard{world.rank}/start/", world.site_rank,
+                                        world.site_count, timeout_s, auth.subkey("arrive"))
             group = new_global_group(store, prefix, world.site_rank, world.site_count, timeout, backend, mark=mark,
                                      auth=auth)
     return Topology(world, mesh, group, store, secret, timeout_s=timeout_s)

@@ -252,8 +252,10 @@ def agreed_checkpoint(run: Run, found: ckpt.CheckpointInfo | None) -> ckpt.Check
     if d is None or d.elastic or store is None:
         return found
     offer = verified_steps(run, found)
-    prefix = f"zeroband/{run.cfg.name}/shard{world.rank}/"
-    step = agree_resume(store, prefix, world.site_rank, world.site_count, offer, run.cfg.sites.timeout_s)
+    group = run.topology.global_group  # its prefix is this start's own (mesh.py): old offers are never read
+    prefix = group.prefix if group else f"zeroband/{run.cfg.name}/shard{world.rank}/"
+    step = agree_resume(store, prefix, world.site_rank, world.site_count, offer, run.cfg.sites.timeout_s,
+                        group.auth.subkey("resume") if group else None)
     if step is None or (found is not None and found.step == step):
         return found if step is not None else None
     path = next(p for p, s in ckpt.step_dirs(run.ckpt_root) if s == step)  # step_N, or step_N.old after a crash

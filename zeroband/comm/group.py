@@ -7,7 +7,10 @@ coordination store, never from torchrun's rendezvous, because each site is its o
 
 from __future__ import annotations
 
+import hashlib
 import os
+import secrets
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import TypeVar
@@ -16,9 +19,9 @@ import torch
 import torch.distributed as dist
 
 from zeroband.comm.mac import NO_AUTH, WireAuth
-from zeroband.membership.auth import SECRET_ENV, PeerRefused, Verdict
-from zeroband.membership.signed import SealedStore
-from zeroband.watchdog import Watch, read_by_all, wait_keys
+from zeroband.membership.auth import ADMIT_REFUSE_S, SECRET_ENV, PeerRefused, Verdict, _frame
+from zeroband.membership.signed import ForgedValue, SealedStore, SignedStore, exchange
+from zeroband.watchdog import PeerTimeout, Ticker, Watch, _sites, read_by_all, wait_keys
 
 T = TypeVar("T")
 OPEN, SECRET = "without a shared secret", "with a shared secret"  # how a site admits peers (rendezvous)
@@ -153,7 +156,7 @@ def new_global_group(
 ) -> GlobalGroup:
     """The group of rank i of every site, after a named, logged, bounded rendezvous (`rendezvous`)."""
     watch = watch or Watch(timeout.total_seconds())
-    rendezvous(store, prefix, site_rank, site_count, timeout.total_seconds(), mark)
+    rendezvous(store, prefix, site_rank, site_count, timeout.total_seconds(), mark, auth.subkey("arrive"))
     # With a secret, gloo's rendezvous values are signed: no process without it can take a site's slot.
     sealed = SealedStore(store, auth.subkey("rendezvous")) if auth.key else store
     scoped = dist.PrefixStore(prefix, sealed)
@@ -177,17 +180,88 @@ def admission_mark(secret: str | None) -> str:
 
 
 def rendezvous(store: dist.Store, prefix: str, site_rank: int, site_count: int, timeout_s: float,
-               mark: str = OPEN) -> None:
+               mark: str = OPEN, key: bytes | None = None) -> None:
     """Every site announces itself under the group's prefix and waits for the others, naming the
     missing ones in its log and error. `mark` says how the site admits peers: sites that disagree
     (one has a shared secret, one has none) would otherwise wait for each other in different
-    protocols until the timeout, so they are refused here, at once, on both sides."""
+    protocols until the timeout, so they are refused here, at once, on both sides. With a secret
+    (`key`), marks are signed: a forged or deleted mark reads as "not yet" (membership/signed.py
+    `exchange`), never as a disagreement that would blame an honest site."""
     keys = {s: f"{prefix}zeroband-arrive/{s}" for s in range(site_count)}
+    signed = SignedStore(store, key)
+    if key is not None:
+        # Every mark that verifies was written with our secret, so it is SECRET. One that keeps failing
+        # (another secret) decides nothing here: the signed gloo rendezvous refuses that site by name.
+        exchange(signed, keys, site_rank, mark, "rendezvous", timeout_s, ADMIT_REFUSE_S)
+        return
     store.set(keys[site_rank], mark)
     wait_keys(store, keys, "rendezvous", timeout_s)
     marks = {s: store.get(k).decode() for s, k in keys.items()}
     if len(set(marks.values())) > 1:
-        who = ", ".join(f"site {s} {m}" for s, m in sorted(marks.items()))
+        who = ", ".join(f"site {s} {m.split('.', 1)[-1]}" for s, m in sorted(marks.items()))
         read_by_all(store, f"{prefix}zeroband-marks/", site_rank, site_count, timeout_s)
         raise PeerRefused(site_rank, Verdict([], {site_rank: f"sites disagree on admission ({who}); set the same "
                                                              "sites.secret or ZEROBAND_SECRET on every site"}))
+
+
+def incarnation_prefix(store: dist.Store, base: str, site_rank: int, site_count: int, timeout_s: float,
+                       key: bytes | None = None) -> str:
+    """A store prefix of this start of a fixed run, the same on every site, fresh at every start:
+    `base` + a hash of every site's fresh random nonce. A persistent store (etcd) keeps the keys of
+    earlier starts (gloo addresses, admission values, resume offers); under a fresh prefix none of
+    them is ever read again, so a restarted run does not connect to dead addresses.
+
+    Each site publishes its nonce (signed with `key`), then the hash of the nonces it read; a site
+    is done when every site's hash equals its own. A hash that holds this site's own fresh nonce
+    was written in this start, so a stale or replayed value never matches: it only delays."""
+    signed = SignedStore(store, key)
+    own, tick = secrets.token_hex(16), Ticker("the start of the run")
+    arrive = {s: f"{base}arrive/{s}" for s in range(site_count)}
+    done = {s: f"{base}nonces/{s}" for s in range(site_count)}
+    deadline, bad_since = time.monotonic() + timeout_s, {}
+    while True:
+        nonces = {s: signed.read(k) for s, k in arrive.items()}
+        if nonces[site_rank] != own.encode():  # not written yet, or deleted / overwritten since
+            signed.set(arrive[site_rank], own)
+        nonces[site_rank] = own.encode()
+        missing = {s for s, v in nonces.items() if v is None} | _mixed(signed, arrive, key, site_rank)
+        _foreign(signed, arrive, missing, bad_since)
+        if not missing:
+            agreed = hashlib.sha256(_frame(*(nonces[s] for s in range(site_count)))).hexdigest()[:32]
+            if signed.read(done[site_rank]) != agreed.encode():
+                signed.set(done[site_rank], agreed)
+            missing = {s for s, k in done.items() if signed.read(k) != agreed.encode()}
+            if not missing:
+                return f"{base}{agreed}/"
+        if time.monotonic() > deadline:
+            forged = sorted(k for k in [*arrive.values(), *done.values()] if k in signed.refused)
+            why = f"; store keys {forged} held values without a valid HMAC" if forged else ""
+            raise PeerTimeout(f"start of the run: {_sites(missing)} did not arrive within {timeout_s:g} s "
+                              f"(sites.timeout_s){why}")
+        tick.tick(_sites(missing))
+        time.sleep(0.02)
+
+
+def _foreign(signed: SignedStore, keys: dict[int, str], missing: set[int], bad_since: dict[int, float]) -> None:
+    """Sites whose arrival has failed authentication for ADMIT_REFUSE_S while their owners would have
+    re-written it: another secret (or an outsider overwriting it all along). One forged write only
+    delays; this stops the start with one line naming both causes."""
+    now = time.monotonic()
+    for s in missing:
+        if signed.store.check([keys[s]]):
+            bad_since.setdefault(s, now)
+    for s in set(bad_since) - missing:
+        del bad_since[s]
+    if missing and missing == set(bad_since) and all(now - t >= ADMIT_REFUSE_S for t in bad_since.values()):
+        raise ForgedValue(f"start of the run: the arrival of {_sites(missing)} was written without the shared "
+                          f"secret for {ADMIT_REFUSE_S:g} s (it holds another secret, or an outsider keeps overwriting "
+                          "it); check ZEROBAND_SECRET on every site")
+
+
+def _mixed(signed: SignedStore, keys: dict[int, str], key: bytes | None, me: int) -> set[int]:
+    """Without a secret, a signed arrival is a site that has one: refused at once, on this side
+    (an insecure site trusts the store anyway). With one, unsigned arrivals only read as absent."""
+    if key is None and any(signed.refused.get(k) == "signed" for k in keys.values()):
+        raise PeerRefused(me, Verdict([], {me: "sites disagree on admission (a site has a shared secret, this one "
+                                               "has none); set the same sites.secret or ZEROBAND_SECRET on every site"}))
+    return set()

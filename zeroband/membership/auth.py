@@ -244,26 +244,33 @@ def admission(store: dist.Store, prefix: str, site_rank: int, site_count: int, s
             raise PeerRefused(site_rank, verdict)
         return Admission(verdict.admitted, {})
     key = derive_key(secret, prefix)
+    # Every value is signed (membership/signed.py) with a key of the secret and this prefix, bound
+    # to its store key (so to its writer's site): a forged nonce, fingerprint or proof reads as "not
+    # yet" and is re-written by its owner, rather than failing the proofs and blaming an honest site.
+    from zeroband.membership.signed import SignedStore  # it imports this module
+
+    signed = SignedStore(scoped, hmac.digest(key, LABEL + b"|store-values", "sha256"))
     own = secrets.token_bytes(NONCE_BYTES)
-    _publish_once(scoped, f"nonce/{site_rank}", own.hex())
+    _publish_once(signed, f"nonce/{site_rank}", own.hex())
+    bad: set[int] = set()  # sites whose values fail authentication (another secret): no proof will verify
+    fps = {s: json.loads(v) if v else {} for s, v in _exchange(signed, "fingerprint", site_rank, sites, bad,
+                                                                _canonical(fp), timeout).items()}
     # Our own nonce as drawn, never as read back: a transcript of an earlier admission replayed to
     # this site (old nonces, old valid proofs) then fails, and K_s always holds our fresh randomness.
-    nonces = {s: bytes.fromhex(v.decode()) for s, v in _read_all(scoped, "nonce", sites, timeout).items()}
-    nonces[site_rank] = own
-    fps = {s: json.loads(v) for s, v in _read_all(scoped, "fingerprint", sites, timeout).items()}
+    nonces = {s: bytes.fromhex(v.decode()) if v else b"" for s, v in _exchange(signed, "nonce", site_rank, sites, bad,
+                                                                                own.hex(), timeout).items()}
     mine = {j: proof(key, prefix, site_rank, j, nonces, fp) for j in sites if j != site_rank}
-    scoped.set(f"proof/{site_rank}", json.dumps(mine))
-    proofs = {s: {int(j): p for j, p in json.loads(v).items()}
-              for s, v in _read_all(scoped, "proof", sites, timeout).items()}
+    proofs = {s: {int(j): p for j, p in json.loads(v).items()} if v else {}
+              for s, v in _exchange(signed, "proof", site_rank, sites, bad, json.dumps(mine), timeout).items()}
     verdict = decide(site_count, site_rank, verified_sites(key, prefix, nonces, fps, proofs), fps)
     if verdict.refused:
         raise PeerRefused(site_rank, verdict)
     return Admission(verdict.admitted, nonces)
 
 
-def _publish_once(store: dist.Store, key: str, value: str) -> None:
+def _publish_once(store: Any, key: str, value: str) -> None:
     """Write-once: a nonce already there means this prefix was used before, and reusing it would let
-    old proofs be replayed."""
+    old proofs be replayed. (A forged value does not count: the first authentic one wins.)"""
     if store.compare_set(key, "", value) != value.encode():
         raise RuntimeError(f"admission key {key!r} already exists: the generation prefix must be fresh")
 
@@ -274,3 +281,19 @@ def _read_all(store: dist.Store, kind: str, sites: Iterable[int], timeout: timed
     keys = {s: f"{kind}/{s}" for s in sites}
     wait_keys(store, keys, f"admission: {kind}", timeout.total_seconds())
     return {s: store.get(k) for s, k in keys.items()}
+
+
+ADMIT_REFUSE_S = 3.0  # a peer's values failing authentication this long: it holds another secret
+
+
+def _exchange(store: Any, kind: str, me: int, sites: Iterable[int], bad: set[int], value: str | bytes,
+              timeout: timedelta) -> dict[int, bytes | None]:
+    """Every site's signed `kind` value; None for a site in `bad` or one whose values keep failing
+    authentication for ADMIT_REFUSE_S (added to `bad`). One forged write is re-written by its owner
+    well within that, so it delays the admission and blames nobody."""
+    from zeroband.membership.signed import exchange
+
+    keys = {s: f"{kind}/{s}" for s in sites if s not in bad}
+    got = exchange(store, keys, me, value, f"admission: {kind}", timeout.total_seconds(), ADMIT_REFUSE_S)
+    bad.update(s for s, v in got.items() if v is None)
+    return {s: got.get(s) for s in sites}

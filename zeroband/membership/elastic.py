@@ -229,7 +229,8 @@ class ElasticMembership:
         prefix = f"{self.prefix}gen{decision.generation}/shard{self.world.rank}/"
         timeout = timedelta(seconds=self.sites.timeout_s)
         mark = OPEN if self.secret is None else SECRET
-        rendezvous(self.topology.store, prefix, index, len(decision.members), self.sites.timeout_s, mark)
+        rendezvous(self.topology.store, prefix, index, len(decision.members), self.sites.timeout_s, mark,
+                   self.auth.subkey("arrive"))
         admitted = admission(self.topology.store, prefix, index, len(decision.members), self.secret,
                              self.fingerprint, timeout)
         auth = self.auth.for_session(prefix.encode(), admitted.nonces)  # this generation's key only

@@ -2,7 +2,10 @@
 
 Beats and leave notices are signed with the shared secret (zeroband/membership/signed.py): a
 forged beat or leave notice reads as absent, so nobody can keep a dead site alive or make a live
-one look gone. A beat is `<process nonce>:<count>`, so a restarted site never repeats a value.
+one look gone. A beat is `<process nonce>:<stamp>`, the stamp the writer's wall clock in ns, forced
+to grow at every beat: an observer accepts a beat only if its stamp is newer than the last it
+accepted from that site, so recorded beats replayed (alternated) keep nobody alive, and a restarted
+site (a later clock) is seen at once.
 
 A site's rank 0 runs `Heartbeat` on its own thread and its own store connection, so a long inner
 step never delays it, while a hung (SIGSTOP) or partitioned site stops bumping. Observers use
@@ -34,6 +37,14 @@ def leave_key(prefix: str, site: int) -> str:
     return f"{prefix}leave/{site}"
 
 
+def beat_stamp(beat: bytes | None) -> int | None:
+    """The stamp of a (verified) beat, or None for no beat or one that is not ours."""
+    try:
+        return int(beat.rsplit(b":", 1)[1]) if beat else None
+    except (IndexError, ValueError):
+        return None
+
+
 class Heartbeat:
     def __init__(self, open_client: Callable[[], dist.Store], prefix: str, site: int, interval_s: float,
                  sign_key: bytes | None = None) -> None:
@@ -47,11 +58,11 @@ class Heartbeat:
         return self
 
     def _run(self) -> None:
-        store, nonce, count = SignedStore(self.open_client(), self.sign_key), secrets.token_hex(8), 0
+        store, nonce, stamp = SignedStore(self.open_client(), self.sign_key), secrets.token_hex(8), 0
         while not self.stopped.is_set():
-            count += 1
+            stamp = max(stamp + 1, time.time_ns())
             try:
-                store.set(self.key, f"{nonce}:{count}")
+                store.set(self.key, f"{nonce}:{stamp}")
             except Exception as e:  # a store hiccup must not kill the thread: the next beat retries
                 log.warning("heartbeat %s failed: %s", self.key, e)
             self.stopped.wait(self.interval_s)
@@ -69,7 +80,7 @@ class Liveness:
                  sign_key: bytes | None = None) -> None:
         self.store, self.prefix, self.dead_after_s = SignedStore(store, sign_key), prefix, dead_after_s
         self.sites = list(sites)
-        self.seen: dict[int, tuple[bytes, float]] = {}  # site -> (last beat, local time it last changed)
+        self.seen: dict[int, tuple[int, float]] = {}  # site -> (newest stamp, local time it was accepted)
         self.left: set[int] = set()
 
     def poll(self) -> None:
@@ -80,9 +91,9 @@ class Liveness:
                 self.left.add(site)
                 continue
             self.left.discard(site)
-            beat = self.store.read(heartbeat_key(self.prefix, site))
-            if beat and (site not in self.seen or self.seen[site][0] != beat):
-                self.seen[site] = (beat, now)
+            stamp = beat_stamp(self.store.read(heartbeat_key(self.prefix, site)))
+            if stamp is not None and (site not in self.seen or stamp > self.seen[site][0]):
+                self.seen[site] = (stamp, now)  # only a newer beat: a replayed older one is no sign of life
 
     def alive(self) -> set[int]:
         now = time.monotonic()

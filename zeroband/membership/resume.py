@@ -16,7 +16,8 @@ from collections.abc import Mapping
 
 import torch.distributed as dist
 
-from zeroband.watchdog import read_by_all, wait_keys
+from zeroband.membership.signed import SignedStore, exchange
+from zeroband.watchdog import read_by_all
 
 log = logging.getLogger(__name__)
 
@@ -44,12 +45,15 @@ def _steps(steps: list[int]) -> str:
     return f"steps {sorted(steps)}" if steps else "no checkpoint"
 
 
-def agree_resume(store: dist.Store, prefix: str, site: int, sites: int, offer: list[int], timeout_s: float) -> int | None:
-    """Publish this site's offer, wait (named, bounded) for every site's, return the agreed step."""
+def agree_resume(store: dist.Store, prefix: str, site: int, sites: int, offer: list[int], timeout_s: float,
+                 key: bytes | None = None) -> int | None:
+    """Publish this site's offer, wait (named, bounded) for every site's, return the agreed step.
+    With a secret (`key`) offers are signed and bound to their key, under this start's own prefix
+    (comm/group.py `incarnation_prefix`): a forged, copied or replayed offer reads as "not yet"."""
     keys = {s: f"{prefix}resume/site{s}" for s in range(sites)}
-    store.set(keys[site], json.dumps(sorted(offer)))
-    wait_keys(store, keys, "resume agreement", timeout_s)
-    offers = {s: json.loads(store.get(k)) for s, k in keys.items()}
+    signed = SignedStore(store, key)
+    values = exchange(signed, keys, site, json.dumps(sorted(offer)), "resume agreement", timeout_s)
+    offers = {s: json.loads(v) for s, v in values.items()}
     try:
         step = decide_resume(offers)
     except ResumeMismatch:

@@ -17,11 +17,14 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import time
+from collections.abc import Mapping
 from datetime import timedelta
 
 import torch.distributed as dist
 
 from zeroband.membership.auth import TrustError, _frame
+from zeroband.watchdog import POLL_S, PeerTimeout, Ticker, _sites
 
 log = logging.getLogger(__name__)
 
@@ -145,3 +148,52 @@ class SealedStore(dist.Store):
 
     def num_keys(self) -> int:
         return self.signed.store.num_keys()
+
+
+class StoreInterference(TrustError):
+    """Someone without the secret keeps forging or deleting this protocol's store values."""
+
+
+REWRITE_LIMIT = 200  # own values re-written in one exchange before the interference is an error
+
+
+def exchange(store: SignedStore, keys: Mapping[int, str], me: int, value: str | bytes, what: str,
+             timeout_s: float, refuse_after_s: float | None = None) -> dict[int, bytes | None]:
+    """Every site's signed value under `keys` (this site's is `value`, as written, never as read
+    back), bounded by `timeout_s`.
+
+    A value that is missing or does not verify reads as "not yet", never as a decision. This site
+    re-writes its own value at every poll where it reads back missing or refused (an outsider
+    deleted or overwrote it), up to REWRITE_LIMIT times, so a forged write only delays its readers.
+    With `refuse_after_s`, a site whose value has failed authentication that long (a site with
+    another secret, or an outsider that keeps overwriting it) is returned as None, for the caller
+    to refuse; a timeout names the keys that held refused values rather than blaming their sites."""
+    raw = value.encode() if isinstance(value, str) else value
+    rewrites, bad_since, start, tick = 0, {}, time.monotonic(), Ticker(what)
+    store.set(keys[me], raw)
+    while True:
+        if store.read(keys[me]) != raw:
+            rewrites += 1
+            if rewrites > REWRITE_LIMIT:
+                raise StoreInterference(f"{what}: store key {keys[me]!r} was deleted or overwritten {REWRITE_LIMIT} "
+                                        "times by a writer without the shared secret; the store is under attack")
+            store.set(keys[me], raw)
+        values = {s: store.read(k) for s, k in keys.items() if s != me}
+        missing, now = {s for s, v in values.items() if v is None}, time.monotonic()
+        for s in missing:  # present but refused: since when (deleted: only "not yet")
+            if store.store.check([keys[s]]):
+                bad_since.setdefault(s, now)
+            else:
+                bad_since.pop(s, None)
+        if not missing or (refuse_after_s is not None and all(now - bad_since.get(s, now) >= refuse_after_s > 0
+                                                               for s in missing)):
+            return {**values, me: raw}
+        if now - start >= timeout_s:
+            forged = sorted(keys[s] for s in missing if s in bad_since)
+            if forged:
+                raise StoreInterference(f"{what}: store keys {forged} hold values without a valid HMAC (written by an "
+                                        "outsider, or by a site without the shared secret)")
+            raise PeerTimeout(f"{what}: {_sites(missing)} did not arrive within {timeout_s:g} s (sites.timeout_s); "
+                              "is it running, with the same sites.store and run name?")
+        tick.tick(_sites(missing))
+        time.sleep(0.01 if now - start < 1.0 else POLL_S)
