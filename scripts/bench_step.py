@@ -123,6 +123,23 @@ def pass_floors(params: list[Any], others: list[Any], group: Any, site: int) -> 
     return {"fused_pass_s": both, "fused_pass_alone_s": alone}
 
 
+def timed_outer_steps(outer: Any, params: list[Any], deltas: list[Any], repeats: int) -> list[dict[str, float]]:
+    """`repeats` outer steps, each after the same fake inner progress (params -= deltas), with their
+    wall, network and CPU times; one warm-up step first (momentum buffers, memory) is left out."""
+    import torch
+
+    steps = []
+    for step in range(repeats + 1):
+        torch._foreach_sub_(params, deltas)
+        cpu0 = os.times()
+        stats = outer.after_inner_step(step, sync_point=True)
+        cpu1 = os.times()
+        steps.append({"outer_step_s": stats.outer_step_s, "allreduce_s": stats.allreduce_s,
+                      "wire_bytes": stats.wire_bytes, "user_s": cpu1.user - cpu0.user,
+                      "sys_s": cpu1.system - cpu0.system, **stats.timings})
+    return steps[1:]
+
+
 def kernels_used() -> str:
     """Which outer-step kernels ran (zeroband/comm/kernels.py): set ZEROBAND_KERNELS=eager to compare."""
     from zeroband.comm.kernels import kernels
@@ -162,16 +179,8 @@ def _outer_site(args: argparse.Namespace) -> dict[str, Any]:
         for threads in args.threads:
             outer.threads = threads  # diloco.outer_threads
             torch.set_num_threads(threads)  # the fused pass below runs with the same threads
-            steps = []
-            for step in range(args.repeats + 1):  # the first one is a warm-up (momentum buffers, memory)
-                torch._foreach_sub_(params, deltas)
-                cpu0 = os.times()
-                stats = outer.after_inner_step(step, sync_point=True)
-                cpu1 = os.times()
-                steps.append({"outer_step_s": stats.outer_step_s, "allreduce_s": stats.allreduce_s,
-                              "wire_bytes": stats.wire_bytes, "user_s": cpu1.user - cpu0.user,
-                              "sys_s": cpu1.system - cpu0.system, **stats.timings})
-            rows.append({"threads": threads, "steps": steps[1:], "numel": sum(p.numel() for p in params),
+            steps = timed_outer_steps(outer, params, deltas, args.repeats)
+            rows.append({"threads": threads, "steps": steps, "numel": sum(p.numel() for p in params),
                          **pass_floors(params, deltas, topology.global_group, site)})
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
         return {"rows": rows, "gpu": name, "kernels": kernels_used()}

@@ -219,7 +219,7 @@ def run_speed(c: dict[str, Any], ctx: dict[str, Any]) -> dict[str, Any]:
 def _outer_site(c: dict[str, Any]) -> dict[str, Any]:
     """One of 2 forked sites: configs/1B.toml's model and [diloco], the outer step timed by part."""
     import torch
-    from bench_step import kernels_used, pass_floors
+    from bench_step import kernels_used, pass_floors, timed_outer_steps
 
     from zeroband.config import load_config
     from zeroband.diloco import DiLoCo
@@ -244,16 +244,8 @@ def _outer_site(c: dict[str, Any]) -> dict[str, Any]:
         outer.start()
         outer.threads = c["threads"]
         torch.set_num_threads(c["threads"])
-        steps = []
-        for step in range(c["repeats"] + 1):  # the first is a warm-up (momentum buffers, memory)
-            torch._foreach_sub_(params, deltas)
-            cpu0 = os.times()
-            stats = outer.after_inner_step(step, sync_point=True)
-            cpu1 = os.times()
-            steps.append({"outer_step_s": stats.outer_step_s, "allreduce_s": stats.allreduce_s,
-                          "wire_bytes": stats.wire_bytes, "user_s": cpu1.user - cpu0.user,
-                          "sys_s": cpu1.system - cpu0.system, **stats.timings})
-        row = {"threads": c["threads"], "steps": steps[1:], "numel": sum(p.numel() for p in params),
+        row = {"threads": c["threads"], "steps": timed_outer_steps(outer, params, deltas, c["repeats"]),
+               "numel": sum(p.numel() for p in params),
                **pass_floors(params, deltas, topology.global_group, site)}
         return {"row": row, "kernels": kernels_used(), "comm_dtype": cfg.diloco.comm_dtype, "piece_mb": cfg.diloco.piece_mb,
                 "outer_device": cfg.diloco.outer_device}

@@ -70,7 +70,7 @@ def _finished_alike(out: dict, tree: dict, steps: int, trained: int) -> None:
     for s in (0, 1):
         assert out[s]["error"] is None, out
         assert (out[s]["steps"], out[s]["trained"]) == (steps, trained), out
-    a, b = final_params(tree, 0, steps), final_params(tree, 1, steps)
+    a, b = final_params(tree, 0, steps, SECRET), final_params(tree, 1, steps, SECRET)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
