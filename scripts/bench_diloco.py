@@ -145,7 +145,7 @@ def _outer_state_rank(overrides: list[str]) -> dict[str, Any]:
         outer = DiLoCo(model, cfg.diloco, topology)
         outer.start()
         # One blocking outer step: the momentum buffers exist only after the first one.
-        outer.after_inner_step(cfg.diloco.inner_steps - 1, sync_point=True)
+        outer.after_inner_step(cfg.diloco.inner_steps, sync_point=True)
         rss_after = vm_rss_mb()
         return {"shard_numel": sum(t.numel() for t in shard), "shard_bytes": sum(t.nbytes for t in shard),
                 "outer_copy_bytes": sum(t.nbytes for t in outer.outer),

@@ -132,7 +132,7 @@ def timed_outer_steps(outer: Any, params: list[Any], deltas: list[Any], repeats:
     for step in range(repeats + 1):
         torch._foreach_sub_(params, deltas)
         cpu0 = os.times()
-        stats = outer.after_inner_step(step, sync_point=True)
+        stats = outer.after_inner_step(step + 1, sync_point=True)
         cpu1 = os.times()
         steps.append({"outer_step_s": stats.outer_step_s, "allreduce_s": stats.allreduce_s,
                       "wire_bytes": stats.wire_bytes, "user_s": cpu1.user - cpu0.user,
@@ -154,8 +154,8 @@ def _outer_site(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from zeroband.config import DilocoConfig
-    from zeroband.diloco import DiLoCo
     from zeroband.mesh import SECRET, init_topology, shutdown
+    from zeroband.outer.diloco import DiLoCo
     from zeroband.world import World
 
     site = int(os.environ["ZEROBAND_SITE_RANK"])

@@ -54,7 +54,7 @@ def _outer_by_hand(store: str, deltas: list[list[float]], momentum: float, neste
     for t, step_delta in enumerate(deltas[site]):
         with torch.no_grad():
             model.weight -= step_delta
-        outer.after_inner_step(t, sync_point=t == len(deltas[site]) - 1)
+        outer.after_inner_step(t + 1, sync_point=t == len(deltas[site]) - 1)
         seen.append(float(model.weight))
     shutdown()
     return seen
@@ -319,7 +319,7 @@ def _retrying_sites(store: str, may_retry: bool) -> dict:
         with torch.no_grad():
             for p in model.parameters():
                 p.sub_(torch.randn(p.shape, generator=gen) * 1e-2)
-        outer.after_inner_step(step, sync_point=True)
+        outer.after_inner_step(step + 1, sync_point=True)
         memory.append((outer.arena, outer.arena.buf.data_ptr(), None if outer.spare is None else outer.spare.data_ptr()))
         params.append([p.detach().clone() for p in model.parameters()])
     honest = diloco_module.reduce_across_sites
@@ -330,7 +330,7 @@ def _retrying_sites(store: str, may_retry: bool) -> dict:
     diloco_module.reduce_across_sites = lost
     kept = outer.arena
     try:
-        outer.after_inner_step(3, sync_point=True)
+        outer.after_inner_step(4, sync_point=True)
     except RuntimeError:
         pass
     diloco_module.reduce_across_sites = honest

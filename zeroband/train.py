@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from zeroband import checkpoint as ckpt
+from zeroband import seams
 from zeroband.checkpointer import Checkpointer, checkpoint_meta, checkpoint_secret, sync_due
 from zeroband.config import Config, ConfigError, dump_config, load_config, warn_allow_unsigned
 from zeroband.data.loader import PackedBatches
@@ -179,10 +180,11 @@ def setup(cfg: Config, world: World, topology: Topology) -> Run:
     optimizer = build_optimizer([p for _, p in named], cfg.optim, [n for n, _ in named])
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
     progress = Progress()
-    outer = build_outer(cfg, model, topology, progress, scheduler)
+    wrap = seams.current()  # what production builds is what the loop gets, unless a test wraps it
+    outer = wrap.outer(build_outer(cfg, model, topology, progress, scheduler), model)
     clock = ComputeClock()
     stateful = {"scheduler": scheduler, "data": train_data, "outer": outer, "progress": progress, "clock": clock}
-    checkpointer = Checkpointer(cfg, ckpt_root, model, optimizer, stateful)
+    checkpointer = wrap.checkpointer(Checkpointer(cfg, ckpt_root, model, optimizer, stateful))
     return Run(cfg, world, topology, model, optimizer, scheduler, train_data, eval_set, val_data.bytes_per_token,
                outer, progress, clock, run_dir, ckpt_root, checkpointer)
 
@@ -344,7 +346,7 @@ def train_loop(run: Run, metrics: MetricsLogger) -> dict[str, Any]:
         window.add(loss, tokens_per_step)
 
         sync_point = sync_due(cfg.checkpoint, progress.step, cfg.train.steps)
-        outer_stats = run.outer.after_inner_step(progress.step - 1, sync_point=sync_point)
+        outer_stats = run.outer.after_inner_step(progress.step, sync_point=sync_point)
         last = run.outer.finished(progress.step, cfg.train.steps)
         if outer_stats is not None:
             metrics.log(progress.step, {**outer_stats.as_dict(), "compute_utilisation": run.clock.utilisation}, "outer")

@@ -27,8 +27,8 @@ def site(args: argparse.Namespace) -> list[tuple[float, float, float, float]]:
     import torch
 
     from zeroband.config import DilocoConfig
-    from zeroband.diloco import DiLoCo
     from zeroband.mesh import SECRET, init_topology, shutdown
+    from zeroband.outer.diloco import DiLoCo
     from zeroband.world import World
 
     s = int(os.environ["ZEROBAND_SITE_RANK"])
@@ -50,11 +50,11 @@ def site(args: argparse.Namespace) -> list[tuple[float, float, float, float]]:
             torch._foreach_sub_(params, deltas)
             time.sleep(args.gap)
             c0, t0 = os.times(), time.perf_counter()
-            stats = outer.after_inner_step(step, sync_point=False)
+            stats = outer.after_inner_step(step + 1, sync_point=False)
             t1, c1 = time.perf_counter(), os.times()
             if stats is not None:
                 rows.append((t1 - t0, stats.allreduce_s, c1.user - c0.user, c1.system - c0.system))
-        outer.after_inner_step(args.boundaries, sync_point=True)
+        outer.after_inner_step(args.boundaries + 1, sync_point=True)
         return rows
     finally:
         shutdown()

@@ -74,7 +74,7 @@ class CrossSiteDataParallel:
         return step >= total_steps
 
     def after_inner_step(self, step: int, sync_point: bool = False) -> OuterStats | None:
-        if (step + 1) % self.cfg.inner_steps:
+        if step % self.cfg.inner_steps:
             return None
         self.reports += 1
         w, self.window = self.window, {"comm_s": 0.0, "payload": 0, "wire": 0, "steps": 0}

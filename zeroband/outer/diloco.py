@@ -255,7 +255,7 @@ class DiLoCo(OverlapRules):
     def after_inner_step(self, step: int, sync_point: bool = False) -> OuterStats | None:
         if not self.clock.tick(step):
             return self._land_in_flight(step) if self.in_flight else None
-        self.boundary_step = step + 1
+        self.boundary_step = step
         self.parts = Parts()
         with torch_threads(self.threads), self.parts.cpu():  # this thread's CPU; the exchange thread adds its own
             if self.cfg.overlap and not sync_point:
