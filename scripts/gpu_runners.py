@@ -149,13 +149,13 @@ def shipped_loops(c: dict[str, Any], setup: Any, topology: Any, ctx: dict[str, A
     from zeroband.data.loader import PackedBatches
     from zeroband.data.tokenizer import TextTokenizer
     from zeroband.step import forward_backward, optimizer_step, settle_step
-    from zeroband.train import setup as train_setup
+    from zeroband.train import build_run
 
     cfg = shipped_config(c, ctx, Path(tempfile.mkdtemp(prefix="gpu-suite-")))
     accum, micro = cfg.grad_accum_steps(1), cfg.train.micro_batch
 
     def zeroband() -> Step:
-        run = train_setup(cfg, topology.world, topology)
+        run = build_run(cfg, topology.world, topology)
 
         def step() -> None:  # the body of zeroband.train.train_loop for a one-site run
             batches = [run.train_data.next_batch(micro) for _ in range(accum)]
@@ -222,9 +222,9 @@ def _outer_site(c: dict[str, Any]) -> dict[str, Any]:
     from bench_step import kernels_used, pass_floors, timed_outer_steps
 
     from zeroband.config import load_config
-    from zeroband.diloco import DiLoCo
     from zeroband.mesh import SECRET, init_topology, shutdown
     from zeroband.models.llama import Llama
+    from zeroband.outer.diloco import DiLoCo
     from zeroband.world import World
 
     site, store = int(os.environ["ZEROBAND_SITE_RANK"]), os.environ["ZEROBAND_BENCH_STORE"]

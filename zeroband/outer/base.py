@@ -129,7 +129,3 @@ class RoundClock:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.rounds = state["rounds"]
-
-
-
-SingleSite = NoOuter  # the old name
