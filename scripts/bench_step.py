@@ -154,7 +154,7 @@ def _outer_site(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from zeroband.config import DilocoConfig
-    from zeroband.mesh import SECRET, init_topology, shutdown
+    from zeroband.mesh import SECRET, fixed_global_group, init_topology, shutdown
     from zeroband.outer.diloco import DiLoCo
     from zeroband.world import World
 
@@ -162,7 +162,8 @@ def _outer_site(args: argparse.Namespace) -> dict[str, Any]:
     store = os.environ["ZEROBAND_BENCH_STORE"]
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     world = World(0, 1, 0, site, 2, device)
-    topology = init_topology(world, store, "bench-step", 120, "gloo", mark=SECRET, secret=b"bench-step-secret")
+    topology = init_topology(world, store, "bench-step", 120, "gloo", secret=b"bench-step-secret")
+    group = fixed_global_group(topology, "bench-step", mark=SECRET)
     try:
         torch.manual_seed(0)  # the same start everywhere (site 0's broadcast makes it so anyway)
         model = torch.nn.Sequential(*[torch.nn.Linear(args.width, args.width, bias=False, device=device)
@@ -172,7 +173,7 @@ def _outer_site(args: argparse.Namespace) -> dict[str, Any]:
         deltas = [torch.randn(p.shape, generator=gen, device=device).mul_(1e-3) for p in params]
         cfg = DilocoConfig(inner_steps=1, comm_dtype=args.wire, piece_mb=args.piece_mb,  # store, timeout: the topology's
                            outer_device=args.outer_device)
-        outer = DiLoCo(model, cfg, topology)
+        outer = DiLoCo(model, cfg, topology, group=group)
         outer.membership.may_retry = args.retry  # what elastic membership sets; its stores are not needed here
         outer.start()
         rows = []
@@ -181,7 +182,7 @@ def _outer_site(args: argparse.Namespace) -> dict[str, Any]:
             torch.set_num_threads(threads)  # the fused pass below runs with the same threads
             steps = timed_outer_steps(outer, params, deltas, args.repeats)
             rows.append({"threads": threads, "steps": steps, "numel": sum(p.numel() for p in params),
-                         **pass_floors(params, deltas, topology.global_group, site)})
+                         **pass_floors(params, deltas, group, site)})
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
         return {"rows": rows, "gpu": name, "kernels": kernels_used()}
     finally:

@@ -98,7 +98,7 @@ def _site(cfg: Config, sites: int, store: dist.Store, full_eval: bool, results: 
             timeout = timedelta(seconds=cfg.sites.timeout_s)
             group = new_global_group(store, f"zeroband/{cfg.name}/sim/", site, sites, timeout, "gloo")
         with sync.lock:
-            run = build_run(cfg, world, Topology(world, None, group, store, timeout_s=cfg.sites.timeout_s))
+            run = build_run(cfg, world, Topology(world, None, store, timeout_s=cfg.sites.timeout_s), group)
         sync.barrier.wait()
         if not full_eval:
             run.eval_set = run.eval_set[:1]

@@ -26,7 +26,7 @@ from zeroband.data.tokenizer import TextTokenizer
 from zeroband.fingerprint import run_fingerprint
 from zeroband.membership.elastic import ElasticMembership
 from zeroband.membership.resume import ResumeMismatch, agree_resume
-from zeroband.mesh import Topology, admission_mark, init_topology, shutdown
+from zeroband.mesh import GlobalGroup, Topology, admission_mark, fixed_global_group, init_topology, shutdown
 from zeroband.metrics import ComputeClock, MetricsLogger, insecure_choices, peak_flops, peak_memory_mb
 from zeroband.models.llama import Llama, flops_per_token, num_params
 from zeroband.optim import build_optimizer, build_scheduler, hyperparameters_kept, lr_factor
@@ -94,19 +94,20 @@ class Schedule:
             group["lr"] = lr
 
 
-def build_outer(cfg: Config, model: torch.nn.Module, topology: Topology, progress: Progress,
-                scheduler: torch.optim.lr_scheduler.LRScheduler) -> Outer:
+def build_outer(cfg: Config, model: torch.nn.Module, topology: Topology, group: GlobalGroup | None,
+                progress: Progress, scheduler: torch.optim.lr_scheduler.LRScheduler) -> Outer:
+    """The outer method of `cfg`; `group`: the fixed global group (None: one site, or elastic)."""
     tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
     if cfg.diloco is None:
         return NoOuter()
     if cfg.diloco.mode == "data_parallel":
-        return CrossSiteDataParallel(model, cfg.diloco, topology)
+        return CrossSiteDataParallel(model, cfg.diloco, topology, group)
 
     def factor(step: int) -> float:  # the inner schedule's multiplier at inner step `step` (0-based)
         return lr_factor(step, cfg.train.steps, cfg.optim)
 
     if not cfg.diloco.elastic:
-        return DiLoCo(model, cfg.diloco, topology, tokens_per_step, lr_factor=factor)
+        return DiLoCo(model, cfg.diloco, topology, tokens_per_step, lr_factor=factor, group=group)
     # A joiner takes the outer state, progress and schedule from a peer, in the round it applies:
     # the run's step is then `progress`, which every member of a round holds alike (rounds of
     # diloco.round_seconds refuse outer_lr_schedule = "inner"), so they take the same outer lr.
@@ -127,20 +128,22 @@ def train(cfg: Config) -> dict[str, Any]:
     if world.rank == 0:
         warn_allow_unsigned(cfg)  # the opt-out's one loud line; recorded in metrics.jsonl too
     with run_dir_lock(site_dirs(cfg, world)[0], world.rank == 0):  # a second run of this name stops here
-        topology = open_topology(cfg, world, secret)
+        topology, group = open_topology(cfg, world, secret)
         try:
-            return run_training(build_run(cfg, world, topology))
+            return run_training(build_run(cfg, world, topology, group))
         finally:
             shutdown()
 
 
-def open_topology(cfg: Config, world: World, secret: bytes | None) -> Topology:
+def open_topology(cfg: Config, world: World, secret: bytes | None) -> tuple[Topology, GlobalGroup | None]:
     """The site mesh; for DiLoCo also the store and (unless elastic: built per generation) the global group."""
     if cfg.diloco is None:  # one site: no store, nothing crosses sites
-        return init_topology(world, None, cfg.name, 600.0, "gloo")
+        return init_topology(world, None, cfg.name, 600.0, "gloo"), None
     s = cfg.sites
-    return init_topology(world, s.store, cfg.name, s.timeout_s, s.backend, host_store=s.host_store,
-                         build_group=not cfg.diloco.elastic, mark=admission_mark(s.secret), secret=secret)
+    topology = init_topology(world, s.store, cfg.name, s.timeout_s, s.backend, host_store=s.host_store, secret=secret)
+    if cfg.diloco.elastic:
+        return topology, None
+    return topology, fixed_global_group(topology, cfg.name, s.backend, admission_mark(s.secret))
 
 
 @dataclass
@@ -162,6 +165,7 @@ class Run:
     run_dir: Path
     ckpt_root: Path
     checkpointer: Checkpointer
+    group: GlobalGroup | None = None  # the fixed global group (None: one site, or elastic)
     run_id: str = ""  # set by resume_or_start: new at a fresh start, the checkpoint's on a resume
     changes: list[ConfigChange] = field(default_factory=list)  # settings a resume changed (resume_rules.py)
 
@@ -177,7 +181,7 @@ def site_dirs(cfg: Config, world: World) -> tuple[Path, Path]:
     return cfg.run_dir / site_part, cfg.checkpoint_dir / site_part
 
 
-def build_run(cfg: Config, world: World, topology: Topology) -> Run:
+def build_run(cfg: Config, world: World, topology: Topology, group: GlobalGroup | None = None) -> Run:
     """The one way to build a run (train, sim, scripts, tests): model, data, inner and outer
     optimizers, checkpointer, each outer object through the seams (zeroband/seams.py)."""
     run_dir, ckpt_root = site_dirs(cfg, world)
@@ -195,12 +199,12 @@ def build_run(cfg: Config, world: World, topology: Topology) -> Run:
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
     progress = Progress()
     wrap = seams.current()  # what production builds is what the loop gets, unless a test wraps it
-    outer = wrap.outer(build_outer(cfg, model, topology, progress, scheduler), model)
+    outer = wrap.outer(build_outer(cfg, model, topology, group, progress, scheduler), model)
     clock = ComputeClock()
     stateful = {"scheduler": scheduler, "data": train_data, "outer": outer, "progress": progress, "clock": clock}
     checkpointer = wrap.checkpointer(Checkpointer(cfg, ckpt_root, model, optimizer, stateful))
     return Run(cfg, world, topology, model, optimizer, scheduler, train_data, eval_set, val_data.bytes_per_token,
-               outer, progress, clock, run_dir, ckpt_root, checkpointer)
+               outer, progress, clock, run_dir, ckpt_root, checkpointer, group)
 
 
 def resume_or_start(run: Run) -> ckpt.CheckpointInfo | None:
@@ -268,7 +272,7 @@ def agreed_checkpoint(run: Run, found: ckpt.CheckpointInfo | None) -> ckpt.Check
     if d is None or d.elastic or store is None:
         return found
     offer = verified_steps(run, found)
-    group = run.topology.global_group  # its prefix is this start's own (mesh.py): old offers are never read
+    group = run.group  # its prefix is this start's own (mesh.py): old offers are never read
     prefix = group.prefix if group else f"zeroband/{run.cfg.name}/shard{world.rank}/"
     step = agree_resume(store, prefix, world.site_rank, world.site_count, offer, run.cfg.sites.timeout_s,
                         group.auth.subkey("resume") if group else None)
