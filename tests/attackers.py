@@ -202,7 +202,7 @@ def tamper_start_broadcast(repeats: int = 48) -> dict:
     from zeroband import seams
 
     report, delta = {}, crc_neutral_delta() * repeats
-    seams.use(seams.Seams(pg=lambda pg: BroadcastTamperer(pg, pg.rank(), delta, report)))
+    seams.use(seams.Seams(pg=lambda pg, rank: BroadcastTamperer(pg, rank, delta, report)))
     return report
 
 

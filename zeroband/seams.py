@@ -33,7 +33,7 @@ def _same(obj: Any, *context: Any) -> Any:
 
 @dataclass(frozen=True)
 class Seams:
-    pg: Callable[[Any], Any] = _same  # (process group) -> process group
+    pg: Callable[[Any, int], Any] = _same  # (process group, this member's rank in it) -> process group
     outer: Callable[[Any, Any], Any] = _same  # (outer, model) -> outer
     checkpointer: Callable[[Any], Any] = _same  # (checkpointer) -> checkpointer
     replace: Callable[[Any, Any], None] = os.replace  # (src, dst): checkpoint seal's rename

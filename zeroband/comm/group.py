@@ -170,7 +170,7 @@ def new_global_group(
         return dist.ProcessGroupGloo(scoped, site_rank, site_count, timeout)
 
     watch.current = "every site (connecting the group)"
-    pg = seams.current().pg(watch.run(build, "rendezvous"))  # as built, unless a test wraps it (zeroband/seams.py)
+    pg = seams.current().pg(watch.run(build, "rendezvous"), site_rank)  # as built, unless a test wraps it (zeroband/seams.py)
     group = GlobalGroup(pg, site_rank, site_count, store, watch, prefix, auth)
     group.rendezvous = sealed  # a Python store must outlive the C++ group that may call it
     return group

@@ -114,7 +114,7 @@ class Injector:
         return [f for f in self.faults if (f.point, f.site) == (point, self.site) and f.rank in (None, self.rank)]
 
     def seams(self) -> seams.Seams:
-        return seams.Seams(pg=lambda pg: FaultyPG(pg, self), outer=lambda outer, model: FaultyOuter(outer, model, self),
+        return seams.Seams(pg=lambda pg, rank: FaultyPG(pg, self), outer=lambda outer, model: FaultyOuter(outer, model, self),
                            checkpointer=lambda saver: FaultyCheckpointer(saver, self), replace=self.replace)
 
 
