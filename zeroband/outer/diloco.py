@@ -67,8 +67,8 @@ from zeroband.comm.timing import Parts
 from zeroband.config import DilocoConfig
 from zeroband.membership.base import NOT_DONE, FixedMembership, Membership
 from zeroband.mesh import Topology
-from zeroband.optim import hyperparameters_kept
 from zeroband.outer.base import OuterStats, RoundClock
+from zeroband.outer.optimizer import OptimizerFactory, OuterSchedule, build_outer_optimizer
 from zeroband.outer.overlap import OverlapRules, Scratch, _InFlight
 from zeroband.outer.placement import OuterCopy, _views, outer_thread_count, torch_threads
 from zeroband.outer.stats import site_stats, tensor_stats
@@ -141,14 +141,6 @@ def verify_identical(tensors: list[torch.Tensor], topology: Topology, when: str)
         )
 
 
-def outer_hyperparameters(cfg: DilocoConfig, outer_step: int, inner_factor: float) -> tuple[float, float]:
-    """Outer lr and momentum of outer step `outer_step` + 1: outer_lr x the inner schedule's factor
-    at the boundary (`outer_lr_schedule = "inner"`), momentum ramped over `outer_momentum_warmup`."""
-    lr = cfg.outer_lr * (inner_factor if cfg.outer_lr_schedule == "inner" else 1.0)
-    ramp = min(1.0, (outer_step + 1) / cfg.outer_momentum_warmup) if cfg.outer_momentum_warmup else 1.0
-    return lr, cfg.outer_momentum * ramp
-
-
 def outer_stats(diloco: DiLoCo, result: ReduceResult, stats: SiteStats, grads: list[torch.Tensor], comm_s: float,
                 total_s: float, overlapped: bool) -> OuterStats:
     """The "outer" metrics record of the step just applied (the norms and crc are site-group reductions)."""
@@ -160,7 +152,7 @@ def outer_stats(diloco: DiLoCo, result: ReduceResult, stats: SiteStats, grads: l
         wire_bytes=result.wire_bytes,
         pseudo_grad_norm=stats.sumsq**0.5,
         avg_pseudo_grad_norm=diloco.site_sum(diloco.applied_sumsq) ** 0.5,
-        outer_lr=diloco.optimizer.param_groups[0]["lr"],
+        outer_lr=diloco.optimizer.applied_lr,
         sites_used=result.sites_used,
         excluded_sites=result.excluded_sites,
         overlapped=overlapped,
@@ -171,22 +163,20 @@ def outer_stats(diloco: DiLoCo, result: ReduceResult, stats: SiteStats, grads: l
 
 class DiLoCo(OverlapRules):
     def __init__(self, model: torch.nn.Module, cfg: DilocoConfig, topology: Topology, tokens_per_step: int = 0,
-                 lr_factor: Callable[[int], float] | None = None, membership: Membership | None = None) -> None:
+                 lr_factor: Callable[[int], float] | None = None, membership: Membership | None = None,
+                 optimizer: OptimizerFactory | None = None) -> None:
         """`membership` says who takes part in each round; by default every site, on the fixed
         `topology.global_group` (zeroband/membership/). `lr_factor(step)` is the inner schedule's
-        multiplier (used by `outer_lr_schedule = "inner"`)."""
+        multiplier (used by `outer_lr_schedule = "inner"`). `optimizer(params)` builds the outer
+        optimizer (any torch optimizer) instead of `diloco.outer_optimizer`."""
         self.cfg = cfg
         self.topology = topology
         self.membership = membership or FixedMembership(topology, topology.timeout_s)
         self.local = [local_shard(p) for p in model.parameters()]
         self.copy = OuterCopy(self.local, cfg)
         self.outer, self.outer_device = self.copy.tensors, self.copy.device
-        # holds the outer optimizer's settings and state; its step is OuterCopy.step (torch's fused SGD, or
-        # comm/kernels.py's with the same bits, which also writes the local shard in the same pass)
-        self.optimizer = torch.optim.SGD(
-            self.outer, lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=cfg.nesterov and cfg.outer_momentum > 0,
-            fused=True,
-        )
+        self.optimizer = build_outer_optimizer(self.copy, cfg, optimizer)  # zeroband/outer/optimizer.py
+        self.schedule = OuterSchedule(cfg, lr_factor)
         self.threads = outer_thread_count(cfg.outer_threads, len(os.sched_getaffinity(0)),
                                           int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         self.parts = Parts()  # the current outer step's timers
@@ -199,7 +189,6 @@ class DiLoCo(OverlapRules):
         self.in_flight: _InFlight | None = None
         self.scratch = Scratch()  # the overlapped boundary's reused memory
         self.clock = RoundClock(cfg, tokens_per_step)
-        self.lr_factor = lr_factor or (lambda step: 1.0)
         self.boundary_step = 0  # inner steps done at the current boundary
         self.membership.register_state_dict_fn("outer", self.load_shared_state_dict, self.shared_state_dict,
                                                self.checksum_tensors)
@@ -245,8 +234,7 @@ class DiLoCo(OverlapRules):
         return digest48(self.checksum_tensors(), group.auth if group is not None else NO_AUTH)
 
     def checksum_tensors(self) -> list[torch.Tensor]:
-        bufs = [self.optimizer.state.get(o, {}).get("momentum_buffer") for o in self.outer]
-        return self.outer + [b for b in bufs if b is not None]
+        return self.outer + self.optimizer.state_tensors()
 
     # ------------------------------------------------------------------ the outer step
     def finished(self, step: int, total_steps: int) -> bool:
@@ -343,12 +331,9 @@ class DiLoCo(OverlapRules):
                 with self.parts("h2d"):
                     self.copy.to_local()
             return
-        group = self.optimizer.param_groups[0]
-        group["lr"], momentum = outer_hyperparameters(self.cfg, self.outer_step, self.lr_factor(self.boundary_step - 1))
-        if self.cfg.outer_momentum_warmup:
-            group["momentum"] = momentum
         grads = self.copy.on_outer_device(grads, self.parts)
-        self.copy.step(self.optimizer, grads, self.parts, into_local)
+        self.optimizer.step(self.copy, grads, self.schedule.at(self.outer_step, self.boundary_step), self.parts,
+                            into_local)
         self.outer_step += 1
 
     def site_sum(self, value: float) -> float:
@@ -377,8 +362,7 @@ class DiLoCo(OverlapRules):
     def load_shared_state_dict(self, state: dict[str, Any]) -> None:
         for o, saved in zip(self.outer, state["outer"], strict=True):
             o.copy_(saved)
-        with hyperparameters_kept(self.optimizer):  # a resume's new outer_momentum / nesterov apply
-            self.optimizer.load_state_dict(state["optimizer"])
+        self.optimizer.load_state_dict(state["optimizer"])  # a resume's new outer settings apply
         self.outer_step = state["outer_step"]
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -46,24 +46,6 @@ class _InFlight:
 
 
 
-def outer_preview(theta: torch.Tensor, buf: torch.Tensor | None, d: torch.Tensor, lr: float, momentum: float,
-                  nesterov: bool, out: torch.Tensor | None = None, scratch: torch.Tensor | None = None) -> torch.Tensor:
-    """Where torch's SGD (dampening 0, no weight decay) would move `theta` with gradient `d`, leaving
-    its state alone: buf' = momentum * buf + d; step = d + momentum * buf' (Nesterov) or buf'.
-    Written into `out`, with `scratch` for buf' (both like theta, aliasing none of the inputs;
-    fresh when not given): the same operations in the same order as the formulas, so the same bits
-    (additions commute exactly), without a full-size temporary per operation."""
-    out = torch.empty_like(theta) if out is None else out
-    if momentum == 0:
-        return torch.sub(theta, torch.mul(d, lr, out=out), out=out)
-    if buf is None:
-        new_buf = d
-    else:
-        new_buf = torch.mul(buf, momentum, out=torch.empty_like(theta) if scratch is None else scratch).add_(d)
-    step = torch.mul(new_buf, momentum, out=out).add_(d) if nesterov else out.copy_(new_buf)
-    return torch.sub(theta, step.mul_(lr), out=out)
-
-
 def estimate_weight(rule: str, sites: int) -> float | None:
     """How much of its own fresh pseudo-gradient a site previews while the average is in flight:
     "eager" all of it, "eager_share" its 1/n share, "delayed" none (no preview: None)."""
@@ -128,12 +110,10 @@ class OverlapRules:
         """Eager rules, step 5: local <- the outer step previewed on weight x this site's d_k. In reused
         scratch memory (or straight into a host fp32 shard): a fresh temporary per operation was a page
         fault per 4 KB, most of the overlapped boundary's time."""
-        group = self.optimizer.param_groups[0]
         for t, o, d in zip(self.local, self.outer, fresh):
-            buf = self.optimizer.state.get(o, {}).get("momentum_buffer")
             est = torch.mul(d, weight, out=self.scratch.take(0, o)) if weight != 1.0 else d
             out = t if in_place_ok(t, o) else self.scratch.take(1, o)
-            outer_preview(o, buf, est, group["lr"], group["momentum"], group["nesterov"], out, self.scratch.take(2, o))
+            self.optimizer.preview(o, est, out, self.scratch.take(2, o))
             if out is not t:
                 t.copy_(out)
 
