@@ -63,7 +63,7 @@ def init_site_group(world: World, timeout: timedelta) -> None:
 
 def init_topology(
     world: World, store_address: str | None, run_name: str, timeout_s: float, backend: str, host_store: bool = True,
-    build_group: bool = True, mark: str = OPEN, secret: bytes | None = None,
+    build_group: bool = True, mark: str = OPEN, secret: bytes | None = None, streams: int = 1,
 ) -> Topology:
     """The site mesh, and (for DiLoCo) the store plus, unless `build_group` is False, the fixed global group."""
     timeout = timedelta(seconds=timeout_s)
@@ -80,7 +80,7 @@ def init_topology(
             prefix = incarnation_prefix(store, f"zeroband/{run_name}/shard{world.rank}/start/", world.site_rank,
                                         world.site_count, timeout_s, auth.subkey("arrive"))
             group = new_global_group(store, prefix, world.site_rank, world.site_count, timeout, backend, mark=mark,
-                                     auth=auth)
+                                     auth=auth, streams=streams)
     return Topology(world, mesh, group, store, secret, timeout_s=timeout_s)
 
 

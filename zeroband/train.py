@@ -123,7 +123,7 @@ def train(cfg: Config) -> dict[str, Any]:
         topology = init_topology(world, s.store if d else None, cfg.name, s.timeout_s if d else 600.0,
                                  s.backend if d else "gloo", host_store=s.host_store if d else False,
                                  build_group=not (d and d.elastic), mark=admission_mark(s.secret if d else None),
-                                 secret=secret)
+                                 secret=secret, streams=s.streams if d else 1)
         try:
             return _train(cfg, world, topology)
         finally:
