@@ -33,7 +33,6 @@ this layer only decides who may hold a connection.
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import hmac
 import logging
 import os
@@ -330,7 +329,7 @@ def _recv_into(sock: socket.socket, view: memoryview) -> None:
     while got < len(view):
         n = sock.recv_into(view[got:])
         if n == 0:
-            raise TransportError("connection closed")
+            raise TransportError("closed by the peer")
         got += n
 
 
@@ -388,7 +387,7 @@ class _Peer:
                     sock.sendall(view)
                 work.part_done()
             except OSError as e:
-                self.fail(TransportError(f"connection to site {self.rank} failed: {e}"))
+                self.fail(TransportError(f"connection to site {self.rank}: {e}"))
                 work.fail(self.error)
 
     def _recv_loop(self, k: int) -> None:
@@ -399,14 +398,14 @@ class _Peer:
                 tag, total = HEADER.unpack(header)
                 r = self._match(k, tag)
                 if total > len(r.view) or r.total not in (-1, total):
-                    raise TransportError(f"site {self.rank} sent a message of {total} bytes for tag {tag} where "
-                                         f"{len(r.view)} bytes were expected")
+                    raise TransportError(f"a message of {total} bytes for tag {tag} where {len(r.view)} bytes "
+                                         "were expected")
                 r.total = total
                 offset, length = slices(total, self.streams)[k]
                 _recv_into(sock, r.view[offset : offset + length])
                 r.work.part_done()
         except (OSError, TransportError) as e:
-            self.fail(e if isinstance(e, TransportError) else TransportError(f"connection to site {self.rank}: {e}"))
+            self.fail(TransportError(f"connection to site {self.rank}: {e}"))
 
     def _match(self, k: int, tag: int) -> _Recv:
         """The receive this stream's next slice of `tag` belongs to; waits until it is posted (the
@@ -478,7 +477,7 @@ class Transport:
         admit = weakref.WeakMethod(self._admit)
         self.acceptor = _Acceptor(host or listen_host(), self.key, rank, size, streams,
                                   lambda *a: (admit() or _refuse)(*a))
-        self.address = "%s:%d" % self.acceptor.address
+        self.address = "{}:{}".format(*self.acceptor.address)
         self.close = weakref.finalize(self, _close_all, self.acceptor, self.peers, self.accepted)
 
     def _admit(self, src: int, stream: int, sock: socket.socket) -> None:
