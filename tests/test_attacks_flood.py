@@ -6,11 +6,12 @@ attacker process, holding no secret, finds every listening TCP port of the site 
 listener kept an fd for each and died of `accept: Too many open files`, SIGABRT), then 600
 connections that send 1 byte and stall, held open until the run ends.
 
-Ports in scope: every listener of the site processes except the coordination store's, i.e. each
-site's transport listener (zeroband/comm/transport.py). Out of scope here: the coordination store
-(hosted by site 0 in this run; flooding it is the store guard's test, zeroband/membership/guard.py)
-and the site-internal ones: torchrun's store and the intra-site gloo group, which exist only with
-more than one rank per site and bind loopback (`zeroband launch`; test_exposure.py checks that).
+Each site has its own public address here (127.0.0.2, 127.0.0.3: ZEROBAND_TRANSPORT_HOST), and its
+internal listeners stay on 127.0.0.1 (GLOO_SOCKET_IFNAME=lo). Ports in scope: every listener of
+the site processes on a public address, i.e. each site's transport listener (zeroband/comm/
+transport.py). Out of scope: the site-internal ones on loopback (the intra-site gloo group, which
+listens even with one rank; torchrun's store with several), and the coordination store (hosted by
+site 0 in this run; flooding it is the store guard's test, zeroband/membership/guard.py).
 
 The attacker keeps its connections open up to its RLIMIT_NOFILE (raised to the hard limit, 20,000
 here): the 8-byte connections go in waves of WAVE, each closed before the next, so 40,000 never sit
@@ -68,10 +69,10 @@ def _wait_for(path: Path, timeout_s: float) -> None:
 
 
 # ---------------------------------------------------------------------------- the attacker
-def _attack(parent: int, store_port: int, sites: int, stages: str, report: mp.Queue) -> None:
+def _attack(parent: int, sites: int, stages: str, report: mp.Queue) -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    ports = _site_ports(parent, store_port, sites)
+    ports = _site_ports(parent, sites)
     Path(stages, STAGES[0]).touch()
     start, results, threads = time.monotonic(), {}, []
     for port in ports:  # one thread per port: every port flooded at once
@@ -87,26 +88,27 @@ def _attack(parent: int, store_port: int, sites: int, stages: str, report: mp.Qu
     time.sleep(600)  # holds the stalled connections until the test ends this process
 
 
-def _site_ports(parent: int, store_port: int, sites: int) -> list[int]:
-    """Every listening port of the site processes but the store's, once each site has one."""
+def _site_ports(parent: int, sites: int) -> list[tuple[str, int]]:
+    """Every listener of the site processes on a public address (not 127.0.0.1), once each site has one."""
     me, deadline = os.getpid(), time.monotonic() + 60
     while time.monotonic() < deadline:
         pids = process_tree(parent) - {me, parent}
-        ports = sorted({int(a.rsplit(":", 1)[1]) for a, _ in listeners(pids)} - {store_port})
+        found = [a.rsplit(":", 1) for a, _ in listeners(pids)]
+        ports = sorted((host, int(port)) for host, port in found if host != "127.0.0.1")
         if len(ports) >= sites:
             return ports
         time.sleep(0.05)
     raise TimeoutError("the sites never opened their transport listeners")
 
 
-def _flood(port: int) -> dict:
+def _flood(port: tuple[str, int]) -> dict:
     """FLOOD connections that each send 8 bytes; kept open in waves of WAVE."""
     made = failed = 0
     while made + failed < FLOOD:
         wave = []
         for _ in range(min(WAVE, FLOOD - made - failed)):
             try:
-                s = socket.create_connection(("127.0.0.1", port), timeout=1.0)
+                s = socket.create_connection(port, timeout=1.0)
                 s.send(b"\x00\x01\x02\x03\x04\x05\x06\x07")
                 wave.append(s)
                 made += 1
@@ -117,11 +119,11 @@ def _flood(port: int) -> dict:
     return {"made": made, "failed": failed}
 
 
-def _stall(port: int) -> list[socket.socket]:
+def _stall(port: tuple[str, int]) -> list[socket.socket]:
     held = []
     for _ in range(STALLED):
         try:
-            s = socket.create_connection(("127.0.0.1", port), timeout=1.0)
+            s = socket.create_connection(port, timeout=1.0)
             s.send(b"Z")
             held.append(s)
         except OSError:
@@ -139,15 +141,16 @@ def test_sites_keep_training_through_connection_floods_on_every_port(corpus, tmp
     tree["sites"] = {"store": f"tcp://127.0.0.1:{store_port}", "timeout_s": 60, "streams": 2}
     ctx = mp.get_context("fork")
     report: mp.Queue = ctx.Queue()
-    attacker = ctx.Process(target=_attack, args=(os.getpid(), store_port, 2, str(stages), report), daemon=True)
+    attacker = ctx.Process(target=_attack, args=(os.getpid(), 2, str(stages), report), daemon=True)
     attacker.start()
     try:
-        out = run_sites(_paced_train, 2, 1, (tree, str(stages)), env={"ZEROBAND_SECRET": SECRET,
-                                                                      "GLOO_SOCKET_IFNAME": "lo"}, timeout=110)
+        out = run_sites(_paced_train, 2, 1, (tree, str(stages)), env={"ZEROBAND_SECRET": SECRET, "GLOO_SOCKET_IFNAME": "lo"},
+                        site_env={s: {"ZEROBAND_TRANSPORT_HOST": f"127.0.0.{2 + s}"} for s in (0, 1)}, timeout=110)
         seen = report.get(timeout=10)
     finally:
         attacker.kill()
-    assert len(seen["ports"]) == 2 and seen["stalled"] >= STALLED, seen  # both sites' listeners, 600 each
+    assert [h for h, _ in seen["ports"]] == ["127.0.0.2", "127.0.0.3"], seen  # each site's transport listener
+    assert seen["stalled"] >= 2 * STALLED * 0.95, seen
     assert all(r["made"] + r["failed"] == FLOOD and r["made"] >= FLOOD // 2 for r in seen["flood"].values()), seen
     assert [out[(s, 0)]["steps"] for s in (0, 1)] == [8, 8]
     a, b = final_params(tree, 0, 8, SECRET), final_params(tree, 1, 8, SECRET)

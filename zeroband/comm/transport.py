@@ -106,9 +106,16 @@ def slices(total: int, streams: int) -> list[tuple[int, int]]:
     return [(bounds[k], bounds[k + 1] - bounds[k]) for k in range(streams)]
 
 
+HOST_ENV = "ZEROBAND_TRANSPORT_HOST"
+
+
 def listen_host() -> str:
-    """The address cross-site groups listen on: the interface named by GLOO_SOCKET_IFNAME (the
-    setting launchers and the WAN emulator already give), else the host name's address, as gloo did."""
+    """The address cross-site groups listen on: ZEROBAND_TRANSPORT_HOST (an address of this host);
+    else the interface named by GLOO_SOCKET_IFNAME (the setting launchers and the WAN emulator
+    already give); else the host name's address, as gloo did. Setting the first lets the
+    intra-site gloo group (GLOO_SOCKET_IFNAME) stay on loopback or the site's own network."""
+    if os.environ.get(HOST_ENV):
+        return os.environ[HOST_ENV]
     name = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0]
     if not name:
         return socket.gethostbyname(socket.gethostname())
@@ -146,8 +153,10 @@ class Work:
                 self.done.set()
 
     def fail(self, error: BaseException) -> None:
-        self.error = self.error or error
-        self.done.set()
+        with self.lock:
+            if not self.done.is_set():  # a completed work stays completed
+                self.error = error
+                self.done.set()
 
     def is_completed(self) -> bool:
         return self.done.is_set()
@@ -391,7 +400,7 @@ class _Peer:
                 work.fail(self.error)
 
     def _recv_loop(self, k: int) -> None:
-        sock, header = self.socks[k], bytearray(HEADER.size)
+        sock, header, r = self.socks[k], bytearray(HEADER.size), None
         try:
             while True:
                 _recv_into(sock, memoryview(header))
@@ -404,8 +413,11 @@ class _Peer:
                 offset, length = slices(total, self.streams)[k]
                 _recv_into(sock, r.view[offset : offset + length])
                 r.work.part_done()
+                r = None
         except (OSError, TransportError) as e:
             self.fail(TransportError(f"connection to site {self.rank}: {e}"))
+            if r is not None:  # claimed by this stream, so no longer among the posted ones `fail` ends
+                r.work.fail(self.error)
 
     def _match(self, k: int, tag: int) -> _Recv:
         """The receive this stream's next slice of `tag` belongs to; waits until it is posted (the
