@@ -11,7 +11,7 @@ internal listeners stay on 127.0.0.1 (GLOO_SOCKET_IFNAME=lo). Ports in scope: ev
 the site processes on a public address, i.e. each site's transport listener (zeroband/comm/
 transport.py). Out of scope: the site-internal ones on loopback (the intra-site gloo group, which
 listens even with one rank; torchrun's store with several), and the coordination store (hosted by
-site 0 in this run; flooding it is the store guard's test, zeroband/membership/guard.py).
+site 0 in this run; flooding it is the store guard's test, zeroband/store/guard.py).
 
 The attacker keeps its connections open up to its RLIMIT_NOFILE (raised to the hard limit, 20,000
 here): the 8-byte connections go in waves of WAVE, each closed before the next, so 40,000 never sit

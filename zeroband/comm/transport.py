@@ -26,7 +26,7 @@ After setup every message is framed as (tag, total bytes) + payload; the receive
 larger than the buffer it posted (no allocation sized by the peer). Matching is gloo's: FIFO per
 (peer, tag). With `streams` > 1 a message is cut into contiguous slices (`slices`), slice k sent
 on stream k and written into the receiver's buffer at its offset: the same bytes arrive, so the
-results are bitwise those of one stream. Message contents are sealed end to end by comm/mac.py;
+results are bitwise those of one stream. Message contents are sealed end to end by trust/mac.py;
 this layer only decides who may hold a connection.
 """
 

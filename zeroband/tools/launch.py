@@ -86,7 +86,7 @@ def site_network(sites: int, wan: WanLink | None) -> Iterator[tuple[str, Callabl
 @contextmanager
 def store_process(where: list, wrap: Callable[[list[str]], list[str]], timeout_s: float = 60.0) -> Iterator[subprocess.Popen]:
     host, port = where
-    cmd = wrap([sys.executable, "-m", "zeroband.membership.store_server", "--host", str(host), "--port", str(port)])
+    cmd = wrap([sys.executable, "-m", "zeroband.store.server", "--host", str(host), "--port", str(port)])
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         _wait_for_line(proc, "store listening", timeout_s)
@@ -502,7 +502,7 @@ def local_secret_env(cfg: Config) -> tuple[dict[str, str], Path | None]:
     made once (random, mode 0600) and reused by every later launch of the run, so its signed
     checkpoints still verify on resume. It travels in the environment only (never argv, no log)."""
     from zeroband.config import ConfigError, read_secret_file
-    from zeroband.membership.auth import SECRET_ENV, optional_secret
+    from zeroband.trust.auth import SECRET_ENV, optional_secret
 
     if cfg.sites.insecure or optional_secret(cfg.sites.secret) is not None:
         return {}, None

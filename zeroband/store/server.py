@@ -1,6 +1,6 @@
 """A standalone TCP coordination store, so that no training site hosts it.
 
-    python -m zeroband.membership.store_server --port 29600 [--host 127.0.0.1]
+    python -m zeroband.store.server --port 29600 [--host 127.0.0.1]
 
 `zeroband launch` starts one beside the sites (inside site 0's network namespace under WAN
 emulation, but as its own process), so killing any site, site 0 included, leaves the store up.
@@ -16,7 +16,7 @@ import signal
 import time
 from datetime import timedelta
 
-from zeroband.membership.store import host_tcp_store
+from zeroband.store.client import host_tcp_store
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,7 +14,7 @@ this guard owns the public one:
 - forwarded pairs are plain byte pipes (the store protocol is untouched).
 
 One thread, `selectors`; store traffic is small (keys, counters), so a Python hop costs little.
-It runs in a process of its own (`python zeroband/membership/guard.py`, stdlib only, exits when
+It runs in a process of its own (`python zeroband/store/guard.py`, stdlib only, exits when
 its parent does): some c10d client calls (`list_keys`) hold the GIL while they block, so a guard
 thread in the same process as such a client would wait for it forever.
 """

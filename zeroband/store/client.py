@@ -21,7 +21,7 @@ from urllib.parse import urlparse
 
 import torch.distributed as dist
 
-from zeroband.membership.etcd import EtcdStore, StoreUnavailable, parse_endpoints
+from zeroband.store.etcd import EtcdStore, StoreUnavailable, parse_endpoints
 
 DEFAULT_ETCD_PREFIX = "zeroband"
 _GUARDS: list[subprocess.Popen] = []  # a hosted store's guard lives as long as the process
@@ -81,7 +81,7 @@ def _tcp_store(address: str, is_host: bool, timeout: timedelta) -> dist.TCPStore
 
 def host_tcp_store(host: str, port: int, timeout: timedelta) -> dist.TCPStore:
     """A TCPStore server on an ephemeral loopback port, reached through a StoreGuard on host:port
-    (membership/guard.py: idle connections cannot lock the server up). Returns the server's client.
+    (store/guard.py: idle connections cannot lock the server up). Returns the server's client.
     Call it from a thread that lives as long as the store: the guard dies with it (PR_SET_PDEATHSIG)."""
     # BoundTCPStore: c10d's own server would listen on every interface, bypassing the guard.
     server = BoundTCPStore("127.0.0.1", 0, is_master=True, timeout=timeout, wait_for_workers=False, use_libuv=True)
