@@ -81,7 +81,8 @@ def _reduce_per_streams(port: int) -> dict:
     out = {}
     for streams in (1, 4):
         group = group if streams == 1 else _group(port, "four/", 4, group.store)[0]
-        t = [torch.randn(600_000, generator=torch.Generator().manual_seed(site)), torch.randn(7)]
+        gen = torch.Generator().manual_seed(site)
+        t = [torch.randn(600_000, generator=gen), torch.randn(7, generator=gen)]
         all_reduce_dense(t, group, "fp16", 0.5, 1 << 20)
         out[streams] = t
     return out
