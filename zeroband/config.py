@@ -369,6 +369,9 @@ class SitesConfig(Section):
     site_count: int | None = Field(None, gt=0)
     backend: Literal["gloo", "nccl"] = "gloo"
     timeout_s: float = Field(600.0, gt=0)
+    # Connections per peer pair of the cross-site transport (comm/transport.py): a large message is
+    # cut into this many slices sent at once, to fill a long fat link; the bytes and results are the same.
+    streams: int = Field(1, ge=1, le=64)
 
     @model_validator(mode="before")
     @classmethod

@@ -273,7 +273,7 @@ class ElasticMembership:
                              self.fingerprint, timeout)
         auth = self.auth.for_session(prefix.encode(), admitted.nonces)  # this generation's key only
         self.group = new_global_group(self.topology.store, prefix, index, len(decision.members), timeout,
-                                      self.sites.backend, self.watch, mark, auth)
+                                      self.sites.backend, self.watch, mark, auth, self.sites.streams)
         self.generation, self.members = decision.generation, decision.members
 
     def _watched(self, decision: Decision, attempt: int, work: Callable[[], Any]) -> Any:
