@@ -311,6 +311,10 @@ class SitesConfig(Section):
     site_count: int | None = Field(None, gt=0)
     backend: Literal["gloo", "nccl"] = "gloo"
     timeout_s: float = Field(600.0, gt=0)
+    # A wait's bound from the measured link (zeroband/comm/link.py wait_bound): wait_factor x the
+    # payload's transfer time + a few RTTs, never under timeout_floor_s nor over timeout_s.
+    timeout_floor_s: float = Field(10.0, gt=0)
+    wait_factor: float = Field(3.0, ge=1)
 
     @model_validator(mode="before")
     @classmethod
@@ -325,6 +329,9 @@ class SitesConfig(Section):
             raise ValueError(f"site_rank={self.site_rank} must be < site_count={self.site_count}")
         if not (self.store.startswith("tcp://") and ":" in self.store[6:]) and not self.store.startswith("etcd://"):
             raise ValueError(f"store={self.store!r} must look like tcp://host:port or etcd://h1:p1,h2:p2,h3:p3")
+        if self.timeout_floor_s > self.timeout_s:
+            raise ValueError(f"timeout_floor_s={self.timeout_floor_s:g} must be <= timeout_s={self.timeout_s:g}: "
+                             "lower sites.timeout_floor_s or raise sites.timeout_s")
         return self
 
 
