@@ -41,6 +41,7 @@ MAX_STREAMS = 16  # more streams per peer buy nothing a bigger window would not,
 LINUX_WMEM_MAX = 4 << 20  # Linux's default tcp_wmem maximum: the fallback where /proc is unreadable
 LINUX_RMEM_MAX = 6 << 20  # Linux's default tcp_rmem maximum
 SNDBUF_IN_FLIGHT_NUM, SNDBUF_IN_FLIGHT_DEN = 2, 3  # the part of the send buffer in flight (kernel_window)
+DEFAULT_WINDOW = LINUX_WMEM_MAX * SNDBUF_IN_FLIGHT_NUM // SNDBUF_IN_FLIGHT_DEN  # kernel_window on Linux's defaults
 WAIT_RTTS = 4  # round trips every wait adds to its transfer time (see wait_bound)
 
 
@@ -49,7 +50,7 @@ class Link:
     rtt_s: float  # round trip between the two sites
     rate_bps: float  # the link's rate (what the sender's uplink can carry), bits per second
     streams: int = 1  # TCP connections per peer pair
-    window_bytes: int = LINUX_WMEM_MAX * SNDBUF_IN_FLIGHT_NUM // SNDBUF_IN_FLIGHT_DEN  # bytes one stream keeps in flight at most (kernel_window)
+    window_bytes: int = DEFAULT_WINDOW  # bytes one stream keeps in flight at most (kernel_window)
 
     @property
     def bdp_bytes(self) -> float:
