@@ -110,7 +110,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     p.add_argument("--dp-steps", type=int, default=4, help="data-parallel steps per reported round")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 64)")
     p.add_argument("--batch", type=int, default=2, help="sequences per step per site")
-    p.add_argument("--sweep-rates", default=None, help="Mbit/s list for the sweep rows (default 10,100; the TUN forwarder tops out near 1000)")
+    p.add_argument("--sweep-rates", default=None, help="Mbit/s list for the sweep rows (default 10,100; --ceiling shows what the TUN forwarder carries)")
     p.add_argument("--rows", default=None, help="comma-separated row names to run (default all)")
     p.add_argument("--quick", action="store_true", help="debug model, tiny steps, 2 rows (CI smoke test)")
     p.add_argument("--no-pin-cpus", dest="pin_cpus", action="store_false",

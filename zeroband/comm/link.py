@@ -171,8 +171,10 @@ class LinkProbe:
 
     def record(self, payload_bytes: float | None = None, factor: float = 3.0, floor_s: float = 10.0,
                ceiling_s: float = 600.0) -> dict[str, Any]:
-        """Fields of a `link` metrics record (MetricsLogger.log(step, record, kind="link")): the
-        measurement, the streams it would choose, and with a payload the wait bound it derives."""
+        """Fields of a `link` metrics record: the measurement, the streams it would choose, and with a
+        payload the wait bound it derives. The transport, after each admission:
+            rec = result.record(payload, s.wait_factor, s.timeout_floor_s, s.timeout_s)  # s = cfg.sites
+            logger.log(step, {"peer": peer, "generation": gen, **rec}, kind="link")"""
         rec: dict[str, Any] = {
             "rtt_ms": 1e3 * self.rtt_s, "rtt_min_ms": 1e3 * self.rtt_min_s, "pings": self.pings,
             "streams": self.streams, "window_bytes": self.window_bytes, "probe_bytes": self.bytes,
