@@ -615,7 +615,7 @@ def ceiling_markdown(rows: list[dict[str, Any]]) -> str:
         "### Emulator ceiling", (
             f"What the TUN backend (user-space forwarder, MTU {rows[0]['mtu']}) carries on this machine: "
             "zeroband.comm.link's probe (5 authenticated pings, then a timed transfer on every stream) from site 1 to "
-            f"site 0. Most seen: {free['steady_mbit']:.0f} Mbit/s on {free['streams']} streams at "
+            f"site 0. Most seen: {free['steady_mbit']:.0f} Mbit/s on {free['streams']} stream(s) at "
             f"{free['rtt_ms']:.0f} ms RTT. At {CEILING_RTT_MS:g} ms each stream is window-bound (the model column: "
             "min(rate, streams x window / RTT)), so the forwarder is not what limits a 500 Mbit/s link there; "
             "enough streams are. Steady = the transfer's second half; mean includes slow start. Regenerate "
