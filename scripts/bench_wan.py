@@ -2,6 +2,7 @@
 
     flock /tmp/zeroband-bench.lock python scripts/bench_wan.py --out benchmarks  # full run, ~19 min
     python scripts/bench_wan.py --quick --out /tmp/wan                      # CI smoke test, < 60 s
+    flock /tmp/zeroband-bench.lock python scripts/bench_wan.py --ceiling --out benchmarks  # emulator ceiling, ~1 min
 
 Every row is a real multi-site run: S torchrun jobs (`zeroband.tools.launch.launch_sites`), each site in
 its own network namespace behind a fresh emulated link (`WanLink`: per-site uplink rate, one-way
@@ -55,8 +56,9 @@ from bench_common import (
     write_outputs,
 )
 
+from zeroband.comm.link import Link, kernel_window, streams_for, throughput
 from zeroband.tools.launch import WanLink, launch_sites
-from zeroband.tools.plan import PlanInput, predict, predict_data_parallel, ring_factor
+from zeroband.tools.plan import ring_factor, wan_prediction
 
 CONFIG = str(REPO / "configs/demo_diloco.toml")
 # Inside a namespace without DNS, c10d warns that it cannot resolve a hostname; launch's store process
@@ -108,7 +110,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     p.add_argument("--dp-steps", type=int, default=4, help="data-parallel steps per reported round")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 64)")
     p.add_argument("--batch", type=int, default=2, help="sequences per step per site")
-    p.add_argument("--sweep-rates", default=None, help="Mbit/s list for the sweep rows (default 10,100; the TUN forwarder tops out near 1000)")
+    p.add_argument("--sweep-rates", default=None, help="Mbit/s list for the sweep rows (default 10,100; --ceiling shows what the TUN forwarder carries)")
     p.add_argument("--rows", default=None, help="comma-separated row names to run (default all)")
     p.add_argument("--quick", action="store_true", help="debug model, tiny steps, 2 rows (CI smoke test)")
     p.add_argument("--no-pin-cpus", dest="pin_cpus", action="store_false",
@@ -117,6 +119,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     p.add_argument("--timeout", type=float, default=900, help="seconds per run")
     p.add_argument("--raw", type=Path, default=None, help="also dump every run's records and counter samples here")
     p.add_argument("--from-raw", type=Path, default=None, help="re-analyse a --raw dump instead of running")
+    p.add_argument("--ceiling", action="store_true",
+                   help="only measure what the emulator carries (link probes, no training); other rows kept")
+    p.add_argument("--ceiling-seconds", type=float, default=3.0, help="timed transfer per --ceiling probe")
     args, extra = p.parse_known_args(argv)
     return _defaults(args), extra
 
@@ -357,20 +362,11 @@ def chatter_rate(args: argparse.Namespace, runs: list[dict[str, Any]]) -> float:
     return statistics.median(rates) if rates else 0.0
 
 
-def predicted(args: argparse.Namespace, m: dict[str, Any]) -> dict[str, Any]:
-    """zeroband.tools.plan's prediction for this row, from the measured compute per step."""
-    # tcp_ramp off: the emulator sets tcp_slow_start_after_idle=0 in every site namespace, so the
-    # steady rounds compared here start with the window the previous sync left.
-    p = PlanInput(m["shard_params"] * args.nproc, m["compute_s_per_step"], args.sites, m["rate_mbit"] / 1e3,
-                  args.delay_ms, m["inner_steps"], m["dtype"], m["overlap"], False, args.mtu)
-    if m["mode"] == "data_parallel":
-        step = predict_data_parallel(p)
-        comm, util = step.comm_s * m["inner_steps"], step.utilisation
-    else:
-        pred = predict(p)
-        # overlapped: the main thread waits only for what does not fit under the round's compute
-        comm = max(0.0, pred.comm_s - pred.compute_s) if m["overlap"] else pred.comm_s
-        util = pred.utilisation
+def predicted(meta: dict[str, Any], m: dict[str, Any]) -> dict[str, Any]:
+    """zeroband.tools.plan's prediction for this row (its link model with the run's streams and
+    window), from the measured compute per step."""
+    pred = wan_prediction(meta, m)
+    comm, util = pred["comm_s"], pred["utilisation"]
     measured_comm, measured_util = m["allreduce_s_last_arrival"], m["utilisation_steady_last_arrival"]
     return {"comm_s": comm, "utilisation": util, "transfer_s": None if m["overlap"] else comm,
             "comm_err": (comm - measured_comm) / measured_comm if measured_comm > 0.05 else None,
@@ -478,6 +474,7 @@ def render(data: dict[str, Any]) -> str:
         "### Targets", markdown_table(["target", "measured", "status"], targets_from_meta(data)),
         NOTES.format(chatter=meta["chatter_bytes_per_s"]),
         load_note(meta["loadavg_start"], meta["loadavg_end"]),
+        *([ceiling_markdown(data["ceiling"])] if data.get("ceiling") else []),
     ])
 
 
@@ -581,26 +578,86 @@ def load_raw(path: Path) -> list[dict[str, Any]]:
     return runs
 
 
+# ---------------------------------------------------------------------------------- emulator ceiling
+CEILING_RTT_MS = 200.0
+CEILING_RATE_MBIT = 500.0  # 12.5 MB in flight at 200 ms: 3x tcp_wmem max (issue 27's acceptance link)
+
+
+def ceiling_runs() -> list[tuple[float | None, float, int]]:
+    """(rate Mbit/s, None: the forwarder alone; one-way delay ms; streams) of each --ceiling probe."""
+    d, chosen = CEILING_RTT_MS / 2, streams_for(CEILING_RATE_MBIT * 1e6, CEILING_RTT_MS / 1e3)
+    return [(None, 1.0, 1), (None, 1.0, 4), (None, d, 1), (None, d, 4), (None, d, 16),
+            (CEILING_RATE_MBIT, d, 1), (CEILING_RATE_MBIT, d, 4), (CEILING_RATE_MBIT, d, chosen)]
+
+
+def measure_ceiling(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """zeroband.comm.link's probe through the TUN forwarder, beside the link model's prediction."""
+    from zeroband.wan import WanEmulator
+    from zeroband.wan.measure import measure_link
+
+    rows = []
+    for rate, delay, streams in ceiling_runs():
+        with WanEmulator(2, rate_mbit=rate, delay_ms=delay, mtu=args.mtu, backend="tun") as wan:
+            r = measure_link(wan, 1, 0, streams=streams, seconds=args.ceiling_seconds)
+        model = throughput(Link(r["rtt_ms"] / 1e3, (rate or float("inf")) * 1e6, streams, r["window_bytes"]))
+        rows.append({"rate_mbit": rate, "delay_ms": delay, "mtu": args.mtu, "model_mbit": model / 1e6, **r})
+        print(f"rate {rate or 'none'} Mbit/s, RTT {r['rtt_ms']:.0f} ms, {streams} streams: "
+              f"{r['steady_mbit']:.0f} Mbit/s (model {model / 1e6:.0f})", flush=True)
+    return rows
+
+
+def ceiling_markdown(rows: list[dict[str, Any]]) -> str:
+    table = [[f"{r['rate_mbit']:g}" if r["rate_mbit"] else "none (forwarder only)", f"{r['rtt_ms']:.1f}", r["streams"],
+              f"{r['window_bytes'] / 1e6:.2f}", f"{r['steady_mbit']:.0f}", f"{r['throughput_mbit']:.0f}",
+              f"{r['model_mbit']:.0f}"] for r in rows]
+    free = max((r for r in rows if not r["rate_mbit"]), key=lambda r: r["steady_mbit"])
+    return "\n\n".join([
+        "### Emulator ceiling", (
+            f"What the TUN backend (user-space forwarder, MTU {rows[0]['mtu']}) carries on this machine: "
+            "zeroband.comm.link's probe (5 authenticated pings, then a timed transfer on every stream) from site 1 to "
+            f"site 0. Most seen: {free['steady_mbit']:.0f} Mbit/s on {free['streams']} stream(s) at "
+            f"{free['rtt_ms']:.0f} ms RTT. At {CEILING_RTT_MS:g} ms each stream is window-bound (the model column: "
+            "min(rate, streams x window / RTT)), so the forwarder is not what limits a 500 Mbit/s link there; "
+            "enough streams are. Steady = the transfer's second half; mean includes slow start. Regenerate "
+            "(keeps the rows above): `flock /tmp/zeroband-bench.lock python scripts/bench_wan.py --ceiling --out benchmarks`."),
+        markdown_table(["rate Mbit/s", "RTT ms", "streams", "window MB", "steady Mbit/s", "mean Mbit/s",
+                        "link model Mbit/s"], table)])
+
+
+def run_ceiling(args: argparse.Namespace) -> int:
+    """--ceiling: probe the emulator and rewrite wan.json / wan.md with the ceiling beside the rows."""
+    previous = args.out / "wan.json"
+    data = json.loads(previous.read_text()) if previous.is_file() else {}
+    data["ceiling"] = measure_ceiling(args)
+    write_outputs(args.out, "wan", data, render(data) if "results" in data else ceiling_markdown(data["ceiling"]))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args, extra = parse_args(argv)
     preflight()
+    if args.ceiling:
+        return run_ceiling(args)
     ensure_demo_data()
     load_start = load_average()
     runs = load_raw(args.from_raw) if args.from_raw else measure(args, extra)
     params = next(r for r in runs[0]["records"][0] if r["kind"] == "run")["params"]
     chatter = chatter_rate(args, runs)
     results = [analyse(args, run, chatter) for run in runs]
-    for m in results:
-        m["predicted"] = predicted(args, m)
     meta = {"preset": args.preset, "params": params, "sites": args.sites, "nproc": args.nproc, "rate_mbit": args.rate_mbit,
             "delay_ms": args.delay_ms, "jitter_ms": args.jitter_ms, "loss_pct": args.loss_pct, "mtu": args.mtu,
             "backend": backend_name(args), "inner_steps": args.inner_steps, "outer_steps": args.outer_steps,
             "dp_steps": args.dp_steps, "tokens_per_step": args.batch * args.seq_len, "sweep_rates": args.sweep_rates,
             "quick": args.quick, "pin_cpus": args.pin_cpus, "extra_overrides": extra, "chatter_bytes_per_s": chatter, "cores": os.cpu_count(),
-            "loadavg_start": load_start, "loadavg_end": load_average()}
+            "loadavg_start": load_start, "loadavg_end": load_average(),
+            "streams": 1, "window_bytes": kernel_window()}  # the exchange's one connection per peer pair
+    for m in results:
+        m["predicted"] = predicted(meta, m)
     if args.from_raw:
         meta.update(measured_load(args.out / "wan.json", meta))
     data: dict[str, Any] = {"meta": meta, "results": results}
+    if (args.out / "wan.json").is_file():  # the emulator's ceiling is measured apart (--ceiling): kept
+        data.update({k: v for k, v in json.loads((args.out / "wan.json").read_text()).items() if k == "ceiling"})
     data["targets"] = targets(args, results)
     write_outputs(args.out, "wan", data, render(data))
     if plot(results, args.out / "wan.png") is not None:

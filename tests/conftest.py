@@ -47,7 +47,7 @@ def kernel_impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
 # namespaces; each test under the global 120 s timeout (pyproject.toml). `slow` marks the end-to-end
 # integration tests that take tens of seconds (`-m "not slow"` leaves them out). A test not listed
 # below is integration, so a new test can only make the unit tier faster, never slower.
-UNIT_MODULES = {"test_config", "test_data", "test_model", "test_plan", "test_rounds", "test_fetch_safety",
+UNIT_MODULES = {"test_config", "test_link", "test_data", "test_model", "test_plan", "test_rounds", "test_fetch_safety",
                 "test_outer_units", "test_outer_step", "test_save_policy", "test_layers", "test_outer_sync",
                 "test_transport"}
 UNIT_TESTS = {

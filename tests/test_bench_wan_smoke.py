@@ -43,6 +43,7 @@ def test_bench_wan_quick(tmp_path: Path) -> None:
     assert (tmp_path / "wan.png").stat().st_size > 0
     data = json.loads((tmp_path / "wan.json").read_text())
     assert data["meta"]["sites"] == 2 and data["meta"]["params"] > 0
+    assert data["meta"]["streams"] == 1 and data["meta"]["window_bytes"] > 0  # the link model's inputs
     rows = {r["row"]: r for r in data["results"]}
     assert set(rows) == {"DP fp32 (per step)", "DiLoCo fp16"}
     for r in rows.values():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -78,6 +79,40 @@ def test_tcp_ramp_by_hand() -> None:
     assert ramp_seconds(1e9, 1e6, 0.01, 9000) == 0.0  # BDP below the initial window: no ramp
     with_ramp = predict(PlanInput(1e9, 1.2, 4, 1.0, 50.0, 500, "fp16", tcp_ramp=True))
     assert with_ramp.ramp_s > 0 and with_ramp.comm_s == pytest.approx(24.15 + with_ramp.ramp_s)
+
+
+WINDOW = 4194304 * 2 // 3  # 2,796,202 B in flight per stream: 2/3 of tcp_wmem max (comm/link.py)
+
+
+def test_plan_uses_the_link_model() -> None:
+    # 500 Mbit/s, 100 ms one-way (200 ms RTT): 12.5 MB in flight / 2.80 MB per stream -> 5 streams, the full rate
+    p = PlanInput(1e9, 1.2, 2, 0.5, 100.0, 500, "fp16", tcp_ramp=False, window_bytes=WINDOW)
+    pred = predict(p)
+    assert pred.streams == 5 and pred.throughput_bps == 500e6
+    assert pred.bandwidth_s == pytest.approx(32.0)  # 2 GB x 8 / 500 Mbit/s
+    # one stream: 2,796,202 x 8 / 0.2 s = 111.8 Mbit/s, 2 GB in 143.05 s
+    one = predict(replace(p, streams=1))
+    assert one.throughput_bps == pytest.approx(WINDOW * 8 / 0.2) and one.bandwidth_s == pytest.approx(2e9 / (WINDOW / 0.2))
+    # wait bounds: the all-reduce 3 x 32 s + 4 x 0.2 s = 96.8 s; a piece (4 MiB of fp32 = 2 MiB of fp16, x 1 at
+    # S = 2) takes 0.034 s: 3 x 0.034 + 0.8 = 0.9 s, lifted to the 10 s floor
+    assert pred.sync_wait_s == pytest.approx(96.8) and pred.piece_wait_s == 10.0
+    assert predict(replace(p, timeout_s=60.0)).sync_wait_s == 60.0  # never above sites.timeout_s
+    # 10 Gbit/s at 100 ms RTT would need 45 windows: 16 streams carry 16 x 2,796,202 x 8 / 0.1 = 3.58 Gbit/s
+    fast = predict(PlanInput(1e9, 1.2, 2, 10.0, 50.0, 500, "fp16", tcp_ramp=False, window_bytes=WINDOW))
+    assert fast.streams == 16 and fast.throughput_bps == pytest.approx(16 * WINDOW * 8 / 0.1)
+    # slow start on 4 streams starts from 4 x 89,480 B: rounds of 357,920 and 715,840 B below the 1.25 MB BDP
+    assert ramp_seconds(1e9, 12.5e6, 0.1, 9000, streams=4) == pytest.approx(0.2 - 1_073_760 / 12.5e6)
+
+
+def test_cli_prints_streams_and_wait_bounds(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["plan", "--params", "1e9", "--step-time", "1.2", "--sites", "2", "--gbps", "0.5", "--latency-ms", "100",
+            "--no-tcp-ramp", "--window-mb", "2.796202"]
+    assert cli_main(argv) == 0
+    out = capsys.readouterr().out
+    assert "5 streams per peer (chosen: bandwidth-delay product 12.5 MB / window" in out and "-> 500 Mbit/s" in out
+    assert "10.0 s per piece (4 MB of fp32), 96.8 s per all-reduce" in out
+    assert cli_main([*argv, "--streams", "1"]) == 0
+    assert "1 stream per peer (given (--streams)) -> 112 Mbit/s" in capsys.readouterr().out
 
 
 def test_table_covers_models_bandwidths_h_and_dtypes() -> None:

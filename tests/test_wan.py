@@ -14,7 +14,7 @@ import pytest
 
 from zeroband.wan import WanEmulator, cleanup_stale
 from zeroband.wan.emulator import list_namespaces
-from zeroband.wan.measure import measure_loss, measure_rtt, measure_throughput
+from zeroband.wan.measure import measure_link, measure_loss, measure_rtt, measure_throughput
 
 
 def _netns_usable() -> str | None:
@@ -107,6 +107,18 @@ def test_throughput_is_capped_at_rate(delay: float) -> None:
         r = measure_throughput(wan, 1, 0, nbytes=10_000_000)
     assert 40 <= r.mbit <= 55, r
     assert r.wire_tx_bytes >= r.payload_bytes  # the counter sees payload plus headers
+
+
+@pytest.mark.parametrize("streams", [1, 4])
+def test_link_probe_reports_the_emulated_rate_and_rtt(streams: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """zeroband.comm.link's authenticated probe, on 1 and 4 streams, sees 20 Mbit/s and 100 ms."""
+    monkeypatch.setenv("ZB_LINK_KEY", "5a" * 32)
+    with WanEmulator(2, rate_mbit=20, delay_ms=50) as wan:
+        r = measure_link(wan, 1, 0, streams=streams, seconds=3.0)
+    assert r["streams"] == streams and r["pings"] == 5
+    assert abs(r["rtt_ms"] - 100) <= 20, r
+    assert abs(r["steady_mbit"] - 20) <= 4, r
+    assert r["streams_needed"] == 1  # 250 kB in flight: one window covers it
 
 
 def test_loss_is_measurable() -> None:

@@ -187,6 +187,25 @@ def torch_sgd_class() -> type:
     return torch.optim.SGD
 
 
+OUTER_NAMED = {"nesterov": "SGD", "sgd": "SGD", "adam": "Adam", "adamw": "AdamW"}  # short names of torch.optim
+
+
+def optimizer_class(name: str) -> type:
+    """diloco.outer_optimizer -> its torch optimizer class: a short name (OUTER_NAMED) or a torch optimizer's
+    dotted name ("torch.optim.RAdam"); ValueError else. Only torch.optim: a config names no other code to
+    import and run. Here, not in zeroband/outer/, so that the config imports nothing above it."""
+    import importlib
+
+    import torch  # only when a config is checked
+
+    module, _, attr = ("torch.optim." + OUTER_NAMED[name]).rpartition(".") if name in OUTER_NAMED else name.rpartition(".")
+    found = getattr(importlib.import_module(module), attr, None) if module.startswith("torch.optim") else None
+    if not (inspect.isclass(found) and issubclass(found, torch.optim.Optimizer)):
+        raise ValueError(f"diloco.outer_optimizer={name!r} is not an outer optimizer: use one of "
+                         f"{', '.join(OUTER_NAMED)} or a torch optimizer's dotted name such as 'torch.optim.RAdam'")
+    return found
+
+
 class DilocoConfig(Section):
     """Present only for multi-site runs: what is computed across sites (who they are: [sites])."""
 
@@ -284,8 +303,6 @@ class DilocoConfig(Section):
         name = values.get("outer_optimizer", "nesterov") if isinstance(values, dict) else "nesterov"
         if name in SGD_OUTER or not isinstance(name, str):
             return values
-        from zeroband.outer.optimizer import optimizer_class
-
         optimizer_class(name)  # an unknown name is the first thing to say
         if "outer_lr" not in values:
             raise ValueError(f"diloco.outer_lr must be set for diloco.outer_optimizer = "
@@ -294,8 +311,6 @@ class DilocoConfig(Section):
 
     @model_validator(mode="after")
     def _check_outer_optimizer(self) -> DilocoConfig:
-        from zeroband.outer.optimizer import optimizer_class  # imports torch: only when a config is checked
-
         cls = optimizer_class(self.outer_optimizer)
         takes = set(inspect.signature(cls.__init__).parameters) - {"self", "params"}
         if unknown := sorted(set(self.outer_kwargs) - takes):
@@ -372,6 +387,10 @@ class SitesConfig(Section):
     # Connections per peer pair of the cross-site transport (comm/transport.py): a large message is
     # cut into this many slices sent at once, to fill a long fat link; the bytes and results are the same.
     streams: int = Field(1, ge=1, le=64)
+    # A wait's bound from the measured link (zeroband/comm/link.py wait_bound): wait_factor x the
+    # payload's transfer time + a few RTTs, never under timeout_floor_s nor over timeout_s.
+    timeout_floor_s: float = Field(10.0, gt=0)
+    wait_factor: float = Field(3.0, ge=1)
 
     @model_validator(mode="before")
     @classmethod
@@ -386,6 +405,9 @@ class SitesConfig(Section):
             raise ValueError(f"site_rank={self.site_rank} must be < site_count={self.site_count}")
         if not (self.store.startswith("tcp://") and ":" in self.store[6:]) and not self.store.startswith("etcd://"):
             raise ValueError(f"store={self.store!r} must look like tcp://host:port or etcd://h1:p1,h2:p2,h3:p3")
+        if self.timeout_floor_s > self.timeout_s:
+            raise ValueError(f"timeout_floor_s={self.timeout_floor_s:g} must be <= timeout_s={self.timeout_s:g}: "
+                             "lower sites.timeout_floor_s or raise sites.timeout_s")
         return self
 
 

@@ -18,8 +18,6 @@ not preview (`can_preview` False), so they run with `overlap_rule = "delayed"`.
 
 from __future__ import annotations
 
-import importlib
-import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -27,13 +25,12 @@ from typing import Any
 import torch
 
 from zeroband.comm.timing import Parts
-from zeroband.config import SGD_OUTER, DilocoConfig
+from zeroband.config import SGD_OUTER, DilocoConfig, optimizer_class
 from zeroband.optim import hyperparameters_kept
 from zeroband.outer import sgd_kernel
 from zeroband.outer.placement import OuterCopy
 
 OptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
-NAMED = {"nesterov": torch.optim.SGD, "sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
 
 
 @dataclass(frozen=True)
@@ -75,19 +72,6 @@ class OptimizerChoice:
 
     def make(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
         return self.cls(params, **dict(self.settings))
-
-
-def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
-    """A short name (NAMED) or a torch optimizer's dotted name ("torch.optim.RAdam"); ValueError else.
-    Only torch.optim: a config names no other code to import and run."""
-    if name in NAMED:
-        return NAMED[name]
-    module, _, attr = name.rpartition(".")
-    found = getattr(importlib.import_module(module), attr, None) if module.startswith("torch.optim") else None
-    if not (inspect.isclass(found) and issubclass(found, torch.optim.Optimizer)):
-        raise ValueError(f"diloco.outer_optimizer={name!r} is not an outer optimizer: use one of "
-                         f"{', '.join(NAMED)} or a torch optimizer's dotted name such as 'torch.optim.RAdam'")
-    return found
 
 
 def choose(cfg: DilocoConfig) -> OptimizerChoice:

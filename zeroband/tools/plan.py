@@ -7,19 +7,25 @@ site moves the whole model's payload whatever W is):
   per-block bf16 scales ~ 1.02, int4 0.5 + 2/64 ~ 0.53; see zeroband/comm/quantized.py);
 - wire bytes per site = 2(S-1)/S x P (direct reduce-scatter + all-gather, zeroband/comm/direct.py;
   the same bytes as a ring);
-- communication seconds T_comm = wire / bandwidth
+- communication seconds T_comm = wire / throughput, where throughput = min(rate, streams x window /
+  RTT) is zeroband/comm/link.py's link model: one TCP stream keeps at most one kernel window in
+  flight, and the streams per peer default to those that cover the bandwidth-delay product
+  (`streams_for`, at most 16), as the cross-site transport chooses them;
   + latency: 3 one-way delays whatever S: one round trip for the site statistics that precede
   every average (gloo sends a message once the receiver has announced its buffer), then the
   payload's messages are all posted at once, so only the last byte's one-way delay adds (no
   per-hop latency as in a ring)
   + TCP ramp (optional, on by default): Linux restarts slow start after an idle connection
   (tcp_slow_start_after_idle=1), so every sync begins at an initial window of 10 segments that
-  doubles per round trip; each such round that carries less than a bandwidth-delay product costs
-  RTT - carried/bandwidth extra seconds;
+  doubles per round trip (on every stream); each such round that carries less than a
+  bandwidth-delay product costs RTT - carried/throughput extra seconds;
 - inner compute per round T_c = H x step time;
 - utilisation: blocking T_c / (T_c + T_comm); overlapped T_c / max(T_c, T_comm) (the average of
   round k travels while round k+1 computes; only what does not fit is waited for);
-- traffic reduction vs per-step fp32 data parallel = H x 4 / (bytes/param).
+- traffic reduction vs per-step fp32 data parallel = H x 4 / (bytes/param);
+- wait bounds: `wait_bound` of one piece's wire bytes and of the whole all-reduce's, with
+  sites.wait_factor, sites.timeout_floor_s and sites.timeout_s (the bounds a link-timed transport
+  would give its waits).
 
 Per-step data parallel is the same model with H = 1, fp32, blocking.
 """
@@ -32,6 +38,17 @@ import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
+
+from zeroband.comm.link import (
+    DEFAULT_WINDOW,
+    Link,
+    kernel_window,
+    streams_for,
+    throughput,
+    transfer_s,
+    wait_bound,
+)
+from zeroband.config import DilocoConfig, SitesConfig
 
 DTYPE_BYTES: dict[str, float] = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0 + 2 / 128, "int4": 0.5 + 2 / 64}
 INITIAL_WINDOW_SEGMENTS = 10  # Linux initcwnd
@@ -52,6 +69,7 @@ TABLE_H = (100, 500)
 TABLE_DTYPES = ("fp16", "int8", "int4")
 TABLE_SITES = 4
 TABLE_LATENCY_MS = 50.0
+_SITES, _DILOCO = SitesConfig.model_fields, DilocoConfig.model_fields
 
 
 @dataclass(frozen=True)
@@ -66,6 +84,12 @@ class PlanInput:
     overlap: bool = False
     tcp_ramp: bool = True
     mtu: int = 1500
+    streams: int | None = None  # TCP streams per peer; None: those that cover the bandwidth-delay product
+    window_bytes: int = DEFAULT_WINDOW  # bytes one stream keeps in flight at most
+    piece_mb: float = _DILOCO["piece_mb"].default
+    wait_factor: float = _SITES["wait_factor"].default
+    timeout_floor_s: float = _SITES["timeout_floor_s"].default
+    timeout_s: float = _SITES["timeout_s"].default
 
 
 @dataclass(frozen=True)
@@ -81,6 +105,10 @@ class Prediction:
     traffic_reduction: float
     dp_comm_s: float  # per-step fp32 data parallel: communication per step
     dp_utilisation: float
+    streams: int = 1
+    throughput_bps: float = 0.0  # the streams' rate: min(link rate, streams x window / RTT)
+    piece_wait_s: float = 0.0  # wait_bound of one piece's wire bytes
+    sync_wait_s: float = 0.0  # wait_bound of the whole all-reduce's wire bytes
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -116,10 +144,11 @@ def traffic_reduction(inner_steps: int, dtype: str) -> float:
     return inner_steps * 4.0 / dtype_bytes(dtype)
 
 
-def ramp_seconds(nbytes: float, rate_bytes_s: float, rtt_s: float, mtu: int) -> float:
-    """Extra seconds slow start costs a transfer of nbytes that starts from the initial window."""
+def ramp_seconds(nbytes: float, rate_bytes_s: float, rtt_s: float, mtu: int, streams: int = 1) -> float:
+    """Extra seconds slow start costs a transfer of nbytes that starts from the initial window of
+    each of `streams` streams; `rate_bytes_s` is what the streams deliver once ramped up."""
     mss = mtu - IP_TCP_HEADERS
-    bdp, cwnd, left, extra = rate_bytes_s * rtt_s, INITIAL_WINDOW_SEGMENTS * mss, nbytes, 0.0
+    bdp, cwnd, left, extra = rate_bytes_s * rtt_s, streams * INITIAL_WINDOW_SEGMENTS * mss, nbytes, 0.0
     while left > 0 and cwnd < bdp:
         carried = min(cwnd, left)
         extra += rtt_s - carried / rate_bytes_s
@@ -128,13 +157,26 @@ def ramp_seconds(nbytes: float, rate_bytes_s: float, rtt_s: float, mtu: int) -> 
     return extra
 
 
+def link_of(p: PlanInput) -> Link:
+    """The link model of the plan: RTT = 2 x one-way, the uplink's rate, the streams and window."""
+    rtt, rate = 2 * p.latency_ms / 1e3, p.gbps * 1e9
+    return Link(rtt, rate, p.streams or streams_for(rate, rtt, p.window_bytes), p.window_bytes)
+
+
 def comm_seconds(wire_bytes: float, p: PlanInput) -> tuple[float, float, float]:
     """(bandwidth, latency, ramp) seconds of one all-reduce sending wire_bytes per site."""
-    rate = p.gbps * 1e9 / 8
-    one_way = p.latency_ms / 1e3
-    latency = 3 * one_way  # statistics round trip + the last byte's one-way delay
-    ramp = ramp_seconds(wire_bytes, rate, 2 * one_way, p.mtu) if p.tcp_ramp else 0.0
-    return wire_bytes / rate, latency, ramp
+    link = link_of(p)
+    latency = 1.5 * link.rtt_s  # statistics round trip + the last byte's one-way delay
+    ramp = ramp_seconds(wire_bytes, throughput(link) / 8, link.rtt_s, p.mtu, link.streams) if p.tcp_ramp else 0.0
+    return transfer_s(wire_bytes, link), latency, ramp
+
+
+def wait_bounds(wire_bytes: float, p: PlanInput) -> tuple[float, float]:
+    """(one piece's, the whole all-reduce's) wait bound: a piece is piece_mb of fp32 values sent in
+    the wire format, with the all-reduce's 2(S-1)/S factor."""
+    piece = min(wire_bytes, ring_factor(p.sites) * p.piece_mb * 2**20 / 4 * dtype_bytes(p.dtype))
+    bound = [wait_bound(b, link_of(p), p.wait_factor, p.timeout_floor_s, p.timeout_s) for b in (piece, wire_bytes)]
+    return bound[0], bound[1]
 
 
 def predict(p: PlanInput) -> Prediction:
@@ -146,11 +188,14 @@ def predict(p: PlanInput) -> Prediction:
     comm = bw_s + lat_s + ramp_s
     compute = p.inner_steps * p.step_time_s
     dp_comm = sum(comm_seconds(ring_factor(p.sites) * p.params * 4.0, p))
+    link = link_of(p)
+    piece_wait, sync_wait = wait_bounds(wire, p)
     return Prediction(
         payload_bytes=payload, wire_bytes=wire, bandwidth_s=bw_s, latency_s=lat_s, ramp_s=ramp_s, comm_s=comm,
         compute_s=compute, utilisation=utilisation(compute, comm, p.overlap),
         traffic_reduction=traffic_reduction(p.inner_steps, p.dtype),
         dp_comm_s=dp_comm, dp_utilisation=utilisation(p.step_time_s, dp_comm, False),
+        streams=link.streams, throughput_bps=throughput(link), piece_wait_s=piece_wait, sync_wait_s=sync_wait,
     )
 
 
@@ -225,7 +270,21 @@ def prediction_text(p: PlanInput, pred: Prediction) -> str:
            "  (inner steps one all-reduce takes; 0 = a whole round)"] if p.overlap else []),
         f"  per-step fp32 data parallel    {pred.dp_comm_s:.3f} s comm/step, {100 * pred.dp_utilisation:.2f}% utilisation",
         f"  traffic reduction vs DP        {pred.traffic_reduction:.0f}x",
+        *link_text(p, pred),
     ])
+
+
+def link_text(p: PlanInput, pred: Prediction) -> list[str]:
+    """The link model's lines: streams (chosen or given), what they deliver, the wait bounds."""
+    link = link_of(p)
+    chosen = "given (--streams)" if p.streams else f"chosen: bandwidth-delay product {link.bdp_bytes / 1e6:.3g} MB / window, at most 16"
+    return [
+        f"  link                           RTT {1e3 * link.rtt_s:g} ms, window {link.window_bytes / 1e6:.3g} MB per stream, "
+        f"{pred.streams} stream{'s' if pred.streams > 1 else ''} per peer ({chosen}) -> {pred.throughput_bps / 1e6:,.0f} Mbit/s",
+        f"  wait bounds                    {pred.piece_wait_s:.1f} s per piece ({p.piece_mb:g} MB of fp32), "
+        f"{pred.sync_wait_s:.1f} s per all-reduce  ({p.wait_factor:g} x transfer + 4 RTT, floor {p.timeout_floor_s:g} s, "
+        f"ceiling sites.timeout_s {p.timeout_s:g} s)",
+    ]
 
 
 def params_of_preset(preset: str) -> int:
@@ -241,7 +300,14 @@ def input_from_args(args: argparse.Namespace) -> PlanInput:
     params = float(args.params) if args.params is not None else float(params_of_preset(args.preset))
     step = 1.0 if args.step_time is None else args.step_time
     return PlanInput(params, step, args.sites, args.gbps, args.latency_ms, args.inner_steps, args.dtype,
-                     args.overlap, not args.no_tcp_ramp, args.mtu)
+                     args.overlap, not args.no_tcp_ramp, args.mtu, **link_args(args))
+
+
+def link_args(args: argparse.Namespace) -> dict[str, Any]:
+    """--streams and --window-mb (default: this machine's kernel window) as PlanInput fields."""
+    window_mb = getattr(args, "window_mb", None)  # a Namespace built by hand may lack both
+    window = int(window_mb * 1e6) if window_mb else kernel_window()
+    return {"streams": getattr(args, "streams", None), "window_bytes": window}
 
 
 # ------------------------------------------------------------------------------- from a config file
@@ -314,8 +380,10 @@ def plan_from_config(path: str, args: argparse.Namespace) -> ConfigPlan:
         step = flops / (gpus * H100_PEAK_FLOPS * TABLE_MFU)
         source = f"assumed: (6N + attention) x tokens / ({gpus} GPUs x H100 989 TFLOP/s x {TABLE_MFU:.0%} MFU)"
     params = num_params(cfg.model)
+    s = cfg.sites
     plan = PlanInput(float(params), step, args.sites, args.gbps, args.latency_ms, d.inner_steps, d.comm_dtype,
-                     d.overlap or args.overlap, not args.no_tcp_ramp, args.mtu)
+                     d.overlap or args.overlap, not args.no_tcp_ramp, args.mtu, **link_args(args), piece_mb=d.piece_mb,
+                     wait_factor=s.wait_factor, timeout_floor_s=s.timeout_floor_s, timeout_s=s.timeout_s)
     pieces = max(1, math.ceil(params * 4 / (d.piece_mb * 2**20)))
     return ConfigPlan(plan, cfg.model.preset or f"{params / 1e6:.0f}M", d.piece_mb, pieces, tokens, source, tuple(notes))
 
@@ -334,9 +402,11 @@ def config_plan_text(path: str, cp: ConfigPlan) -> str:
 
 def wan_prediction(meta: dict[str, Any], m: dict[str, Any]) -> dict[str, Any]:
     """This planner's prediction for one measured WAN row (scripts/bench_wan.py), from the row's own
-    measured compute per step; TCP ramp off (the emulator disables slow start after idle)."""
+    measured compute per step and the run's streams and window (before they were recorded: one
+    stream, Linux's default window); TCP ramp off (the emulator disables slow start after idle)."""
     p = PlanInput(m["shard_params"] * meta["nproc"], m["compute_s_per_step"], meta["sites"], m["rate_mbit"] / 1e3,
-                  meta["delay_ms"], m["inner_steps"], m["dtype"], m["overlap"], False, meta["mtu"])
+                  meta["delay_ms"], m["inner_steps"], m["dtype"], m["overlap"], False, meta["mtu"],
+                  streams=meta.get("streams", 1), window_bytes=meta.get("window_bytes", DEFAULT_WINDOW))
     if m["mode"] == "data_parallel":
         step = predict_data_parallel(p)
         comm, util = step.comm_s * m["inner_steps"], step.utilisation
@@ -402,3 +472,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overlap", action="store_true", help="overlapped outer step")
     p.add_argument("--no-tcp-ramp", action="store_true", help="leave TCP slow start out of the model")
     p.add_argument("--mtu", type=int, default=1500)
+    p.add_argument("--streams", type=int, default=None,
+                   help="TCP streams per peer (default: enough to cover the bandwidth-delay product, at most 16)")
+    p.add_argument("--window-mb", type=float, default=None,
+                   help="bytes one stream keeps in flight, MB (default: 2/3 of this machine's tcp_wmem max)")

@@ -1,0 +1,153 @@
+"""The link model (zeroband/comm/link.py): throughput, streams, wait bounds, and the probe over real
+sockets. The emulated-WAN probe is in test_wan.py."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from zeroband.comm.link import (
+    MAX_STREAMS,
+    PROC_IPV4,
+    Link,
+    LinkProbe,
+    ProbeError,
+    kernel_window,
+    probe,
+    streams_for,
+    throughput,
+    transfer_rates,
+    wait_bound,
+)
+from zeroband.config import ConfigError, load_config
+
+MB4 = 4 << 20  # tcp_wmem max on these machines
+
+
+def test_throughput_is_the_rate_or_the_windows_per_round_trip() -> None:
+    # one 4 MB window per 200 ms: 4194304 x 8 / 0.2 = 167.77 Mbit/s, a third of a 500 Mbit/s link
+    assert throughput(Link(0.2, 500e6, 1, MB4)) == pytest.approx(167_772_160)
+    assert throughput(Link(0.2, 500e6, 4, MB4)) == 500e6  # 4 windows: 671 Mbit/s > the rate
+    assert throughput(Link(0.1, 20e6, 1, MB4)) == 20e6  # a slow link is never window-bound
+    assert Link(0.2, 500e6).bdp_bytes == pytest.approx(12.5e6)
+
+
+def test_streams_cover_the_bandwidth_delay_product() -> None:
+    assert streams_for(500e6, 0.2, MB4) == 3  # 12.5 MB / 4.19 MB = 2.98
+    assert streams_for(500e6, 0.2, MB4 * 2 // 3) == 5  # 12.5 MB / 2.80 MB = 4.47
+    assert streams_for(20e6, 0.1, MB4) == 1  # 250 kB
+    assert streams_for(2 * MB4 * 8 / 0.2, 0.2, MB4) == 2  # exactly two windows: no third stream
+    assert streams_for(100e9, 0.2, MB4) == MAX_STREAMS == 16  # 2.5 GB / 4.19 MB = 596, clamped
+    assert streams_for(1e3, 0.001, MB4) == 1
+
+
+def test_wait_bound_follows_payload_rate_and_rtt() -> None:
+    payload = 50e6
+    # 20 Mbit/s, 100 ms: 50 MB takes 20 s; 3 x 20 + 4 x 0.1 = 60.4 s
+    assert wait_bound(payload, Link(0.1, 20e6, 1, MB4)) == pytest.approx(60.4)
+    # 500 Mbit/s on 5 streams: 0.8 s; 3 x 0.8 + 4 x 0.2 = 3.2 s, lifted to the floor
+    fast = Link(0.2, 500e6, 5, MB4 * 2 // 3)
+    assert wait_bound(payload, fast) == 10.0
+    assert wait_bound(payload, fast, floor_s=1.0) == pytest.approx(3.2)
+    # the same link on one stream: 167.77 Mbit/s, 2.384 s; 3 x 2.384 + 0.8 = 7.95 s
+    assert wait_bound(payload, Link(0.2, 500e6, 1, MB4), floor_s=1.0) == pytest.approx(7.952, abs=1e-3)
+    # 5 Mbit/s: 80 s; 3 x 80 + 0.4 = 240.4 s, under the 600 s ceiling; 1 GB would be 4800 s: the ceiling
+    slow = Link(0.1, 5e6, 1, MB4)
+    assert wait_bound(payload, slow) == pytest.approx(240.4)
+    assert wait_bound(1e9, slow, ceiling_s=600.0) == 600.0
+    assert wait_bound(payload, slow, factor=2.0, rtts=0) == pytest.approx(160.0)
+
+
+def test_kernel_window_reads_the_namespace_settings_with_a_fallback(tmp_path: Path) -> None:
+    (tmp_path / "tcp_wmem").write_text("4096\t16384\t4194304\n")
+    (tmp_path / "tcp_rmem").write_text("4096\t131072\t6291456\n")
+    assert kernel_window(tmp_path) == 4194304 * 2 // 3  # 2796202 < 6291456 / 2
+    (tmp_path / "tcp_rmem").write_text("4096\t87380\t4194304\n")
+    assert kernel_window(tmp_path) == 2097152  # the receiver's half of 4 MB is smaller
+    assert kernel_window(tmp_path / "absent") == min(4194304 * 2 // 3, 6291456 // 2)  # Linux's defaults
+    wmem = int((PROC_IPV4 / "tcp_wmem").read_text().split()[-1])
+    rmem = int((PROC_IPV4 / "tcp_rmem").read_text().split()[-1])
+    assert kernel_window() == min(wmem * 2 // 3, rmem // 2)
+
+
+def test_transfer_rates_use_the_second_half_of_the_time() -> None:
+    # 1 MB at t = 0..1 (slow start), then 4 MB over t = 1..2: the steady half carries 4 MB in 1 s
+    events = [(0.0, 1)] + [(0.5, 500_000), (1.0, 500_000 - 1)] + [(1.25 + 0.25 * i, 1_000_000) for i in range(4)]
+    nbytes, seconds, steady = transfer_rates(events)
+    assert (nbytes, seconds) == (5_000_000, 2.0)
+    assert steady == pytest.approx(4e6 * 8 / 1.0)
+    assert transfer_rates([(1.0, 10)]) == (10, 0.0, 0.0)
+
+
+def _pair(streams: int, keys: tuple[bytes | None, bytes | None], seconds: float = 0.2) -> dict[str, Any]:
+    """Both ends of a probe over real connected sockets, each end in its own thread."""
+    socks = [socket.socketpair() for _ in range(streams)]
+    for a, b in socks:
+        a.settimeout(10)
+        b.settimeout(10)
+    out: dict[str, Any] = {}
+
+    def run(side: str, initiator: bool, key: bytes | None) -> None:
+        mine = [s[0] if initiator else s[1] for s in socks]
+        try:
+            out[side] = probe(mine, key, initiator, seconds=seconds, pings=3)
+        except Exception as e:  # noqa: BLE001 - the test inspects it
+            out[side] = e
+            for s in mine:
+                s.close()  # as the transport does: the peer sees the close, not a hang
+
+    threads = [threading.Thread(target=run, args=("init", True, keys[0])),
+               threading.Thread(target=run, args=("resp", False, keys[1]))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    for a, b in socks:
+        a.close()
+        b.close()
+    return out
+
+
+def test_probe_measures_both_sides_alike_on_every_stream() -> None:
+    out = _pair(3, (b"k" * 32, b"k" * 32))
+    init, resp = out["init"], out["resp"]
+    assert isinstance(init, LinkProbe) and isinstance(resp, LinkProbe), out
+    assert init == resp
+    assert init.streams == 3 and init.pings == 3 and init.bytes > 0
+    assert 0 < init.rtt_min_s <= init.rtt_s < 0.5
+    assert init.steady_bps > 0 and init.throughput_bps == pytest.approx(init.bytes * 8 / init.seconds)
+    rec = init.record(50e6, factor=2.0, floor_s=1.0, ceiling_s=30.0)
+    assert rec["wait_bound_s"] == wait_bound(50e6, init.link(), 2.0, 1.0, 30.0)
+    assert rec["streams"] == 3 and rec["rtt_ms"] == pytest.approx(1e3 * init.rtt_s)
+
+
+# (None, key) is not here: an insecure initiator's messages are shorter than the tagged ones the
+# responder waits for, so only its socket timeout ends that wait (admission refuses that pair first).
+@pytest.mark.parametrize("keys", [(b"a" * 32, b"b" * 32), (b"a" * 32, None)])
+def test_probe_refuses_a_peer_without_the_key(keys: tuple[bytes | None, bytes | None]) -> None:
+    out = _pair(2, keys)
+    assert isinstance(out["resp"], ProbeError) and isinstance(out["init"], (ProbeError, OSError)), out
+    assert "failed authentication" in str(out["resp"]) or "closed" in str(out["resp"])
+
+
+def test_probe_refuses_a_stranger_that_sends_garbage() -> None:
+    a, b = socket.socketpair()
+    b.settimeout(5)
+    a.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + bytes(100))
+    with pytest.raises(ProbeError, match="'H' message from the peer failed authentication"):
+        probe([b], b"k" * 32, initiator=False)
+    a.close()
+    b.close()
+
+
+def test_wait_keys_are_checked_in_one_line() -> None:
+    cfg = load_config("configs/demo_diloco.toml", ["--sites.timeout_floor_s", "5", "--sites.wait_factor", "2"])
+    assert (cfg.sites.timeout_floor_s, cfg.sites.wait_factor) == (5.0, 2.0)
+    with pytest.raises(ConfigError, match=r"timeout_floor_s=700 must be <= timeout_s=600: lower sites.timeout_floor_s"):
+        load_config("configs/demo_diloco.toml", ["--sites.timeout_floor_s", "700"])
+    with pytest.raises(ConfigError, match=r"sites.wait_factor: Input should be greater than or equal to 1"):
+        load_config("configs/demo_diloco.toml", ["--sites.wait_factor", "0.5"])

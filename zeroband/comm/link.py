@@ -1,0 +1,369 @@
+"""The link between two sites as one model: round trip, rate, parallel streams and the kernel's window.
+
+One TCP stream keeps at most one window of bytes in flight: about two thirds of its sender's send
+buffer (tcp_wmem's maximum under autotuning) or what the receiver advertises, whichever is smaller
+(`kernel_window`). It therefore delivers at most window / RTT, whatever the link's rate: with the
+usual 4 MB send buffer, 112 Mbit/s at 200 ms, 224 Mbit/s at 100 ms. N streams to the same peer keep N windows in flight, so
+
+    throughput = min(rate, streams x window / RTT)
+
+and the streams that fill a link are those that cover its bandwidth-delay product (rate x RTT) with
+windows (`streams_for`). `zeroband plan`, the WAN benchmark and the cross-site transport all read
+the link through these functions, so a prediction, a measurement and a timeout use one arithmetic.
+
+`probe` measures a link between two peers that already hold connected streams (the transport's,
+at admission and after each membership change; or the emulator's, in tests): authenticated small
+ping-pongs for the RTT, then a timed transfer over every stream for the throughput. `wait_bound`
+turns the measured link and a payload into the bound of one cross-site wait.
+
+Units: rates in bits per second, windows and payloads in bytes, times in seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hmac
+import json
+import math
+import os
+import secrets
+import socket
+import statistics
+import struct
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+MAX_STREAMS = 16  # more streams per peer buy nothing a bigger window would not, and cost a thread each
+LINUX_WMEM_MAX = 4 << 20  # Linux's default tcp_wmem maximum: the fallback where /proc is unreadable
+LINUX_RMEM_MAX = 6 << 20  # Linux's default tcp_rmem maximum
+SNDBUF_IN_FLIGHT_NUM, SNDBUF_IN_FLIGHT_DEN = 2, 3  # the part of the send buffer in flight (kernel_window)
+DEFAULT_WINDOW = LINUX_WMEM_MAX * SNDBUF_IN_FLIGHT_NUM // SNDBUF_IN_FLIGHT_DEN  # kernel_window on Linux's defaults
+WAIT_RTTS = 4  # round trips every wait adds to its transfer time (see wait_bound)
+
+
+@dataclass(frozen=True)
+class Link:
+    rtt_s: float  # round trip between the two sites
+    rate_bps: float  # the link's rate (what the sender's uplink can carry), bits per second
+    streams: int = 1  # TCP connections per peer pair
+    window_bytes: int = DEFAULT_WINDOW  # bytes one stream keeps in flight at most (kernel_window)
+
+    @property
+    def bdp_bytes(self) -> float:
+        """Bandwidth-delay product: the bytes in flight that keep the link busy."""
+        return self.rate_bps / 8 * self.rtt_s
+
+
+def throughput(link: Link) -> float:
+    """Bits per second the streams deliver: the link's rate, or their windows per round trip."""
+    if link.rtt_s <= 0:
+        return link.rate_bps
+    return min(link.rate_bps, link.streams * link.window_bytes * 8 / link.rtt_s)
+
+
+def streams_for(rate_bps: float, rtt_s: float, window_bytes: int | None = None) -> int:
+    """The streams whose windows cover the bandwidth-delay product, clamped to [1, MAX_STREAMS]."""
+    window = window_bytes or kernel_window()
+    need = math.ceil(rate_bps / 8 * rtt_s / window - 1e-9)  # 1e-9: an exact multiple needs no extra stream
+    return max(1, min(MAX_STREAMS, need))
+
+
+PROC_IPV4 = Path("/proc/sys/net/ipv4")
+
+
+def _proc_max(proc: Path, name: str, fallback: int) -> int:
+    """The maximum (last field) of <proc>/<name>, as this process's network namespace sees it."""
+    try:
+        return int((proc / name).read_text().split()[-1])
+    except (OSError, ValueError, IndexError):
+        return fallback
+
+
+def kernel_window(proc: Path = PROC_IPV4) -> int:
+    """Bytes one autotuned stream keeps in flight at most: two thirds of the sender's tcp_wmem
+    maximum, or half the receiver's tcp_rmem maximum, whichever is smaller. Both read here: the
+    peer is assumed to run the same kernel settings.
+
+    Two thirds, not all of the send buffer: it holds the bytes not yet sent beside those in
+    flight, charged at their buffer size rather than their payload, and a writer is woken only once
+    a third of it is free. Measured through the WAN emulator at 200 ms RTT with tcp_wmem max 4 MB:
+    102-113 Mbit/s on one stream (2.6-2.8 MB in flight), 405-427 on four, 1623-1676 on sixteen
+    (benchmarks/wan.md, "Emulator ceiling"). Half of tcp_rmem: the receiver keeps the rest for its own overhead
+    (tcp_adv_win_scale = 1)."""
+    wmem, rmem = _proc_max(proc, "tcp_wmem", LINUX_WMEM_MAX), _proc_max(proc, "tcp_rmem", LINUX_RMEM_MAX)
+    return min(wmem * SNDBUF_IN_FLIGHT_NUM // SNDBUF_IN_FLIGHT_DEN, rmem // 2)
+
+
+def transfer_s(payload_bytes: float, link: Link) -> float:
+    """Seconds the payload's bytes take at the streams' throughput (no latency)."""
+    return payload_bytes * 8 / throughput(link)
+
+
+def wait_bound(payload_bytes: float, link: Link, factor: float = 3.0, floor_s: float = 10.0,
+               ceiling_s: float = 600.0, rtts: int = WAIT_RTTS) -> float:
+    """How long one cross-site wait for `payload_bytes` may take before the peer is declared stalled:
+
+        clamp(factor x payload / throughput + rtts x RTT, floor_s, ceiling_s)
+
+    - payload / throughput is the transfer at the measured rate; `factor` (sites.wait_factor,
+      default 3) absorbs what a probe of a few seconds does not see: cross traffic that halves the
+      rate, a retransmission burst, the peer's CPU busy with its own sealing and reduction;
+    - `rtts` round trips (default 4): the statistics exchange before the payload, the last byte's
+      delivery and its acknowledgement, and one loss recovery (a fast retransmit costs about one
+      RTT); a window that restarted slow start costs log2(window / initial window) RTTs more,
+      which `factor` covers for payloads above a few windows;
+    - the floor (sites.timeout_floor_s) keeps a tiny payload on a fast link from being cut off by
+      a scheduler hiccup or a garbage-collection pause of the peer;
+    - the ceiling (sites.timeout_s) is the bound every wait had before the link was measured: the
+      link model only ever shortens a wait.
+    A live link at its measured rate finishes in 1/factor of the bound; a frozen peer is declared
+    dead after it (SIGSTOP in the middle of an all-reduce: within factor x transfer + rtts x RTT)."""
+    bound = factor * transfer_s(payload_bytes, link) + rtts * link.rtt_s
+    return min(ceiling_s, max(floor_s, bound))
+
+
+# ------------------------------------------------------------------------------------ the probe
+
+
+class Stream(Protocol):
+    """What the probe needs of a connected stream: a `socket.socket` is one."""
+
+    def sendall(self, data: bytes | memoryview, /) -> None: ...
+    def recv_into(self, buffer: memoryview, nbytes: int = 0, /) -> int: ...
+
+
+class ProbeError(ConnectionError):
+    """The peer answered a probe with a message that failed authentication, or hung up."""
+
+
+PROBE_LABEL = b"zeroband-link-probe-v1"
+NONCE_BYTES = 16
+TAG_BYTES = 32
+CHUNK = 256 << 10  # bytes per framed piece of the timed transfer
+PING = struct.Struct("!cQ16s")  # kind, sequence, session nonce
+REPORT = struct.Struct("!cQddd16s")  # kind, bytes, seconds, median RTT, steady bits/s, session nonce
+TIMES = struct.Struct("!dd")  # the initiator's median and minimum RTT, told to the responder
+FRAME = struct.Struct("!I")  # length of a transfer piece; 0 ends the stream's transfer
+
+
+@dataclass(frozen=True)
+class LinkProbe:
+    """What one probe measured; `link()` is the model it implies."""
+
+    rtt_s: float  # median of the ping-pongs
+    rtt_min_s: float
+    pings: int
+    streams: int
+    window_bytes: int
+    bytes: int  # payload bytes of the timed transfer (all streams)
+    seconds: float  # its first byte to last byte, at the receiver
+    throughput_bps: float  # bytes / seconds (includes slow start)
+    steady_bps: float  # over the transfer's second half, once TCP has ramped up
+
+    def link(self) -> Link:
+        """The measured link: its rate is the steady throughput (a lower bound of the link's rate
+        when streams x window / RTT is what limited it; then more streams would get more)."""
+        return Link(self.rtt_s, self.steady_bps, self.streams, self.window_bytes)
+
+    def record(self, payload_bytes: float | None = None, factor: float = 3.0, floor_s: float = 10.0,
+               ceiling_s: float = 600.0) -> dict[str, Any]:
+        """Fields of a `link` metrics record: the measurement, the streams it would choose, and with a
+        payload the wait bound it derives. The transport, after each admission:
+            rec = result.record(payload, s.wait_factor, s.timeout_floor_s, s.timeout_s)  # s = cfg.sites
+            logger.log(step, {"peer": peer, "generation": gen, **rec}, kind="link")"""
+        rec: dict[str, Any] = {
+            "rtt_ms": 1e3 * self.rtt_s, "rtt_min_ms": 1e3 * self.rtt_min_s, "pings": self.pings,
+            "streams": self.streams, "window_bytes": self.window_bytes, "probe_bytes": self.bytes,
+            "probe_s": self.seconds, "throughput_mbit": self.throughput_bps / 1e6, "steady_mbit": self.steady_bps / 1e6,
+            "streams_needed": streams_for(self.steady_bps, self.rtt_s, self.window_bytes),
+        }
+        if payload_bytes is not None:
+            rec["payload_bytes"] = payload_bytes
+            rec["wait_bound_s"] = wait_bound(payload_bytes, self.link(), factor, floor_s, ceiling_s)
+        return rec
+
+
+def _tag(key: bytes | None, body: bytes) -> bytes:
+    return hmac.digest(key, PROBE_LABEL + body, "sha256") if key else b""
+
+
+def _send(stream: Stream, key: bytes | None, body: bytes) -> None:
+    stream.sendall(body + _tag(key, body))
+
+
+def _recv_exact(stream: Stream, n: int) -> bytes:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = stream.recv_into(view[got:], n - got)
+        if k == 0:
+            raise ProbeError("link probe: the peer closed the connection")
+        got += k
+    return bytes(buf)
+
+
+def _recv(stream: Stream, key: bytes | None, size: int, kind: bytes) -> bytes:
+    """One tagged message of `size` body bytes; raises ProbeError unless its tag and kind check."""
+    msg = _recv_exact(stream, size + (TAG_BYTES if key else 0))
+    body, tag = msg[:size], msg[size:]
+    if not hmac.compare_digest(_tag(key, body), tag) or body[:1] != kind:
+        raise ProbeError(f"link probe: a {kind.decode()!r} message from the peer failed authentication "
+                         "(another secret, or not a zeroband peer)")
+    return body
+
+
+def _pings(stream: Stream, key: bytes | None, nonce: bytes, count: int, initiator: bool) -> list[float]:
+    """`count` ping-pongs on one stream; the initiator times them. Each message is bound to the
+    session nonce and its sequence number, so a recorded answer cannot stand in for a fresh one."""
+    rtts = []
+    for seq in range(count):
+        if initiator:
+            t0 = time.perf_counter()
+            _send(stream, key, PING.pack(b"P", seq, nonce))
+            if PING.unpack(_recv(stream, key, PING.size, b"Q"))[1:] != (seq, nonce):
+                raise ProbeError("link probe: the peer answered another ping")
+            rtts.append(time.perf_counter() - t0)
+        else:
+            if PING.unpack(_recv(stream, key, PING.size, b"P"))[1:] != (seq, nonce):
+                raise ProbeError("link probe: out-of-order ping")
+            _send(stream, key, PING.pack(b"Q", seq, nonce))
+    return rtts
+
+
+def _send_for(stream: Stream, seconds: float, errors: list[BaseException]) -> None:
+    """Framed pieces until `seconds` have passed, then the end frame."""
+    piece, header = bytes(CHUNK), FRAME.pack(CHUNK)
+    deadline = time.perf_counter() + seconds
+    try:
+        while time.perf_counter() < deadline:
+            stream.sendall(header)
+            stream.sendall(piece)
+        stream.sendall(FRAME.pack(0))
+    except BaseException as e:  # reported by the caller's thread
+        errors.append(e)
+
+
+def _recv_frames(stream: Stream, events: list[tuple[float, int]], errors: list[BaseException]) -> None:
+    """Reads pieces until the end frame, noting (arrival time, bytes) per read."""
+    buf = memoryview(bytearray(CHUNK))
+    try:
+        while (n := FRAME.unpack(_recv_exact(stream, FRAME.size))[0]) > 0:
+            if n > CHUNK:
+                raise ProbeError(f"link probe: a transfer piece of {n} bytes (at most {CHUNK})")
+            got = 0
+            while got < n:
+                k = stream.recv_into(buf[got:], n - got)
+                if k == 0:
+                    raise ProbeError("link probe: the peer closed the connection")
+                got += k
+                events.append((time.perf_counter(), k))
+    except BaseException as e:  # reported by the caller's thread
+        errors.append(e)
+
+
+def _in_threads(target: Any, args_per_stream: list[tuple[Any, ...]]) -> None:
+    threads = [threading.Thread(target=target, args=args, daemon=True) for args in args_per_stream]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def transfer_rates(events: list[tuple[float, int]]) -> tuple[int, float, float]:
+    """(bytes, seconds first to last arrival, steady bits/s over the second half of that time)."""
+    events = sorted(events)
+    total = sum(n for _, n in events)
+    if len(events) < 2:
+        return total, 0.0, 0.0
+    t0, t1 = events[0][0], events[-1][0]
+    mid = (t0 + t1) / 2
+    late = sum(n for t, n in events if t > mid)
+    return total, t1 - t0, late * 8 / (t1 - mid) if t1 > mid else 0.0
+
+
+def probe(streams: list[Stream], key: bytes | None, initiator: bool, seconds: float = 2.0, pings: int = 5,
+          window_bytes: int | None = None) -> LinkProbe:
+    """Measure the link to one peer; both peers call it at once on the same connected `streams`.
+
+    The initiator pings `pings` times on the first stream (RTT), then sends framed pieces on every
+    stream for `seconds`; the responder answers the pings, receives, and returns the transfer's
+    timing in a tagged report, so both sides return the same measurement. `key` authenticates
+    every control message (HMAC-SHA256 under a fresh session nonce; None: sites.insecure). The
+    caller bounds each stream's blocking with its socket timeout."""
+    first, window = streams[0], window_bytes or kernel_window()
+    if initiator:
+        nonce = secrets.token_bytes(NONCE_BYTES)
+        _send(first, key, PING.pack(b"H", len(streams), nonce))
+    else:
+        kind, count, nonce = PING.unpack(_recv(first, key, PING.size, b"H"))
+        if count != len(streams):
+            raise ProbeError(f"link probe: the peer probes {count} streams, this side holds {len(streams)}")
+    rtts = _pings(first, key, nonce, pings, initiator)
+    if initiator:
+        rtt, rtt_min = statistics.median(rtts), min(rtts)
+        _send(first, key, PING.pack(b"T", pings, nonce) + TIMES.pack(rtt, rtt_min))
+        errors: list[BaseException] = []
+        _in_threads(_send_for, [(s, seconds, errors) for s in streams])
+        if errors:
+            raise errors[0]
+        kind, nbytes, secs, _, steady, got_nonce = REPORT.unpack(_recv(first, key, REPORT.size, b"R"))
+        if got_nonce != nonce:
+            raise ProbeError("link probe: the report answers another probe")
+    else:
+        rtt, rtt_min = TIMES.unpack(_recv(first, key, PING.size + TIMES.size, b"T")[PING.size:])
+        events: list[tuple[float, int]] = []
+        errors = []
+        _in_threads(_recv_frames, [(s, events, errors) for s in streams])
+        if errors:
+            raise errors[0]
+        nbytes, secs, steady = transfer_rates(events)
+        _send(first, key, REPORT.pack(b"R", nbytes, secs, rtt, steady, nonce))
+    mean = nbytes * 8 / secs if secs else 0.0
+    return LinkProbe(rtt, rtt_min, pings, len(streams), window, nbytes, secs, mean, steady)
+
+
+# ------------------------------------------------------------------ command line (inside a namespace)
+KEY_ENV = "ZB_LINK_KEY"  # hex; the environment, not argv, where `ps` would show it
+
+
+def _connect_all(role: str, host: str, port: int, streams: int, timeout_s: float) -> list[socket.socket]:
+    """`streams` connections between the two ends: the server accepts, the client connects, in order."""
+    if role == "client":
+        conns = [socket.create_connection((host, port), timeout=timeout_s) for _ in range(streams)]
+    else:
+        with socket.create_server((host, port)) as srv:
+            print("ready", flush=True)
+            srv.settimeout(timeout_s)
+            conns = [srv.accept()[0] for _ in range(streams)]
+    for c in conns:
+        c.settimeout(timeout_s)
+    return conns
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m zeroband.comm.link server|client HOST PORT [--streams N --seconds S]`: one probe
+    between two processes (e.g. two sites of the WAN emulator); prints the measurement as JSON."""
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("role", choices=["server", "client"], help="the client initiates (it sends the timed transfer)")
+    p.add_argument("host", help="server: address to bind; client: the server's address")
+    p.add_argument("port", type=int)
+    p.add_argument("--streams", type=int, default=1)
+    p.add_argument("--seconds", type=float, default=2.0, help="length of the timed transfer")
+    p.add_argument("--timeout", type=float, default=60.0)
+    args = p.parse_args(argv)
+    key = bytes.fromhex(os.environ[KEY_ENV]) if os.environ.get(KEY_ENV) else None
+    conns = _connect_all(args.role, args.host, args.port, args.streams, args.timeout)
+    try:
+        result = probe(conns, key, initiator=args.role == "client", seconds=args.seconds)
+    finally:
+        for c in conns:
+            c.close()
+    print(json.dumps({**asdict(result), **result.record()}), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
