@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels.c")
 FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC", "-std=gnu11", "-pthread"]
-ARCH_FLAGS = (["-march=native"], [])  # the host's vector units; then whatever the compiler defaults to
+ARCH_FLAGS: tuple[list[str], ...] = (["-march=native"], [])  # the host's vector units; then whatever the compiler defaults to
 STREAM_BYTES = 64 << 20  # outputs larger than a last-level cache (32 MB here) gain nothing from going through it
 EXACT_UNIT = 2.0**-100  # fp16 values x a power of two >= this stay exact in fp32 (finest step 2**-149)
 Row = torch.Tensor | None  # float64 [sum of squares, non-finite count] that a kernel adds to
@@ -456,13 +456,15 @@ def check_sgd(native: Native, n: int = 40_000) -> bool:
     """Whether `native.sgd` gives torch's optimizer's bits (parameters, momentum buffer, local copy)
     over steps that start without a buffer, change lr and momentum, and run with momentum 0."""
     v = probe(n)
+    impls: tuple[Kernels, Kernels] = (native, EAGER)
     for nesterov in (True, False):
         for k in (n, n - 1, n - 9, 5):  # no tail; an 8-wide epilogue and 7 scalar values; 7 scalar; all scalar
-            p, bufs, local = [v["x"][:k].clone(), v["x"][:k].clone()], [None, None], [_off(k, True), _off(k, False)]
+            p, local = [v["x"][:k].clone(), v["x"][:k].clone()], [_off(k, True), _off(k, False)]
+            bufs: list[torch.Tensor | None] = [None, None]
             for step, (lr, momentum) in enumerate([(0.7, 0.1), (0.5, 0.9), (0.7, 0.0), (0.3, 0.6)]):
                 g = v["y"][:k] * 10.0**-step
                 bufs = [impl.sgd(p[i], g, bufs[i], local[i], lr, momentum, nesterov, stream=i == 0)
-                        for i, impl in enumerate((native, EAGER))]
+                        for i, impl in enumerate(impls)]
                 if not (_same(p[0], p[1]) and _same(local[0], local[1]) and _same(bufs[0], bufs[1])):
                     return False
     return True

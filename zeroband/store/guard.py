@@ -32,6 +32,7 @@ import socket
 import threading
 import time
 from collections import OrderedDict
+from typing import cast
 
 log = logging.getLogger(__name__)
 
@@ -72,12 +73,13 @@ class StoreGuard:
     def _loop(self) -> None:
         while not self.stopped.is_set():
             for key, _ in self.sel.select(timeout=0.5):
+                sock = cast(socket.socket, key.fileobj)  # only sockets are registered
                 try:
-                    self._event(key.fileobj, key.data)
+                    self._event(sock, key.data)
                 except OSError as e:  # one bad connection must not stop the guard
                     log.debug("store guard: %s", e)
                     if key.data != "accept":
-                        self._close(key.fileobj)
+                        self._close(sock)
             self._expire(time.monotonic())
 
     def _event(self, sock: socket.socket, kind: str) -> None:

@@ -49,6 +49,7 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from functools import cached_property
+from typing import cast
 
 import torch
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
@@ -96,7 +97,7 @@ class SealGuard:
         self.lock = threading.Lock()
 
     def claim(self, fields: tuple[object, ...]) -> None:
-        call, rest = int(fields[0]), fields[1:]
+        call, rest = int(cast(int, fields[0])), fields[1:]  # the call number leads every message
         with self.lock:
             seen = self.calls.setdefault(call, set()) if call > self.floor else None
             if seen is None or rest in seen:
@@ -140,13 +141,15 @@ class WireAuth:
     @cached_property
     def mac_key(self) -> bytes:
         """The 32-byte key the session keys come from (its own subkey: no other use shares it)."""
-        return self.subkey("message-tags")
+        key = self.subkey("message-tags")
+        assert key is not None, "no secret, no message tags"  # callers check self.key first
+        return key
 
     def tag(self, context: bytes, fields: tuple[object, ...], payload: torch.Tensor) -> bytes:
         if self.session is None:
             raise WireAuthError(f"message {fields}: no session key yet (the group's admission has not run)")
         message_key = hmac.digest(self.session, frame(LABEL, context, *(str(f).encode() for f in fields)), "sha256")
-        return gmac(message_key, NONCE, payload.numpy())  # the tensor's bytes, no copy
+        return gmac(message_key, NONCE, payload.numpy())  # type: ignore[arg-type]  # an ndarray is a buffer; numpy declares __buffer__ only for python >= 3.12
 
     def _seal_tag(self, context: bytes, fields: tuple[object, ...], payload: torch.Tensor) -> torch.Tensor:
         tag = self.tag(context, fields, payload)  # raises before the claim without a session
@@ -201,5 +204,5 @@ def replica_digest(tensors: list[torch.Tensor], key: bytes | None) -> bytes:
     for t in tensors:
         view = t.detach().to("cpu").contiguous().view(torch.uint8).reshape(-1).numpy()
         h.update(len(view).to_bytes(8, "big"))
-        h.update(view)
+        h.update(view)  # type: ignore[arg-type]  # an ndarray is a buffer; numpy declares __buffer__ only for python >= 3.12
     return h.digest()[:16]
