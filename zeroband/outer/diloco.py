@@ -78,7 +78,7 @@ from zeroband.trust.mac import NO_AUTH, WireAuthError
 log = logging.getLogger(__name__)
 
 
-def local_shard(param: torch.nn.Parameter) -> torch.Tensor:
+def local_shard(param: torch.Tensor) -> torch.Tensor:
     """The tensor this rank owns: the local shard of an FSDP2 DTensor, or the tensor itself."""
     data = param.data
     return data.to_local() if isinstance(data, DTensor) else data

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Any
 
 from zeroband.testing.faults import install
 
@@ -40,7 +41,7 @@ def _wrap_site_commands(faults: str) -> None:
 
     plain = launch.site_command
 
-    def site_command(config: str, site: int, *args: object, **kwargs: object) -> list[str]:
+    def site_command(config: str, site: int, *args: Any, **kwargs: Any) -> list[str]:
         return inject_command(plain(config, site, *args, **kwargs), faults, site)
 
     launch.site_command = site_command
