@@ -44,7 +44,7 @@ a blocking boundary makes every site identical again. Measured: docs/results/con
 
 Outer hyperparameters per step: `outer_lr_schedule = "inner"` multiplies outer_lr by the inner
 schedule's factor at the boundary, and `outer_momentum_warmup` ramps the momentum from 0 over that
-many outer steps (why: docs/results/diloco_convergence.md).
+many outer steps (why: docs/results/convergence_tuning.md and the README table of outer defaults).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """An accept-side guard in front of the c10d TCPStore server: idle connections cannot lock it up.
 
-Measured on torch 2.13 (libuv server, `scripts/store_flood.py`-style test in tests/test_hangs.py):
+Measured on torch 2.13 (libuv server; the flood test of tests/test_hangs.py):
 100 idle TCP connections delay a new client by ~9 s, and 300 or more keep every new client out
 (its connect/validate hangs past its own timeout), even after the idle connections are closed.
 The server has no setting for this, so the real store listens on an ephemeral loopback port and
