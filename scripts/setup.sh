@@ -22,7 +22,7 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   echo "== installing $TORCH"
   "$VENV/bin/pip" install -q "$TORCH"
 fi
-if ! "$VENV/bin/python" -c "import zeroband, pytest, matplotlib" 2>/dev/null || [ pyproject.toml -nt "$VENV/.zeroband-installed" ]; then
+if ! "$VENV/bin/python" -c "import zeroband, pytest, matplotlib, mypy" 2>/dev/null || [ pyproject.toml -nt "$VENV/.zeroband-installed" ]; then
   echo "== installing zeroband and its dependencies"
   "$VENV/bin/pip" install -q -e ".[dev]"
   touch "$VENV/.zeroband-installed"

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # usage: bash scripts/test.sh [pytest arguments]
-# Install (if needed) and run the lint and the test suite. CI (.ci/run) runs exactly this.
+# Install (if needed) and run the lint, the type checker (mypy, configured in pyproject.toml) and the
+# test suite. CI (.ci/run) runs exactly this.
 #   ZEROBAND_NO_APT=1   never call apt-get (the etcd, SLURM and Docker tests then skip, and this says so)
 set -euo pipefail
 [[ "${1:-}" == -h || "${1:-}" == --help ]] && { awk 'NR > 1 && !/^#( |$)/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 0; }  # the header above
@@ -41,6 +42,6 @@ fi
 
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" OMP_WAIT_POLICY=PASSIVE HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=offline
 status=0
-"$VENV/bin/ruff" check . && "$VENV/bin/python" -m pytest "$@" || status=$?
+"$VENV/bin/ruff" check . && "$VENV/bin/mypy" && "$VENV/bin/python" -m pytest "$@" || status=$?
 [ -z "$SKIPPED" ] || echo "== $SKIPPED"
 exit "$status"

@@ -170,7 +170,7 @@ def test_ci_runs_the_readme_test_command_and_it_says_what_it_skipped(tmp_path: P
 
     venv, calls = tmp_path / "venv", tmp_path / "calls"
     (venv / "bin").mkdir(parents=True)
-    for tool in ("python", "pip", "ruff"):
+    for tool in ("python", "pip", "ruff", "mypy"):
         stub = venv / "bin" / tool
         stub.write_text(f'#!/bin/sh\necho "{tool} $*" >> {calls}\n')
         stub.chmod(0o755)
@@ -178,7 +178,7 @@ def test_ci_runs_the_readme_test_command_and_it_says_what_it_skipped(tmp_path: P
     done = subprocess.run(["bash", str(REPO / ".ci" / "run")], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     logged = calls.read_text().splitlines()
-    assert "ruff check ." in logged and logged[-1] == "python -m pytest -p no:cacheprovider", logged
+    assert "ruff check ." in logged and "mypy " in logged and logged[-1] == "python -m pytest -p no:cacheprovider", logged
     skipped = [line for line in done.stdout.splitlines() if "SKIPPED" in line]
     if shutil.which("etcd"):
         assert skipped == []

@@ -46,7 +46,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 import torch
@@ -137,7 +137,7 @@ def _fsync_dir(path: Path) -> None:
 def rng_state() -> dict[str, Any]:
     """Every RNG's state as tensors and plain values (what weights_only=True loads)."""
     version, internal, gauss = random.getstate()
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    kind, keys, pos, has_gauss, cached = cast(tuple[str, np.ndarray, int, int, float], np.random.get_state())  # legacy=True: MT19937's tuple
     state = {
         "python": {"version": version, "state": list(internal), "gauss": gauss},
         "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
@@ -424,9 +424,9 @@ class _DataOnlyReader(dcp.FileSystemReader):
             metadata = _MetadataUnpickler(f).load()
         if not isinstance(metadata, Metadata):
             raise CheckpointError(f"{self.path}: DCP metadata is not a Metadata object")
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        meta = getattr(metadata, "storage_meta", None) or StorageMeta()  # absent in older metadata
+        meta.load_id = self.load_id
+        metadata.storage_meta = meta
         return metadata
 
 
@@ -478,14 +478,15 @@ def dcp_load(state: dict[str, Any], path: Path, no_dist: bool = False) -> None:
 
 
 # numpy's array reconstruction builds plain arrays only (object arrays would need other globals).
-_NUMPY_ARRAYS = [np._core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+_NUMPY_ARRAYS = [np._core.multiarray._reconstruct,  # type: ignore[attr-defined]  # private: numpy's stub leaves it out
+                 np.ndarray, np.dtype, type(np.dtype(np.uint32))]
 
 
 def load_checkpoint(
     info: CheckpointInfo, model: torch.nn.Module, optimizer: torch.optim.Optimizer, extras: dict[str, Stateful]
 ) -> None:
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
+    state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
     dcp_load(state, info.path / "dcp")
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     rank_file = info.path / f"rank_{dist.get_rank():05d}.pt"

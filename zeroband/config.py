@@ -238,14 +238,14 @@ class DilocoConfig(Section):
     # Pipeline piece of the all-reduce, in MB of fp32 values: encoding piece k+1 overlaps sending
     # piece k, and the all-gather of a piece starts as soon as its reduce-scatter landed.
     piece_mb: float = Field(4.0, gt=0)
-    # Launch the all-reduce in the background and apply it one outer step late (see diloco.py).
+    # Launch the all-reduce in the background and apply it one outer step late (zeroband/outer/overlap.py).
     overlap: bool = False
     # Inner steps after the boundary at which the overlapped average is applied (Streaming DiLoCo's
     # tau): 0 = at the next boundary, a whole round late (hides the most communication); 1 <= tau <
     # inner_steps applies it sooner (fresher, as long as the all-reduce takes under tau inner steps,
     # else the step waits for it). Every site applies it at the same step, so they stay identical.
     overlap_steps: int = Field(0, ge=0)
-    # What a site trains on while the average is in flight (zeroband/outer/diloco.py has the exact rules):
+    # What a site trains on while the average is in flight (zeroband/outer/overlap.py has the exact rules):
     # "delayed" keeps its own progress on the consensus; "eager" previews the outer step with its own
     # fresh pseudo-gradient in place of the average; "eager_share" with its 1/n share (Kale et al.
     # 2025). On the tuning split (docs/results/convergence_tuning.md) "eager" tied "delayed" with 40

@@ -116,6 +116,7 @@ class MetricsLogger:
             log.info("%s step %d %s", kind, step, _short(metrics))
 
     def _write(self, record: dict[str, Any]) -> None:
+        assert self.file is not None  # callers return first when the logger is disabled
         self.file.write(json.dumps(record, default=float) + "\n")
 
     def record_insecure(self, step: int, choices: dict[str, str]) -> None:
@@ -132,6 +133,7 @@ class MetricsLogger:
         """Drop the records after `step` (a rollback will redo those steps)."""
         if not self.enabled:
             return
+        assert self.file is not None  # open while enabled
         self.file.close()
         truncate_after(self.path, step)
         self.file = open(self.path, "a", buffering=1)

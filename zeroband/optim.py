@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
@@ -31,7 +31,7 @@ def build_optimizer(params: list[torch.nn.Parameter], cfg: OptimConfig, names: l
     return keep_kernel(torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kernel), kernel)
 
 
-def adamw_kernel(params: list[torch.Tensor]) -> dict[str, bool]:
+def adamw_kernel(params: Sequence[torch.Tensor]) -> dict[str, bool]:
     """AdamW's implementation: fused on GPUs (one kernel launch for all parameters instead of about
     ten per tensor); elsewhere the single-tensor loop, whose per-parameter math is the same whatever
     the sharding (the 1 vs 2 rank test). Both are elementwise: sharding never changes a bit.

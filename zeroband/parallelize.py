@@ -4,6 +4,8 @@ A 1-rank site has nothing to shard: no FSDP2, bf16 by autocast, the whole model 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -43,7 +45,7 @@ def build_model(cfg: Config, topology: Topology, shard: bool | None = None) -> L
     model.to_empty(device=topology.world.device)
     if cfg.model.init_from:
         model.reset_rope(topology.world.device)
-        load_full_state(model, load_hf_state(cfg.model.init_from, cfg.model))
+        load_full_state(model, load_hf_state(Path(cfg.model.init_from), cfg.model))
     else:
         model.init_weights(cfg.train.seed)
     return model

@@ -23,7 +23,8 @@ FIRST_FAILURE = "zeroband.torchrun: first failure:"
 
 
 def main() -> int:
-    dist.TCPStore = BoundTCPStore  # before torch.distributed.run (and elastic) import the name
+    # before torch.distributed.run (and elastic) import the name; setattr: a class is no assignable name
+    setattr(dist, "TCPStore", BoundTCPStore)  # noqa: B010
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 

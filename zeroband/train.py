@@ -155,7 +155,7 @@ class Run:
     topology: Topology
     model: Llama
     optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scheduler: torch.optim.lr_scheduler.LambdaLR  # build_scheduler's
     train_data: PackedBatches
     eval_set: list[tuple[torch.Tensor, torch.Tensor]]
     bytes_per_token: float
@@ -201,7 +201,7 @@ def build_run(cfg: Config, world: World, topology: Topology, group: GlobalGroup 
     wrap = seams.current()  # what production builds is what the loop gets, unless a test wraps it
     outer = wrap.outer(build_outer(cfg, model, topology, group, progress, scheduler), model)
     clock = ComputeClock()
-    stateful = {"scheduler": scheduler, "data": train_data, "outer": outer, "progress": progress, "clock": clock}
+    stateful: dict[str, ckpt.Stateful] = {"scheduler": scheduler, "data": train_data, "outer": outer, "progress": progress, "clock": clock}
     checkpointer = wrap.checkpointer(Checkpointer(cfg, ckpt_root, model, optimizer, stateful))
     return Run(cfg, world, topology, model, optimizer, scheduler, train_data, eval_set, val_data.bytes_per_token,
                outer, progress, clock, run_dir, ckpt_root, checkpointer, group)
@@ -308,7 +308,8 @@ class StepWindow:
         self.reset()
 
     def reset(self) -> None:
-        self.start, self.tokens, self.losses = time.perf_counter(), 0, []
+        self.start, self.tokens = time.perf_counter(), 0
+        self.losses: list[float] = []
 
     def add(self, loss: float, tokens: int) -> None:
         self.losses.append(loss)
@@ -319,7 +320,7 @@ class StepWindow:
         tok_s = self.tokens / elapsed
         rec = {
             "loss": sum(self.losses) / len(self.losses), "grad_norm": grad_norm,
-            "lr": run.scheduler.get_last_lr()[0], "tokens": run.progress.tokens, "tokens_per_s": tok_s,
+            "lr": float(run.scheduler.get_last_lr()[0]), "tokens": run.progress.tokens, "tokens_per_s": tok_s,
             "compute_utilisation": run.clock.utilisation, "peak_mem_mb": peak_memory_mb(run.world.device),
             "eta_s": (run.cfg.train.steps - run.progress.step) * elapsed / len(self.losses),
         }

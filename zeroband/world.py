@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import overload
 
 import torch
 
@@ -39,6 +40,10 @@ class World:
         return self.site_count * self.ranks_per_site
 
 
+@overload
+def _env_int(name: str, default: int) -> int: ...
+@overload
+def _env_int(name: str, default: None) -> int | None: ...
 def _env_int(name: str, default: int | None) -> int | None:
     value = os.environ.get(name)
     if value is None or value == "":
@@ -76,15 +81,16 @@ def world_from_env(cfg: Config) -> World:
     local_rank = _env_int("LOCAL_RANK", rank)
     site_rank, site_count = 0, 1
     if cfg.diloco is not None:
-        site_rank = cfg.sites.site_rank if cfg.sites.site_rank is not None else _env_int("ZEROBAND_SITE_RANK", None)
-        site_count = (
+        named_rank = cfg.sites.site_rank if cfg.sites.site_rank is not None else _env_int("ZEROBAND_SITE_RANK", None)
+        named_count = (
             cfg.sites.site_count if cfg.sites.site_count is not None else _env_int("ZEROBAND_SITE_COUNT", None)
         )
-        if site_rank is None or site_count is None:
+        if named_rank is None or named_count is None:
             raise ConfigError(
                 "a [diloco] run needs the site identity: set sites.site_rank and sites.site_count "
                 "(e.g. --sites.site_rank 0 --sites.site_count 2) or ZEROBAND_SITE_RANK / ZEROBAND_SITE_COUNT"
             )
+        site_rank, site_count = named_rank, named_count
         if not 0 <= site_rank < site_count:
             raise ConfigError(f"site rank {site_rank} must be in [0, site count {site_count})")
     cfg.check_world(world_size)

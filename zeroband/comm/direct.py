@@ -47,8 +47,10 @@ class WireCodec(Protocol):
     share a scale stay in one chunk); `nbytes(n)` is the exact encoded size of n values, of which
     `header` bytes are per-message framing."""
 
-    block: int
-    header: int
+    @property
+    def block(self) -> int: ...
+    @property
+    def header(self) -> int: ...
 
     def nbytes(self, n: int) -> int: ...
 
@@ -193,6 +195,7 @@ class DirectExchange:
             for p in range(len(self.chunks)):
                 self._share(p, self._owned(p, flat, loss, None), flat)
         else:
+            assert sent is not None  # made whenever there is a review
             self._reviewed(flat, loss, review, sent)
         self._gather(flat, review)
         with self.parts("decode"):
@@ -253,7 +256,7 @@ class DirectExchange:
                 buf = self._encode(flat[a:b], 1.0 if weight is None else weight,
                                    stats=None if sent is None else sent[dst], decoded=decoded)
                 self._send(buf, dst, RS_TAG + p)
-                if decoded is not None:
+                if decoded is not None and loss is not None:  # decoded exists only beside loss
                     with self.parts("review"):
                         torch.sub(flat[a:b], decoded, out=loss[a:b])
 
@@ -308,7 +311,7 @@ class DirectExchange:
         lo, hi = self.chunks[p][self.rank]
         decoded = None if loss is None else self.scratch[: hi - lo]
         buf = self._encode(total, decoded=decoded)
-        if decoded is not None:
+        if decoded is not None and loss is not None:  # decoded exists only beside loss
             torch.sub(total, decoded, out=loss[lo:hi])
         return buf
 
@@ -357,7 +360,7 @@ def flat_base(tensors: list[torch.Tensor]) -> torch.Tensor | None:
             return None
         offset += t.numel()
     numel = offset - first.storage_offset()
-    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (numel,))
+    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (numel,), (1,))
 
 
 def all_finite(flat: torch.Tensor) -> bool:

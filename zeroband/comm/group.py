@@ -13,7 +13,7 @@ import secrets
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -52,6 +52,7 @@ class GlobalGroup:
                  watch: Watch | None = None, prefix: str = "", auth: WireAuth = NO_AUTH) -> None:
         self.pg = pg
         self.store = store  # keeps the store client (and on site 0 its server) alive with the group
+        self.rendezvous: dist.Store | None = None  # the store the C++ group reads (new_global_group)
         self.rank = rank
         self.size = size
         self.watch = watch or Watch(float("inf"))
@@ -71,7 +72,7 @@ class GlobalGroup:
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> None:
         opts = dist.AllreduceOptions()
-        opts.reduceOp = op
+        opts.reduceOp = op  # type: ignore[assignment]  # torch's stub: ReduceOp.SUM is a RedOpType, reduceOp a ReduceOp
         self.wait(self.pg.allreduce([tensor], opts), "every site", "all-reduce")
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
@@ -96,9 +97,10 @@ class GlobalGroup:
         """`src`'s bytes on every member, sealed with the group's key (`payload` is read on `src` only)."""
         size = torch.zeros(8 + self.auth.tag_bytes, dtype=torch.uint8)  # the size is sealed too
         if self.rank == src:
+            assert payload is not None, "the source of a broadcast holds its payload"
             size[:8] = torch.tensor([len(payload)], dtype=torch.int64).view(torch.uint8)
-        size = int(self.broadcast_sealed(size, src).view(torch.int64).item())
-        buf = torch.empty(size + self.auth.tag_bytes, dtype=torch.uint8)
+        n = int(self.broadcast_sealed(size, src).view(torch.int64).item())
+        buf = torch.empty(n + self.auth.tag_bytes, dtype=torch.uint8)
         if self.rank == src and payload:
             buf[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         return bytes(self.broadcast_sealed(buf, src).numpy())
@@ -239,7 +241,7 @@ def incarnation_prefix(store: dist.Store, base: str, site_rank: int, site_count:
     own, tick = secrets.token_hex(16), Ticker("the start of the run")
     arrive = {s: f"{base}arrive/{s}" for s in range(site_count)}
     done = {s: f"{base}nonces/{s}" for s in range(site_count)}
-    deadline, bad_since = time.monotonic() + timeout_s, {}
+    deadline, bad_since = time.monotonic() + timeout_s, dict[int, float]()
     while True:
         nonces = {s: signed.read(k) for s, k in arrive.items()}
         if nonces[site_rank] != own.encode():  # not written yet, or deleted / overwritten since
@@ -248,7 +250,7 @@ def incarnation_prefix(store: dist.Store, base: str, site_rank: int, site_count:
         missing = {s for s, v in nonces.items() if v is None} | _mixed(signed, arrive, key, site_rank)
         _foreign(signed, arrive, missing, bad_since)
         if not missing:
-            agreed = hashlib.sha256(frame(*(nonces[s] for s in range(site_count)))).hexdigest()[:32]
+            agreed = hashlib.sha256(frame(*(cast(bytes, nonces[s]) for s in range(site_count)))).hexdigest()[:32]  # none missing
             if signed.read(done[site_rank]) != agreed.encode():
                 signed.set(done[site_rank], agreed)
             missing = {s for s, k in done.items() if signed.read(k) != agreed.encode()}

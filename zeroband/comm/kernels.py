@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels.c")
 FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC", "-std=gnu11", "-pthread"]
-ARCH_FLAGS = (["-march=native"], [])  # the host's vector units; then whatever the compiler defaults to
+ARCH_FLAGS: tuple[list[str], ...] = (["-march=native"], [])  # the host's vector units; then whatever the compiler defaults to
 STREAM_BYTES = 64 << 20  # outputs larger than a last-level cache (32 MB here) gain nothing from going through it
 EXACT_UNIT = 2.0**-100  # fp16 values x a power of two >= this stay exact in fp32 (finest step 2**-149)
 Row = torch.Tensor | None  # float64 [sum of squares, non-finite count] that a kernel adds to

@@ -208,7 +208,9 @@ class _IndexedSource:
 
     def __init__(self, ds: Any, field: str, val_fraction: float) -> None:
         self.ds, self.field = ds, field
-        train, val, offset = [], [], 0
+        train: list[int] = []  # document indices
+        val: list[int] = []
+        offset = 0
         # One hashing pass over the texts; tokenisation happens later, lazily, per rank.
         for batch in ds.iter(batch_size=4096):
             for i, text in enumerate(batch[field], offset):

@@ -79,7 +79,7 @@ class TextTokenizer:
     """Encode/decode with either a `tokenizers.Tokenizer` or a Hugging Face tokenizer, same API."""
 
     def __init__(self, backend: Tokenizer | Any, eos_id: int) -> None:
-        self._backend = backend
+        self._backend: Any = backend  # one of two APIs: self._raw says which
         self._raw = isinstance(backend, Tokenizer)
         self.eos_id = eos_id
 

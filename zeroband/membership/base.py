@@ -34,7 +34,9 @@ class EventLog:
     docs/architecture.md); events before `attach` (the join inside `start`) are kept until then."""
 
     def __init__(self, site: int) -> None:
-        self.site, self.pending, self.sink = site, [], None
+        self.site = site
+        self.pending: list[Event] = []
+        self.sink: Callable[[Event], None] | None = None
 
     def attach(self, sink: Callable[[Event], None]) -> None:
         self.sink = sink

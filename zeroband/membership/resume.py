@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Mapping
+from typing import cast
 
 import torch.distributed as dist
 
@@ -53,7 +54,7 @@ def agree_resume(store: dist.Store, prefix: str, site: int, sites: int, offer: l
     keys = {s: f"{prefix}resume/site{s}" for s in range(sites)}
     signed = SignedStore(store, key)
     values = exchange(signed, keys, site, json.dumps(sorted(offer)), "resume agreement", timeout_s)
-    offers = {s: json.loads(v) for s, v in values.items()}
+    offers = {s: json.loads(cast(bytes, v)) for s, v in values.items()}  # no refuse_after_s: all present
     try:
         step = decide_resume(offers)
     except ResumeMismatch:

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 class SavesPretrained(Protocol):
     """Anything with `save_pretrained(dir)`, e.g. a `transformers` tokenizer."""
 
-    def save_pretrained(self, save_directory: str | os.PathLike) -> Any: ...
+    def save_pretrained(self, save_directory: Path, /) -> Any: ...  # (transformers also takes a str)
 
 
 def to_hf_key(key: str) -> str:
@@ -53,7 +53,7 @@ def hf_llama_config(cfg: ModelConfig, bos_id: int, eos_id: int) -> LlamaConfig:
         rms_norm_eps=cfg.norm_eps,
         # transformers 5 turns this legacy kwarg into rope_parameters={"rope_type": "default", ...};
         # transformers 4 stores it as is. Either way HF reads back our rope.
-        rope_theta=cfg.rope_theta,
+        rope_theta=cfg.rope_theta,  # type: ignore[call-arg]  # transformers 5 converts it but leaves it out of the signature
         tie_word_embeddings=cfg.tie_embeddings,
         attention_bias=False,
         mlp_bias=False,

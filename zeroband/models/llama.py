@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from typing import TYPE_CHECKING, TypeGuard
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +31,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from zeroband.config import ModelConfig
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 # Prefixes wrappers put into parameter names (`torch.compile(m)`, `checkpoint_wrapper(m)`). Stripping
 # them keeps init seeds and state-dict keys stable however the trainer wraps the blocks.
@@ -214,7 +218,7 @@ def _param_seed(seed: int, name: str) -> int:
 # Full <-> (possibly sharded) parameters
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
+def _is_dtensor(t: torch.Tensor) -> TypeGuard[DTensor]:
     # Imported lazily: torch.distributed may be unavailable on some builds.
     from torch.distributed.tensor import DTensor
 

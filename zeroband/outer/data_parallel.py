@@ -80,7 +80,7 @@ class CrossSiteDataParallel:
         self.reports += 1
         w, self.window = self.window, {"comm_s": 0.0, "payload": 0, "wire": 0, "steps": 0}
         return OuterStats(outer_step=self.reports, allreduce_s=w["comm_s"], outer_step_s=w["comm_s"],
-                          payload_bytes=w["payload"], wire_bytes=w["wire"], pseudo_grad_norm=0.0,
+                          payload_bytes=int(w["payload"]), wire_bytes=int(w["wire"]), pseudo_grad_norm=0.0,
                           avg_pseudo_grad_norm=0.0, outer_lr=0.0, sites_used=self.topology.world.site_count)
 
     def state_dict(self) -> dict[str, Any]:

@@ -47,7 +47,7 @@ a blocking boundary makes every site identical again. Measured: docs/results/con
 
 Outer hyperparameters per step: `outer_lr_schedule = "inner"` multiplies outer_lr by the inner
 schedule's factor at the boundary, and `outer_momentum_warmup` ramps the momentum from 0 over that
-many outer steps (why: docs/results/diloco_convergence.md).
+many outer steps (why: docs/results/convergence_tuning.md and the README table of outer defaults).
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ from zeroband.trust.mac import NO_AUTH, WireAuthError
 log = logging.getLogger(__name__)
 
 
-def local_shard(param: torch.nn.Parameter) -> torch.Tensor:
+def local_shard(param: torch.Tensor) -> torch.Tensor:
     """The tensor this rank owns: the local shard of an FSDP2 DTensor, or the tensor itself."""
     data = param.data
     return data.to_local() if isinstance(data, DTensor) else data

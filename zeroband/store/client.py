@@ -90,6 +90,7 @@ def host_tcp_store(host: str, port: int, timeout: timedelta) -> dist.TCPStore:
            "--backend-port", str(server.port)]
     guard = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
+    assert guard.stdout is not None  # stdout=PIPE
     for line in guard.stdout:  # until it listens, or dies (port taken, bad address)
         lines.append(line.strip())
         if line.startswith("guard listening"):

@@ -149,16 +149,16 @@ class EtcdStore(dist.Store):
         self._net.post("/kv/put", {"key": _b64(self._k(key)), "value": _b64(value)})
 
     def get(self, key: str) -> bytes:
-        return self._wait_values([key], self.timeout)[0]
+        return self._wait_values([key], self.timeout)[0]  # type: ignore[attr-defined]  # torch's Store stub lacks the timeout property
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        self._wait_values(keys, self.timeout if timeout is None else timeout)
+        self._wait_values(keys, self.timeout if timeout is None else timeout)  # type: ignore[attr-defined]  # torch's Store stub lacks the timeout property
 
     def check(self, keys: list[str]) -> bool:
         return all(v is not None for v in self._read_many(keys))
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
-        return self._wait_values(keys, self.timeout)
+        return self._wait_values(keys, self.timeout)  # type: ignore[attr-defined]  # torch's Store stub lacks the timeout property
 
     def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
         puts = [{"request_put": {"key": _b64(self._k(k)), "value": _b64(v)}} for k, v in zip(keys, values)]

@@ -1,6 +1,6 @@
 """An accept-side guard in front of the c10d TCPStore server: idle connections cannot lock it up.
 
-Measured on torch 2.13 (libuv server, `scripts/store_flood.py`-style test in tests/test_hangs.py):
+Measured on torch 2.13 (libuv server; the flood test of tests/test_hangs.py):
 100 idle TCP connections delay a new client by ~9 s, and 300 or more keep every new client out
 (its connect/validate hangs past its own timeout), even after the idle connections are closed.
 The server has no setting for this, so the real store listens on an ephemeral loopback port and
@@ -32,6 +32,7 @@ import socket
 import threading
 import time
 from collections import OrderedDict
+from typing import cast
 
 log = logging.getLogger(__name__)
 
@@ -72,12 +73,13 @@ class StoreGuard:
     def _loop(self) -> None:
         while not self.stopped.is_set():
             for key, _ in self.sel.select(timeout=0.5):
+                sock = cast(socket.socket, key.fileobj)  # only sockets are registered
                 try:
-                    self._event(key.fileobj, key.data)
+                    self._event(sock, key.data)
                 except OSError as e:  # one bad connection must not stop the guard
                     log.debug("store guard: %s", e)
                     if key.data != "accept":
-                        self._close(key.fileobj)
+                        self._close(sock)
             self._expire(time.monotonic())
 
     def _event(self, sock: socket.socket, kind: str) -> None:

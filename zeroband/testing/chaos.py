@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from zeroband.testing.inject import ENTRY, inject_command
 from zeroband.tools.launch import free_port, site_command
@@ -234,7 +234,7 @@ class EtcdCluster:
 
     def stop(self) -> None:
         for m in self.members:
-            if m.alive:
+            if m.alive and m.proc is not None:  # (alive says so; mypy cannot see it)
                 m.proc.terminate()
                 try:
                     m.proc.wait(5)
@@ -491,7 +491,8 @@ class FixedRun:
         finals = [final_checkpoint(ckpts, s) for s in range(self.sites)]
         if errors or not count or None in finals:
             return False
-        weights = [load_weights(self.run_dir / f"site{s}" / "config.toml", f) for s, f in enumerate(finals)]
+        weights = [load_weights(self.run_dir / f"site{s}" / "config.toml", cast(Path, f))  # none is None
+                   for s, f in enumerate(finals)]
         finite = all(bool(v.isfinite().all()) for v in weights[0].values() if v.is_floating_point())
         return finite and all(same_weights(weights[0], w) for w in weights[1:])
 

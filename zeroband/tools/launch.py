@@ -54,7 +54,7 @@ class WanLink:
     def parse(cls, spec: str) -> WanLink:
         """`rate=100,delay=50,jitter=5,loss=0.1,mtu=9000` (Mbit/s, ms, ms, %, bytes)."""
         names = {"rate": "rate_mbit", "delay": "delay_ms", "jitter": "jitter_ms", "loss": "loss_pct", "mtu": "mtu"}
-        values: dict[str, float] = {}
+        values: dict[str, Any] = {}  # floats, and mtu an int
         for item in filter(None, spec.split(",")):
             key, _, value = item.partition("=")
             if key not in names or not value:
@@ -101,12 +101,13 @@ def store_process(where: list, wrap: Callable[[list[str]], list[str]], timeout_s
 
 def _wait_for_line(proc: subprocess.Popen, marker: str, timeout_s: float) -> None:
     """Read the process's output until `marker` (warnings may come first), EOF or the deadline."""
-    deadline, seen = time.monotonic() + timeout_s, []
+    deadline, seen, out = time.monotonic() + timeout_s, [], proc.stdout
+    assert out is not None  # started with stdout=PIPE
     while time.monotonic() < deadline:
-        ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+        ready, _, _ = select.select([out], [], [], max(0.0, deadline - time.monotonic()))
         if not ready:
             break
-        line = proc.stdout.readline()
+        line = out.readline()
         if not line:  # EOF: the server died
             break
         if marker in line:
@@ -239,7 +240,8 @@ def decide(sites: list[SiteSeen], now: float, policy: SupervisePolicy) -> Decisi
     if not running:  # only frozen sites are left: nobody else will finish
         return Decision(tuple(alive), failed, why)
     # The grace runs from the moment the site exited or stopped: a fixed run cannot go on without it.
-    if failed and policy.failure_grace_s is not None and now >= sites[failed[0]].since + policy.failure_grace_s:
+    since = sites[failed[0]].since if failed else None  # set for every failed site
+    if since is not None and policy.failure_grace_s is not None and now >= since + policy.failure_grace_s:
         return Decision(tuple(alive), failed, f"{why}; the others did not exit within {policy.failure_grace_s:g} s "
                                               "(min(sites.timeout_s, diloco.dead_after_s))")
     finished = [v.since for v in sites if v.code == 0 and v.since is not None]
@@ -557,6 +559,7 @@ def run_job(cmd: list[str], log_path: Path, env: dict[str, str] | None = None) -
     previous = {signal.SIGINT: signal.signal(signal.SIGINT, lambda *_: None),
                 signal.SIGTERM: signal.signal(signal.SIGTERM, lambda *_: proc.terminate())}
     filt, sel = TerminalFilter(), selectors.DefaultSelector()
+    assert proc.stdout is not None and proc.stderr is not None  # both PIPE
     outs = {proc.stdout.fileno(): sys.stdout.buffer, proc.stderr.fileno(): sys.stderr.buffer}
     for fd in outs:
         sel.register(fd, selectors.EVENT_READ)

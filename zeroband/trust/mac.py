@@ -31,10 +31,9 @@ Without a secret (`sites.insecure = true`) `NO_AUTH` adds nothing, so messages k
 format.
 
 Why GMAC under a one-time key: GHASH runs on the CPU's carry-less multiplier (PCLMULQDQ, or
-VPCLMULQDQ with AVX-512; PMULL on ARM) at ~20 GB/s on one core, against ~7 GB/s for keyed BLAKE3
-(wire v2) and ~2 GB/s for HMAC-SHA256 (v1), measured on 1 MB fp16 messages on a Zen 4 EPYC; 4.2
-GB/s on a Zen 3 one, without 512-bit carry-less multiplies (docs/results/outer_step.md). The outer
-step seals and opens every byte of its payload, so the tag was the largest part of its local work.
+VPCLMULQDQ with AVX-512; PMULL on ARM), several times faster than keyed BLAKE3 (wire v2) or
+HMAC-SHA256 (v1); the measurements, per CPU, are in docs/results/outer_step.md (2026-11-24). The
+outer step seals and opens every byte of its payload, so the tag was the largest part of its local work.
 128-bit tags: a forgery succeeds with probability ~ (payload blocks) / 2**128 per attempt.
 
 `replica_digest` is the keyed digest replica checks compare (HMAC-SHA256; not CRC32, which is
@@ -49,6 +48,7 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from functools import cached_property
+from typing import cast
 
 import torch
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
@@ -96,7 +96,7 @@ class SealGuard:
         self.lock = threading.Lock()
 
     def claim(self, fields: tuple[object, ...]) -> None:
-        call, rest = int(fields[0]), fields[1:]
+        call, rest = int(cast(int, fields[0])), fields[1:]  # the call number leads every message
         with self.lock:
             seen = self.calls.setdefault(call, set()) if call > self.floor else None
             if seen is None or rest in seen:
@@ -140,13 +140,15 @@ class WireAuth:
     @cached_property
     def mac_key(self) -> bytes:
         """The 32-byte key the session keys come from (its own subkey: no other use shares it)."""
-        return self.subkey("message-tags")
+        key = self.subkey("message-tags")
+        assert key is not None, "no secret, no message tags"  # callers check self.key first
+        return key
 
     def tag(self, context: bytes, fields: tuple[object, ...], payload: torch.Tensor) -> bytes:
         if self.session is None:
             raise WireAuthError(f"message {fields}: no session key yet (the group's admission has not run)")
         message_key = hmac.digest(self.session, frame(LABEL, context, *(str(f).encode() for f in fields)), "sha256")
-        return gmac(message_key, NONCE, payload.numpy())  # the tensor's bytes, no copy
+        return gmac(message_key, NONCE, payload.numpy())  # type: ignore[arg-type]  # an ndarray is a buffer; numpy declares __buffer__ only for python >= 3.12
 
     def _seal_tag(self, context: bytes, fields: tuple[object, ...], payload: torch.Tensor) -> torch.Tensor:
         tag = self.tag(context, fields, payload)  # raises before the claim without a session
@@ -201,5 +203,5 @@ def replica_digest(tensors: list[torch.Tensor], key: bytes | None) -> bytes:
     for t in tensors:
         view = t.detach().to("cpu").contiguous().view(torch.uint8).reshape(-1).numpy()
         h.update(len(view).to_bytes(8, "big"))
-        h.update(view)
+        h.update(view)  # type: ignore[arg-type]  # an ndarray is a buffer; numpy declares __buffer__ only for python >= 3.12
     return h.digest()[:16]

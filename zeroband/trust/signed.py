@@ -43,12 +43,12 @@ class SignedStore:
         self.store, self.key = store, key
         self.refused: dict[str, str] = {}  # key -> "unsigned", "signed" (we have no secret) or "bad-mac"
 
-    def _mac(self, key: str, value: bytes) -> bytes:
-        return hmac.new(self.key, frame(LABEL, key.encode(), value), hashlib.sha256).hexdigest().encode()
+    def _mac(self, secret: bytes, key: str, value: bytes) -> bytes:
+        return hmac.new(secret, frame(LABEL, key.encode(), value), hashlib.sha256).hexdigest().encode()
 
     def seal(self, key: str, value: str | bytes) -> bytes:
         raw = value.encode() if isinstance(value, str) else value
-        return raw if self.key is None else self._mac(key, raw) + b"." + raw
+        return raw if self.key is None else self._mac(self.key, key, raw) + b"." + raw
 
     def open(self, key: str, raw: bytes) -> bytes | None:
         """The value, or None (logged once per key) if it does not verify. Without a secret, a signed
@@ -59,7 +59,7 @@ class SignedStore:
             if not sealed:
                 return raw
             reason = "signed"
-        elif sealed and hmac.compare_digest(mac, self._mac(key, value)):
+        elif sealed and hmac.compare_digest(mac, self._mac(self.key, key, value)):
             return value
         else:
             reason = "bad-mac" if sealed else "unsigned"
@@ -71,7 +71,7 @@ class SignedStore:
 
     # ---- the operations the protocol uses -------------------------------------------------------
     def set(self, key: str, value: str | bytes) -> None:
-        self.store.set(key, self.seal(key, value))
+        self.store.set(key, self.seal(key, value))  # type: ignore[arg-type]  # torch's Store stub says str; c10d stores take bytes
 
     def read(self, key: str) -> bytes | None:
         """The verified value, or None if the key is absent or its value is refused."""
@@ -89,12 +89,12 @@ class SignedStore:
     def compare_set(self, key: str, expected: str, desired: str) -> bytes:
         """Write-once (`expected` ""): the first *authentic* value wins; a refused one is replaced."""
         sealed = self.seal(key, desired)
-        raw = self.store.compare_set(key, expected, sealed)
+        raw = self.store.compare_set(key, expected, sealed)  # type: ignore[arg-type]  # torch's Store stub says str; c10d stores take bytes
         for _ in range(16):  # a forger racing us forever is a denial of service, reported below
             value = self.open(key, raw)
             if value is not None:
                 return value
-            raw = self.store.compare_set(key, raw, sealed)
+            raw = self.store.compare_set(key, raw, sealed)  # type: ignore[arg-type]  # torch's Store stub says str; c10d stores take bytes
         raise ForgedValue(f"store key {key!r}: forged values keep replacing the protocol's")
 
     def add(self, key: str, amount: int) -> int:
@@ -109,10 +109,10 @@ class SealedStore(dist.Store):
     gloo rendezvous of a global group. A peer without the secret cannot publish an address there;
     a forged one fails `get` with ForgedValue before any connection is made."""
 
-    def __init__(self, inner: dist.Store, key: bytes) -> None:
+    def __init__(self, inner: dist.Store, key: bytes | None) -> None:
         super().__init__()  # required by the pybind trampoline
         self.signed = SignedStore(inner, key)
-        self.set_timeout(inner.timeout)
+        self.set_timeout(inner.timeout)  # type: ignore[attr-defined]  # torch's Store stub lacks the timeout property
 
     def set(self, key: str, value: str | bytes) -> None:
         self.signed.set(key, value)
@@ -135,7 +135,7 @@ class SealedStore(dist.Store):
         return self.signed.compare_set(key, expected, desired)
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        self.signed.store.wait(keys, self.timeout if timeout is None else timeout)
+        self.signed.store.wait(keys, self.timeout if timeout is None else timeout)  # type: ignore[attr-defined]  # torch's Store stub lacks the timeout property
 
     def check(self, keys: list[str]) -> bool:
         return self.signed.check(keys)
@@ -169,7 +169,8 @@ def exchange(store: SignedStore, keys: Mapping[int, str], me: int, value: str | 
     another secret, or an outsider that keeps overwriting it) is returned as None, for the caller
     to refuse; a timeout names the keys that held refused values rather than blaming their sites."""
     raw = value.encode() if isinstance(value, str) else value
-    rewrites, bad_since, start, tick = 0, {}, time.monotonic(), Ticker(what)
+    rewrites, start, tick = 0, time.monotonic(), Ticker(what)
+    bad_since: dict[int, float] = {}
     store.set(keys[me], raw)
     while True:
         if store.read(keys[me]) != raw:

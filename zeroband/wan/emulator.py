@@ -279,12 +279,12 @@ class WanEmulator:
         if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
             self._saved_handlers[signal.SIGTERM] = signal.signal(signal.SIGTERM, _raise_sigterm)
 
-    def _block_signals(self) -> set[signal.Signals]:
+    def _block_signals(self) -> set[int | signal.Signals]:
         if threading.current_thread() is not threading.main_thread():
             return set()
         return signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
 
-    def _restore_signals(self, previous: set[signal.Signals]) -> None:
+    def _restore_signals(self, previous: set[int | signal.Signals]) -> None:
         if threading.current_thread() is not threading.main_thread():
             return
         for signum, handler in self._saved_handlers.items():

@@ -15,6 +15,7 @@ import struct
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -223,8 +224,9 @@ def main(argv: list[str] | None = None) -> None:
             sp.add_argument(f, type={"host": str, "timeout_s": float, "interval_s": float}.get(f, int))
     args = vars(p.parse_args(argv))
     role = args.pop("role")
-    fn = {"tcp-recv": tcp_recv, "tcp-send": tcp_send, "udp-echo": udp_echo, "udp-ping": udp_ping,
-          "udp-sink": udp_sink, "udp-blast": udp_blast}[role]
+    probes: dict[str, Callable[..., Any]] = {"tcp-recv": tcp_recv, "tcp-send": tcp_send, "udp-echo": udp_echo,
+                                             "udp-ping": udp_ping, "udp-sink": udp_sink, "udp-blast": udp_blast}
+    fn = probes[role]
     print(json.dumps(fn(**args)), flush=True)
 
 
