@@ -73,7 +73,7 @@ def init_topology(
     store = None
     if store_address is not None:
         is_host = host_store and world.site_rank == 0 and world.rank == 0
-        store = open_store(store_address, is_host, timeout)
+        store = open_store(store_address, is_host, timeout, secret)
         if build_group:
             auth = WireAuth.from_secret(secret, run_name)
             # a fresh prefix per start: a persistent store's keys of earlier starts are never read

@@ -8,10 +8,13 @@
 
 from __future__ import annotations
 
+import logging
+import os
 import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -21,7 +24,11 @@ from urllib.parse import urlparse
 
 import torch.distributed as dist
 
+from zeroband.membership.auth import SECRET_ENV, derive_key, optional_secret
 from zeroband.membership.etcd import EtcdStore, StoreUnavailable, parse_endpoints
+from zeroband.membership.guard import Refused, handshake
+
+log = logging.getLogger(__name__)
 
 DEFAULT_ETCD_PREFIX = "zeroband"
 _GUARDS: list[subprocess.Popen] = []  # a hosted store's guard lives as long as the process
@@ -57,51 +64,90 @@ def store_failures_named(address: str) -> Iterator[None]:
         raise StoreUnreachable(store_gone_message(address, e)) from None
 
 
-def open_store(address: str, is_host: bool, timeout: timedelta) -> dist.Store:
-    """The store at `address`. `is_host` only matters for tcp:// (that process runs the server)."""
+def open_store(address: str, is_host: bool, timeout: timedelta, secret: bytes | None = None) -> dist.Store:
+    """The store at `address`. `is_host` only matters for tcp:// (that process runs the server).
+    `secret`: the run's shared secret (default: $ZEROBAND_SECRET); with one, a tcp:// store's port
+    admits only connections that prove it (membership/guard.py), and clients reach it through a
+    local forwarder that does, so callers see a plain c10d TCPStore either way."""
     scheme, sep, rest = address.partition("://")
     if not sep:
         raise ValueError(f"store address {address!r} needs a scheme: tcp://host:port or etcd://h1:p1,h2:p2/prefix")
     if scheme == "tcp":
-        return _tcp_store(address, is_host, timeout)
+        return _tcp_store(address, is_host, timeout, secret)
     if scheme == "etcd":
         hosts, _, prefix = rest.partition("/")
         return EtcdStore(parse_endpoints(hosts), prefix.strip("/") or DEFAULT_ETCD_PREFIX, timeout)
     raise ValueError(f"store address {address!r}: unknown scheme {scheme!r} (use tcp:// or etcd://)")
 
 
-def _tcp_store(address: str, is_host: bool, timeout: timedelta) -> dist.TCPStore:
+def _tcp_store(address: str, is_host: bool, timeout: timedelta, secret: bytes | None) -> dist.TCPStore:
     url = urlparse(address)
     if url.hostname is None or url.port is None:
         raise ValueError(f"store address {address!r} must look like tcp://host:port")
     if is_host:
-        return host_tcp_store(url.hostname, url.port, timeout)
-    return connect_tcp_store(url.hostname, url.port, timeout, address)
+        return host_tcp_store(url.hostname, url.port, timeout, secret)
+    return connect_tcp_store(url.hostname, url.port, timeout, address, secret)
 
 
-def host_tcp_store(host: str, port: int, timeout: timedelta) -> dist.TCPStore:
+def guard_key(secret: bytes) -> bytes:
+    """The key guard and forwarders prove the secret with: its own scrypt-derived key (an on-path
+    observer's challenge/answer pairs make each guess at the secret cost a scrypt), used for nothing else."""
+    return derive_key(secret, "zeroband/store-guard")
+
+
+def _run_secret(secret: bytes | None) -> bytes | None:
+    return secret if secret is not None else optional_secret()
+
+
+def host_tcp_store(host: str, port: int, timeout: timedelta, secret: bytes | None = None) -> dist.TCPStore:
     """A TCPStore server on an ephemeral loopback port, reached through a StoreGuard on host:port
-    (membership/guard.py: idle connections cannot lock the server up). Returns the server's client.
-    Call it from a thread that lives as long as the store: the guard dies with it (PR_SET_PDEATHSIG)."""
+    (membership/guard.py: with a secret only authenticated connections reach the server; without,
+    idle and stalled ones cannot lock it up). Returns the server's client. Call it from a thread that
+    lives as long as the store: the guard dies with it (PR_SET_PDEATHSIG)."""
+    secret = _run_secret(secret)
     # BoundTCPStore: c10d's own server would listen on every interface, bypassing the guard.
     server = BoundTCPStore("127.0.0.1", 0, is_master=True, timeout=timeout, wait_for_workers=False, use_libuv=True)
+    args = ["--host", host, "--port", str(port), "--backend-port", str(server.port)]
+    guard, lines = _helper([*args, *(["--auth"] if secret else [])], guard_key(secret) if secret else None,
+                           "guard listening")
+    if guard is None:
+        raise StoreUnreachable(f"cannot host the store on {host}:{port}: {lines[-1] if lines else 'guard exited'}")
+    _GUARDS.append(guard)
+    return server
+
+
+def _helper(args: list[str], key: bytes | None, ready: str) -> tuple[subprocess.Popen | None, list[str]]:
+    """Start guard.py (the key on stdin: never argv); the process once it prints `ready`, else None
+    and what it printed (port taken, bad address)."""
     # run as a file, not `-m`: the package would import torch (seconds) where stdlib suffices
-    cmd = [sys.executable, str(Path(__file__).with_name("guard.py")), "--host", host, "--port", str(port),
-           "--backend-port", str(server.port)]
-    guard = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    cmd = [sys.executable, str(Path(__file__).with_name("guard.py")), *args]
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if key is not None:
+        proc.stdin.write(key.hex() + "\n")
+    proc.stdin.close()
     lines = []
-    for line in guard.stdout:  # until it listens, or dies (port taken, bad address)
+    for line in proc.stdout:  # until it listens, or dies
         lines.append(line.strip())
-        if line.startswith("guard listening"):
-            _GUARDS.append(guard)
-            return server
-    guard.wait()
-    raise StoreUnreachable(f"cannot host the store on {host}:{port}: {lines[-1] if lines else 'guard exited'}")
+        if line.startswith(ready):
+            threading.Thread(target=_drain, args=(proc,), daemon=True).start()  # its later lines: never block it
+            return proc, lines
+    proc.wait()
+    return None, lines
 
 
-def connect_tcp_store(host: str, port: int, timeout: timedelta, address: str) -> dist.TCPStore:
+def _drain(proc: subprocess.Popen) -> None:
+    for line in proc.stdout:
+        log.debug("%s", line.rstrip())
+
+
+def connect_tcp_store(host: str, port: int, timeout: timedelta, address: str,
+                      secret: bytes | None = None) -> dist.TCPStore:
     """A client, within `timeout` or StoreUnreachable. The deadline is ours: c10d's own connect waits
-    forever on a listener that accepts and never answers (and past its timeout on a flooded store)."""
+    forever on a listener that accepts and never answers (and past its timeout on a flooded store).
+    With a secret the client connects to this process's forwarder to host:port (`_forwarder`)."""
+    secret = _run_secret(secret)
+    if secret is not None:
+        host, port = "127.0.0.1", _forwarder(host, port, secret, timeout, address)
     box: dict[str, Any] = {}
 
     def connect() -> None:
@@ -122,6 +168,53 @@ def connect_tcp_store(host: str, port: int, timeout: timedelta, address: str) ->
         raise StoreUnreachable(f"store {address}: no store answered within {timeout.total_seconds():g} s "
                                f"({first}); {fix}") from None
     return box["store"]
+
+
+# (pid, host, port, key) -> (forwarder process, its loopback port); pid: a forked child starts its own
+_FORWARDERS: dict[tuple[int, str, int, bytes], tuple[subprocess.Popen, int]] = {}
+_FORWARDERS_LOCK = threading.Lock()
+
+
+def _forwarder(host: str, port: int, secret: bytes, timeout: timedelta, address: str) -> int:
+    """The loopback port of this process's forwarder to the guard at host:port, started on first
+    use. First one handshake from here, so a refusal is one line naming its cause rather than the
+    c10d client's retries on a closed connection."""
+    key = guard_key(secret)
+    check_guard(host, port, key, timeout.total_seconds(), address)
+    with _FORWARDERS_LOCK:
+        ident = (os.getpid(), host, port, key)
+        known = _FORWARDERS.get(ident)
+        if known is not None and known[0].poll() is None:
+            return known[1]
+        proc, lines = _helper(["--forward", "--host", host, "--port", str(port)], key, "forwarder listening")
+        if proc is None:
+            raise StoreUnreachable(f"store {address}: cannot start its local forwarder: {lines[-1] if lines else 'exited'}")
+        _FORWARDERS[ident] = (proc, int(lines[-1].rsplit(":", 1)[1]))
+        return _FORWARDERS[ident][1]
+
+
+CHALLENGE_WAIT_S = 10.0
+
+
+def check_guard(host: str, port: int, key: bytes, timeout_s: float, address: str) -> None:
+    """One authenticated connection to the guard (retried while nothing listens yet), or
+    StoreUnreachable naming why the guard refused it."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=max(0.1, deadline - time.monotonic())) as sock:
+                # the guard challenges at once: waiting longer only delays the one line on a misconfiguration
+                handshake(sock, key, port, min(CHALLENGE_WAIT_S, max(0.1, deadline - time.monotonic())))
+            return
+        except Refused as e:
+            raise StoreUnreachable(f"store {address}: {e}. Fix: the same {SECRET_ENV} on every site and on the "
+                                   "store, or sites.insecure = true on all of them") from None
+        except OSError as e:
+            if time.monotonic() + 0.2 >= deadline:
+                raise StoreUnreachable(f"store {address}: no store answered within {timeout_s:g} s ({e}); check "
+                                       "sites.store (zeroband launch's store, or site 0 with sites.host_store = true)"
+                                       ) from None
+            time.sleep(0.2)
 
 
 def listen_socket(host: str, port: int, backlog: int = 4096) -> socket.socket:
