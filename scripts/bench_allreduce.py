@@ -88,7 +88,7 @@ def worker(args: argparse.Namespace) -> None:
 
     from zeroband.comm.group import new_global_group
     from zeroband.comm.reduce import SiteStats, reduce_across_sites
-    from zeroband.membership.store import open_store
+    from zeroband.store.client import open_store
 
     site, sites = int(os.environ["ZB_WAN_SITE"]), args.sites
     timeout = timedelta(seconds=600)

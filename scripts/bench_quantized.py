@@ -82,7 +82,7 @@ def _reduce(method: str, tensors: list[torch.Tensor], group: Any, weight: float)
 def _site(shapes: list[tuple[int, ...]], repeats: int) -> list[dict]:
     """One site: every (kind, method) once; site 0 also measures the error."""
     from zeroband.comm.group import new_global_group
-    from zeroband.membership.store import open_store
+    from zeroband.store.client import open_store
 
     site, sites = int(os.environ["ZEROBAND_SITE_RANK"]), int(os.environ["ZEROBAND_SITE_COUNT"])
     timeout = timedelta(seconds=300)

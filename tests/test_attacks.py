@@ -32,11 +32,11 @@ from tests.helpers import _train, elastic_tree, final_params, outer_records, tin
 from tests.multiproc import free_port, run_sites
 from zeroband.comm.reduce import ReplicaMismatch, SiteStats, check_replicas, verified_sites
 from zeroband.config import ConfigError, validate_config
-from zeroband.membership.auth import run_secret
 from zeroband.membership.heartbeat import Heartbeat, Liveness
 from zeroband.membership.rounds import RoundCoordinator
-from zeroband.membership.signed import SignedStore
-from zeroband.membership.store import open_store
+from zeroband.store.client import open_store
+from zeroband.trust.auth import run_secret
+from zeroband.trust.signed import SignedStore
 
 SECRET = "attack-tests-shared-secret-0123456789"
 WRONG = "a-foreign-site-has-another-secret-987"
@@ -62,9 +62,9 @@ def _wire_site(port: int, secrets_: dict[int, str], rogue: str, rounds: int, out
     import torch.distributed as dist
 
     from zeroband.comm.group import new_global_group
-    from zeroband.comm.mac import WireAuth
     from zeroband.comm.reduce import reduce_across_sites
     from zeroband.membership.base import admit_group
+    from zeroband.trust.mac import WireAuth
 
     site, sites = int(os.environ["ZEROBAND_SITE_RANK"]), int(os.environ["ZEROBAND_SITE_COUNT"])
     how, _, who = rogue.partition("@")
@@ -128,9 +128,9 @@ def _foreign_sender(port: int) -> str:
     import torch.distributed as dist
 
     from zeroband.comm.group import new_global_group
-    from zeroband.comm.mac import WireAuth
     from zeroband.comm.reduce import reduce_across_sites
     from zeroband.membership.base import admit_group
+    from zeroband.trust.mac import WireAuth
 
     site = int(os.environ["ZEROBAND_SITE_RANK"])
     timeout = timedelta(seconds=5 if site else 20)
@@ -323,8 +323,8 @@ def test_lying_site_in_a_training_run_is_excluded_every_round(corpus, tmp_path):
 
 
 def _expect_refusal(tree_by_site: dict) -> str:
-    from zeroband.membership.auth import PeerRefused
-    from zeroband.membership.signed import ForgedValue
+    from zeroband.trust.auth import PeerRefused
+    from zeroband.trust.signed import ForgedValue
 
     try:
         _train(tree_by_site[int(os.environ["ZEROBAND_SITE_RANK"])])
@@ -351,9 +351,9 @@ def test_mismatched_setting_stops_every_site_naming_it(corpus, tmp_path):
 
 
 def _agree(fingerprints: dict, secret: str | None) -> str:
-    from zeroband.membership.auth import PeerRefused
     from zeroband.membership.base import agree_on_run
     from zeroband.mesh import init_topology, shutdown
+    from zeroband.trust.auth import PeerRefused
     from zeroband.world import World
 
     site = int(os.environ["ZEROBAND_SITE_RANK"])

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.timeout(60)
 
 # ---------------------------------------------------------------------- item 1: the start broadcast
 def _tampered_start(tree: dict) -> dict:
-    from zeroband.membership.auth import TrustError
+    from zeroband.trust.auth import TrustError
 
     report = tamper_start_broadcast(repeats=64) if int(os.environ["ZEROBAND_SITE_RANK"]) == 1 else {}
     try:
@@ -68,7 +68,7 @@ def _incarnation(port: int, rounds: list[int], swap_in: dict | None) -> dict:
     sealed bytes) or ("xor", bytes to XOR into the live sealed message)."""
     import torch.distributed as dist
 
-    import zeroband.comm.mac as mac
+    import zeroband.trust.mac as mac
     from zeroband.comm.group import new_global_group
     from zeroband.comm.reduce import SiteStats, reduce_across_sites
     from zeroband.membership.base import admit_group

@@ -56,7 +56,7 @@ def _attacked_run(tree: dict, targets, period_s: float = 0.25) -> tuple[dict, in
 
 
 def _site(tree: dict) -> dict:
-    from zeroband.membership.auth import TrustError
+    from zeroband.trust.auth import TrustError
     from zeroband.watchdog import PeerTimeout
 
     try:

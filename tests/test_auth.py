@@ -13,7 +13,7 @@ from datetime import timedelta
 import pytest
 
 from tests.multiproc import run_sites
-from zeroband.membership.auth import (
+from zeroband.trust.auth import (
     SECRET_ENV,
     decide,
     derive_key,
@@ -114,7 +114,8 @@ def test_flatten_fingerprint():
 # ---- three forked sites over a TCPStore ------------------------------------------------------------
 
 def _site(secrets_by_site: dict[int, bytes], fps_by_site: dict[int, dict], prefix: str) -> dict:
-    from zeroband.membership import PeerRefused, admit, open_store
+    from zeroband.store import open_store
+    from zeroband.trust import PeerRefused, admit
 
     site, sites = int(os.environ["ZEROBAND_SITE_RANK"]), int(os.environ["ZEROBAND_SITE_COUNT"])
     store = open_store(os.environ["ZEROBAND_TEST_STORE"], site == 0, timedelta(seconds=30))
@@ -167,7 +168,7 @@ def test_reused_prefix_is_rejected():
     """Write-once nonces: running a second handshake under the same prefix would allow replays."""
     import torch.distributed as dist
 
-    from zeroband.membership import admit
+    from zeroband.trust import admit
 
     store = dist.HashStore()
     admit(store, "p/", 0, 1, SECRET, FP, timedelta(seconds=5))
@@ -175,12 +176,12 @@ def test_reused_prefix_is_rejected():
         admit(store, "p/", 0, 1, SECRET, FP, timedelta(seconds=5))
 
 
-# ---- session keys (comm/mac.py): one per admission -------------------------------------------------
+# ---- session keys (trust/mac.py): one per admission -------------------------------------------------
 
 def test_session_keys_are_new_at_every_admission_and_each_identity_is_sealed_once():
     import torch
 
-    from zeroband.comm.mac import TAG_BYTES, SealGuard, WireAuth, WireAuthError
+    from zeroband.trust.mac import TAG_BYTES, SealGuard, WireAuth, WireAuthError
 
     auth, body = WireAuth.from_secret(SECRET, "run"), torch.arange(64, dtype=torch.uint8)
     with pytest.raises(WireAuthError, match="no session key yet"):
@@ -210,7 +211,7 @@ def test_replayed_admission_transcript_is_refused():
     import torch.distributed as dist
 
     from tests.attackers import ReplayingStore
-    from zeroband.membership.auth import PeerRefused, admission
+    from zeroband.trust.auth import PeerRefused, admission
 
     earlier, timeout = dist.HashStore(), timedelta(seconds=10)
     threads = [threading.Thread(target=admission, args=(earlier, "p/", s, 2, SECRET, FP, timeout)) for s in (0, 1)]

@@ -16,7 +16,7 @@ import torch
 
 from tests.helpers import _args, _main, _train, elastic_tree, final_params, outer_records, site_records
 from tests.multiproc import Died, free_port, run_sites
-from zeroband.membership.store import open_store
+from zeroband.store.client import open_store
 from zeroband.tools.launch import store_process
 
 SECRET = "correct horse battery staple"

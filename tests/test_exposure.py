@@ -83,7 +83,7 @@ def test_bound_store_listens_only_on_its_host():
 
     import torch.distributed as dist
 
-    from zeroband.membership.store import BoundTCPStore
+    from zeroband.store.client import BoundTCPStore
 
     server = BoundTCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     client = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=10))

@@ -42,7 +42,7 @@ class _Lines(logging.Handler):
 
 def _group(store_port: int, timeout_s: float, log_every_s: float = 1.0):
     from zeroband.comm.group import new_global_group
-    from zeroband.membership.store import open_store
+    from zeroband.store.client import open_store
     from zeroband.watchdog import Watch
 
     site = int(os.environ["ZEROBAND_SITE_RANK"])
@@ -116,7 +116,7 @@ def test_sigterm_interrupts_a_wait_on_a_frozen_peer():
 
 # ----------------------------------------------------------------------- the store
 def test_non_store_listener_fails_within_timeout():
-    from zeroband.membership.store import StoreUnreachable, open_store
+    from zeroband.store.client import StoreUnreachable, open_store
 
     silent = socket.create_server(("127.0.0.1", 0))  # accepts (backlog) and never says a word
     address = f"tcp://127.0.0.1:{silent.getsockname()[1]}"
@@ -129,8 +129,8 @@ def test_non_store_listener_fails_within_timeout():
 
 def test_store_survives_a_flood_of_idle_connections():
     """1,000 idle connections (127.0.0.1 only): without the guard, 300 already kept every new
-    client out, even after they closed (see membership/guard.py)."""
-    from zeroband.membership.store import connect_tcp_store, host_tcp_store
+    client out, even after they closed (see store/guard.py)."""
+    from zeroband.store.client import connect_tcp_store, host_tcp_store
 
     port = free_port()
     server = host_tcp_store("127.0.0.1", port, timedelta(seconds=30))

@@ -10,9 +10,9 @@ import torch
 from zeroband.comm.dense import DenseCodec
 from zeroband.comm.direct import Arena, flat_base, flatten
 from zeroband.comm.kernels import kernels, value_stats
-from zeroband.comm.mac import TAG_BYTES, WireAuth
 from zeroband.outer.placement import _views, outer_thread_count, pick_outer_device
 from zeroband.outer.stats import tensor_stats
+from zeroband.trust.mac import TAG_BYTES, WireAuth
 
 
 def test_fused_sgd_is_bitwise_the_per_tensor_loop():

@@ -18,7 +18,7 @@ from zeroband.membership.rounds import (
     decide_verdict,
     orphaned,
 )
-from zeroband.membership.store import open_store
+from zeroband.store.client import open_store
 
 
 def test_members_wait_for_every_expected_live_site():

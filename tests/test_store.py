@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from tests.etcd_cluster import INSTALL_HINT, EtcdCluster, etcd_binary, start_cluster
 from tests.multiproc import free_port, run_sites
-from zeroband.membership.store import open_store
+from zeroband.store.client import open_store
 
 
 def _need_etcd() -> None:

@@ -61,7 +61,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from zeroband.membership.auth import SECRET_ENV, derive_key
+from zeroband.trust.auth import SECRET_ENV, derive_key
 
 log = logging.getLogger(__name__)
 

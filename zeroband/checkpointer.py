@@ -15,7 +15,7 @@ import torch
 
 from zeroband import checkpoint as ckpt
 from zeroband.config import CheckpointConfig, Config
-from zeroband.membership.auth import optional_secret
+from zeroband.trust.auth import optional_secret
 
 
 def should_save(cfg: CheckpointConfig, step: int, last: bool, stopping: bool = False,

@@ -136,8 +136,8 @@ def _cmd_export(args: argparse.Namespace, rest: list[str]) -> int:
 def _adopt_local_secret(cfg: Config) -> None:
     """A run that `zeroband launch` gave its own secret signed its checkpoints with it: verify with it."""
     from zeroband.config import read_secret_file
-    from zeroband.membership.auth import SECRET_ENV, optional_secret
     from zeroband.tools.launch import SECRET_FILE
+    from zeroband.trust.auth import SECRET_ENV, optional_secret
 
     path = cfg.run_dir / SECRET_FILE
     if optional_secret(cfg.sites.secret) is None and path.is_file():

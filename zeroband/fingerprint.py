@@ -8,7 +8,7 @@ from pathlib import Path
 from zeroband.config import Config
 from zeroband.data.loader import resolve_files
 from zeroband.data.tokenizer import TextTokenizer
-from zeroband.membership.auth import flatten_fingerprint
+from zeroband.trust.auth import flatten_fingerprint
 
 # DiLoCo settings that are each site's own (how patient it is); every other one must match, so a setting
 # added later is compared by default. Of [sites] (where a site is, how it reaches the others) only the

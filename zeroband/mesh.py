@@ -25,8 +25,8 @@ from zeroband.comm.group import (
     new_global_group,
     rendezvous,
 )
-from zeroband.comm.mac import WireAuth
-from zeroband.membership.store import open_store
+from zeroband.store.client import open_store
+from zeroband.trust.mac import WireAuth
 from zeroband.world import World
 
 __all__ = ["OPEN", "SECRET", "GlobalGroup", "Topology", "admission_mark", "init_site_group", "init_topology",

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from zeroband.membership.auth import flatten_fingerprint
+from zeroband.trust.auth import flatten_fingerprint
 
 Rule = Literal["change", "refuse", "ignore"]
 

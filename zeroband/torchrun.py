@@ -17,7 +17,7 @@ import sys
 
 import torch.distributed as dist
 
-from zeroband.membership.store import BoundTCPStore
+from zeroband.store.client import BoundTCPStore
 
 FIRST_FAILURE = "zeroband.torchrun: first failure:"
 

@@ -23,10 +23,8 @@ from zeroband.config import Config, ConfigError, dump_config, load_config, warn_
 from zeroband.data.loader import PackedBatches
 from zeroband.data.tokenizer import TextTokenizer
 from zeroband.fingerprint import run_fingerprint
-from zeroband.membership.auth import TrustError, run_secret
 from zeroband.membership.elastic import ElasticMembership
 from zeroband.membership.resume import ResumeMismatch, agree_resume
-from zeroband.membership.store import StoreUnreachable
 from zeroband.mesh import Topology, admission_mark, init_topology, shutdown
 from zeroband.metrics import ComputeClock, MetricsLogger, insecure_choices, peak_flops, peak_memory_mb
 from zeroband.models.llama import Llama, flops_per_token, num_params
@@ -45,6 +43,8 @@ from zeroband.step import (
     settle_step,
     validation_metrics,
 )
+from zeroband.store.client import StoreUnreachable
+from zeroband.trust.auth import TrustError, run_secret
 from zeroband.watchdog import Interrupted, PeerLost, PeerTimeout, request_stop
 from zeroband.world import World, check_devices, world_from_env
 

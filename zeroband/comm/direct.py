@@ -130,7 +130,7 @@ class DirectExchange:
     early hides that round trip behind whatever the caller does next, e.g. the statistics
     exchange); `run` then scatters, reduces, shares and gathers.
 
-    Every message is sealed with the group's `auth` (comm/mac.py) and opened before it is decoded:
+    Every message is sealed with the group's `auth` (trust/mac.py) and opened before it is decoded:
     a forged, replayed or truncated message raises WireAuthError here, in Python.
 
     `parts` (comm/timing.py) receives the seconds spent encoding, sealing and opening (mac),

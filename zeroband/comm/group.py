@@ -18,9 +18,9 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from zeroband.comm.mac import NO_AUTH, WireAuth
-from zeroband.membership.auth import ADMIT_REFUSE_S, SECRET_ENV, PeerRefused, Verdict, _frame
-from zeroband.membership.signed import ForgedValue, SealedStore, SignedStore, exchange
+from zeroband.trust.auth import ADMIT_REFUSE_S, SECRET_ENV, PeerRefused, Verdict, frame
+from zeroband.trust.mac import NO_AUTH, WireAuth
+from zeroband.trust.signed import ForgedValue, SealedStore, SignedStore, exchange
 from zeroband.watchdog import PeerTimeout, Ticker, Watch, _sites, read_by_all, wait_keys
 
 T = TypeVar("T")
@@ -39,7 +39,7 @@ class GlobalGroup:
     `watched(fn, what)` runs blocking cross-site work on a helper thread so that the caller logs
     while it waits and gives up at the deadline with a message naming the phase and the site.
 
-    `auth` seals the messages of `post_scalars`, the broadcasts and comm/direct.py (comm/mac.py)
+    `auth` seals the messages of `post_scalars`, the broadcasts and comm/direct.py (trust/mac.py)
     under the session key this group's admission agreed (zeroband/membership/base.py
     `admit_group`: new at every start and generation); `prefix` (the group's store prefix: run,
     generation, shard) and the call counter `next_call()` bind each message to this group and this
@@ -137,13 +137,13 @@ class GlobalGroup:
 
 
 def digest48(tensors: list[torch.Tensor], auth: WireAuth) -> int:
-    """The first 48 bits of the keyed replica digest (comm/mac.py): a value a float64 carries exactly,
+    """The first 48 bits of the keyed replica digest (trust/mac.py): a value a float64 carries exactly,
     for the per-step replica check (SiteStats.crc) and the `outer_crc` metric."""
     return int.from_bytes(auth.replica_digest(tensors)[:6], "big")
 
 
 def checksum_table(tensors: list[torch.Tensor], group: GlobalGroup) -> list[str]:
-    """The keyed digest (comm/mac.py, never CRC32) of this rank's tensors on every member of the group,
+    """The keyed digest (trust/mac.py, never CRC32) of this rank's tensors on every member of the group,
     as hex: 16 bytes sent as three 48-bit words, which float64 carries exactly."""
     digest = group.auth.replica_digest(tensors)
     words = [float(int.from_bytes(digest[i : i + 6], "big")) for i in range(0, len(digest), 6)]
@@ -185,7 +185,7 @@ def rendezvous(store: dist.Store, prefix: str, site_rank: int, site_count: int, 
     missing ones in its log and error. `mark` says how the site admits peers: sites that disagree
     (one has a shared secret, one has none) would otherwise wait for each other in different
     protocols until the timeout, so they are refused here, at once, on both sides. With a secret
-    (`key`), marks are signed: a forged or deleted mark reads as "not yet" (membership/signed.py
+    (`key`), marks are signed: a forged or deleted mark reads as "not yet" (trust/signed.py
     `exchange`), never as a disagreement that would blame an honest site."""
     keys = {s: f"{prefix}zeroband-arrive/{s}" for s in range(site_count)}
     signed = SignedStore(store, key)
@@ -227,7 +227,7 @@ def incarnation_prefix(store: dist.Store, base: str, site_rank: int, site_count:
         missing = {s for s, v in nonces.items() if v is None} | _mixed(signed, arrive, key, site_rank)
         _foreign(signed, arrive, missing, bad_since)
         if not missing:
-            agreed = hashlib.sha256(_frame(*(nonces[s] for s in range(site_count)))).hexdigest()[:32]
+            agreed = hashlib.sha256(frame(*(nonces[s] for s in range(site_count)))).hexdigest()[:32]
             if signed.read(done[site_rank]) != agreed.encode():
                 signed.set(done[site_rank], agreed)
             missing = {s for s, k in done.items() if signed.read(k) != agreed.encode()}

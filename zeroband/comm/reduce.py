@@ -37,7 +37,7 @@ from zeroband.comm.group import GlobalGroup
 from zeroband.comm.kernels import STATS_BLOCK
 from zeroband.comm.quantized import DEFAULT_BLOCK, Codec
 from zeroband.comm.timing import Parts
-from zeroband.membership.auth import TrustError
+from zeroband.trust.auth import TrustError
 
 QUANTIZED_BITS = {"int8": 8, "int4": 4}
 STAT_COLUMNS = ("sumsq", "nonfinite", "abstain", "tokens", "crc")

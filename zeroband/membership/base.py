@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 from zeroband.comm.group import GlobalGroup
-from zeroband.membership.auth import Admission, admission
 from zeroband.mesh import Topology
+from zeroband.trust.auth import Admission, admission
 
 Exchange = Callable[[GlobalGroup], Any]
 Prepare = Callable[[bool, bool], Exchange]  # (contribute, reduce) -> the cross-site work
@@ -53,7 +53,7 @@ class EventLog:
 def agree_on_run(topology: Topology, timeout_s: float) -> None:
     """Before anything crosses the global group: every site proves the shared secret and shows the
     same settings (`topology.fingerprint`); else PeerRefused on every site, naming each differing
-    key with both values (zeroband/membership/auth.py). Settings that agree also fix every
+    key with both values (zeroband/trust/auth.py). Settings that agree also fix every
     message's size, so a misconfigured site can never make gloo abort on a wrong-size message.
     Runs at every start (fresh, resumed, restarted): the group's session key is this incarnation's."""
     admit_group(topology.global_group, topology.store, topology.secret, topology.fingerprint, timeout_s)
@@ -62,7 +62,7 @@ def agree_on_run(topology: Topology, timeout_s: float) -> None:
 def admit_group(group: GlobalGroup, store: dist.Store, secret: bytes | None, fingerprint: dict[str, str],
                 timeout_s: float) -> Admission:
     """Admission on the group's prefix, after which the group seals under the session key it agreed
-    (comm/mac.py): until then its auth refuses to seal or open anything."""
+    (trust/mac.py): until then its auth refuses to seal or open anything."""
     result = admission(store, group.prefix, group.rank, group.size, secret, fingerprint, timedelta(seconds=timeout_s))
     group.auth = group.auth.for_session(group.context, result.nonces)
     return result

@@ -22,7 +22,7 @@ in a new generation with the same pseudo-gradients, never applying a partial res
 - Events: every decision the site acts on is also a structured record (`attach(sink)`; the loop
   writes them to metrics.jsonl as kind "membership", shapes in docs/architecture.md).
 - Trust: members of a new generation admit each other with a challenge-response on the shared
-  secret and compare config fingerprints (zeroband/membership/auth.py) before forming groups.
+  secret and compare config fingerprints (zeroband/trust/auth.py) before forming groups.
 """
 
 from __future__ import annotations
@@ -37,15 +37,15 @@ import torch
 import torch.distributed as dist
 
 from zeroband.comm.group import OPEN, SECRET, GlobalGroup, checksum_table, new_global_group, rendezvous
-from zeroband.comm.mac import WireAuth
 from zeroband.config import DilocoConfig, SitesConfig
-from zeroband.membership.auth import PeerRefused, Verdict, admission
 from zeroband.membership.base import NOT_DONE, Event, EventLog, Prepare
 from zeroband.membership.heartbeat import Heartbeat, Liveness, heartbeat_key, leave_key
 from zeroband.membership.rounds import Decision, RoundCoordinator
-from zeroband.membership.signed import SignedStore
-from zeroband.membership.store import open_store, store_failures_named
 from zeroband.mesh import Topology
+from zeroband.store.client import open_store, store_failures_named
+from zeroband.trust.auth import PeerRefused, Verdict, admission
+from zeroband.trust.mac import WireAuth
+from zeroband.trust.signed import SignedStore
 from zeroband.watchdog import Watch, read_by_all
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """Liveness without a leader: every site bumps its own counter in the store; everyone watches.
 
-Beats and leave notices are signed with the shared secret (zeroband/membership/signed.py): a
+Beats and leave notices are signed with the shared secret (zeroband/trust/signed.py): a
 forged beat or leave notice reads as absent, so nobody can keep a dead site alive or make a live
 one look gone. A beat is `<process nonce>:<stamp>`, the stamp the writer's wall clock in ns, forced
 to grow at every beat: an observer accepts a beat only if its stamp is newer than the last it
@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable
 
 import torch.distributed as dist
 
-from zeroband.membership.signed import SignedStore
+from zeroband.trust.signed import SignedStore
 
 log = logging.getLogger(__name__)
 

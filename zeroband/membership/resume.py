@@ -16,7 +16,7 @@ from collections.abc import Mapping
 
 import torch.distributed as dist
 
-from zeroband.membership.signed import SignedStore, exchange
+from zeroband.trust.signed import SignedStore, exchange
 from zeroband.watchdog import read_by_all
 
 log = logging.getLogger(__name__)

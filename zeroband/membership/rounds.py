@@ -16,7 +16,7 @@ Every outer round r (round 0 is the start) may take several attempts a. For each
    its exchange gives up as soon as it reads an abort, so it reaches the retry with the others.
 
 The store is linearizable (one TCPStore server, or etcd), which is all the agreement needs. Every
-value is signed with the shared secret (zeroband/membership/signed.py): a forged arrival, member
+value is signed with the shared secret (zeroband/trust/signed.py): a forged arrival, member
 list, vote or verdict reads as absent, and an honest site takes a forged write-once slot back.
 """
 
@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 import torch.distributed as dist
 
 from zeroband.membership.heartbeat import Liveness
-from zeroband.membership.signed import SignedStore
+from zeroband.trust.signed import SignedStore
 from zeroband.watchdog import Ticker
 
 POLL_S = 0.05

@@ -62,11 +62,9 @@ from torch.distributed.tensor import DTensor
 
 from zeroband.comm.direct import Arena, flat_base
 from zeroband.comm.group import GlobalGroup, checksum_table, digest48
-from zeroband.comm.mac import NO_AUTH, WireAuthError
 from zeroband.comm.reduce import ReduceResult, SiteStats, describe_exclusions, reduce_across_sites
 from zeroband.comm.timing import Parts
 from zeroband.config import DilocoConfig
-from zeroband.membership.auth import TrustError
 from zeroband.membership.base import NOT_DONE, FixedMembership, Membership
 from zeroband.mesh import Topology
 from zeroband.optim import hyperparameters_kept
@@ -74,6 +72,8 @@ from zeroband.outer.base import OuterStats, RoundClock
 from zeroband.outer.overlap import OverlapRules, Scratch, _InFlight
 from zeroband.outer.placement import OuterCopy, _views, outer_thread_count, torch_threads
 from zeroband.outer.stats import site_stats, tensor_stats
+from zeroband.trust.auth import TrustError
+from zeroband.trust.mac import NO_AUTH, WireAuthError
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ def local_shard(param: torch.nn.Parameter) -> torch.Tensor:
 
 
 def broadcast_from_site0(tensors: list[torch.Tensor], topology: Topology) -> None:
-    """Every site takes site 0's tensors: one sealed message (comm/mac.py, under this incarnation's
+    """Every site takes site 0's tensors: one sealed message (trust/mac.py, under this incarnation's
     session key), opened before any value is used. A site that received it altered applies nothing,
     and every site then stops with the same line (`refuse_if_any`), not just the one that saw it."""
     group = topology.global_group
@@ -129,7 +129,7 @@ def refuse_if_any(bad: bool, topology: Topology, when: str, why: Callable[[list[
 
 
 def verify_identical(tensors: list[torch.Tensor], topology: Topology, when: str) -> None:
-    """The keyed digest (comm/mac.py `replica_digest`, not CRC32: a linear checksum lets an attacker
+    """The keyed digest (trust/mac.py `replica_digest`, not CRC32: a linear checksum lets an attacker
     choose a change that keeps it) of this rank's tensors must agree on every site and shard."""
     group = topology.global_group
     table = group.watched(lambda: checksum_table(tensors, group), f"checksum after {when}")

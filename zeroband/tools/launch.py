@@ -64,7 +64,8 @@ class WanLink:
 
 
 @contextmanager
-def site_network(sites: int, wan: WanLink | None, store_env: dict[str, str] | None = None) -> Iterator[tuple[str, Callable[[int, list[str]], list[str]], Callable[[int], dict]]]:
+def site_network(sites: int, wan: WanLink | None, store_env: dict[str, str] | None = None,
+                 ) -> Iterator[tuple[str, Callable[[int, list[str]], list[str]], Callable[[int], dict]]]:
     """(store address, command wrapper, extra env) for plain loopback or an emulated WAN.
 
     The coordination store runs in its own process (not in a site), so any site may die; `store_env`
@@ -88,7 +89,7 @@ def site_network(sites: int, wan: WanLink | None, store_env: dict[str, str] | No
 def store_process(where: list, wrap: Callable[[list[str]], list[str]], env: dict[str, str] | None = None,
                   timeout_s: float = 60.0) -> Iterator[subprocess.Popen]:
     host, port = where
-    cmd = wrap([sys.executable, "-m", "zeroband.membership.store_server", "--host", str(host), "--port", str(port)])
+    cmd = wrap([sys.executable, "-m", "zeroband.store.server", "--host", str(host), "--port", str(port)])
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, **(env or {})})
     try:
@@ -148,8 +149,9 @@ def launch_sites(
     `pin_cpus` gives each site its own share of the CPUs (`site_cpus`). `progress`: a metrics.jsonl
     (site 0's) printed as it grows. A site that fails (or freezes) ends the others as `policy` says
     (default: `SupervisePolicy.from_config` of this config). `site_env`: extra environment of every
-    site (the run-local secret: never on argv); `store_env` the store's (default: `site_env`). SIGTERM/SIGINT are forwarded to every site, which
-    get `grace_s` to exit before SIGKILL, then `Stopped` is raised (the store is stopped on the way out)."""
+    site (the run-local secret: never on argv); `store_env` the store's (default: `site_env`).
+    SIGTERM/SIGINT are forwarded to every site, which get `grace_s` to exit before SIGKILL, then
+    `Stopped` is raised (the store is stopped on the way out)."""
     if policy is None:
         policy = SupervisePolicy.from_config(load_config(config, [*overrides, *site_identity(0, sites)]))
     cpus = site_cpus(sites) if pin_cpus else None
@@ -506,7 +508,7 @@ def local_secret_env(cfg: Config) -> tuple[dict[str, str], Path | None]:
     made once (random, mode 0600) and reused by every later launch of the run, so its signed
     checkpoints still verify on resume. It travels in the environment only (never argv, no log)."""
     from zeroband.config import ConfigError, read_secret_file
-    from zeroband.membership.auth import SECRET_ENV, optional_secret
+    from zeroband.trust.auth import SECRET_ENV, optional_secret
 
     if cfg.sites.insecure or optional_secret(cfg.sites.secret) is not None:
         return {}, None
@@ -529,7 +531,7 @@ def store_secret_env(cfg: Config, site_env: dict[str, str]) -> dict[str, str]:
     """The store process's secret: the one sites read from the config or a secret_file (not in any
     environment) if set, else `site_env`'s (the run-local one, or none: the store then inherits
     $ZEROBAND_SECRET if the launcher has it)."""
-    from zeroband.membership.auth import SECRET_ENV, optional_secret
+    from zeroband.trust.auth import SECRET_ENV, optional_secret
 
     configured = optional_secret(cfg.sites.secret)
     return {**site_env, SECRET_ENV: configured.decode()} if configured is not None else site_env

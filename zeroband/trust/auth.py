@@ -14,7 +14,7 @@ runs over the store, under the generation's own (fresh) prefix P:
 3. every site reads all proofs, which are public, and checks every pair. Since all honest sites
    hold the same key and read the same write-once values, they reach the same verdict (`decide`);
 4. the admitted members key this group's messages for this incarnation only: K_s from every
-   member's nonce (`Admission.nonces`, comm/mac.py `WireAuth.for_session`). A proof verifies only
+   member's nonce (`Admission.nonces`, trust/mac.py `WireAuth.for_session`). A proof verifies only
    if its author read the same two nonces as the verifier, so all admitted members derive the same
    K_s, and each member's own fresh nonce makes K_s new at every admission: a message recorded in
    an earlier incarnation (restart, resume) or generation is checked under another key.
@@ -150,7 +150,7 @@ def _canonical(fingerprint: Mapping[str, str]) -> bytes:
     return json.dumps(dict(fingerprint), sort_keys=True, separators=(",", ":")).encode()
 
 
-def _frame(*parts: bytes) -> bytes:
+def frame(*parts: bytes) -> bytes:
     """Length-prefixed concatenation: no two different field tuples give the same message."""
     return b"".join(len(p).to_bytes(4, "big") + p for p in parts)
 
@@ -158,7 +158,7 @@ def _frame(*parts: bytes) -> bytes:
 def proof(key: bytes, prefix: str, prover: int, verifier: int, nonces: Mapping[int, bytes],
           fingerprint: Mapping[str, str]) -> str:
     """Hex HMAC by which `prover` shows `verifier` it holds the key, for this generation only."""
-    msg = _frame(LABEL, prefix.encode(), str(prover).encode(), str(verifier).encode(),
+    msg = frame(LABEL, prefix.encode(), str(prover).encode(), str(verifier).encode(),
                  nonces[prover], nonces[verifier], hashlib.sha256(_canonical(fingerprint)).digest())
     return hmac.new(key, msg, hashlib.sha256).hexdigest()
 
@@ -244,10 +244,10 @@ def admission(store: dist.Store, prefix: str, site_rank: int, site_count: int, s
             raise PeerRefused(site_rank, verdict)
         return Admission(verdict.admitted, {})
     key = derive_key(secret, prefix)
-    # Every value is signed (membership/signed.py) with a key of the secret and this prefix, bound
+    # Every value is signed (trust/signed.py) with a key of the secret and this prefix, bound
     # to its store key (so to its writer's site): a forged nonce, fingerprint or proof reads as "not
     # yet" and is re-written by its owner, rather than failing the proofs and blaming an honest site.
-    from zeroband.membership.signed import SignedStore  # it imports this module
+    from zeroband.trust.signed import SignedStore  # it imports this module
 
     signed = SignedStore(scoped, hmac.digest(key, LABEL + b"|store-values", "sha256"))
     own = secrets.token_bytes(NONCE_BYTES)
@@ -291,7 +291,7 @@ def _exchange(store: Any, kind: str, me: int, sites: Iterable[int], bad: set[int
     """Every site's signed `kind` value; None for a site in `bad` or one whose values keep failing
     authentication for ADMIT_REFUSE_S (added to `bad`). One forged write is re-written by its owner
     well within that, so it delays the admission and blames nobody."""
-    from zeroband.membership.signed import exchange
+    from zeroband.trust.signed import exchange
 
     keys = {s: f"{kind}/{s}" for s in sites if s not in bad}
     got = exchange(store, keys, me, value, f"admission: {kind}", timeout.total_seconds(), ADMIT_REFUSE_S)

@@ -1,13 +1,13 @@
 """A standalone TCP coordination store, so that no training site hosts it.
 
-    python -m zeroband.membership.store_server --port 29600 [--host 127.0.0.1]
+    python -m zeroband.store.server --port 29600 [--host 127.0.0.1]
 
 `zeroband launch` starts one beside the sites (inside site 0's network namespace under WAN
 emulation, but as its own process), so killing any site, site 0 included, leaves the store up.
 It exits on SIGTERM/SIGINT or when its parent process goes away. With the run's secret in
 $ZEROBAND_SECRET (the launcher hands it over) only connections that prove it reach the store
-(membership/guard.py); without one the port is only flood-bounded, not authenticated. For runs spanning real sites,
-use an etcd cluster with a member per site instead (`sites.store = "etcd://..."`).
+(store/guard.py); without one the port is only flood-bounded, not authenticated. For runs
+spanning real sites, use an etcd cluster with a member per site instead (`sites.store = "etcd://..."`).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import signal
 import time
 from datetime import timedelta
 
-from zeroband.membership.auth import SECRET_ENV, optional_secret
-from zeroband.membership.store import host_tcp_store
+from zeroband.store.client import host_tcp_store
+from zeroband.trust.auth import SECRET_ENV, optional_secret
 
 
 def main(argv: list[str] | None = None) -> int:

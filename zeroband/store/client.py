@@ -24,9 +24,9 @@ from urllib.parse import urlparse
 
 import torch.distributed as dist
 
-from zeroband.membership.auth import SECRET_ENV, derive_key, optional_secret
-from zeroband.membership.etcd import EtcdStore, StoreUnavailable, parse_endpoints
-from zeroband.membership.guard import Refused, handshake
+from zeroband.store.etcd import EtcdStore, StoreUnavailable, parse_endpoints
+from zeroband.store.guard import Refused, handshake
+from zeroband.trust.auth import SECRET_ENV, derive_key, optional_secret
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ def store_failures_named(address: str) -> Iterator[None]:
 def open_store(address: str, is_host: bool, timeout: timedelta, secret: bytes | None = None) -> dist.Store:
     """The store at `address`. `is_host` only matters for tcp:// (that process runs the server).
     `secret`: the run's shared secret (default: $ZEROBAND_SECRET); with one, a tcp:// store's port
-    admits only connections that prove it (membership/guard.py), and clients reach it through a
+    admits only connections that prove it (store/guard.py), and clients reach it through a
     local forwarder that does, so callers see a plain c10d TCPStore either way."""
     scheme, sep, rest = address.partition("://")
     if not sep:
@@ -101,7 +101,7 @@ def _run_secret(secret: bytes | None) -> bytes | None:
 
 def host_tcp_store(host: str, port: int, timeout: timedelta, secret: bytes | None = None) -> dist.TCPStore:
     """A TCPStore server on an ephemeral loopback port, reached through a StoreGuard on host:port
-    (membership/guard.py: with a secret only authenticated connections reach the server; without,
+    (store/guard.py: with a secret only authenticated connections reach the server; without,
     idle and stalled ones cannot lock it up). Returns the server's client. Call it from a thread that
     lives as long as the store: the guard dies with it (PR_SET_PDEATHSIG)."""
     secret = _run_secret(secret)

@@ -5,7 +5,7 @@ client by ~9 s, and 300 or more keep every new client out (its connect/validate 
 timeout), even after the idle connections are closed. The server has no setting for this, so the
 real store listens on an ephemeral loopback port and this guard owns the public one.
 
-With a run secret (`--auth`, the key on stdin; zeroband/membership/store.py derives it):
+With a run secret (`--auth`, the key on stdin; zeroband/store/client.py derives it):
 
 - on accept the guard sends a fresh random challenge (`MAGIC` + 32 bytes); the client must answer
   `answer(key, challenge, port)` (HMAC-SHA256) within `hello_s`. Only then is a connection to the
@@ -23,7 +23,7 @@ stays in the bounded, evictable pending set. One that sends the right 5 bytes an
 holds a store connection: without a secret the port is only flood-bounded, not authenticated.
 
 One thread, `selectors`; store traffic is small (keys, counters), so a Python hop costs little.
-Guard and forwarder each run in a process of their own (`python zeroband/membership/guard.py`,
+Guard and forwarder each run in a process of their own (`python zeroband/store/guard.py`,
 stdlib only, exit when their parent does): some c10d client calls (`list_keys`) hold the GIL while
 they block, so a thread in the same process as such a client would wait for it forever.
 """

@@ -6,7 +6,7 @@ Key schedule (docs/security.md):
     key_m    = HMAC-SHA256(K_s, label | prefix | call | gloo tag (phase + piece) | source | destination)
     tag      = AES-256-GMAC(key_m, zero nonce, payload)              (AES-GCM over no plaintext)
 K' is K's message subkey; the prefix names the run, the generation and the shard; N_i is the
-32-byte random nonce member i drew for this admission (zeroband/membership/auth.py), whose proofs
+32-byte random nonce member i drew for this admission (zeroband/trust/auth.py), whose proofs
 bind every nonce, so every admitted member derives the same K_s and nobody else can. Every start
 (fresh, resumed, restarted) and every elastic generation runs a new admission, so K_s is new each
 time: a message recorded in another incarnation, generation or shard is checked under another key
@@ -54,7 +54,7 @@ import torch
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from zeroband.membership.auth import TrustError, _frame, derive_key
+from zeroband.trust.auth import TrustError, derive_key, frame
 
 LABEL = b"zeroband-wire-v4"  # v4: one-time keys under a per-incarnation session key (v3: under the secret's key)
 SESSION_LABEL = b"zeroband-session-v1"
@@ -126,7 +126,7 @@ class WireAuth:
         if not self.key:
             return self
         members = [nonces[s] for s in sorted(nonces)]
-        session = hmac.digest(self.mac_key, _frame(SESSION_LABEL, context, *members), "sha256")
+        session = hmac.digest(self.mac_key, frame(SESSION_LABEL, context, *members), "sha256")
         return replace(self, session=session, guard=SealGuard())
 
     @property
@@ -145,7 +145,7 @@ class WireAuth:
     def tag(self, context: bytes, fields: tuple[object, ...], payload: torch.Tensor) -> bytes:
         if self.session is None:
             raise WireAuthError(f"message {fields}: no session key yet (the group's admission has not run)")
-        message_key = hmac.digest(self.session, _frame(LABEL, context, *(str(f).encode() for f in fields)), "sha256")
+        message_key = hmac.digest(self.session, frame(LABEL, context, *(str(f).encode() for f in fields)), "sha256")
         return gmac(message_key, NONCE, payload.numpy())  # the tensor's bytes, no copy
 
     def _seal_tag(self, context: bytes, fields: tuple[object, ...], payload: torch.Tensor) -> torch.Tensor:

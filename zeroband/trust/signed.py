@@ -3,7 +3,7 @@
 Heartbeats, arrivals, member lists, votes, verdicts, leave notices and the committed-round counter
 (zeroband/membership/heartbeat.py, rounds.py, zeroband/membership/elastic.py) are written as
     hex(HMAC-SHA256(K, label | key | value)) "." value
-with K derived from the shared secret (comm/mac.py). A value that does not verify, written by
+with K derived from the shared secret (trust/mac.py). A value that does not verify, written by
 someone without the secret or copied from another key, reads as absent and is logged once per key
 (event `store_value_refused`); a write-once slot that holds one is taken back by the first honest
 writer (`compare_set`). Only the generation counter stays a bare `add`: it merely hands out fresh
@@ -23,7 +23,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from zeroband.membership.auth import TrustError, _frame
+from zeroband.trust.auth import TrustError, frame
 from zeroband.watchdog import POLL_S, PeerTimeout, Ticker, _sites
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ class SignedStore:
         self.refused: dict[str, str] = {}  # key -> "unsigned", "signed" (we have no secret) or "bad-mac"
 
     def _mac(self, key: str, value: bytes) -> bytes:
-        return hmac.new(self.key, _frame(LABEL, key.encode(), value), hashlib.sha256).hexdigest().encode()
+        return hmac.new(self.key, frame(LABEL, key.encode(), value), hashlib.sha256).hexdigest().encode()
 
     def seal(self, key: str, value: str | bytes) -> bytes:
         raw = value.encode() if isinstance(value, str) else value
