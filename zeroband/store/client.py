@@ -14,7 +14,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -25,7 +24,7 @@ from urllib.parse import urlparse
 import torch.distributed as dist
 
 from zeroband.store.etcd import EtcdStore, StoreUnavailable, parse_endpoints
-from zeroband.store.guard import Refused, handshake
+from zeroband.store.guard import Refused, authenticated, challenges
 from zeroband.trust.auth import SECRET_ENV, derive_key, optional_secret
 
 log = logging.getLogger(__name__)
@@ -160,6 +159,9 @@ def connect_tcp_store(host: str, port: int, timeout: timedelta, address: str,
     thread.start()
     thread.join(timeout.total_seconds() + 1.0)
     fix = "check sites.store (zeroband launch's store, or site 0 with sites.host_store = true)"
+    if secret is None and ("error" in box or thread.is_alive()) and challenges((host, port)):
+        raise StoreUnreachable(f"store {address}: the store demands the run's shared secret and this site has none. "
+                               f"Fix: export {SECRET_ENV} (the same on every site and the store)")
     if thread.is_alive():
         raise StoreUnreachable(f"store {address}: a listener accepted the connection but did not answer as a "
                                f"c10d store within {timeout.total_seconds():g} s (sites.timeout_s); {fix}")
@@ -193,28 +195,20 @@ def _forwarder(host: str, port: int, secret: bytes, timeout: timedelta, address:
         return _FORWARDERS[ident][1]
 
 
-CHALLENGE_WAIT_S = 10.0
-
-
 def check_guard(host: str, port: int, key: bytes, timeout_s: float, address: str) -> None:
-    """One authenticated connection to the guard (retried while nothing listens yet), or
-    StoreUnreachable naming why the guard refused it."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            with socket.create_connection((host, port), timeout=max(0.1, deadline - time.monotonic())) as sock:
-                # the guard challenges at once: waiting longer only delays the one line on a misconfiguration
-                handshake(sock, key, port, min(CHALLENGE_WAIT_S, max(0.1, deadline - time.monotonic())))
-            return
-        except Refused as e:
-            raise StoreUnreachable(f"store {address}: {e}. Fix: the same {SECRET_ENV} on every site and on the "
-                                   "store, or sites.insecure = true on all of them") from None
-        except OSError as e:
-            if time.monotonic() + 0.2 >= deadline:
-                raise StoreUnreachable(f"store {address}: no store answered within {timeout_s:g} s ({e}); check "
-                                       "sites.store (zeroband launch's store, or site 0 with sites.host_store = true)"
-                                       ) from None
-            time.sleep(0.2)
+    """One authenticated connection to the guard (retried while nothing listens yet or a flood drops
+    it), or StoreUnreachable naming why not."""
+    try:
+        authenticated((host, port), key, timeout_s).close()
+    except Refused as e:
+        if not e.final:
+            raise StoreUnreachable(f"store {address}: {e} (for {timeout_s:g} s)") from None
+        raise StoreUnreachable(f"store {address}: {e}. Fix: the same {SECRET_ENV} on every site and on the "
+                               "store, or sites.insecure = true on all of them") from None
+    except OSError as e:
+        raise StoreUnreachable(f"store {address}: no store answered within {timeout_s:g} s ({e}); check "
+                               "sites.store (zeroband launch's store, or site 0 with sites.host_store = true)"
+                               ) from None
 
 
 def listen_socket(host: str, port: int, backlog: int = 4096) -> socket.socket:

@@ -91,37 +91,76 @@ def judge(pending: Pending, key: bytes | None, port: int) -> bytes | None:
 
 
 class Refused(ConnectionError):
-    """The guard refused our handshake; the message says why, in one line."""
+    """The guard refused our handshake; the message says why, in one line. `final`: asking again
+    cannot help (wrong secret, no guard there); else (the connection was dropped, e.g. evicted
+    during a flood) a new connection may succeed."""
+
+    def __init__(self, message: str, final: bool = True) -> None:
+        super().__init__(message)
+        self.final = final
 
 
 def handshake(sock: socket.socket, key: bytes, port: int, timeout_s: float) -> None:
     """Answer the guard's challenge on a connected socket; returns once admitted, else Refused."""
     sock.settimeout(timeout_s)
     challenge = _read_exactly(sock, CHALLENGE_BYTES, "sent no challenge (a store started without the run's "
-                                                     "secret, or not a zeroband store?)")
+                                                     "secret, or not a zeroband store?)", final_on_timeout=True)
     if not challenge.startswith(MAGIC):
         raise Refused("what answered is not a zeroband store guard (no challenge)")
     sock.sendall(answer(key, challenge, port))
-    status = _read_exactly(sock, 1, "gave no verdict on our answer")
+    status = _read_exactly(sock, 1, "gave no verdict on our answer", final_on_timeout=False)
     if status == WRONG:
         raise Refused("the store's guard refused our answer: wrong shared secret")
     if status == FULL:
-        raise Refused(f"the store's guard has no free slot ({MAX_CLIENTS} authenticated clients)")
+        raise Refused(f"the store's guard has no free slot ({MAX_CLIENTS} authenticated clients)", final=False)
     if status != ADMITTED:
         raise Refused("the store's guard answered with an unknown status")
 
 
-def _read_exactly(sock: socket.socket, n: int, failed: str) -> bytes:
+def _read_exactly(sock: socket.socket, n: int, failed: str, final_on_timeout: bool) -> bytes:
     data = b""
     try:
         while len(data) < n:
             chunk = sock.recv(n - len(data))
             if not chunk:
-                raise Refused(f"the store closed the connection and {failed}")
+                raise Refused(f"the store closed the connection and {failed}", final=False)
             data += chunk
     except TimeoutError:
-        raise Refused(f"the store {failed} within {sock.gettimeout():g} s") from None
+        raise Refused(f"the store {failed} within {sock.gettimeout():.3g} s", final=final_on_timeout) from None
     return data
+
+
+def authenticated(remote: tuple[str, int], key: bytes, timeout_s: float) -> socket.socket:
+    """A connection to the guard at `remote`, admitted; retried on a dropped connection (a flood
+    evicts unanswered ones oldest-first) until `timeout_s`. Refused (final) or OSError otherwise."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = max(0.1, deadline - time.monotonic())
+        sock = None
+        try:
+            sock = socket.create_connection(remote, timeout=left)
+            # the guard challenges at once: a longer wait only delays the one line on a misconfiguration
+            handshake(sock, key, remote[1], min(CHALLENGE_WAIT_S, left))
+            return sock
+        except OSError as e:
+            if sock is not None:
+                sock.close()
+            if (isinstance(e, Refused) and e.final) or time.monotonic() + RETRY_S >= deadline:
+                raise
+            time.sleep(RETRY_S)
+
+
+def challenges(remote: tuple[str, int], timeout_s: float = 1.0) -> bool:
+    """Whether what listens at `remote` is a guard that demands the secret (it challenges at once)."""
+    try:
+        with socket.create_connection(remote, timeout=timeout_s) as sock:
+            return _read_exactly(sock, len(MAGIC), "", final_on_timeout=True) == MAGIC
+    except OSError:
+        return False
+
+
+CHALLENGE_WAIT_S = 10.0
+RETRY_S = 0.1
 
 
 # ---- the guard ------------------------------------------------------------------------------------
@@ -303,8 +342,7 @@ class Forwarder:
 
     def _serve_one(self, local: socket.socket) -> None:
         try:
-            upstream = socket.create_connection(self.remote, timeout=self.timeout_s)
-            handshake(upstream, self.key, self.remote[1], self.timeout_s)
+            upstream = authenticated(self.remote, self.key, self.timeout_s)
         except OSError as e:  # Refused included: the c10d client sees a closed connection and retries
             print(f"forwarder: {self.remote[0]}:{self.remote[1]}: {e}", file=sys.stderr, flush=True)
             local.close()
