@@ -145,8 +145,9 @@ def connect_tcp_store(host: str, port: int, timeout: timedelta, address: str,
     forever on a listener that accepts and never answers (and past its timeout on a flooded store).
     With a secret the client connects to this process's forwarder to host:port (`_forwarder`)."""
     secret = _run_secret(secret)
-    if secret is not None:
-        host, port = "127.0.0.1", _forwarder(host, port, secret, timeout, address)
+    local = _forwarder(host, port, secret, timeout, address) if secret is not None else None
+    if local is not None:
+        host, port = "127.0.0.1", local
     box: dict[str, Any] = {}
 
     def connect() -> None:
@@ -177,12 +178,18 @@ _FORWARDERS: dict[tuple[int, str, int, bytes], tuple[subprocess.Popen, int]] = {
 _FORWARDERS_LOCK = threading.Lock()
 
 
-def _forwarder(host: str, port: int, secret: bytes, timeout: timedelta, address: str) -> int:
+def _forwarder(host: str, port: int, secret: bytes, timeout: timedelta, address: str) -> int | None:
     """The loopback port of this process's forwarder to the guard at host:port, started on first
-    use. First one handshake from here, so a refusal is one line naming its cause rather than the
-    c10d client's retries on a closed connection."""
+    use; None for a store that demands no secret (started without one: its clients connect plainly).
+    First one handshake from here, so a refusal is one line naming its cause rather than the c10d
+    client's retries on a closed connection."""
     key = guard_key(secret)
-    check_guard(host, port, key, timeout.total_seconds(), address)
+    if not check_guard(host, port, key, timeout.total_seconds(), address):
+        if address not in _UNGUARDED:
+            _UNGUARDED.add(address)
+            log.warning("store %s asks for no secret (started without %s): its port is only flood-bounded, "
+                        "not authenticated; store values stay signed", address, SECRET_ENV)
+        return None
     with _FORWARDERS_LOCK:
         ident = (os.getpid(), host, port, key)
         known = _FORWARDERS.get(ident)
@@ -195,12 +202,19 @@ def _forwarder(host: str, port: int, secret: bytes, timeout: timedelta, address:
         return _FORWARDERS[ident][1]
 
 
-def check_guard(host: str, port: int, key: bytes, timeout_s: float, address: str) -> None:
+_UNGUARDED: set[str] = set()  # stores already reported as asking for no secret
+
+
+def check_guard(host: str, port: int, key: bytes, timeout_s: float, address: str) -> bool:
     """One authenticated connection to the guard (retried while nothing listens yet or a flood drops
-    it), or StoreUnreachable naming why not."""
+    it): True, or False when nothing challenges us (no secret at the store), or StoreUnreachable
+    naming why the guard refused."""
     try:
         authenticated((host, port), key, timeout_s).close()
+        return True
     except Refused as e:
+        if e.silent:
+            return False
         if not e.final:
             raise StoreUnreachable(f"store {address}: {e} (for {timeout_s:g} s)") from None
         raise StoreUnreachable(f"store {address}: {e}. Fix: the same {SECRET_ENV} on every site and on the "

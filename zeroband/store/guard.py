@@ -92,19 +92,23 @@ def judge(pending: Pending, key: bytes | None, port: int) -> bytes | None:
 
 class Refused(ConnectionError):
     """The guard refused our handshake; the message says why, in one line. `final`: asking again
-    cannot help (wrong secret, no guard there); else (the connection was dropped, e.g. evicted
-    during a flood) a new connection may succeed."""
+    cannot help (wrong secret, not a guard); else (the connection was dropped, e.g. evicted during a
+    flood) a new connection may succeed. `silent`: nothing challenged us at all (a store started
+    without a secret, or a plain c10d server, says nothing first)."""
 
-    def __init__(self, message: str, final: bool = True) -> None:
+    def __init__(self, message: str, final: bool = True, silent: bool = False) -> None:
         super().__init__(message)
-        self.final = final
+        self.final, self.silent = final, silent
 
 
 def handshake(sock: socket.socket, key: bytes, port: int, timeout_s: float) -> None:
     """Answer the guard's challenge on a connected socket; returns once admitted, else Refused."""
     sock.settimeout(timeout_s)
-    challenge = _read_exactly(sock, CHALLENGE_BYTES, "sent no challenge (a store started without the run's "
-                                                     "secret, or not a zeroband store?)", final_on_timeout=True)
+    try:
+        challenge = _read_exactly(sock, CHALLENGE_BYTES, "sent no challenge", final_on_timeout=True)
+    except Refused as e:
+        e.silent = e.final  # the timeout, not a dropped connection
+        raise
     if not challenge.startswith(MAGIC):
         raise Refused("what answered is not a zeroband store guard (no challenge)")
     sock.sendall(answer(key, challenge, port))
@@ -159,7 +163,7 @@ def challenges(remote: tuple[str, int], timeout_s: float = 1.0) -> bool:
         return False
 
 
-CHALLENGE_WAIT_S = 10.0
+CHALLENGE_WAIT_S = 3.0  # the guard challenges on accept: silence this long means no guard asks
 RETRY_S = 0.1
 
 
