@@ -79,7 +79,7 @@ def _connect_time(connect, server, key: str) -> float:
     return time.monotonic() - t0
 
 
-def test_flood_of_the_guarded_store_port_with_a_secret():
+def test_flood_of_the_guarded_store_port_with_a_secret(monkeypatch):
     """Against the store with the run's secret: during and after the flood a real client (through its
     forwarder) keeps setting/getting, a fresh one connects within seconds, the guard process lives
     with a bounded fd count; a client with another secret is refused, in one line naming why."""
@@ -109,6 +109,9 @@ def test_flood_of_the_guarded_store_port_with_a_secret():
     with pytest.raises(StoreUnreachable) as refused:
         connect_tcp_store("127.0.0.1", port, timedelta(seconds=5), address, b"another-secret-of-32-bytes-0123456")
     assert "wrong shared secret" in str(refused.value) and "\n" not in str(refused.value)
+    monkeypatch.delenv("ZEROBAND_SECRET", raising=False)
+    with pytest.raises(StoreUnreachable, match="demands the run's shared secret and this site has none"):
+        connect_tcp_store("127.0.0.1", port, timedelta(seconds=2), address)
 
 
 def test_stalled_one_byte_connections_do_not_lock_out_an_insecure_store(monkeypatch):
