@@ -83,9 +83,18 @@ def _tcp_store(address: str, is_host: bool, timeout: timedelta, secret: bytes | 
     url = urlparse(address)
     if url.hostname is None or url.port is None:
         raise ValueError(f"store address {address!r} must look like tcp://host:port")
+    # A later open of the same store without a secret (the elastic heartbeat's own connection) uses
+    # the one this process opened it with: a secret from the config or a file is in no environment.
+    if secret is not None:
+        _SECRETS[(url.hostname, url.port)] = secret
+    else:
+        secret = _SECRETS.get((url.hostname, url.port))
     if is_host:
         return host_tcp_store(url.hostname, url.port, timeout, secret)
     return connect_tcp_store(url.hostname, url.port, timeout, address, secret)
+
+
+_SECRETS: dict[tuple[str, int], bytes] = {}
 
 
 def guard_key(secret: bytes) -> bytes:
