@@ -50,6 +50,7 @@ def kernel_impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
 UNIT_MODULES = {"test_config", "test_data", "test_model", "test_plan", "test_rounds", "test_fetch_safety",
                 "test_outer_units", "test_outer_step", "test_save_policy", "test_layers"}
 UNIT_TESTS = {
+    "test_attacks_flood_store": {"test_the_guard_decides_on_a_whole_answer_bound_to_its_challenge_and_port"},
     "test_gpu_suite_smoke": {"test_cached_spec_is_skipped_and_a_changed_spec_runs_again",
                              "test_budget_stops_between_rows_and_the_next_invocation_goes_on",
                              "test_a_worker_that_dies_costs_only_its_row",

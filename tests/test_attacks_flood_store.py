@@ -159,3 +159,32 @@ def test_two_site_run_finishes_under_a_store_flood(corpus, tmp_path):
         assert out[(s, 0)] == {"steps": 4, "trained": 4}, out
     a, b = final_params(tree, 0, 4, SECRET), final_params(tree, 1, 4, SECRET)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_later_open_without_the_secret_uses_the_one_this_process_opened_the_store_with(monkeypatch):
+    """The elastic heartbeat opens its own client with no secret argument; a secret from the config
+    or a file is in no environment, so the store remembers the one it was opened with."""
+    from zeroband.store.client import open_store
+
+    monkeypatch.delenv("ZEROBAND_SECRET", raising=False)
+    address = f"tcp://127.0.0.1:{free_port()}"
+    host = open_store(address, True, timedelta(seconds=10), SECRET.encode())
+    client = open_store(address, False, timedelta(seconds=5))
+    client.set("beat", "1")
+    assert host.get("beat") == b"1"
+
+
+def test_the_guard_decides_on_a_whole_answer_bound_to_its_challenge_and_port():
+    from zeroband.store.guard import ADMITTED, C10D_HELLO, MAGIC, WRONG, Pending, answer, judge
+
+    key, challenge = b"k" * 32, MAGIC + b"c" * 32
+    right = answer(key, challenge, 1234)
+
+    def verdict(got: bytes, key_=key, port: int = 1234, challenge_: bytes = challenge) -> bytes | None:
+        return judge(Pending(0.0, challenge_, got), key_, port)
+
+    assert verdict(right[:31]) is None and verdict(right) == ADMITTED and verdict(right + b"store bytes") == ADMITTED
+    assert verdict(right, port=1235) == WRONG and verdict(right, challenge_=MAGIC + b"d" * 32) == WRONG
+    assert verdict(right, key_=b"x" * 32) == WRONG and verdict(b"\x00" * 32) == WRONG
+    assert verdict(C10D_HELLO[:1], key_=None) is None  # without a secret: 1 byte is not enough to forward
+    assert verdict(C10D_HELLO + b"\x0d", key_=None) == ADMITTED and verdict(b"GET /", key_=None) == WRONG
