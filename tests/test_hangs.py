@@ -179,7 +179,7 @@ def _diloco(corpus: dict, out: Path, sites: dict | None = None, **diloco) -> dic
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("elastic", [True, False])
-def test_one_site_with_secret_one_without_both_stop_naming_the_cause(corpus, tmp_path, elastic):
+def test_a_site_without_the_secret_is_kept_out_of_the_store_and_told_why(corpus, tmp_path, elastic):
     extra = {"start_grace_s": 30, "heartbeat_s": 0.5, "dead_after_s": 5} if elastic else {}
     tree = _diloco(corpus, tmp_path, elastic=elastic, **extra)
     secret = {"ZEROBAND_SECRET": "s" * 32}
