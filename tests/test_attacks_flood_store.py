@@ -155,6 +155,7 @@ def test_two_site_run_finishes_under_a_store_flood(corpus, tmp_path):
         flood.terminate()
         stats = json.loads(flood.communicate(timeout=20)[0])
     assert stats["opened"] >= 2000 and stats["stalled"] >= 600, stats
+    print(f"flood during the run {stats}")
     for s in (0, 1):
         assert out[(s, 0)] == {"steps": 4, "trained": 4}, out
     a, b = final_params(tree, 0, 4, SECRET), final_params(tree, 1, 4, SECRET)
