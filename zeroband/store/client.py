@@ -192,11 +192,12 @@ def _forwarder(host: str, port: int, secret: bytes, timeout: timedelta, address:
     use; None for a store that demands no secret (started without one: its clients connect plainly).
     First one handshake from here, so a refusal is one line naming its cause rather than the c10d
     client's retries on a closed connection."""
+    if address in _UNGUARDED:  # checked once per process: a later open (the heartbeat's) need not wait again
+        return None
     key = guard_key(secret)
     if not check_guard(host, port, key, timeout.total_seconds(), address):
-        if address not in _UNGUARDED:
-            _UNGUARDED.add(address)
-            log.warning("store %s asks for no secret (started without %s): its port is only flood-bounded, "
+        _UNGUARDED.add(address)
+        log.warning("store %s asks for no secret (started without %s): its port is only flood-bounded, "
                         "not authenticated; store values stay signed", address, SECRET_ENV)
         return None
     with _FORWARDERS_LOCK:
