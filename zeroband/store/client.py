@@ -198,7 +198,7 @@ def _forwarder(host: str, port: int, secret: bytes, timeout: timedelta, address:
     if not check_guard(host, port, key, timeout.total_seconds(), address):
         _UNGUARDED.add(address)
         log.warning("store %s asks for no secret (started without %s): its port is only flood-bounded, "
-                        "not authenticated; store values stay signed", address, SECRET_ENV)
+                    "not authenticated; store values stay signed", address, SECRET_ENV)
         return None
     with _FORWARDERS_LOCK:
         ident = (os.getpid(), host, port, key)
