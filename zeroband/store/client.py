@@ -158,6 +158,8 @@ def connect_tcp_store(host: str, port: int, timeout: timedelta, address: str,
     if local is not None:
         host, port = "127.0.0.1", local
     box: dict[str, Any] = {}
+    if secret is None:  # does a guard challenge us? asked at once: it may be gone by the time c10d gives up
+        threading.Thread(target=lambda: box.setdefault("asks", challenges((host, port))), daemon=True).start()
 
     def connect() -> None:
         try:
@@ -169,7 +171,7 @@ def connect_tcp_store(host: str, port: int, timeout: timedelta, address: str,
     thread.start()
     thread.join(timeout.total_seconds() + 1.0)
     fix = "check sites.store (zeroband launch's store, or site 0 with sites.host_store = true)"
-    if secret is None and ("error" in box or thread.is_alive()) and challenges((host, port)):
+    if box.get("asks") and ("error" in box or thread.is_alive()):
         raise StoreUnreachable(f"store {address}: the store demands the run's shared secret and this site has none. "
                                f"Fix: export {SECRET_ENV} (the same on every site and the store)")
     if thread.is_alive():
