@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -158,8 +159,8 @@ def connect_tcp_store(host: str, port: int, timeout: timedelta, address: str,
     if local is not None:
         host, port = "127.0.0.1", local
     box: dict[str, Any] = {}
-    if secret is None:  # does a guard challenge us? asked at once: it may be gone by the time c10d gives up
-        threading.Thread(target=lambda: box.setdefault("asks", challenges((host, port))), daemon=True).start()
+    if secret is None:  # does a guard challenge us? asked now: it may be gone by the time c10d gives up
+        threading.Thread(target=_ask_for_a_challenge, args=((host, port), box), daemon=True).start()
 
     def connect() -> None:
         try:
@@ -182,6 +183,17 @@ def connect_tcp_store(host: str, port: int, timeout: timedelta, address: str,
         raise StoreUnreachable(f"store {address}: no store answered within {timeout.total_seconds():g} s "
                                f"({first}); {fix}") from None
     return box["store"]
+
+
+def _ask_for_a_challenge(remote: tuple[str, int], box: dict[str, Any]) -> None:
+    """box["asks"]: whether the store at `remote` challenges (demands the secret); retried while it
+    is not up yet, until the connection attempt in `box` has ended."""
+    while "store" not in box and "error" not in box:
+        asks = challenges(remote)
+        if asks is not None:
+            box["asks"] = asks
+            return
+        time.sleep(0.2)
 
 
 # (pid, host, port, key) -> (forwarder process, its loopback port); pid: a forked child starts its own

@@ -154,13 +154,19 @@ def authenticated(remote: tuple[str, int], key: bytes, timeout_s: float) -> sock
             time.sleep(RETRY_S)
 
 
-def challenges(remote: tuple[str, int], timeout_s: float = 1.0) -> bool:
-    """Whether what listens at `remote` is a guard that demands the secret (it challenges at once)."""
+def challenges(remote: tuple[str, int], timeout_s: float = 1.0) -> bool | None:
+    """Whether what listens at `remote` is a guard that demands the secret (it challenges at once);
+    None while nothing accepts the connection (the store is not up yet)."""
     try:
-        with socket.create_connection(remote, timeout=timeout_s) as sock:
-            return _read_exactly(sock, len(MAGIC), "", final_on_timeout=True) == MAGIC
+        sock = socket.create_connection(remote, timeout=timeout_s)
+    except OSError:
+        return None
+    try:
+        return _read_exactly(sock, len(MAGIC), "", final_on_timeout=True) == MAGIC
     except OSError:
         return False
+    finally:
+        sock.close()
 
 
 CHALLENGE_WAIT_S = 3.0  # the guard challenges on accept: silence this long means no guard asks
