@@ -253,9 +253,14 @@ class ReplayingStore(dist.Store):
 
 # ---------------------------------------------------------------------- store attacks (issue 23, items 3-4)
 class StoreForger:
-    """An outsider who can reach the store, without the secret: every `period_s`, for every key that
+    """An outsider who can write to the store, without the secret: every `period_s`, for every key that
     `targets(keys now in the store)` returns, writes its value (bytes) or deletes it (None). Runs on
-    a thread of the test process until `stop()`; `writes` counts its operations."""
+    a thread of the test process until `stop()`; `writes` counts its operations.
+
+    A store started with the run's secret admits only connections that prove it (store/guard.py),
+    so the forger's connection is opened the way a site's is (the test process's $ZEROBAND_SECRET):
+    it stands for an on-path attacker who injects into an authenticated store connection (plain TCP
+    after the handshake), who still holds no key that signs a value."""
 
     def __init__(self, host: str, port: int, targets: Any, period_s: float = 0.25) -> None:
         import threading
@@ -271,10 +276,13 @@ class StoreForger:
     def _run(self) -> None:
         from datetime import timedelta
 
+        from zeroband.store.client import connect_tcp_store
+
         store = None
         while not self.stopped.wait(self.period_s):
             try:
-                store = store or dist.TCPStore(self.host, self.port, is_master=False, timeout=timedelta(seconds=2))
+                store = store or connect_tcp_store(self.host, self.port, timedelta(seconds=2),
+                                                   f"tcp://{self.host}:{self.port}")
                 for key, value in self.targets(store.list_keys()).items():
                     store.delete_key(key) if value is None else store.set(key, value)
                     self.writes += 1

@@ -51,6 +51,7 @@ UNIT_MODULES = {"test_config", "test_link", "test_data", "test_model", "test_pla
                 "test_outer_units", "test_outer_step", "test_save_policy", "test_layers", "test_outer_sync",
                 "test_transport", "test_docs_links"}
 UNIT_TESTS = {
+    "test_attacks_flood_store": {"test_the_guard_decides_on_a_whole_answer_bound_to_its_challenge_and_port"},
     "test_gpu_suite_smoke": {"test_cached_spec_is_skipped_and_a_changed_spec_runs_again",
                              "test_budget_stops_between_rows_and_the_next_invocation_goes_on",
                              "test_a_worker_that_dies_costs_only_its_row",
@@ -123,7 +124,7 @@ SLOW_TESTS = {
                     "test_launcher_names_a_stopped_site_and_ends_the_run_within_the_bound",
                     "test_launch_without_a_secret_makes_one_for_the_run_and_shows_it_nowhere",
                     "test_a_failing_two_rank_site_is_one_line_on_the_launchers_terminal"},
-    "test_hangs": {"test_one_site_with_secret_one_without_both_stop_naming_the_cause",
+    "test_hangs": {"test_a_site_without_the_secret_is_kept_out_of_the_store_and_told_why",
                    "test_sigterm_to_launcher_stops_every_site", "test_sigterm_interrupts_a_wait_on_a_frozen_peer"},
     "test_exposure": {"test_default_launch_listens_on_loopback_and_never_shows_its_secret"},
     "test_checkpoint_trust": {"test_crafted_checkpoint_is_refused_by_resume_and_export"},

@@ -73,7 +73,14 @@ def _cmd_launch(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def _launch_locked(args: argparse.Namespace, rest: list[str], cfg: Config, log_dir: Path) -> int:
-    from zeroband.tools.launch import Stopped, SupervisePolicy, WanLink, launch_sites, local_secret_env
+    from zeroband.tools.launch import (
+        Stopped,
+        SupervisePolicy,
+        WanLink,
+        launch_sites,
+        local_secret_env,
+        store_secret_env,
+    )
     from zeroband.tools.report import plot_losses, read_metrics, summarise_site
 
     site_env, secret_file = local_secret_env(cfg)
@@ -87,7 +94,8 @@ def _launch_locked(args: argparse.Namespace, rest: list[str], cfg: Config, log_d
     try:
         codes = launch_sites(args.config, args.sites, args.nproc, rest, log_dir, args.timeout, wan,
                              pin_cpus=args.pin_cpus, progress=cfg.run_dir / "site0" / "metrics.jsonl",
-                             grace_s=args.grace, policy=policy, site_env=site_env)
+                             grace_s=args.grace, policy=policy, site_env=site_env,
+                             store_env=store_secret_env(cfg, site_env))
     except Stopped as e:
         print(f"zeroband launch: {e}", file=sys.stderr)
         return 128 + e.signum

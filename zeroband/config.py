@@ -388,7 +388,7 @@ class SitesConfig(Section):
     # cut into this many slices sent at once, to fill a long fat link; the bytes and results are the same.
     streams: int = Field(1, ge=1, le=64)
     # A wait's bound from the measured link (zeroband/comm/link.py wait_bound): wait_factor x the
-    # payload's transfer time + a few RTTs, never under timeout_floor_s nor over timeout_s.
+    # payload's transfer time + a few RTTs, never under timeout_floor_s nor over timeout_s (the ceiling wins).
     timeout_floor_s: float = Field(10.0, gt=0)
     wait_factor: float = Field(3.0, ge=1)
 
@@ -405,7 +405,8 @@ class SitesConfig(Section):
             raise ValueError(f"site_rank={self.site_rank} must be < site_count={self.site_count}")
         if not (self.store.startswith("tcp://") and ":" in self.store[6:]) and not self.store.startswith("etcd://"):
             raise ValueError(f"store={self.store!r} must look like tcp://host:port or etcd://h1:p1,h2:p2,h3:p3")
-        if self.timeout_floor_s > self.timeout_s:
+        # the default floor gives way to a shorter timeout_s; a floor the user set above it is a mistake
+        if "timeout_floor_s" in self.model_fields_set and self.timeout_floor_s > self.timeout_s:
             raise ValueError(f"timeout_floor_s={self.timeout_floor_s:g} must be <= timeout_s={self.timeout_s:g}: "
                              "lower sites.timeout_floor_s or raise sites.timeout_s")
         return self

@@ -74,7 +74,7 @@ def init_topology(
     store = None
     if store_address is not None:
         is_host = host_store and world.site_rank == 0 and world.rank == 0
-        store = open_store(store_address, is_host, timeout)
+        store = open_store(store_address, is_host, timeout, secret)
     return Topology(world, mesh, store, secret, timeout_s=timeout_s)
 
 

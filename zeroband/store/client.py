@@ -8,10 +8,13 @@
 
 from __future__ import annotations
 
+import logging
+import os
 import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -22,6 +25,10 @@ from urllib.parse import urlparse
 import torch.distributed as dist
 
 from zeroband.store.etcd import EtcdStore, StoreUnavailable, parse_endpoints
+from zeroband.store.guard import Refused, authenticated, challenges
+from zeroband.trust.auth import SECRET_ENV, derive_key, optional_secret
+
+log = logging.getLogger(__name__)
 
 DEFAULT_ETCD_PREFIX = "zeroband"
 _GUARDS: list[subprocess.Popen] = []  # a hosted store's guard lives as long as the process
@@ -57,53 +64,104 @@ def store_failures_named(address: str) -> Iterator[None]:
         raise StoreUnreachable(store_gone_message(address, e)) from None
 
 
-def open_store(address: str, is_host: bool, timeout: timedelta) -> dist.Store:
-    """The store at `address`. `is_host` only matters for tcp:// (that process runs the server)."""
+def open_store(address: str, is_host: bool, timeout: timedelta, secret: bytes | None = None) -> dist.Store:
+    """The store at `address`. `is_host` only matters for tcp:// (that process runs the server).
+    `secret`: the run's shared secret (default: $ZEROBAND_SECRET); with one, a tcp:// store's port
+    admits only connections that prove it (store/guard.py), and clients reach it through a
+    local forwarder that does, so callers see a plain c10d TCPStore either way."""
     scheme, sep, rest = address.partition("://")
     if not sep:
         raise ValueError(f"store address {address!r} needs a scheme: tcp://host:port or etcd://h1:p1,h2:p2/prefix")
     if scheme == "tcp":
-        return _tcp_store(address, is_host, timeout)
+        return _tcp_store(address, is_host, timeout, secret)
     if scheme == "etcd":
         hosts, _, prefix = rest.partition("/")
         return EtcdStore(parse_endpoints(hosts), prefix.strip("/") or DEFAULT_ETCD_PREFIX, timeout)
     raise ValueError(f"store address {address!r}: unknown scheme {scheme!r} (use tcp:// or etcd://)")
 
 
-def _tcp_store(address: str, is_host: bool, timeout: timedelta) -> dist.TCPStore:
+def _tcp_store(address: str, is_host: bool, timeout: timedelta, secret: bytes | None) -> dist.TCPStore:
     url = urlparse(address)
     if url.hostname is None or url.port is None:
         raise ValueError(f"store address {address!r} must look like tcp://host:port")
+    # A later open of the same store without a secret (the elastic heartbeat's own connection) uses
+    # the one this process opened it with: a secret from the config or a file is in no environment.
+    if secret is not None:
+        _SECRETS[(url.hostname, url.port)] = secret
+    else:
+        secret = _SECRETS.get((url.hostname, url.port))
     if is_host:
-        return host_tcp_store(url.hostname, url.port, timeout)
-    return connect_tcp_store(url.hostname, url.port, timeout, address)
+        return host_tcp_store(url.hostname, url.port, timeout, secret)
+    return connect_tcp_store(url.hostname, url.port, timeout, address, secret)
 
 
-def host_tcp_store(host: str, port: int, timeout: timedelta) -> dist.TCPStore:
+_SECRETS: dict[tuple[str, int], bytes] = {}
+
+
+def guard_key(secret: bytes) -> bytes:
+    """The key guard and forwarders prove the secret with: its own scrypt-derived key (an on-path
+    observer's challenge/answer pairs make each guess at the secret cost a scrypt), used for nothing else."""
+    return derive_key(secret, "zeroband/store-guard")
+
+
+def _run_secret(secret: bytes | None) -> bytes | None:
+    return secret if secret is not None else optional_secret()
+
+
+def host_tcp_store(host: str, port: int, timeout: timedelta, secret: bytes | None = None) -> dist.TCPStore:
     """A TCPStore server on an ephemeral loopback port, reached through a StoreGuard on host:port
-    (store/guard.py: idle connections cannot lock the server up). Returns the server's client.
-    Call it from a thread that lives as long as the store: the guard dies with it (PR_SET_PDEATHSIG)."""
+    (store/guard.py: with a secret only authenticated connections reach the server; without,
+    idle and stalled ones cannot lock it up). Returns the server's client. Call it from a thread that
+    lives as long as the store: the guard dies with it (PR_SET_PDEATHSIG)."""
+    secret = _run_secret(secret)
     # BoundTCPStore: c10d's own server would listen on every interface, bypassing the guard.
     server = BoundTCPStore("127.0.0.1", 0, is_master=True, timeout=timeout, wait_for_workers=False, use_libuv=True)
+    args = ["--host", host, "--port", str(port), "--backend-port", str(server.port)]
+    guard, lines = _helper([*args, *(["--auth"] if secret else [])], guard_key(secret) if secret else None,
+                           "guard listening")
+    if guard is None:
+        raise StoreUnreachable(f"cannot host the store on {host}:{port}: {lines[-1] if lines else 'guard exited'}")
+    _GUARDS.append(guard)
+    return server
+
+
+def _helper(args: list[str], key: bytes | None, ready: str) -> tuple[subprocess.Popen | None, list[str]]:
+    """Start guard.py (the key on stdin: never argv); the process once it prints `ready`, else None
+    and what it printed (port taken, bad address)."""
     # run as a file, not `-m`: the package would import torch (seconds) where stdlib suffices
-    cmd = [sys.executable, str(Path(__file__).with_name("guard.py")), "--host", host, "--port", str(port),
-           "--backend-port", str(server.port)]
-    guard = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    cmd = [sys.executable, str(Path(__file__).with_name("guard.py")), *args]
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdin is not None and proc.stdout is not None  # PIPEs
+    if key is not None:
+        proc.stdin.write(key.hex() + "\n")
+    proc.stdin.close()
     lines = []
-    assert guard.stdout is not None  # stdout=PIPE
-    for line in guard.stdout:  # until it listens, or dies (port taken, bad address)
+    for line in proc.stdout:  # until it listens, or dies (port taken, bad address)
         lines.append(line.strip())
-        if line.startswith("guard listening"):
-            _GUARDS.append(guard)
-            return server
-    guard.wait()
-    raise StoreUnreachable(f"cannot host the store on {host}:{port}: {lines[-1] if lines else 'guard exited'}")
+        if line.startswith(ready):
+            threading.Thread(target=_drain, args=(proc,), daemon=True).start()  # its later lines: never block it
+            return proc, lines
+    proc.wait()
+    return None, lines
 
 
-def connect_tcp_store(host: str, port: int, timeout: timedelta, address: str) -> dist.TCPStore:
+def _drain(proc: subprocess.Popen) -> None:
+    for line in proc.stdout:
+        log.debug("%s", line.rstrip())
+
+
+def connect_tcp_store(host: str, port: int, timeout: timedelta, address: str,
+                      secret: bytes | None = None) -> dist.TCPStore:
     """A client, within `timeout` or StoreUnreachable. The deadline is ours: c10d's own connect waits
-    forever on a listener that accepts and never answers (and past its timeout on a flooded store)."""
+    forever on a listener that accepts and never answers (and past its timeout on a flooded store).
+    With a secret the client connects to this process's forwarder to host:port (`_forwarder`)."""
+    secret = _run_secret(secret)
+    local = _forwarder(host, port, secret, timeout, address) if secret is not None else None
+    if local is not None:
+        host, port = "127.0.0.1", local
     box: dict[str, Any] = {}
+    if secret is None:  # does a guard challenge us? asked now: it may be gone by the time c10d gives up
+        threading.Thread(target=_ask_for_a_challenge, args=((host, port), box), daemon=True).start()
 
     def connect() -> None:
         try:
@@ -115,6 +173,9 @@ def connect_tcp_store(host: str, port: int, timeout: timedelta, address: str) ->
     thread.start()
     thread.join(timeout.total_seconds() + 1.0)
     fix = "check sites.store (zeroband launch's store, or site 0 with sites.host_store = true)"
+    if box.get("asks") and ("error" in box or thread.is_alive()):
+        raise StoreUnreachable(f"store {address}: the store demands the run's shared secret and this site has none. "
+                               f"Fix: export {SECRET_ENV} (the same on every site and the store)")
     if thread.is_alive():
         raise StoreUnreachable(f"store {address}: a listener accepted the connection but did not answer as a "
                                f"c10d store within {timeout.total_seconds():g} s (sites.timeout_s); {fix}")
@@ -123,6 +184,70 @@ def connect_tcp_store(host: str, port: int, timeout: timedelta, address: str) ->
         raise StoreUnreachable(f"store {address}: no store answered within {timeout.total_seconds():g} s "
                                f"({first}); {fix}") from None
     return box["store"]
+
+
+def _ask_for_a_challenge(remote: tuple[str, int], box: dict[str, Any]) -> None:
+    """box["asks"]: whether the store at `remote` challenges (demands the secret); retried while it
+    is not up yet, until the connection attempt in `box` has ended."""
+    while "store" not in box and "error" not in box:
+        asks = challenges(remote)
+        if asks is not None:
+            box["asks"] = asks
+            return
+        time.sleep(0.2)
+
+
+# (pid, host, port, key) -> (forwarder process, its loopback port); pid: a forked child starts its own
+_FORWARDERS: dict[tuple[int, str, int, bytes], tuple[subprocess.Popen, int]] = {}
+_FORWARDERS_LOCK = threading.Lock()
+
+
+def _forwarder(host: str, port: int, secret: bytes, timeout: timedelta, address: str) -> int | None:
+    """The loopback port of this process's forwarder to the guard at host:port, started on first
+    use; None for a store that demands no secret (started without one: its clients connect plainly).
+    First one handshake from here, so a refusal is one line naming its cause rather than the c10d
+    client's retries on a closed connection."""
+    if address in _UNGUARDED:  # checked once per process: a later open (the heartbeat's) need not wait again
+        return None
+    key = guard_key(secret)
+    if not check_guard(host, port, key, timeout.total_seconds(), address):
+        _UNGUARDED.add(address)
+        log.warning("store %s asks for no secret (started without %s): its port is only flood-bounded, "
+                    "not authenticated; store values stay signed", address, SECRET_ENV)
+        return None
+    with _FORWARDERS_LOCK:
+        ident = (os.getpid(), host, port, key)
+        known = _FORWARDERS.get(ident)
+        if known is not None and known[0].poll() is None:
+            return known[1]
+        proc, lines = _helper(["--forward", "--host", host, "--port", str(port)], key, "forwarder listening")
+        if proc is None:
+            raise StoreUnreachable(f"store {address}: cannot start its local forwarder: {lines[-1] if lines else 'exited'}")
+        _FORWARDERS[ident] = (proc, int(lines[-1].rsplit(":", 1)[1]))
+        return _FORWARDERS[ident][1]
+
+
+_UNGUARDED: set[str] = set()  # stores already reported as asking for no secret
+
+
+def check_guard(host: str, port: int, key: bytes, timeout_s: float, address: str) -> bool:
+    """One authenticated connection to the guard (retried while nothing listens yet or a flood drops
+    it): True, or False when nothing challenges us (no secret at the store), or StoreUnreachable
+    naming why the guard refused."""
+    try:
+        authenticated((host, port), key, timeout_s).close()
+        return True
+    except Refused as e:
+        if e.silent:
+            return False
+        if not e.final:
+            raise StoreUnreachable(f"store {address}: {e} (for {timeout_s:g} s)") from None
+        raise StoreUnreachable(f"store {address}: {e}. Fix: the same {SECRET_ENV} on every site and on the "
+                               "store, or sites.insecure = true on all of them") from None
+    except OSError as e:
+        raise StoreUnreachable(f"store {address}: no store answered within {timeout_s:g} s ({e}); check "
+                               "sites.store (zeroband launch's store, or site 0 with sites.host_store = true)"
+                               ) from None
 
 
 def listen_socket(host: str, port: int, backlog: int = 4096) -> socket.socket:

@@ -4,8 +4,10 @@
 
 `zeroband launch` starts one beside the sites (inside site 0's network namespace under WAN
 emulation, but as its own process), so killing any site, site 0 included, leaves the store up.
-It exits on SIGTERM/SIGINT or when its parent process goes away. For runs spanning real sites,
-use an etcd cluster with a member per site instead (`sites.store = "etcd://..."`).
+It exits on SIGTERM/SIGINT or when its parent process goes away. With the run's secret in
+$ZEROBAND_SECRET (the launcher hands it over) only connections that prove it reach the store
+(store/guard.py); without one the port is only flood-bounded, not authenticated. For runs
+spanning real sites, use an etcd cluster with a member per site instead (`sites.store = "etcd://..."`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import time
 from datetime import timedelta
 
 from zeroband.store.client import host_tcp_store
+from zeroband.trust.auth import SECRET_ENV, optional_secret
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,7 +27,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--host", default="127.0.0.1", help="the one address it listens on")
     args = parser.parse_args(argv)
-    store = host_tcp_store(args.host, args.port, timedelta(hours=24))  # behind a guard against idle floods
+    secret = optional_secret()
+    if secret is None:
+        print(f"store: no {SECRET_ENV}: the store port on {args.host}:{args.port} is only flood-bounded, not "
+              "authenticated (sites.insecure; trusted networks only)", flush=True)
+    store = host_tcp_store(args.host, args.port, timedelta(hours=24), secret)  # behind the guard
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     signal.signal(signal.SIGINT, lambda *_: stop.append(1))

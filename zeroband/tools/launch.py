@@ -64,30 +64,34 @@ class WanLink:
 
 
 @contextmanager
-def site_network(sites: int, wan: WanLink | None) -> Iterator[tuple[str, Callable[[int, list[str]], list[str]], Callable[[int], dict]]]:
+def site_network(sites: int, wan: WanLink | None, store_env: dict[str, str] | None = None,
+                 ) -> Iterator[tuple[str, Callable[[int, list[str]], list[str]], Callable[[int], dict]]]:
     """(store address, command wrapper, extra env) for plain loopback or an emulated WAN.
 
-    The coordination store runs in its own process (not in a site), so any site may die.
+    The coordination store runs in its own process (not in a site), so any site may die; `store_env`
+    hands it the run's secret (its guard then admits only connections that prove it).
     """
     if wan is None:
         port = free_port()
         # gloo listens on the address the host name resolves to unless told an interface.
         gloo = {} if "GLOO_SOCKET_IFNAME" in os.environ else {"GLOO_SOCKET_IFNAME": "lo"}
-        with store_process(["127.0.0.1", port], lambda cmd: cmd):
+        with store_process(["127.0.0.1", port], lambda cmd: cmd, store_env):
             yield f"tcp://127.0.0.1:{port}", lambda site, cmd: cmd, lambda site: gloo
         return
     from zeroband.wan import WanEmulator
 
     with WanEmulator(sites, wan.rate_mbit, wan.delay_ms, wan.jitter_ms, wan.loss_pct, wan.mtu) as emu:
-        with store_process([emu.site_ip(0), 29600], lambda cmd: emu.wrap(0, cmd)):
+        with store_process([emu.site_ip(0), 29600], lambda cmd: emu.wrap(0, cmd), store_env):
             yield emu.store_url(29600), emu.wrap, emu.env
 
 
 @contextmanager
-def store_process(where: list, wrap: Callable[[list[str]], list[str]], timeout_s: float = 60.0) -> Iterator[subprocess.Popen]:
+def store_process(where: list, wrap: Callable[[list[str]], list[str]], env: dict[str, str] | None = None,
+                  timeout_s: float = 60.0) -> Iterator[subprocess.Popen]:
     host, port = where
     cmd = wrap([sys.executable, "-m", "zeroband.store.server", "--host", str(host), "--port", str(port)])
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **(env or {})})
     try:
         _wait_for_line(proc, "store listening", timeout_s)
         yield proc
@@ -140,17 +144,19 @@ def launch_sites(
     wan: WanLink | None = None, on_started: Callable[[list[subprocess.Popen]], None] | None = None,
     pin_cpus: bool = False, progress: Path | None = None, grace_s: float = 40.0,
     policy: SupervisePolicy | None = None, site_env: dict[str, str] | None = None,
+    store_env: dict[str, str] | None = None,
 ) -> Outcome:
     """Run every site to completion; returns their exit codes. Site logs go to log_dir/site{s}.log.
     `pin_cpus` gives each site its own share of the CPUs (`site_cpus`). `progress`: a metrics.jsonl
     (site 0's) printed as it grows. A site that fails (or freezes) ends the others as `policy` says
     (default: `SupervisePolicy.from_config` of this config). `site_env`: extra environment of every
-    site (the run-local secret: never on argv). SIGTERM/SIGINT are forwarded to every site, which
-    get `grace_s` to exit before SIGKILL, then `Stopped` is raised (the store is stopped on the way out)."""
+    site (the run-local secret: never on argv); `store_env` the store's (default: `site_env`).
+    SIGTERM/SIGINT are forwarded to every site, which get `grace_s` to exit before SIGKILL, then
+    `Stopped` is raised (the store is stopped on the way out)."""
     if policy is None:
         policy = SupervisePolicy.from_config(load_config(config, [*overrides, *site_identity(0, sites)]))
     cpus = site_cpus(sites) if pin_cpus else None
-    with site_network(sites, wan) as (store, wrap, net_env):
+    with site_network(sites, wan, store_env if store_env is not None else site_env) as (store, wrap, net_env):
         def pinned(site: int, cmd: list[str]) -> list[str]:
             return wrap(site, cmd if cpus is None else ["taskset", "-c", cpus[site], *cmd])
 
@@ -521,6 +527,16 @@ def local_secret_env(cfg: Config) -> tuple[dict[str, str], Path | None]:
         return {SECRET_ENV: read_secret_file(path)}, path
     except ValueError as e:
         raise ConfigError(f"{e} (the launcher's run-local secret; delete it to start the run afresh)") from None
+
+
+def store_secret_env(cfg: Config, site_env: dict[str, str]) -> dict[str, str]:
+    """The store process's secret: the one sites read from the config or a secret_file (not in any
+    environment) if set, else `site_env`'s (the run-local one, or none: the store then inherits
+    $ZEROBAND_SECRET if the launcher has it)."""
+    from zeroband.trust.auth import SECRET_ENV, optional_secret
+
+    configured = optional_secret(cfg.sites.secret)
+    return {**site_env, SECRET_ENV: configured.decode()} if configured is not None else site_env
 
 
 # ---------------------------------------------------------------- one torchrun job on this terminal
