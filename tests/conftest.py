@@ -59,6 +59,8 @@ UNIT_TESTS = {
     "test_attacks": {"test_verified_sites_rule", "test_forged_heartbeat_and_leave_are_refused",
                      "test_forged_members_votes_verdict_and_committed_are_refused",
                      "test_multi_site_without_a_secret_needs_insecure"},
+    "test_attacks_store": {"test_deleted_values_are_written_back_and_a_storm_is_named",
+                           "test_a_deleted_heartbeat_is_no_death_and_generations_are_never_reused"},
     "test_auth": {"test_proofs_verify_only_with_the_same_secret", "test_old_or_copied_proofs_do_not_verify",
                   "test_decide_all_admitted", "test_decide_wrong_secret_is_refused_by_the_majority",
                   "test_decide_two_sites_that_disagree_admit_nobody", "test_decide_fingerprint_majority_and_tie",

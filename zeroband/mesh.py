@@ -27,6 +27,7 @@ from zeroband.comm.group import (
 )
 from zeroband.store.client import open_store
 from zeroband.trust.mac import WireAuth
+from zeroband.trust.signed import KeepingStore, Ledger, Republisher
 from zeroband.world import World
 
 __all__ = ["OPEN", "SECRET", "GlobalGroup", "Topology", "admission_mark", "init_site_group", "init_topology",
@@ -75,6 +76,10 @@ def init_topology(
         is_host = host_store and world.site_rank == 0 and world.rank == 0
         store = open_store(store_address, is_host, timeout)
         if build_group:
+            # what this site writes at the start is written back if deleted while peers may still read it
+            ledger = Ledger()
+            store = KeepingStore(store, ledger, f"zeroband/{run_name}/")
+            Republisher(lambda: open_store(store_address, False, timeout), ledger, timeout_s).start()
             auth = WireAuth.from_secret(secret, run_name)
             # a fresh prefix per start: a persistent store's keys of earlier starts are never read
             prefix = incarnation_prefix(store, f"zeroband/{run_name}/shard{world.rank}/start/", world.site_rank,

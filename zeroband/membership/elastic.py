@@ -45,7 +45,7 @@ from zeroband.mesh import Topology
 from zeroband.store.client import open_store, store_failures_named
 from zeroband.trust.auth import PeerRefused, Verdict, admission
 from zeroband.trust.mac import WireAuth
-from zeroband.trust.signed import SignedStore
+from zeroband.trust.signed import KeepingStore, Ledger, SignedStore
 from zeroband.watchdog import Watch, read_by_all
 
 log = logging.getLogger(__name__)
@@ -69,15 +69,19 @@ class ElasticMembership:
         self.secret = topology.secret
         self.auth = WireAuth.from_secret(self.secret, run_name)  # seals all-reduce messages
         sign_key = self.auth.subkey("store")  # and, independently keyed, the protocol's store values
-        self.signed = SignedStore(topology.store, sign_key)
-        self.liveness = Liveness(topology.store, self.prefix, slots, cfg.dead_after_s, sign_key)
-        self.rounds = RoundCoordinator(topology.store, self.prefix, self.world.site_rank, self.world.rank == 0,
-                                       self.liveness, sign_key)
+        # what we write is kept and written back if deleted (by the polls and the heartbeat thread)
+        self.ledger = Ledger()
+        self.store = KeepingStore(topology.store, self.ledger, self.prefix)
+        self.signed = SignedStore(self.store, sign_key)
+        self.liveness = Liveness(self.store, self.prefix, slots, cfg.dead_after_s, sign_key)
+        self.rounds = RoundCoordinator(self.store, self.prefix, self.world.site_rank, self.world.rank == 0,
+                                       self.liveness, sign_key, self.ledger, sites.timeout_s)
         self.heartbeat = None
         if self.world.rank == 0:
-            topology.store.delete_key(leave_key(self.prefix, self.world.site_rank))  # back after a leave
+            self.store.delete_key(leave_key(self.prefix, self.world.site_rank))  # back after a leave
             reopen = lambda: open_store(sites.store, False, timedelta(seconds=sites.timeout_s))  # noqa: E731
-            self.heartbeat = Heartbeat(reopen, self.prefix, self.world.site_rank, cfg.heartbeat_s, sign_key).start()
+            self.heartbeat = Heartbeat(reopen, self.prefix, self.world.site_rank, cfg.heartbeat_s, sign_key,
+                                       self.ledger).start()
         self.watch = Watch(sites.timeout_s, interruptible=False)  # SIGTERM here means: finish the round, then leave
         self.members: list[int] = []
         self.generation = -1
@@ -185,7 +189,7 @@ class ElasticMembership:
         """Keep the groups while the members are the same and healthy; else a fresh generation."""
         if self.group is not None and members == self.members:
             return self.generation
-        return self.topology.store.add(self.prefix + "generation", 1)
+        return fresh_generation(self.store, self.prefix + "generation", self.generation)
 
     def _attempt(self, decision: Decision, attempt: int, work: Callable[[GlobalGroup], Any]) -> Any:
         """Groups, state hand-over, the outer loop's `work`; NOT_DONE if anything failed (the vote
@@ -229,12 +233,12 @@ class ElasticMembership:
         prefix = f"{self.prefix}gen{decision.generation}/shard{self.world.rank}/"
         timeout = timedelta(seconds=self.sites.timeout_s)
         mark = OPEN if self.secret is None else SECRET
-        rendezvous(self.topology.store, prefix, index, len(decision.members), self.sites.timeout_s, mark,
+        rendezvous(self.store, prefix, index, len(decision.members), self.sites.timeout_s, mark,
                    self.auth.subkey("arrive"))
-        admitted = admission(self.topology.store, prefix, index, len(decision.members), self.secret,
+        admitted = admission(self.store, prefix, index, len(decision.members), self.secret,
                              self.fingerprint, timeout)
         auth = self.auth.for_session(prefix.encode(), admitted.nonces)  # this generation's key only
-        self.group = new_global_group(self.topology.store, prefix, index, len(decision.members), timeout,
+        self.group = new_global_group(self.store, prefix, index, len(decision.members), timeout,
                                       self.sites.backend, self.watch, mark, auth)
         self.generation, self.members = decision.generation, decision.members
 
@@ -247,6 +251,7 @@ class ElasticMembership:
         heartbeat expires (dead_after_s). Left waiting, it would reach the retry after the others'
         grace window and be left out of a round it was ready for."""
         def check() -> None:
+            self.rounds.guard(self.round)  # our deleted values back, while the peers may still read them
             dead = self.liveness.dead_among(decision.members)
             if dead:
                 raise MemberLost(f"sites {sorted(dead)} stopped responding")
@@ -270,6 +275,14 @@ class ElasticMembership:
         """The donor's registered state to every member; returns the members' keyed digests."""
         hand_over(self.group, decision.members.index(decision.donor), self.handed)
         return checksum_table([t for fn in self.checksums for t in fn()], self.group)
+
+
+def fresh_generation(store: dist.Store, counter: str, newest_seen: int) -> int:
+    """A generation number never used before: the store's counter, raised above the newest this site
+    has seen, since anyone with access to the store can delete the counter and restart it at 1 (a
+    reused generation prefix would hold the old groups' admission values)."""
+    generation = store.add(counter, 1)
+    return generation if generation > newest_seen else store.add(counter, newest_seen + 1 - generation)
 
 
 def hand_over(group: GlobalGroup, src: int, handed: dict[str, tuple[Callable[[Any], None], Callable[[], Any]]]) -> None:
