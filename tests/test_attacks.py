@@ -346,8 +346,9 @@ def test_mismatched_setting_stops_every_site_naming_it(corpus, tmp_path):
     other = json.loads(json.dumps(tree))
     other["diloco"]["outer_lr"] = 0.5
     out = run_sites(_expect_refusal, 2, 1, ({0: tree, 1: other},), env={"ZEROBAND_SECRET": SECRET}, timeout=55)
-    assert out[(0, 0)] == "site 1 refused: diloco.outer_lr 0.5 vs ours 0.7"
-    assert out[(1, 0)] == "site 1 (this site) refused: diloco.outer_lr 0.5 vs agreed 0.7"
+    differs, fix = "config differs (the shared secret matches)", "fix: start every site with the same values for these keys"
+    assert out[(0, 0)] == f"site 1 refused: {differs}: diloco.outer_lr 0.5 vs ours 0.7; {fix}"
+    assert out[(1, 0)] == f"site 1 (this site) refused: {differs}: diloco.outer_lr 0.5 vs agreed 0.7; {fix}"
 
 
 def _agree(fingerprints: dict, secret: str | None) -> str:
@@ -417,8 +418,9 @@ def test_every_setting_that_must_match_is_compared(corpus, tmp_path, what):
     assert {k for k in base if base[k] != other.get(k)} == {what}
     out = run_sites(_agree, 2, 1, ({0: base, 1: other}, SECRET), timeout=30)
     for s in (0, 1):
-        assert out[(s, 0)].startswith(f"site 1{' (this site)' if s else ''} refused: {what} {other[what]} vs ")
-        assert out[(s, 0)].endswith(base[what])
+        assert out[(s, 0)].startswith(f"site 1{' (this site)' if s else ''} refused: config differs (the shared "
+                                      f"secret matches): {what} {other[what]} vs ")
+        assert out[(s, 0)].endswith(f" {base[what]}; fix: start every site with the same values for these keys")
 
 
 # ---------------------------------------------------------------------- policy

@@ -43,7 +43,7 @@ from zeroband.membership.heartbeat import Heartbeat, Liveness, heartbeat_key, le
 from zeroband.membership.rounds import Decision, RoundCoordinator
 from zeroband.mesh import Topology
 from zeroband.store.client import open_store, store_failures_named
-from zeroband.trust.auth import PeerRefused, Verdict, admission
+from zeroband.trust.auth import SECRET_FIX, PeerRefused, Verdict, admission
 from zeroband.trust.mac import WireAuth
 from zeroband.trust.signed import KeepingStore, Ledger, SignedStore
 from zeroband.watchdog import Watch, read_by_all
@@ -313,7 +313,8 @@ def refuse_if_foreign(member: ElasticMembership, decision: Decision) -> None:
         return
     member.leave()
     if "bad-mac" in why.values():
-        reason = f"wrong shared secret: the store values of sites {sorted(why)} do not verify under this site's"
+        reason = (f"wrong or missing shared secret: the store values of sites {sorted(why)} do not verify under "
+                  f"this site's secret (configs are compared only once the secret matches); {SECRET_FIX}")
     else:  # a secret on one side only
         marks = {me: OPEN if member.secret is None else SECRET} | {s: OPEN if r == "unsigned" else SECRET
                                                                    for s, r in why.items()}

@@ -46,6 +46,12 @@ import torch.distributed as dist
 log = logging.getLogger(__name__)
 
 SECRET_ENV = "ZEROBAND_SECRET"
+SECRET_FIX = (f"fix: give every site the same secret ({SECRET_ENV}, or sites.secret_file with mode 0600), "
+              "and the same config")
+# Proofs bind the config fingerprint but verify only under the same secret: a site whose proofs fail
+# may also differ in config, which cannot be told until the secret matches; the line says both.
+WRONG_SECRET = ("wrong or missing shared secret (its admission proofs do not verify under this site's secret; "
+                f"its config is compared only once the secret matches); {SECRET_FIX}")
 MIN_SECRET_BYTES = 16
 LABEL = b"zeroband-admit-v1"
 NONCE_BYTES = 32
@@ -183,16 +189,18 @@ def decide(site_count: int, me: int, secret_ok: Iterable[int], fingerprints: Map
     honest sites feed it identical inputs, so they agree."""
     club = sorted(set(secret_ok) | {me})  # our own proofs always verify under our own key
     if 2 * len(club) <= site_count:
-        why = (f"wrong shared secret? only sites {club} of {site_count} prove the same secret, not a majority, "
-               f"so no site can be admitted")
+        why = (f"wrong or missing shared secret, on this site or on the others: only sites {club} of {site_count} "
+               f"prove the same secret, not a majority, so no site can be admitted (configs are compared only "
+               f"once the secret matches); {SECRET_FIX}")
         return Verdict([], {me: why})
-    refused = {s: "wrong shared secret" for s in range(site_count) if s not in club}
+    refused = {s: WRONG_SECRET for s in range(site_count) if s not in club}
     reference = _winning_fingerprint(club, fingerprints)
     admitted = [s for s in club if _canonical(fingerprints[s]) == _canonical(reference)]
     theirs = "ours" if me in admitted else "agreed"
     for s in club:
         if s not in admitted:
-            refused[s] = fingerprint_diff(fingerprints[s], reference, theirs)
+            refused[s] = (f"config differs (the shared secret matches): {fingerprint_diff(fingerprints[s], reference, theirs)}; "
+                          "fix: start every site with the same values for these keys")
     return Verdict(admitted, refused)
 
 
