@@ -308,6 +308,27 @@ def test_a_deleted_heartbeat_is_no_death_and_generations_are_never_reused():
     assert fresh_generation(server, "p/generation", 7) == 8 and fresh_generation(server, "p/generation", 8) == 9
 
 
+def test_a_value_deleted_after_its_writer_moved_on_comes_back():
+    """Unit: site 1 read site 0's value and moved on; an outsider then deletes site 1's value before
+    site 0 read it. Site 0 used to wait until sites.timeout_s and blame site 1. Now site 1's
+    Republisher (a thread on its own connection, as in the fixed mode's start) writes it back."""
+    from zeroband.trust.signed import KeepingStore, Ledger, Republisher, SignedStore, exchange
+
+    server, client = _tcp_store()
+    key, keys = b"k" * 32, {0: "p/x/0", 1: "p/x/1"}
+    SignedStore(client(), key).set(keys[0], "a")
+    ledger = Ledger()
+    republisher = Republisher(client, ledger, keep_s=30.0).start()
+    try:
+        assert exchange(SignedStore(KeepingStore(client(), ledger, "p/"), key), keys, 1, "b", "test", 5.0)[0] == b"a"
+        server.delete_key(keys[1])  # after site 1 moved on
+        began = time.monotonic()
+        assert exchange(SignedStore(client(), key), keys, 0, "a", "test", 5.0)[1] == b"b"
+        assert time.monotonic() - began < 1.0 and ledger.restored >= 1
+    finally:
+        republisher.stop()
+
+
 def test_fixed_run_goes_on_through_a_deletion_storm(corpus, tmp_path):
     """The fixed mode's start (incarnation nonces, arrival marks, admission values, signed gloo
     addresses, resume offers) under the same storm: a value deleted after its writer moved on to the

@@ -132,7 +132,7 @@ class RoundCoordinator:
             raise StoreInterference(self._storm(r, f"for {stalled:.0f} s (sites.timeout_s={self.storm_after_s:g})"))
 
     def _storm(self, r: int, how: str) -> str:
-        return (f"store keys of round {r} {STORM}: {self.ledger.restored} values re-written, no progress {how}; "
+        return (f"store keys of round {r} {STORM} ({self.ledger.restored} values re-written, no progress {how}); "
                 "revoke that access (etcd auth, a firewall on the store port) and restart the sites")
 
     def _key(self, r: int, a: int, *rest: object) -> str:
