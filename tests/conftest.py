@@ -65,7 +65,7 @@ UNIT_TESTS = {
     "test_auth": {"test_proofs_verify_only_with_the_same_secret", "test_old_or_copied_proofs_do_not_verify",
                   "test_decide_all_admitted", "test_decide_wrong_secret_is_refused_by_the_majority",
                   "test_decide_two_sites_that_disagree_admit_nobody", "test_decide_fingerprint_majority_and_tie",
-                  "test_load_secret", "test_flatten_fingerprint", "test_reused_prefix_is_rejected",
+                  "test_the_secret_is_resolved_into_one_object_that_never_shows_it", "test_flatten_fingerprint", "test_reused_prefix_is_rejected",
                   "test_session_keys_are_new_at_every_admission_and_each_identity_is_sealed_once",
                   "test_replayed_admission_transcript_is_refused"},
     "test_checkpoint_safety": {"test_prune_victims_only_this_runs_older_checkpoints",

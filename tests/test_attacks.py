@@ -35,7 +35,7 @@ from zeroband.config import ConfigError, validate_config
 from zeroband.membership.heartbeat import Heartbeat, Liveness
 from zeroband.membership.rounds import RoundCoordinator
 from zeroband.store.client import open_store
-from zeroband.trust.auth import run_secret
+from zeroband.trust.secret import RunSecret, resolve_secret
 from zeroband.trust.signed import SignedStore
 
 SECRET = "attack-tests-shared-secret-0123456789"
@@ -427,12 +427,12 @@ def test_every_setting_that_must_match_is_compared(corpus, tmp_path, what):
 def test_multi_site_without_a_secret_needs_insecure(monkeypatch, caplog):
     monkeypatch.delenv("ZEROBAND_SECRET", raising=False)
     with pytest.raises(ConfigError, match="sites.secret: a 2-site run needs a shared secret.*sites.insecure"):
-        run_secret(None, False, 2)
-    assert run_secret(None, False, 1) is None  # one site talks to nobody
+        resolve_secret(None, False, 2)
+    assert resolve_secret(None, False, 1) is None  # one site talks to nobody
     caplog.set_level(logging.WARNING)
-    assert run_secret(None, True, 2) is None and run_secret(None, True, 3) is None
+    assert resolve_secret(None, True, 2) is None and resolve_secret(None, True, 3) is None
     assert sum("NOT authenticated" in r.message for r in caplog.records) <= 1  # warned once per process
-    assert run_secret(SECRET, True, 2) == SECRET.encode()  # a secret always wins
+    assert resolve_secret(SECRET, True, 2) == RunSecret(SECRET.encode(), "x")  # a secret always wins
     with pytest.raises(ConfigError, match="sites.secret") as e:
-        run_secret("short-42", False, 2)
+        resolve_secret("short-42", False, 2)
     assert "short-42" not in str(e.value)

@@ -17,12 +17,11 @@ from zeroband.trust.auth import (
     SECRET_ENV,
     WRONG_SECRET,
     decide,
-    derive_key,
     flatten_fingerprint,
-    load_secret,
     proof,
     verified_sites,
 )
+from zeroband.trust.secret import RunSecret, derive_key, resolve_secret
 
 SECRET = b"correct horse battery staple 42"
 WRONG = b"incorrect horse battery staple 7"
@@ -101,15 +100,29 @@ def test_decide_fingerprint_majority_and_tie():
                                   "tokenizer.vocab <missing> vs ours 8192; " + SAME_VALUES)
 
 
-def test_load_secret(monkeypatch):
+def test_the_secret_is_resolved_into_one_object_that_never_shows_it(monkeypatch):
+    """Issue 25: one resolution (config file / secret_file, else the environment) into a RunSecret
+    that every user derives keys from; its repr, str and pickle never carry the value."""
+    import pickle
+
+    from zeroband.config import ConfigError
+
     monkeypatch.delenv(SECRET_ENV, raising=False)
-    with pytest.raises(ValueError, match=SECRET_ENV):
-        load_secret(None)
+    assert resolve_secret(None) is None
+    with pytest.raises(ConfigError, match=SECRET_ENV):
+        resolve_secret(None, insecure=False, site_count=2)
     monkeypatch.setenv(SECRET_ENV, "from-the-environment-123")
-    assert load_secret(None) == b"from-the-environment-123"
-    assert load_secret("from-the-config-file-456") == b"from-the-config-file-456"
-    with pytest.raises(ValueError, match="at least 16") as err:
-        load_secret("hunter2")
+    env = resolve_secret(None, site_count=2)
+    assert env.source == SECRET_ENV and env == RunSecret(b"from-the-environment-123", "x")
+    config = resolve_secret("from-the-config-file-456")
+    assert config.source == "sites.secret" and config != env  # the config's (a 0600 file) wins
+    assert env.derive("run/gen3/") == derive_key(b"from-the-environment-123", "run/gen3/")  # keys unchanged
+    for shown in (repr(env), str(env), f"{env}", f"{env!r}"):
+        assert "from-the-environment" not in shown and "hidden" in shown
+    with pytest.raises(TypeError, match="never pickled"):
+        pickle.dumps(env)
+    with pytest.raises(ConfigError, match="at least 16") as err:
+        resolve_secret("hunter2")
     assert "hunter2" not in str(err.value)
 
 

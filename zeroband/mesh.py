@@ -27,6 +27,7 @@ from zeroband.comm.group import (
 )
 from zeroband.store.client import open_store
 from zeroband.trust.mac import WireAuth
+from zeroband.trust.secret import RunSecret
 from zeroband.trust.signed import KeepingStore, Ledger, Republisher
 from zeroband.world import World
 
@@ -40,7 +41,7 @@ class Topology:
     site_mesh: DeviceMesh
     global_group: GlobalGroup | None  # None for a single-site run, or built per generation (elastic)
     store: dist.Store | None = None  # the coordination store (DiLoCo runs)
-    secret: bytes | None = None  # the run's shared secret (None: sites.insecure)
+    secret: RunSecret | None = None  # the run's shared secret, resolved once (None: one site, or sites.insecure)
     timeout_s: float = 600.0  # sites.timeout_s: how long a cross-site wait may take
     fingerprint: dict[str, str] = field(default_factory=dict)  # settings every site must share (train.py)
 
@@ -64,7 +65,7 @@ def init_site_group(world: World, timeout: timedelta) -> None:
 
 def init_topology(
     world: World, store_address: str | None, run_name: str, timeout_s: float, backend: str, host_store: bool = True,
-    build_group: bool = True, mark: str = OPEN, secret: bytes | None = None,
+    build_group: bool = True, mark: str = OPEN, secret: RunSecret | None = None,
 ) -> Topology:
     """The site mesh, and (for DiLoCo) the store plus, unless `build_group` is False, the fixed global group."""
     timeout = timedelta(seconds=timeout_s)

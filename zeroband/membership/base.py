@@ -22,6 +22,7 @@ import torch.distributed as dist
 from zeroband.comm.group import GlobalGroup
 from zeroband.mesh import Topology
 from zeroband.trust.auth import Admission, admission
+from zeroband.trust.secret import RunSecret
 
 Exchange = Callable[[GlobalGroup], Any]
 Prepare = Callable[[bool, bool], Exchange]  # (contribute, reduce) -> the cross-site work
@@ -59,7 +60,7 @@ def agree_on_run(topology: Topology, timeout_s: float) -> None:
     admit_group(topology.global_group, topology.store, topology.secret, topology.fingerprint, timeout_s)
 
 
-def admit_group(group: GlobalGroup, store: dist.Store, secret: bytes | None, fingerprint: dict[str, str],
+def admit_group(group: GlobalGroup, store: dist.Store, secret: RunSecret | None, fingerprint: dict[str, str],
                 timeout_s: float) -> Admission:
     """Admission on the group's prefix, after which the group seals under the session key it agreed
     (trust/mac.py): until then its auth refuses to seal or open anything."""

@@ -502,9 +502,9 @@ def local_secret_env(cfg: Config) -> tuple[dict[str, str], Path | None]:
     made once (random, mode 0600) and reused by every later launch of the run, so its signed
     checkpoints still verify on resume. It travels in the environment only (never argv, no log)."""
     from zeroband.config import ConfigError, read_secret_file
-    from zeroband.trust.auth import SECRET_ENV, optional_secret
+    from zeroband.trust.secret import SECRET_ENV, resolve_secret
 
-    if cfg.sites.insecure or optional_secret(cfg.sites.secret) is not None:
+    if cfg.sites.insecure or resolve_secret(cfg.sites.secret) is not None:
         return {}, None
     path = cfg.run_dir / SECRET_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
