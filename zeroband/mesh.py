@@ -80,7 +80,7 @@ def init_topology(
             # what this site writes at the start is written back if deleted while peers may still read it
             ledger = Ledger()
             store = KeepingStore(store, ledger, f"zeroband/{run_name}/")
-            Republisher(lambda: open_store(store_address, False, timeout), ledger, timeout_s).start()
+            _republishers.append(Republisher(lambda: open_store(store_address, False, timeout), ledger, timeout_s).start())
             auth = WireAuth.from_secret(secret, run_name)
             # a fresh prefix per start: a persistent store's keys of earlier starts are never read
             prefix = incarnation_prefix(store, f"zeroband/{run_name}/shard{world.rank}/start/", world.site_rank,
@@ -90,6 +90,11 @@ def init_topology(
     return Topology(world, mesh, group, store, secret, timeout_s=timeout_s)
 
 
+_republishers: list[Republisher] = []  # stopped at shutdown: no store call may outlive the store
+
+
 def shutdown() -> None:
+    while _republishers:
+        _republishers.pop().stop()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -343,9 +343,13 @@ class Republisher:
             try:
                 store = store or self.open_client()
                 self.ledger.restore(store)
-            except Exception as e:  # a store hiccup must not kill the thread: the next round retries
-                log.debug("re-publishing kept store values failed: %s", e)
-                store = None
+            except Exception as e:  # the store is gone (the run is ending): never block in a reconnect
+                log.debug("re-publishing kept store values stopped: %s", e)
+                return
 
     def stop(self) -> None:
+        """Before the store goes away (a site hosting it exits): a daemon thread inside a store call
+        at interpreter exit aborts the process."""
         self.stopped.set()
+        if self.thread.is_alive():
+            self.thread.join(timeout=5 * self.interval_s + 5)
