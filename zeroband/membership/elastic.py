@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import io
 import logging
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -40,7 +41,7 @@ from zeroband.comm.group import OPEN, SECRET, GlobalGroup, checksum_table, new_g
 from zeroband.config import DilocoConfig, SitesConfig
 from zeroband.membership.base import NOT_DONE, Event, EventLog, Prepare
 from zeroband.membership.heartbeat import Heartbeat, Liveness, heartbeat_key, leave_key
-from zeroband.membership.rounds import Decision, RoundCoordinator
+from zeroband.membership.rounds import POLL_S, Decision, RoundCoordinator
 from zeroband.mesh import Topology
 from zeroband.store.client import open_store, store_failures_named
 from zeroband.trust.auth import SECRET_FIX, PeerRefused, Verdict, admission
@@ -132,10 +133,24 @@ class ElasticMembership:
         if self.world.rank == 0:
             with store_failures_named(self.sites.store):
                 self.signed.set(leave_key(self.prefix, self.world.site_rank), str(self.round))
+                self._linger()
         if self.heartbeat is not None:
             self.heartbeat.stop()
             self.heartbeat = None
         self.group = None
+
+    def _linger(self) -> None:
+        """Under deletions, a peer may not have read our last round's vote and verdict yet, and once
+        we exit nobody writes them back (it would then see a member gone without a vote): keep
+        restoring them until every other member has left or died, for at most dead_after_s."""
+        if self.ledger.restored == 0:
+            return  # nothing was ever deleted: no attack, no wait
+        others, deadline = set(self.members) - {self.world.site_rank}, time.monotonic() + self.cfg.dead_after_s
+        while time.monotonic() < deadline:
+            self.ledger.restore(self.topology.store)
+            if not others & self.liveness.alive_after_poll():
+                return
+            time.sleep(POLL_S)
 
     # ------------------------------------------------------------------ one round
     def run_round(self, prepare: Prepare) -> Any:

@@ -113,6 +113,10 @@ class Liveness:
         return {s for s, (_, t) in self.seen.items()
                 if s not in self.left and now - max(t, self.absent.get(s, t)) < self.dead_after_s}
 
+    def alive_after_poll(self) -> set[int]:
+        self.poll()
+        return self.alive()
+
     def dead_among(self, sites: Iterable[int]) -> set[int]:
         self.poll()
         return set(sites) - self.alive()

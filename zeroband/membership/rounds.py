@@ -224,6 +224,9 @@ class RoundCoordinator:
             ticker.tick(f"the votes of sites {decision.members}")
             self.guard(r)
             proposal = self._tally(r, a, decision) if self.is_leader else None
+            if proposal == "gone" and self.ledger.restored > restored:  # its vote may have been deleted after
+                raise StoreInterference(self._storm(r, "while a member left without a vote that can be read"))
+            proposal = "abort" if proposal == "gone" else proposal
             if proposal is None and time.monotonic() > deadline:
                 if self.ledger.restored > restored:  # a missing vote or verdict may be a deleted one:
                     raise StoreInterference(self._storm(r, f"within {timeout_s:.0f} s"))  # never decide on it
@@ -241,11 +244,14 @@ class RoundCoordinator:
         return None if raw is None else raw.decode()
 
     def _tally(self, r: int, a: int, decision: Decision) -> str | None:
+        """The verdict the votes call for; "gone" for an abort only because a member left or died
+        without a vote that can be read (under deletions, it may have voted and committed)."""
         votes = {}
         for m in decision.members:
             if (vote := self.store.read(self._key(r, a, "vote", m))) is not None:
                 votes[m] = vote.decode()
-        return decide_verdict(decision.members, votes, self.liveness.dead_among(decision.members))
+        verdict = decide_verdict(decision.members, votes, self.liveness.dead_among(decision.members))
+        return "gone" if verdict == "abort" and all(v == "ok" for v in votes.values()) else verdict
 
     def mark_committed(self, r: int) -> None:
         """Advance the committed-round counter to r (once per round: the donor writes it)."""

@@ -217,7 +217,7 @@ class Ledger:
     progress (`progress()`, called at every committed round). Thread-safe: the heartbeat thread
     restores too, on its own connection, while the main thread trains or sits in gloo's connect."""
 
-    def __init__(self, limit: int = 64) -> None:
+    def __init__(self, limit: int = 32) -> None:
         self.values: OrderedDict[str, bytes] = OrderedDict()
         self.limit, self.lock = limit, threading.Lock()
         self.restored = 0  # keys written back, ever
