@@ -219,13 +219,19 @@ class RoundCoordinator:
         if self.is_leader:
             self.store.set(self._key(r, a, "vote", self.site), "ok" if site_ok else "fail")
         key, deadline, restored = self._key(r, a, "verdict"), time.monotonic() + timeout_s, self.ledger.restored
+        gone_since: float | None = None
         ticker = Ticker(f"round {r} attempt {a}: votes")
         while (verdict := self.verdict(r, a)) is None:
             ticker.tick(f"the votes of sites {decision.members}")
             self.guard(r)
             proposal = self._tally(r, a, decision) if self.is_leader else None
-            if proposal == "gone" and self.ledger.restored > restored:  # its vote may have been deleted after
-                raise StoreInterference(self._storm(r, "while a member left without a vote that can be read"))
+            if proposal == "gone" and self.ledger.restored > restored:
+                # under deletions its vote may just be gone for now: a leaver writes it back for up to
+                # dead_after_s (ElasticMembership._linger); past that we cannot tell, so we stop
+                gone_since = gone_since or time.monotonic()
+                if time.monotonic() - gone_since > self.liveness.dead_after_s:
+                    raise StoreInterference(self._storm(r, "while a member left without a vote that can be read"))
+                proposal = None
             proposal = "abort" if proposal == "gone" else proposal
             if proposal is None and time.monotonic() > deadline:
                 if self.ledger.restored > restored:  # a missing vote or verdict may be a deleted one:
