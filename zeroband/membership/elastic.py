@@ -46,7 +46,7 @@ from zeroband.mesh import Topology
 from zeroband.store.client import open_store, store_failures_named
 from zeroband.trust.auth import SECRET_FIX, PeerRefused, Verdict, admission
 from zeroband.trust.mac import WireAuth
-from zeroband.trust.signed import KeepingStore, Ledger, SignedStore
+from zeroband.trust.signed import KeepingStore, Ledger, SignedStore, StoreInterference
 from zeroband.watchdog import Watch, read_by_all
 
 log = logging.getLogger(__name__)
@@ -326,6 +326,8 @@ def refuse_if_foreign(member: ElasticMembership, decision: Decision) -> None:
            if s != me and heartbeat_key(member.prefix, s) in refused}
     if not why:
         return
+    if member.ledger.restored > 0:  # refused reads amid deletions prove no other secret: name the attack
+        raise StoreInterference(member.rounds._storm(member.round, "and this site left alone"))
     member.leave()
     if "bad-mac" in why.values():
         reason = (f"wrong or missing shared secret: the store values of sites {sorted(why)} do not verify under "

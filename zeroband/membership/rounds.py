@@ -166,6 +166,8 @@ class RoundCoordinator:
             elif self.is_leader and self._propose_if_orphaned(r, a, min_sites, new_generation):
                 continue
             elif self._alone(wait):
+                if self.ledger.restored > 0:  # left out while keys vanished: the deletions, not the run's end
+                    raise StoreInterference(self._storm(r, "and no other site seen alive"))
                 raise RoundTimeout(f"round {r}: no other site has been alive for {self.liveness.dead_after_s:.0f} s; "
                                    "the run has finished or every other site is gone, so there is nothing to join")
             time.sleep(POLL_S)
