@@ -293,3 +293,64 @@ class StoreForger:
         self.stopped.set()
         self.thread.join(timeout=10)
         return self.writes
+
+
+class StoreDeleter:
+    """An outsider with access to the store, without the secret, that deletes every key under
+    `prefix` every `period_s` (a deletion storm): through a TCPStore client (`tcp://host:port`) or
+    straight through etcd's own API (`etcd://endpoints/root`), as anyone holding etcd credentials
+    could. Runs on a thread of the test process until `stop()`; `deleted` counts the keys it deleted."""
+
+    def __init__(self, url: str, prefix: str, period_s: float = 0.2) -> None:
+        import threading
+
+        self.url, self.prefix, self.period_s, self.deleted = url, prefix, period_s, 0
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> StoreDeleter:
+        self.thread.start()
+        return self
+
+    def _run(self) -> None:
+        delete = self._etcd() if self.url.startswith("etcd://") else self._tcp()
+        while not self.stopped.wait(self.period_s):
+            try:
+                self.deleted += delete()
+            except Exception:  # the store is not up yet, or gone: try again
+                pass
+
+    def _tcp(self) -> Any:
+        from datetime import timedelta
+
+        host, port = self.url.removeprefix("tcp://").rsplit(":", 1)
+        store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=2))
+
+        def delete() -> int:
+            keys = [k for k in store.list_keys() if k.startswith(self.prefix)]
+            return sum(bool(store.delete_key(k)) for k in keys)
+
+        return delete
+
+    def _etcd(self) -> Any:
+        import base64
+
+        from etcd3gw.client import Etcd3Client
+
+        endpoints, root = self.url.removeprefix("etcd://").split("/", 1)
+        host, port = endpoints.split(",")[0].rsplit(":", 1)
+        client = Etcd3Client(host, int(port), api_path="/v3/")
+        start = f"{root}/kv/{self.prefix}".encode()
+        end = start[:-1] + bytes([start[-1] + 1])
+        b64 = lambda b: base64.b64encode(b).decode()  # noqa: E731
+
+        def delete() -> int:
+            reply = client.post(client.get_url("/kv/deleterange"), json={"key": b64(start), "range_end": b64(end)})
+            return int(reply.get("deleted", 0))
+
+        return delete
+
+    def stop(self) -> int:
+        self.stopped.set()
+        self.thread.join(timeout=10)
+        return self.deleted

@@ -35,7 +35,7 @@ from zeroband.config import ConfigError, validate_config
 from zeroband.membership.heartbeat import Heartbeat, Liveness
 from zeroband.membership.rounds import RoundCoordinator
 from zeroband.store.client import open_store
-from zeroband.trust.auth import run_secret
+from zeroband.trust.secret import RunSecret, resolve_secret
 from zeroband.trust.signed import SignedStore
 
 SECRET = "attack-tests-shared-secret-0123456789"
@@ -346,8 +346,9 @@ def test_mismatched_setting_stops_every_site_naming_it(corpus, tmp_path):
     other = json.loads(json.dumps(tree))
     other["diloco"]["outer_lr"] = 0.5
     out = run_sites(_expect_refusal, 2, 1, ({0: tree, 1: other},), env={"ZEROBAND_SECRET": SECRET}, timeout=55)
-    assert out[(0, 0)] == "site 1 refused: diloco.outer_lr 0.5 vs ours 0.7"
-    assert out[(1, 0)] == "site 1 (this site) refused: diloco.outer_lr 0.5 vs agreed 0.7"
+    differs, fix = "config differs (the shared secret matches)", "fix: start every site with the same values for these keys"
+    assert out[(0, 0)] == f"site 1 refused: {differs}: diloco.outer_lr 0.5 vs ours 0.7; {fix}"
+    assert out[(1, 0)] == f"site 1 (this site) refused: {differs}: diloco.outer_lr 0.5 vs agreed 0.7; {fix}"
 
 
 def _agree(fingerprints: dict, secret: str | None) -> str:
@@ -418,20 +419,21 @@ def test_every_setting_that_must_match_is_compared(corpus, tmp_path, what):
     assert {k for k in base if base[k] != other.get(k)} == {what}
     out = run_sites(_agree, 2, 1, ({0: base, 1: other}, SECRET), timeout=30)
     for s in (0, 1):
-        assert out[(s, 0)].startswith(f"site 1{' (this site)' if s else ''} refused: {what} {other[what]} vs ")
-        assert out[(s, 0)].endswith(base[what])
+        assert out[(s, 0)].startswith(f"site 1{' (this site)' if s else ''} refused: config differs (the shared "
+                                      f"secret matches): {what} {other[what]} vs ")
+        assert out[(s, 0)].endswith(f" {base[what]}; fix: start every site with the same values for these keys")
 
 
 # ---------------------------------------------------------------------- policy
 def test_multi_site_without_a_secret_needs_insecure(monkeypatch, caplog):
     monkeypatch.delenv("ZEROBAND_SECRET", raising=False)
     with pytest.raises(ConfigError, match="sites.secret: a 2-site run needs a shared secret.*sites.insecure"):
-        run_secret(None, False, 2)
-    assert run_secret(None, False, 1) is None  # one site talks to nobody
+        resolve_secret(None, False, 2)
+    assert resolve_secret(None, False, 1) is None  # one site talks to nobody
     caplog.set_level(logging.WARNING)
-    assert run_secret(None, True, 2) is None and run_secret(None, True, 3) is None
+    assert resolve_secret(None, True, 2) is None and resolve_secret(None, True, 3) is None
     assert sum("NOT authenticated" in r.message for r in caplog.records) <= 1  # warned once per process
-    assert run_secret(SECRET, True, 2) == SECRET.encode()  # a secret always wins
+    assert resolve_secret(SECRET, True, 2) == RunSecret(SECRET.encode(), "x")  # a secret always wins
     with pytest.raises(ConfigError, match="sites.secret") as e:
-        run_secret("short-42", False, 2)
+        resolve_secret("short-42", False, 2)
     assert "short-42" not in str(e.value)

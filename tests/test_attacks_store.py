@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -160,6 +161,193 @@ def test_replayed_heartbeats_keep_no_frozen_site_alive():
             dead_at = time.monotonic() - frozen
         time.sleep(0.1)
     assert dead_at is not None and dead_at < 2.0, "replayed beats kept a frozen site alive"
+
+
+# ---------------------------------------------------------------------- item 4: deletion storms, elastic mode
+STORM_LINE = "keep vanishing: someone with access to the coordination store is deleting them"
+
+
+def _elastic_site(tree: dict) -> dict:
+    from zeroband.trust.auth import TrustError
+    from zeroband.watchdog import PeerTimeout
+
+    try:
+        res = _train(tree)
+        return {"error": None, "steps": res["steps"]}
+    except (TrustError, PeerTimeout, RuntimeError) as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+@pytest.mark.parametrize("backend", ["tcp", "etcd"])
+def test_elastic_run_goes_on_through_a_deletion_storm(corpus, tmp_path, backend):
+    """The issue's attack: an outsider deleting every key under the run's prefix in a loop held two
+    elastic sites at round 0 until join_timeout_s (3600 s). Now a missing key reads as "not yet" and
+    every site re-writes the signed values it wrote or decided (idempotent: the same bytes) as soon
+    as they go missing: both sites finish every round with identical replicas. Were the storm to
+    stall a round for sites.timeout_s, they would stop with one line naming it, never hang."""
+    from tests.attackers import StoreDeleter
+    from tests.helpers import elastic_tree, outer_records
+    from tests.multiproc import free_port
+    from zeroband.store.client import open_store
+
+    cluster = host = None
+    if backend == "etcd":
+        from tests.etcd_cluster import INSTALL_HINT, etcd_binary, start_cluster
+
+        if etcd_binary() is None:
+            pytest.skip(INSTALL_HINT)
+        pytest.importorskip("etcd3gw", reason="etcd client missing: pip install etcd3gw")
+        cluster = start_cluster(1)
+        address = cluster.url("storm")
+    else:
+        address = f"tcp://127.0.0.1:{free_port()}"
+        host = open_store(address, True, timedelta(seconds=60))
+    tree = elastic_tree(corpus, tmp_path, address, steps=6, sites={"insecure": False, "timeout_s": 20},
+                        start_grace_s=20.0)
+    deleter = StoreDeleter(address, f"zeroband/{tree['name']}/", period_s=0.1).start()
+    began = time.monotonic()
+    try:
+        out = run_sites(_elastic_site, 2, 1, (tree,), env={"ZEROBAND_SECRET": SECRET}, timeout=80)
+    finally:
+        deleted = deleter.stop()
+        if cluster is not None:
+            cluster.stop()
+    took = time.monotonic() - began
+    assert deleted > 0
+    finished = [s for s in (0, 1) if out[(s, 0)]["error"] is None]
+    for s in set((0, 1)) - set(finished):  # allowed: a stop with the one line naming the attack
+        assert STORM_LINE in out[(s, 0)]["error"], out
+    for s in finished:
+        assert out[(s, 0)]["steps"] == 6 and [r["step"] for r in outer_records(tmp_path, s)][-1] == 6, out
+    if len(finished) == 2:  # never two finished runs with different replicas
+        a, b = final_params(tree, 0, 6, SECRET), final_params(tree, 1, 6, SECRET)
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    print(f"{backend}: {deleted} keys deleted; sites {finished} finished in {took:.1f} s; "
+          + "; ".join(f"site {s}: {out[(s, 0)]['error']}" for s in (0, 1) if s not in finished))
+    del host
+
+
+def _tcp_store():
+    import torch.distributed as dist
+
+    from tests.multiproc import free_port
+
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    return server, lambda: dist.TCPStore("127.0.0.1", port, is_master=False)
+
+
+def _delete_in_a_loop(store, keys: list[str], stop, period_s: float = 0.05) -> None:
+    while not stop.wait(period_s):
+        for key in keys:
+            store.delete_key(key)
+
+
+def test_deleted_values_are_written_back_and_a_storm_is_named():
+    """Unit: what a site wrote comes back after a deletion (only into an empty key: a newer value is
+    never rolled back), and a wait whose keys keep vanishing stops after storm_after_s naming the
+    attack, although this fresh site would otherwise wait join_timeout_s (here 3600 s)."""
+    import threading
+
+    from zeroband.membership.heartbeat import Liveness
+    from zeroband.membership.rounds import RoundCoordinator
+    from zeroband.trust.signed import STORM, KeepingStore, Ledger, SignedStore, StoreInterference
+
+    server, client = _tcp_store()
+    ledger, key = Ledger(), b"k" * 32
+    kept = SignedStore(KeepingStore(client(), ledger, "p/"), key)
+    kept.set("p/a", "1")
+    kept.set("q/other", "x")  # outside the prefix: not ours to keep
+    server.delete_key("p/a")
+    server.delete_key("q/other")
+    assert ledger.restore(server) == 1 and kept.read("p/a") == b"1" and not server.check(["q/other"])
+    server.delete_key("p/a")
+    server.set("p/a", "newer")
+    assert ledger.restore(server) == 0 and server.get("p/a") == b"newer"
+
+    ledger, store = Ledger(), KeepingStore(client(), Ledger(), "p/")
+    store.ledger = ledger
+    liveness = Liveness(store, "p/", [0, 1], dead_after_s=60.0, sign_key=key)
+    liveness.seen[1] = (1, time.monotonic())  # site 1 is alive but never arrives
+    rounds = RoundCoordinator(store, "p/", 0, True, liveness, key, ledger, storm_after_s=1.0)
+    stop = threading.Event()
+    deleter = threading.Thread(target=_delete_in_a_loop, args=(client(), ["p/r3/a0/arrive/0"], stop), daemon=True)
+    deleter.start()
+    began = time.monotonic()
+    try:
+        with pytest.raises(StoreInterference, match=f"store keys of round 3 {STORM}"):
+            rounds.rendezvous(3, 0, {0, 1}, 1, 0.0, True, 3600.0, lambda members: 1)
+    finally:
+        stop.set()
+    assert time.monotonic() - began < 5.0 and ledger.restored > 0
+
+
+def test_a_deleted_heartbeat_is_no_death_and_generations_are_never_reused():
+    """Unit: a live site whose beat was deleted just before a poll (after a long inner step) is not
+    dead: absence is "no news" for dead_after_s, and its next beat is accepted. A dead site whose
+    beat an attacker deletes is still dropped. A generation counter deleted (back to 1) never hands
+    out a generation number this site has seen."""
+    from zeroband.membership.elastic import fresh_generation
+    from zeroband.membership.heartbeat import Liveness, heartbeat_key
+    from zeroband.trust.signed import SignedStore
+
+    server, client = _tcp_store()
+    key = b"k" * 32
+    beats = SignedStore(client(), key)
+    seen = Liveness(client(), "p/", [1], dead_after_s=0.5, sign_key=key)
+    beats.set(heartbeat_key("p/", 1), "n:1")
+    seen.poll()
+    time.sleep(0.6)  # a long inner step: no poll
+    server.delete_key(heartbeat_key("p/", 1))
+    assert seen.dead_among([1]) == set()  # deleted: no news, not a death
+    beats.set(heartbeat_key("p/", 1), "n:2")
+    assert seen.dead_among([1]) == set()
+    server.delete_key(heartbeat_key("p/", 1))  # the site dies, and its beat is deleted
+    seen.poll()
+    time.sleep(0.6)  # absent for dead_after_s of polling
+    assert seen.dead_among([1]) == {1}
+
+    assert fresh_generation(server, "p/generation", 0) == 1
+    server.delete_key("p/generation")
+    assert fresh_generation(server, "p/generation", 7) == 8 and fresh_generation(server, "p/generation", 8) == 9
+
+
+def test_a_value_deleted_after_its_writer_moved_on_comes_back():
+    """Unit: site 1 read site 0's value and moved on; an outsider then deletes site 1's value before
+    site 0 read it. Site 0 used to wait until sites.timeout_s and blame site 1. Now site 1's
+    Republisher (a thread on its own connection, as in the fixed mode's start) writes it back."""
+    from zeroband.trust.signed import KeepingStore, Ledger, Republisher, SignedStore, exchange
+
+    server, client = _tcp_store()
+    key, keys = b"k" * 32, {0: "p/x/0", 1: "p/x/1"}
+    SignedStore(client(), key).set(keys[0], "a")
+    ledger = Ledger()
+    republisher = Republisher(client, ledger, keep_s=30.0).start()
+    try:
+        assert exchange(SignedStore(KeepingStore(client(), ledger, "p/"), key), keys, 1, "b", "test", 5.0)[0] == b"a"
+        server.delete_key(keys[1])  # after site 1 moved on
+        began = time.monotonic()
+        assert exchange(SignedStore(client(), key), keys, 0, "a", "test", 5.0)[1] == b"b"
+        assert time.monotonic() - began < 1.0 and ledger.restored >= 1
+    finally:
+        republisher.stop()
+
+
+def test_fixed_run_goes_on_through_a_deletion_storm(corpus, tmp_path):
+    """The fixed mode's start (incarnation nonces, arrival marks, admission values, signed gloo
+    addresses, resume offers) under the same storm: a value deleted after its writer moved on to the
+    next phase used to leave its peer waiting for sites.timeout_s and blame the writer. Now every
+    site writes back what it wrote while its peers may still read it."""
+    from tests.attackers import StoreDeleter
+
+    tree = _tree(corpus, tmp_path, 2)
+    deleter = StoreDeleter(tree["sites"]["store"], f"zeroband/{RUN}/", period_s=0.1).start()
+    try:
+        out = run_sites(_site, 2, 1, (tree,), env={"ZEROBAND_SECRET": SECRET}, timeout=80)
+    finally:
+        deleted = deleter.stop()
+    assert deleted > 0
+    _finished_alike({s: out[(s, 0)] for s in (0, 1)}, tree, 2, 2)
 
 
 # ---------------------------------------------------------------------- item 9: restart on etcd

@@ -15,17 +15,18 @@ import pytest
 from tests.multiproc import run_sites
 from zeroband.trust.auth import (
     SECRET_ENV,
+    WRONG_SECRET,
     decide,
-    derive_key,
     flatten_fingerprint,
-    load_secret,
     proof,
     verified_sites,
 )
+from zeroband.trust.secret import RunSecret, derive_key, resolve_secret
 
 SECRET = b"correct horse battery staple 42"
 WRONG = b"incorrect horse battery staple 7"
 FP = {"model.dim": "128", "tokenizer.vocab": "8192", "seq_len": "256"}
+SAME_VALUES = "fix: start every site with the same values for these keys"
 
 
 # ---- pure: proofs ----------------------------------------------------------------------------------
@@ -69,9 +70,13 @@ def test_decide_wrong_secret_is_refused_by_the_majority():
     fps = {s: FP for s in range(3)}
     for me in (0, 1):
         v = decide(3, me, {0, 1}, fps)
-        assert v.admitted == [0, 1] and v.refused == {2: "wrong shared secret"}
+        assert v.admitted == [0, 1] and v.refused == {2: WRONG_SECRET}
     bad = decide(3, 2, {2}, fps)  # the odd one out cannot verify anybody: it admits nobody
     assert bad.admitted == [] and "not a majority" in bad.refused[2]
+    # the line names both causes it cannot tell apart (whose secret is wrong; configs not compared) and the fix
+    assert bad.refused[2].startswith("wrong or missing shared secret, on this site or on the others")
+    assert "configs are compared only once the secret matches" in bad.refused[2] and "ZEROBAND_SECRET" in bad.refused[2]
+    assert "config is compared only once the secret matches" in WRONG_SECRET and "sites.secret_file" in WRONG_SECRET
 
 
 def test_decide_two_sites_that_disagree_admit_nobody():
@@ -85,23 +90,39 @@ def test_decide_fingerprint_majority_and_tie():
     other = {**FP, "model.dim": "256", "tokenizer.vocab": "4096"}
     v = decide(3, 0, {0, 1, 2}, {0: FP, 1: other, 2: FP})
     assert v.admitted == [0, 2]
-    assert v.refused == {1: "model.dim 256 vs ours 128; tokenizer.vocab 4096 vs ours 8192"}
-    assert decide(3, 1, {0, 1, 2}, {0: FP, 1: other, 2: FP}).refused[1].endswith("vs agreed 8192")
+    assert v.refused == {1: "config differs (the shared secret matches): model.dim 256 vs ours 128; tokenizer.vocab "
+                            "4096 vs ours 8192; fix: start every site with the same values for these keys"}
+    assert decide(3, 1, {0, 1, 2}, {0: FP, 1: other, 2: FP}).refused[1].endswith("vs agreed 8192; " + SAME_VALUES)
     tie = decide(4, 3, {0, 1, 2, 3}, {0: other, 1: FP, 2: other, 3: FP})  # 2 vs 2: site 0's wins
     assert tie.admitted == [0, 2] and set(tie.refused) == {1, 3}
     missing = decide(3, 0, {0, 1, 2}, {0: FP, 1: {"model.dim": "128"}, 2: FP})
-    assert missing.refused[1] == "seq_len <missing> vs ours 256; tokenizer.vocab <missing> vs ours 8192"
+    assert missing.refused[1] == ("config differs (the shared secret matches): seq_len <missing> vs ours 256; "
+                                  "tokenizer.vocab <missing> vs ours 8192; " + SAME_VALUES)
 
 
-def test_load_secret(monkeypatch):
+def test_the_secret_is_resolved_into_one_object_that_never_shows_it(monkeypatch):
+    """Issue 25: one resolution (config file / secret_file, else the environment) into a RunSecret
+    that every user derives keys from; its repr, str and pickle never carry the value."""
+    import pickle
+
+    from zeroband.config import ConfigError
+
     monkeypatch.delenv(SECRET_ENV, raising=False)
-    with pytest.raises(ValueError, match=SECRET_ENV):
-        load_secret(None)
+    assert resolve_secret(None) is None
+    with pytest.raises(ConfigError, match=SECRET_ENV):
+        resolve_secret(None, insecure=False, site_count=2)
     monkeypatch.setenv(SECRET_ENV, "from-the-environment-123")
-    assert load_secret(None) == b"from-the-environment-123"
-    assert load_secret("from-the-config-file-456") == b"from-the-config-file-456"
-    with pytest.raises(ValueError, match="at least 16") as err:
-        load_secret("hunter2")
+    env = resolve_secret(None, site_count=2)
+    assert env.source == SECRET_ENV and env == RunSecret(b"from-the-environment-123", "x")
+    config = resolve_secret("from-the-config-file-456")
+    assert config.source == "sites.secret" and config != env  # the config's (a 0600 file) wins
+    assert env.derive("run/gen3/") == derive_key(b"from-the-environment-123", "run/gen3/")  # keys unchanged
+    for shown in (repr(env), str(env), f"{env}", f"{env!r}"):
+        assert "from-the-environment" not in shown and "hidden" in shown
+    with pytest.raises(TypeError, match="never pickled"):
+        pickle.dumps(env)
+    with pytest.raises(ConfigError, match="at least 16") as err:
+        resolve_secret("hunter2")
     assert "hunter2" not in str(err.value)
 
 
@@ -149,7 +170,7 @@ def test_same_secret_all_admitted_and_secret_never_stored():
 def test_wrong_secret_refused_by_all_others():
     out = _run({0: SECRET, 1: SECRET, 2: WRONG}, {s: FP for s in range(3)})
     for site in (0, 1):
-        assert out[site]["error"] == "site 2 refused: wrong shared secret"
+        assert out[site]["error"] == "site 2 refused: " + WRONG_SECRET
         assert out[site]["admitted"] == [0, 1]
     assert "site 2 (this site) refused" in out[2]["error"]
 
@@ -158,10 +179,11 @@ def test_different_fingerprint_refused_naming_the_keys():
     other = {**FP, "model.dim": "256", "tokenizer.vocab": "4096"}
     out = _run({s: SECRET for s in range(3)}, {0: FP, 1: other, 2: FP})
     for site in (0, 2):
-        assert out[site]["error"] == "site 1 refused: model.dim 256 vs ours 128; tokenizer.vocab 4096 vs ours 8192"
+        assert out[site]["error"] == ("site 1 refused: config differs (the shared secret matches): model.dim 256 vs "
+                                      "ours 128; tokenizer.vocab 4096 vs ours 8192; " + SAME_VALUES)
         assert out[site]["admitted"] == [0, 2]
-    assert out[1]["error"] == ("site 1 (this site) refused: model.dim 256 vs agreed 128; "
-                               "tokenizer.vocab 4096 vs agreed 8192")
+    assert out[1]["error"] == ("site 1 (this site) refused: config differs (the shared secret matches): model.dim "
+                               "256 vs agreed 128; tokenizer.vocab 4096 vs agreed 8192; " + SAME_VALUES)
 
 
 def test_reused_prefix_is_rejected():

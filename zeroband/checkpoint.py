@@ -62,7 +62,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from zeroband import seams
-from zeroband.trust.auth import SECRET_ENV, derive_key
+from zeroband.trust.secret import SECRET_ENV, RunSecret, as_secret
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +171,7 @@ def save_checkpoint(
     extras: dict[str, Stateful],
     meta: dict[str, Any],
     keep_last: int,
-    secret: bytes | None = None,
+    secret: RunSecret | bytes | None = None,
 ) -> Path:
     """Collective over the site group: every rank of the site calls it with the same step.
     With a `secret`, the manifest is signed with it."""
@@ -194,7 +194,7 @@ def save_checkpoint(
     return final
 
 
-def _seal(tmp: Path, final: Path, step: int, world: int, meta: dict[str, Any], secret: bytes | None) -> None:
+def _seal(tmp: Path, final: Path, step: int, world: int, meta: dict[str, Any], secret: RunSecret | bytes | None) -> None:
     files = {
         str(p.relative_to(tmp)): {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
         for p in sorted(tmp.rglob("*"))
@@ -238,9 +238,9 @@ def _prune(root: Path, keep_last: int, run_id: str, written: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def signing_key(secret: bytes) -> bytes:
+def signing_key(secret: RunSecret | bytes) -> bytes:
     """Slow, salted derivation (as for admission): a signed manifest must not make guessing cheap."""
-    return derive_key(secret, SIGN_LABEL)
+    return as_secret(secret).derive(SIGN_LABEL)
 
 
 def manifest_mac(key: bytes, manifest: dict[str, Any]) -> str:
@@ -259,7 +259,7 @@ class SecretNeeded(CheckpointError):
     auto-resume and export stop at once instead of falling back to another one."""
 
 
-def check_trust(path: Path, manifest: dict[str, Any], secret: bytes | None, own_root: Path | None,
+def check_trust(path: Path, manifest: dict[str, Any], secret: RunSecret | bytes | None, own_root: Path | None,
                 allow_unsigned: bool = False, require_signature: bool = False) -> None:
     """Refuse (CheckpointError, one line) a checkpoint whose author we cannot vouch for; see the module doc.
     A signature that fails is refused always, and one we hold no secret to check needs allow_unsigned;
@@ -313,7 +313,7 @@ def verify_checkpoint(path: Path) -> dict[str, Any]:
     return manifest
 
 
-def verify_trusted(path: Path, secret: bytes | None, own_root: Path | None, allow_unsigned: bool = False,
+def verify_trusted(path: Path, secret: RunSecret | bytes | None, own_root: Path | None, allow_unsigned: bool = False,
                    require_signature: bool = False) -> dict[str, Any]:
     """The manifest of a checkpoint that is complete and whose author we trust (check_trust)."""
     manifest = verify_checkpoint(path)
@@ -321,7 +321,7 @@ def verify_trusted(path: Path, secret: bytes | None, own_root: Path | None, allo
     return manifest
 
 
-def find_checkpoint(root: Path, resume: str, secret: bytes | None = None, allow_unsigned: bool = False,
+def find_checkpoint(root: Path, resume: str, secret: RunSecret | bytes | None = None, allow_unsigned: bool = False,
                     require_signature: bool = False) -> CheckpointInfo | None:
     """Resolve `checkpoint.resume`: 'none', 'auto' (newest valid under root) or an explicit path.
     Only checkpoints that pass `check_trust` (root being the run's own directory) are returned."""
@@ -345,7 +345,7 @@ def find_checkpoint(root: Path, resume: str, secret: bytes | None = None, allow_
     return None
 
 
-def resume_checkpoint(root: Path, resume: str, secret: bytes | None = None,
+def resume_checkpoint(root: Path, resume: str, secret: RunSecret | bytes | None = None,
                       allow_unsigned: bool = False) -> CheckpointInfo | None:
     """`find_checkpoint` for a training start: auto-resume refuses to silently start from step 0
     when there are checkpoints but none of them verifies (a crash loop would make no progress)."""

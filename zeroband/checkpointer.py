@@ -15,7 +15,7 @@ import torch
 
 from zeroband import checkpoint as ckpt
 from zeroband.config import CheckpointConfig, Config
-from zeroband.trust.auth import optional_secret
+from zeroband.trust.secret import RunSecret
 
 
 def should_save(cfg: CheckpointConfig, step: int, last: bool, stopping: bool = False,
@@ -43,12 +43,6 @@ def checkpoint_meta(cfg: Config) -> dict[str, Any]:
             "config": cfg.model_dump(mode="json")}
 
 
-def checkpoint_secret(cfg: Config) -> bytes | None:
-    """What checkpoints are signed and verified with: the run's shared secret (ZEROBAND_SECRET or
-    sites.secret_file), if it has one; a one-site config (or `--diloco none` for an export) too."""
-    return optional_secret(cfg.sites.secret)
-
-
 def signs_every_checkpoint(cfg: Config) -> bool:
     """A multi-site run cannot start without a secret unless sites.insecure, so all its checkpoints
     are signed: an unsigned one was stripped (site_count unset: launched sites, several)."""
@@ -57,8 +51,9 @@ def signs_every_checkpoint(cfg: Config) -> bool:
 
 class Checkpointer:
     def __init__(self, cfg: Config, root: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 stateful: dict[str, ckpt.Stateful]) -> None:
+                 stateful: dict[str, ckpt.Stateful], secret: RunSecret | None = None) -> None:
         self.cfg, self.root, self.model, self.optimizer, self.stateful = cfg, root, model, optimizer, stateful
+        self.secret = secret  # the run's, resolved once at start (trust/secret.py): signs every checkpoint
         self.run_id = ""
         self.saved_at: int | None = None
 
@@ -71,5 +66,5 @@ class Checkpointer:
     def save(self, step: int) -> None:
         ckpt.save_checkpoint(self.root, step, self.model, self.optimizer, self.stateful,
                              {**checkpoint_meta(self.cfg), "run_id": self.run_id}, self.cfg.checkpoint.keep_last,
-                             secret=checkpoint_secret(self.cfg))
+                             secret=self.secret)
         self.saved_at = step

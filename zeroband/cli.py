@@ -15,8 +15,12 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from zeroband.config import Config, ConfigError, load_config, refuse_secret_arguments, warn_allow_unsigned
+
+if TYPE_CHECKING:
+    from zeroband.trust.secret import RunSecret
 
 
 def _cmd_data(args: argparse.Namespace) -> int:
@@ -121,11 +125,11 @@ def _cmd_export(args: argparse.Namespace, rest: list[str]) -> int:
     from zeroband.export import export
 
     cfg = load_config(args.config, rest)
-    _adopt_local_secret(cfg)
+    secret = _export_secret(cfg)
     warn_allow_unsigned(cfg)
     out = Path(args.out) if args.out else cfg.run_dir / "hf"
     try:
-        result = export(cfg, Path(args.checkpoint) if args.checkpoint else None, out)
+        result = export(cfg, Path(args.checkpoint) if args.checkpoint else None, out, secret=secret)
     except (CheckpointError, FileNotFoundError) as e:
         print(f"zeroband export: error: {e}", file=sys.stderr)
         return 2
@@ -133,18 +137,21 @@ def _cmd_export(args: argparse.Namespace, rest: list[str]) -> int:
     return 0
 
 
-def _adopt_local_secret(cfg: Config) -> None:
-    """A run that `zeroband launch` gave its own secret signed its checkpoints with it: verify with it."""
+def _export_secret(cfg: Config) -> RunSecret | None:
+    """The secret an export verifies with, resolved once: the configured one, else the one `zeroband
+    launch` gave the run (its checkpoints are signed with it), else none."""
     from zeroband.config import read_secret_file
     from zeroband.tools.launch import SECRET_FILE
-    from zeroband.trust.auth import SECRET_ENV, optional_secret
+    from zeroband.trust.secret import RunSecret, resolve_secret
 
     path = cfg.run_dir / SECRET_FILE
-    if optional_secret(cfg.sites.secret) is None and path.is_file():
+    secret = resolve_secret(cfg.sites.secret)
+    if secret is None and path.is_file():
         try:
-            os.environ[SECRET_ENV] = read_secret_file(path)
+            return RunSecret(read_secret_file(path).encode(), str(path))
         except ValueError as e:
             raise ConfigError(str(e)) from None
+    return secret
 
 
 def _cmd_plan(args: argparse.Namespace, rest: list[str]) -> int:

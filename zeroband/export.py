@@ -11,18 +11,24 @@ from zeroband.config import Config
 from zeroband.data.tokenizer import TextTokenizer
 from zeroband.models.hf import export_hf
 from zeroband.models.llama import Llama
+from zeroband.trust.secret import RunSecret, resolve_secret
+
+UNRESOLVED = object()  # no secret handed down: resolve the config's / environment's (once, here)
 
 
-def load_for_export(cfg: Config, checkpoint_path: Path) -> Llama:
+def load_for_export(cfg: Config, checkpoint_path: Path, secret: RunSecret | None | object = UNRESOLVED) -> Llama:
     """An unsharded CPU model holding a checkpoint's weights (DCP reshards any rank count onto one).
-    The checkpoint must pass the same trust check as a resume (signature, or the run's own dir)."""
+    The checkpoint must pass the same trust check as a resume (signature, or the run's own dir),
+    under `secret` (the command's, resolved once; by default the config's or $ZEROBAND_SECRET)."""
     # the trainer defines what a checkpoint must match and what signs it
-    from zeroband.checkpointer import checkpoint_meta, checkpoint_secret, signs_every_checkpoint
+    from zeroband.checkpointer import checkpoint_meta, signs_every_checkpoint
+
+    secret = resolve_secret(cfg.sites.secret) if secret is UNRESOLVED else secret
 
     if not checkpoint_path.is_dir():
         raise ckpt.CheckpointError(f"--checkpoint {checkpoint_path}: no such directory; pass a step_* directory "
                                    f"(e.g. under {cfg.checkpoint_dir}), or leave it out for the newest")
-    manifest = ckpt.verify_trusted(checkpoint_path, checkpoint_secret(cfg), cfg.checkpoint_dir,
+    manifest = ckpt.verify_trusted(checkpoint_path, secret, cfg.checkpoint_dir,
                                    cfg.checkpoint.allow_unsigned, signs_every_checkpoint(cfg))
     info = ckpt.CheckpointInfo(checkpoint_path, manifest["step"], manifest)
 
@@ -35,12 +41,12 @@ def load_for_export(cfg: Config, checkpoint_path: Path) -> Llama:
     return model
 
 
-def latest_checkpoint(cfg: Config) -> Path:
-    from zeroband.checkpointer import checkpoint_secret, signs_every_checkpoint
+def latest_checkpoint(cfg: Config, secret: RunSecret | None) -> Path:
+    from zeroband.checkpointer import signs_every_checkpoint
 
     roots = [cfg.checkpoint_dir] + sorted(cfg.checkpoint_dir.glob("site*"))
     for root in roots:
-        info = ckpt.find_checkpoint(root, "auto", checkpoint_secret(cfg), cfg.checkpoint.allow_unsigned,
+        info = ckpt.find_checkpoint(root, "auto", secret, cfg.checkpoint.allow_unsigned,
                                     signs_every_checkpoint(cfg))
         if info is not None:
             return info.path
@@ -48,9 +54,11 @@ def latest_checkpoint(cfg: Config) -> Path:
                             "CONFIG) or pass --checkpoint PATH, with the same config and overrides as the training")
 
 
-def export(cfg: Config, checkpoint_path: Path | None, out_dir: Path, verify: bool = True) -> dict[str, float | str]:
-    path = checkpoint_path or latest_checkpoint(cfg)
-    model = load_for_export(cfg, path)
+def export(cfg: Config, checkpoint_path: Path | None, out_dir: Path, verify: bool = True,
+           secret: RunSecret | None | object = UNRESOLVED) -> dict[str, float | str]:
+    secret = resolve_secret(cfg.sites.secret) if secret is UNRESOLVED else secret  # once per export
+    path = checkpoint_path or latest_checkpoint(cfg, secret)
+    model = load_for_export(cfg, path, secret)
     tokenizer = TextTokenizer.load(cfg.data.tokenizer)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     export_hf(state, cfg.model, out_dir, tokenizer=tokenizer, bos_id=tokenizer.eos_id, eos_id=tokenizer.eos_id)

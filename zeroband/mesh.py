@@ -29,6 +29,8 @@ from zeroband.comm.group import (
 )
 from zeroband.store.client import open_store
 from zeroband.trust.mac import WireAuth
+from zeroband.trust.secret import RunSecret
+from zeroband.trust.signed import KeepingStore, Ledger, Republisher
 from zeroband.world import World
 
 __all__ = ["OPEN", "SECRET", "GlobalGroup", "Topology", "admission_mark", "fixed_global_group", "init_site_group",
@@ -40,7 +42,7 @@ class Topology:
     world: World
     site_mesh: DeviceMesh
     store: dist.Store | None = None  # the coordination store (DiLoCo runs)
-    secret: bytes | None = None  # the run's shared secret (None: sites.insecure)
+    secret: RunSecret | None = None  # the run's shared secret, resolved once (None: one site, or sites.insecure)
     timeout_s: float = 600.0  # sites.timeout_s: how long a cross-site wait may take
     fingerprint: dict[str, str] = field(default_factory=dict)  # settings every site must share (train.py)
 
@@ -64,7 +66,7 @@ def init_site_group(world: World, timeout: timedelta) -> None:
 
 def init_topology(
     world: World, store_address: str | None, run_name: str, timeout_s: float, backend: str, host_store: bool = True,
-    secret: bytes | None = None,
+    secret: RunSecret | None = None, keep_start_keys: bool = False,
 ) -> Topology:
     """The site mesh, and (for DiLoCo) the coordination store. The cross-site groups are not part of
     it: `fixed_global_group` builds a fixed run's, an elastic membership one per generation."""
@@ -75,6 +77,12 @@ def init_topology(
     if store_address is not None:
         is_host = host_store and world.site_rank == 0 and world.rank == 0
         store = open_store(store_address, is_host, timeout, secret)
+        if keep_start_keys:
+            # what this site writes at the start is written back if deleted while peers may still read it
+            ledger = Ledger()
+            store = KeepingStore(store, ledger, f"zeroband/{run_name}/")
+            _republishers.append(Republisher(lambda: open_store(store_address, False, timeout, secret), ledger,
+                                             timeout_s).start())
     return Topology(world, mesh, store, secret, timeout_s=timeout_s)
 
 
@@ -90,6 +98,11 @@ def fixed_global_group(topology: Topology, run_name: str, backend: str = "gloo",
                             backend, mark=mark, auth=auth, streams=streams)
 
 
+_republishers: list[Republisher] = []  # stopped at shutdown: no store call may outlive the store
+
+
 def shutdown() -> None:
+    while _republishers:
+        _republishers.pop().stop()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from zeroband import checkpoint as ckpt
 from zeroband import seams
-from zeroband.checkpointer import Checkpointer, checkpoint_meta, checkpoint_secret, sync_due
+from zeroband.checkpointer import Checkpointer, checkpoint_meta, sync_due
 from zeroband.config import Config, ConfigError, dump_config, load_config, warn_allow_unsigned
 from zeroband.data.loader import PackedBatches
 from zeroband.data.tokenizer import TextTokenizer
@@ -45,7 +45,8 @@ from zeroband.step import (
     validation_metrics,
 )
 from zeroband.store.client import StoreUnreachable
-from zeroband.trust.auth import TrustError, run_secret
+from zeroband.trust.auth import TrustError
+from zeroband.trust.secret import RunSecret, resolve_secret
 from zeroband.watchdog import Interrupted, PeerLost, PeerTimeout, request_stop
 from zeroband.world import World, check_devices, world_from_env
 
@@ -123,8 +124,8 @@ def build_outer(cfg: Config, model: torch.nn.Module, topology: Topology, group: 
 
 def train(cfg: Config) -> dict[str, Any]:
     world = world_from_env(cfg)
-    # before any port opens
-    secret = run_secret(cfg.sites.secret, cfg.sites.insecure, world.site_count) if cfg.diloco else None
+    # the run's secret, resolved once (before any port opens) and handed down: groups, store, checkpoints
+    secret = resolve_secret(cfg.sites.secret, cfg.sites.insecure, world.site_count if cfg.diloco else 1)
     if world.rank == 0:
         warn_allow_unsigned(cfg)  # the opt-out's one loud line; recorded in metrics.jsonl too
     with run_dir_lock(site_dirs(cfg, world)[0], world.rank == 0):  # a second run of this name stops here
@@ -135,15 +136,16 @@ def train(cfg: Config) -> dict[str, Any]:
             shutdown()
 
 
-def open_topology(cfg: Config, world: World, secret: bytes | None) -> tuple[Topology, GlobalGroup | None]:
+def open_topology(cfg: Config, world: World, secret: RunSecret | None) -> tuple[Topology, GlobalGroup | None]:
     """The site mesh; for DiLoCo also the store and (unless elastic: built per generation) the global group."""
     if cfg.diloco is None:  # one site: no store, nothing crosses sites
-        return init_topology(world, None, cfg.name, 600.0, "gloo"), None
+        return init_topology(world, None, cfg.name, 600.0, "gloo", secret=secret), None
     s = cfg.sites
-    topology = init_topology(world, s.store, cfg.name, s.timeout_s, s.backend, host_store=s.host_store, secret=secret)
+    topology = init_topology(world, s.store, cfg.name, s.timeout_s, s.backend, host_store=s.host_store, secret=secret,
+                             keep_start_keys=not cfg.diloco.elastic)
     if cfg.diloco.elastic:
         return topology, None
-    return topology, fixed_global_group(topology, cfg.name, s.backend, admission_mark(s.secret), s.streams)
+    return topology, fixed_global_group(topology, cfg.name, s.backend, admission_mark(secret), s.streams)
 
 
 @dataclass
@@ -202,7 +204,7 @@ def build_run(cfg: Config, world: World, topology: Topology, group: GlobalGroup 
     outer = wrap.outer(build_outer(cfg, model, topology, group, progress, scheduler), model)
     clock = ComputeClock()
     stateful: dict[str, ckpt.Stateful] = {"scheduler": scheduler, "data": train_data, "outer": outer, "progress": progress, "clock": clock}
-    checkpointer = wrap.checkpointer(Checkpointer(cfg, ckpt_root, model, optimizer, stateful))
+    checkpointer = wrap.checkpointer(Checkpointer(cfg, ckpt_root, model, optimizer, stateful, topology.secret))
     return Run(cfg, world, topology, model, optimizer, scheduler, train_data, eval_set, val_data.bytes_per_token,
                outer, progress, clock, run_dir, ckpt_root, checkpointer, group)
 
@@ -210,7 +212,7 @@ def build_run(cfg: Config, world: World, topology: Topology, group: GlobalGroup 
 def resume_or_start(run: Run) -> ckpt.CheckpointInfo | None:
     """Load the newest valid checkpoint if there is one (returned), else make the sites agree."""
     found = agreed_checkpoint(run, ckpt.resume_checkpoint(run.ckpt_root, run.cfg.checkpoint.resume,
-                                                          checkpoint_secret(run.cfg), run.cfg.checkpoint.allow_unsigned))
+                                                          run.topology.secret, run.cfg.checkpoint.allow_unsigned))
     if found is not None:
         run.changes = resume_changes(run, found)
         ckpt.check_compatible(found, checkpoint_meta(run.cfg), run.world.ranks_per_site)
@@ -283,7 +285,7 @@ def agreed_checkpoint(run: Run, found: ckpt.CheckpointInfo | None) -> ckpt.Check
 
 
 def trusted_manifest(run: Run, path: Path) -> dict[str, Any]:
-    return ckpt.verify_trusted(path, checkpoint_secret(run.cfg), run.ckpt_root, run.cfg.checkpoint.allow_unsigned)
+    return ckpt.verify_trusted(path, run.topology.secret, run.ckpt_root, run.cfg.checkpoint.allow_unsigned)
 
 
 def verified_steps(run: Run, found: ckpt.CheckpointInfo | None) -> list[int]:
@@ -449,7 +451,7 @@ def on_nonfinite(run: Run, metrics: MetricsLogger, loss: float, grad_norm: float
     checkpoint with the data stream left where it is. Returns the rollbacks used so far."""
     step = run.progress.step + 1
     metrics.log(step, {"loss": loss, "grad_norm": grad_norm}, "nonfinite")
-    good = ckpt.find_checkpoint(run.ckpt_root, "auto", checkpoint_secret(run.cfg), run.cfg.checkpoint.allow_unsigned)
+    good = ckpt.find_checkpoint(run.ckpt_root, "auto", run.topology.secret, run.cfg.checkpoint.allow_unsigned)
     good = good if good is not None and good.manifest.get("run_id") == run.run_id else None
     if run.cfg.train.on_nonfinite == "rollback" and good is not None and rollbacks < run.cfg.train.max_rollbacks:
         # Everything but the data position (and the wall clock): replaying the same batches would diverge again.

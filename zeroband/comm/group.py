@@ -8,7 +8,6 @@ coordination store, never from torchrun's rendezvous, because each site is its o
 from __future__ import annotations
 
 import hashlib
-import os
 import secrets
 import time
 from collections.abc import Callable
@@ -20,8 +19,9 @@ import torch.distributed as dist
 
 from zeroband import seams
 from zeroband.comm.transport import Transport
-from zeroband.trust.auth import ADMIT_REFUSE_S, SECRET_ENV, PeerRefused, Verdict, frame
+from zeroband.trust.auth import ADMIT_REFUSE_S, PeerRefused, Verdict, frame
 from zeroband.trust.mac import NO_AUTH, WireAuth
+from zeroband.trust.secret import RunSecret
 from zeroband.trust.signed import ForgedValue, SealedStore, SignedStore, exchange
 from zeroband.watchdog import PeerTimeout, Ticker, Watch, _sites, read_by_all, wait_keys
 
@@ -197,9 +197,9 @@ def connect_transport(store: dist.Store, sealed: dist.Store, prefix: str, rank: 
     return transport
 
 
-def admission_mark(secret: str | None) -> str:
-    """How this site admits peers, from the config value or the environment (never the secret)."""
-    return SECRET if secret or os.environ.get(SECRET_ENV) else OPEN
+def admission_mark(secret: RunSecret | None) -> str:
+    """How this site admits peers: with the run's secret (resolved once, trust/secret.py) or without."""
+    return OPEN if secret is None else SECRET
 
 
 def rendezvous(store: dist.Store, prefix: str, site_rank: int, site_count: int, timeout_s: float,

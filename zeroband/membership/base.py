@@ -25,6 +25,7 @@ import torch.distributed as dist
 from zeroband.comm.group import GlobalGroup
 from zeroband.mesh import Topology
 from zeroband.trust.auth import Admission, admission
+from zeroband.trust.secret import RunSecret
 
 Event = dict[str, Any]
 
@@ -61,7 +62,7 @@ def agree_on_run(group: GlobalGroup, topology: Topology, timeout_s: float) -> No
     admit_group(group, topology.store, topology.secret, topology.fingerprint, timeout_s)
 
 
-def admit_group(group: GlobalGroup, store: dist.Store, secret: bytes | None, fingerprint: dict[str, str],
+def admit_group(group: GlobalGroup, store: dist.Store, secret: RunSecret | None, fingerprint: dict[str, str],
                 timeout_s: float) -> Admission:
     """Admission on the group's prefix, after which the group seals under the session key it agreed
     (trust/mac.py): until then its auth refuses to seal or open anything."""

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import io
 import logging
+import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from types import TracebackType
@@ -41,12 +42,12 @@ from zeroband.comm.group import OPEN, SECRET, GlobalGroup, checksum_table, new_g
 from zeroband.config import DilocoConfig, SitesConfig
 from zeroband.membership.base import Event, EventLog
 from zeroband.membership.heartbeat import Heartbeat, Liveness, heartbeat_key, leave_key
-from zeroband.membership.rounds import Decision, RoundCoordinator
+from zeroband.membership.rounds import POLL_S, Decision, RoundCoordinator
 from zeroband.mesh import Topology
 from zeroband.store.client import open_store, store_failures_named
-from zeroband.trust.auth import PeerRefused, Verdict, admission
+from zeroband.trust.auth import SECRET_FIX, PeerRefused, Verdict, admission
 from zeroband.trust.mac import WireAuth
-from zeroband.trust.signed import SignedStore
+from zeroband.trust.signed import KeepingStore, Ledger, SignedStore, StoreInterference
 from zeroband.watchdog import Watch, read_by_all
 
 log = logging.getLogger(__name__)
@@ -123,15 +124,19 @@ class ElasticMembership:
         self.secret = topology.secret
         self.auth = WireAuth.from_secret(self.secret, run_name)  # seals all-reduce messages
         sign_key = self.auth.subkey("store")  # and, independently keyed, the protocol's store values
-        self.signed = SignedStore(topology.store, sign_key)
-        self.liveness = Liveness(topology.store, self.prefix, slots, cfg.dead_after_s, sign_key)
-        self.rounds = RoundCoordinator(topology.store, self.prefix, self.world.site_rank, self.world.rank == 0,
-                                       self.liveness, sign_key)
+        # what we write is kept and written back if deleted (by the polls and the heartbeat thread)
+        self.ledger = Ledger()
+        self.store = KeepingStore(topology.store, self.ledger, self.prefix)
+        self.signed = SignedStore(self.store, sign_key)
+        self.liveness = Liveness(self.store, self.prefix, slots, cfg.dead_after_s, sign_key)
+        self.rounds = RoundCoordinator(self.store, self.prefix, self.world.site_rank, self.world.rank == 0,
+                                       self.liveness, sign_key, self.ledger, sites.timeout_s)
         self.heartbeat = None
         if self.world.rank == 0:
-            topology.store.delete_key(leave_key(self.prefix, self.world.site_rank))  # back after a leave
+            self.store.delete_key(leave_key(self.prefix, self.world.site_rank))  # back after a leave
             reopen = lambda: open_store(sites.store, False, timedelta(seconds=sites.timeout_s))  # noqa: E731
-            self.heartbeat = Heartbeat(reopen, self.prefix, self.world.site_rank, cfg.heartbeat_s, sign_key).start()
+            self.heartbeat = Heartbeat(reopen, self.prefix, self.world.site_rank, cfg.heartbeat_s, sign_key,
+                                       self.ledger).start()
         self.watch = Watch(sites.timeout_s, interruptible=False)  # SIGTERM here means: finish the round, then leave
         self.members: list[int] = []
         self.generation = -1
@@ -182,10 +187,24 @@ class ElasticMembership:
         if self.world.rank == 0:
             with store_failures_named(self.sites.store):
                 self.signed.set(leave_key(self.prefix, self.world.site_rank), str(self.round))
+                self._linger()
         if self.heartbeat is not None:
             self.heartbeat.stop()
             self.heartbeat = None
         self.group = None
+
+    def _linger(self) -> None:
+        """Under deletions, a peer may not have read our last round's vote and verdict yet, and once
+        we exit nobody writes them back (it would then see a member gone without a vote): keep
+        restoring them until every other member has left or died, for at most dead_after_s."""
+        if self.ledger.restored == 0:
+            return  # nothing was ever deleted: no attack, no wait
+        others, deadline = set(self.members) - {self.world.site_rank}, time.monotonic() + self.cfg.dead_after_s
+        while time.monotonic() < deadline:
+            self.ledger.restore(self.topology.store)
+            if not others & self.liveness.alive_after_poll():
+                return
+            time.sleep(POLL_S)
 
     # ------------------------------------------------------------------ one round
     def attempts(self) -> Iterator[ElasticAttempt]:
@@ -247,7 +266,7 @@ class ElasticMembership:
         """Keep the groups while the members are the same and healthy; else a fresh generation."""
         if self.group is not None and members == self.members:
             return self.generation
-        return self.topology.store.add(self.prefix + "generation", 1)
+        return fresh_generation(self.store, self.prefix + "generation", self.generation)
 
     def _exchange(self, decision: Decision, work: Callable[[GlobalGroup], Any]) -> tuple[list[str] | None, Any]:
         """Everything that crosses sites in one attempt (global groups and the store only)."""
@@ -267,12 +286,12 @@ class ElasticMembership:
         prefix = f"{self.prefix}gen{decision.generation}/shard{self.world.rank}/"
         timeout = timedelta(seconds=self.sites.timeout_s)
         mark = OPEN if self.secret is None else SECRET
-        rendezvous(self.topology.store, prefix, index, len(decision.members), self.sites.timeout_s, mark,
+        rendezvous(self.store, prefix, index, len(decision.members), self.sites.timeout_s, mark,
                    self.auth.subkey("arrive"))
-        admitted = admission(self.topology.store, prefix, index, len(decision.members), self.secret,
+        admitted = admission(self.store, prefix, index, len(decision.members), self.secret,
                              self.fingerprint, timeout)
         auth = self.auth.for_session(prefix.encode(), admitted.nonces)  # this generation's key only
-        self.group = new_global_group(self.topology.store, prefix, index, len(decision.members), timeout,
+        self.group = new_global_group(self.store, prefix, index, len(decision.members), timeout,
                                       self.sites.backend, self.watch, mark, auth, self.sites.streams)
         self.generation, self.members = decision.generation, decision.members
 
@@ -285,6 +304,7 @@ class ElasticMembership:
         heartbeat expires (dead_after_s). Left waiting, it would reach the retry after the others'
         grace window and be left out of a round it was ready for."""
         def check() -> None:
+            self.rounds.guard(self.round)  # our deleted values back, while the peers may still read them
             dead = self.liveness.dead_among(decision.members)
             if dead:
                 raise MemberLost(f"sites {sorted(dead)} stopped responding")
@@ -307,6 +327,14 @@ class ElasticMembership:
         """The donor's registered state to every member; returns the members' keyed digests."""
         hand_over(self.group, decision.members.index(decision.donor), self.handed)
         return checksum_table([t for fn in self.checksums for t in fn()], self.group)
+
+
+def fresh_generation(store: dist.Store, counter: str, newest_seen: int) -> int:
+    """A generation number never used before: the store's counter, raised above the newest this site
+    has seen, since anyone with access to the store can delete the counter and restart it at 1 (a
+    reused generation prefix would hold the old groups' admission values)."""
+    generation = store.add(counter, 1)
+    return generation if generation > newest_seen else store.add(counter, newest_seen + 1 - generation)
 
 
 def hand_over(group: GlobalGroup, src: int, handed: dict[str, tuple[Callable[[Any], None], Callable[[], Any]]]) -> None:
@@ -335,9 +363,12 @@ def refuse_if_foreign(member: ElasticMembership, decision: Decision) -> None:
            if s != me and heartbeat_key(member.prefix, s) in refused}
     if not why:
         return
+    if member.ledger.restored > 0:  # refused reads amid deletions prove no other secret: name the attack
+        raise StoreInterference(member.rounds._storm(member.round, "and this site left alone"))
     member.leave()
     if "bad-mac" in why.values():
-        reason = f"wrong shared secret: the store values of sites {sorted(why)} do not verify under this site's"
+        reason = (f"wrong or missing shared secret: the store values of sites {sorted(why)} do not verify under "
+                  f"this site's secret (configs are compared only once the secret matches); {SECRET_FIX}")
     else:  # a secret on one side only
         marks = {me: OPEN if member.secret is None else SECRET} | {s: OPEN if r == "unsigned" else SECRET
                                                                    for s, r in why.items()}

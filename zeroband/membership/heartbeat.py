@@ -7,6 +7,12 @@ to grow at every beat: an observer accepts a beat only if its stamp is newer tha
 accepted from that site, so recorded beats replayed (alternated) keep nobody alive, and a restarted
 site (a later clock) is seen at once.
 
+Keys can also be deleted by anyone with access to the store. A missing beat is "no news", not a
+death: a site whose key is absent is given dead_after_s of absence before it counts as dead (its
+own thread writes a new beat within heartbeat_s), so a deletion never kills a live site, and a dead
+site whose key an attacker deletes is still dropped. The heartbeat thread also re-publishes this
+site's other deleted values (trust/signed.py `Ledger`) at every beat.
+
 A site's rank 0 runs `Heartbeat` on its own thread and its own store connection, so a long inner
 step never delays it, while a hung (SIGSTOP) or partitioned site stops bumping. Observers use
 `Liveness`, which remembers, on its own clock, when each counter last changed: no clock is shared
@@ -24,7 +30,7 @@ from collections.abc import Callable, Iterable
 
 import torch.distributed as dist
 
-from zeroband.trust.signed import SignedStore
+from zeroband.trust.signed import Ledger, SignedStore
 
 log = logging.getLogger(__name__)
 
@@ -47,9 +53,9 @@ def beat_stamp(beat: bytes | None) -> int | None:
 
 class Heartbeat:
     def __init__(self, open_client: Callable[[], dist.Store], prefix: str, site: int, interval_s: float,
-                 sign_key: bytes | None = None) -> None:
+                 sign_key: bytes | None = None, ledger: Ledger | None = None) -> None:
         self.open_client, self.key, self.interval_s = open_client, heartbeat_key(prefix, site), interval_s
-        self.sign_key = sign_key
+        self.sign_key, self.ledger = sign_key, ledger
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._run, name="zeroband-heartbeat", daemon=True)
 
@@ -63,6 +69,8 @@ class Heartbeat:
             stamp = max(stamp + 1, time.time_ns())
             try:
                 store.set(self.key, f"{nonce}:{stamp}")
+                if self.ledger is not None:
+                    self.ledger.restore(store.store)
             except Exception as e:  # a store hiccup must not kill the thread: the next beat retries
                 log.warning("heartbeat %s failed: %s", self.key, e)
             self.stopped.wait(self.interval_s)
@@ -81,6 +89,7 @@ class Liveness:
         self.store, self.prefix, self.dead_after_s = SignedStore(store, sign_key), prefix, dead_after_s
         self.sites = list(sites)
         self.seen: dict[int, tuple[int, float]] = {}  # site -> (newest stamp, local time it was accepted)
+        self.absent: dict[int, float] = {}  # site -> local time its beat was first found missing
         self.left: set[int] = set()
 
     def poll(self) -> None:
@@ -92,12 +101,21 @@ class Liveness:
                 continue
             self.left.discard(site)
             stamp = beat_stamp(self.store.read(heartbeat_key(self.prefix, site)))
+            if stamp is None:
+                self.absent.setdefault(site, now)  # deleted (or refused): no news until it is re-written
+                continue
+            self.absent.pop(site, None)
             if stamp is not None and (site not in self.seen or stamp > self.seen[site][0]):
                 self.seen[site] = (stamp, now)  # only a newer beat: a replayed older one is no sign of life
 
     def alive(self) -> set[int]:
         now = time.monotonic()
-        return {s for s, (_, t) in self.seen.items() if s not in self.left and now - t < self.dead_after_s}
+        return {s for s, (_, t) in self.seen.items()
+                if s not in self.left and now - max(t, self.absent.get(s, t)) < self.dead_after_s}
+
+    def alive_after_poll(self) -> set[int]:
+        self.poll()
+        return self.alive()
 
     def dead_among(self, sites: Iterable[int]) -> set[int]:
         self.poll()

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 import torch.distributed as dist
 
 from zeroband.membership.heartbeat import Liveness
-from zeroband.trust.signed import SignedStore
+from zeroband.trust.signed import STORM, Ledger, SignedStore, StoreInterference
 from zeroband.watchdog import Ticker
 
 POLL_S = 0.05
@@ -118,9 +118,22 @@ class RoundCoordinator:
     """The store protocol of one site (all its ranks use it; only rank 0 writes)."""
 
     def __init__(self, store: dist.Store, prefix: str, site: int, is_leader: bool, liveness: Liveness,
-                 sign_key: bytes | None = None) -> None:
+                 sign_key: bytes | None = None, ledger: Ledger | None = None, storm_after_s: float = float("inf")) -> None:
         self.store = SignedStore(store, sign_key)
         self.prefix, self.site, self.is_leader, self.liveness = prefix, site, is_leader, liveness
+        self.ledger, self.storm_after_s = ledger or Ledger(), storm_after_s
+
+    def guard(self, r: int) -> None:
+        """At every poll: write back our values that someone deleted (so a deletion costs the peers one
+        poll); keys that keep vanishing for storm_after_s (sites.timeout_s) without a committed round
+        are an attack on the store, named in one line, never a silent wait until join_timeout_s."""
+        self.ledger.restore(self.store.store)
+        if (stalled := self.ledger.stalled_s()) > self.storm_after_s:
+            raise StoreInterference(self._storm(r, f"for {stalled:.0f} s (sites.timeout_s={self.storm_after_s:g})"))
+
+    def _storm(self, r: int, how: str) -> str:
+        return (f"store keys of round {r} {STORM} ({self.ledger.restored} values re-written, no progress {how}); "
+                "revoke that access (etcd auth, a firewall on the store port) and restart the sites")
 
     def _key(self, r: int, a: int, *rest: object) -> str:
         return self.prefix + f"r{r}/a{a}/" + "/".join(str(x) for x in rest)
@@ -139,21 +152,26 @@ class RoundCoordinator:
         if self.is_leader:
             self.store.set(self._key(r, a, "arrive", self.site), "fresh" if fresh else "ready")
         may_propose = self.is_leader and (r == 0 or not fresh)
-        wait, deadline = WaitState(), time.monotonic() + timeout_s
+        wait, deadline, restored = WaitState(), time.monotonic() + timeout_s, self.ledger.restored
         ticker = Ticker(f"round {r} attempt {a}: member decision")
-        while not self.store.check([key]):
+        while (raw := self.store.read(key)) is None:  # read once: a key deleted after a check reads as absent
             ticker.tick("the other sites to arrive" if may_propose else "a site holding the state to decide")
+            self.guard(r)
             if time.monotonic() > deadline:
+                if self.ledger.restored > restored:
+                    raise StoreInterference(self._storm(r, f"within {timeout_s:.0f} s"))
                 raise RoundTimeout(f"round {r} attempt {a}: no member decision within {timeout_s:.0f} s")
             if may_propose:
                 self._maybe_propose(r, a, expected, min_sites, grace_s, wait, new_generation)
             elif self.is_leader and self._propose_if_orphaned(r, a, min_sites, new_generation):
                 continue
             elif self._alone(wait):
+                if self.ledger.restored > 0:  # left out while keys vanished: the deletions, not the run's end
+                    raise StoreInterference(self._storm(r, "and no other site seen alive"))
                 raise RoundTimeout(f"round {r}: no other site has been alive for {self.liveness.dead_after_s:.0f} s; "
                                    "the run has finished or every other site is gone, so there is nothing to join")
             time.sleep(POLL_S)
-        return Decision.from_json(self.store.get(key))
+        return Decision.from_json(raw)
 
     def _alone(self, wait: WaitState) -> bool:
         """A joiner that has seen no other live site for dead_after_s (they finished or died)."""
@@ -188,29 +206,44 @@ class RoundCoordinator:
                        new_generation: Callable[[list[int]], int]) -> None:
         self.liveness.poll()
         sites = self.liveness.sites
-        arrived = {s for s in sites if self.store.check([self._key(r, a, "arrive", s)])}
+        arrivals = {s: self.store.read(self._key(r, a, "arrive", s)) for s in sites}
+        arrived = {s for s, v in arrivals.items() if v is not None}
         expected = expected - self.liveness.left  # a site that said goodbye is never waited for
         members = decide_members(arrived, self.liveness.alive(), expected, min_sites, grace_s, time.monotonic(), wait,
                                  wait_for_unseen=r == 0)
         if members is None:
             return
-        fresh = [s for s in members if self.store.get(self._key(r, a, "arrive", s)) == b"fresh"]
+        fresh = [s for s in members if arrivals[s] == b"fresh"]
         proposal = Decision(members, fresh, new_generation(members)).to_json()
         self.store.compare_set(self._key(r, a, "members"), "", proposal)
 
     def vote_and_verdict(self, r: int, a: int, decision: Decision, site_ok: bool, timeout_s: float) -> str:
         if self.is_leader:
             self.store.set(self._key(r, a, "vote", self.site), "ok" if site_ok else "fail")
-        key, deadline = self._key(r, a, "verdict"), time.monotonic() + timeout_s
+        key, deadline, restored = self._key(r, a, "verdict"), time.monotonic() + timeout_s, self.ledger.restored
+        gone_since: float | None = None
         ticker = Ticker(f"round {r} attempt {a}: votes")
         while (verdict := self.verdict(r, a)) is None:
             ticker.tick(f"the votes of sites {decision.members}")
+            self.guard(r)
             proposal = self._tally(r, a, decision) if self.is_leader else None
+            if proposal == "gone" and self.ledger.restored > restored:
+                # under deletions its vote may just be gone for now: a leaver writes it back for up to
+                # dead_after_s (ElasticMembership._linger); past that we cannot tell, so we stop
+                gone_since = gone_since or time.monotonic()
+                if time.monotonic() - gone_since > self.liveness.dead_after_s:
+                    raise StoreInterference(self._storm(r, "while a member left without a vote that can be read"))
+                proposal = None
+            proposal = "abort" if proposal == "gone" else proposal
             if proposal is None and time.monotonic() > deadline:
+                if self.ledger.restored > restored:  # a missing vote or verdict may be a deleted one:
+                    raise StoreInterference(self._storm(r, f"within {timeout_s:.0f} s"))  # never decide on it
                 proposal = "abort"  # a member that neither votes nor dies must not stall the others
             if proposal is not None:
                 self.store.compare_set(key, "", proposal)
             time.sleep(POLL_S)
+        if verdict == "commit":
+            self.ledger.progress()
         return verdict
 
     def verdict(self, r: int, a: int) -> str | None:
@@ -219,12 +252,14 @@ class RoundCoordinator:
         return None if raw is None else raw.decode()
 
     def _tally(self, r: int, a: int, decision: Decision) -> str | None:
+        """The verdict the votes call for; "gone" for an abort only because a member left or died
+        without a vote that can be read (under deletions, it may have voted and committed)."""
         votes = {}
         for m in decision.members:
-            vkey = self._key(r, a, "vote", m)
-            if self.store.check([vkey]):
-                votes[m] = self.store.get(vkey).decode()
-        return decide_verdict(decision.members, votes, self.liveness.dead_among(decision.members))
+            if (vote := self.store.read(self._key(r, a, "vote", m))) is not None:
+                votes[m] = vote.decode()
+        verdict = decide_verdict(decision.members, votes, self.liveness.dead_among(decision.members))
+        return "gone" if verdict == "abort" and all(v == "ok" for v in votes.values()) else verdict
 
     def mark_committed(self, r: int) -> None:
         """Advance the committed-round counter to r (once per round: the donor writes it)."""

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from zeroband.store.etcd import EtcdStore, StoreUnavailable, parse_endpoints
 from zeroband.store.guard import Refused, authenticated, challenges
-from zeroband.trust.auth import SECRET_ENV, derive_key, optional_secret
+from zeroband.trust.secret import SECRET_ENV, RunSecret, as_secret, resolve_secret
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ def store_failures_named(address: str) -> Iterator[None]:
         raise StoreUnreachable(store_gone_message(address, e)) from None
 
 
-def open_store(address: str, is_host: bool, timeout: timedelta, secret: bytes | None = None) -> dist.Store:
+def open_store(address: str, is_host: bool, timeout: timedelta, secret: RunSecret | bytes | None = None) -> dist.Store:
     """The store at `address`. `is_host` only matters for tcp:// (that process runs the server).
     `secret`: the run's shared secret (default: $ZEROBAND_SECRET); with one, a tcp:// store's port
     admits only connections that prove it (store/guard.py), and clients reach it through a
@@ -80,14 +80,14 @@ def open_store(address: str, is_host: bool, timeout: timedelta, secret: bytes | 
     raise ValueError(f"store address {address!r}: unknown scheme {scheme!r} (use tcp:// or etcd://)")
 
 
-def _tcp_store(address: str, is_host: bool, timeout: timedelta, secret: bytes | None) -> dist.TCPStore:
+def _tcp_store(address: str, is_host: bool, timeout: timedelta, secret: RunSecret | bytes | None) -> dist.TCPStore:
     url = urlparse(address)
     if url.hostname is None or url.port is None:
         raise ValueError(f"store address {address!r} must look like tcp://host:port")
     # A later open of the same store without a secret (the elastic heartbeat's own connection) uses
     # the one this process opened it with: a secret from the config or a file is in no environment.
     if secret is not None:
-        _SECRETS[(url.hostname, url.port)] = secret
+        _SECRETS[(url.hostname, url.port)] = as_secret(secret)
     else:
         secret = _SECRETS.get((url.hostname, url.port))
     if is_host:
@@ -95,20 +95,21 @@ def _tcp_store(address: str, is_host: bool, timeout: timedelta, secret: bytes | 
     return connect_tcp_store(url.hostname, url.port, timeout, address, secret)
 
 
-_SECRETS: dict[tuple[str, int], bytes] = {}
+_SECRETS: dict[tuple[str, int], RunSecret] = {}
 
 
-def guard_key(secret: bytes) -> bytes:
+def guard_key(secret: RunSecret) -> bytes:
     """The key guard and forwarders prove the secret with: its own scrypt-derived key (an on-path
     observer's challenge/answer pairs make each guess at the secret cost a scrypt), used for nothing else."""
-    return derive_key(secret, "zeroband/store-guard")
+    return secret.derive("zeroband/store-guard")
 
 
-def _run_secret(secret: bytes | None) -> bytes | None:
-    return secret if secret is not None else optional_secret()
+def _run_secret(secret: RunSecret | bytes | None) -> RunSecret | None:
+    """The caller's secret (tests and tools may hand raw bytes), else $ZEROBAND_SECRET's."""
+    return as_secret(secret) if secret is not None else resolve_secret(None)
 
 
-def host_tcp_store(host: str, port: int, timeout: timedelta, secret: bytes | None = None) -> dist.TCPStore:
+def host_tcp_store(host: str, port: int, timeout: timedelta, secret: RunSecret | bytes | None = None) -> dist.TCPStore:
     """A TCPStore server on an ephemeral loopback port, reached through a StoreGuard on host:port
     (store/guard.py: with a secret only authenticated connections reach the server; without,
     idle and stalled ones cannot lock it up). Returns the server's client. Call it from a thread that
@@ -151,7 +152,7 @@ def _drain(proc: subprocess.Popen) -> None:
 
 
 def connect_tcp_store(host: str, port: int, timeout: timedelta, address: str,
-                      secret: bytes | None = None) -> dist.TCPStore:
+                      secret: RunSecret | bytes | None = None) -> dist.TCPStore:
     """A client, within `timeout` or StoreUnreachable. The deadline is ours: c10d's own connect waits
     forever on a listener that accepts and never answers (and past its timeout on a flooded store).
     With a secret the client connects to this process's forwarder to host:port (`_forwarder`)."""
@@ -202,7 +203,7 @@ _FORWARDERS: dict[tuple[int, str, int, bytes], tuple[subprocess.Popen, int]] = {
 _FORWARDERS_LOCK = threading.Lock()
 
 
-def _forwarder(host: str, port: int, secret: bytes, timeout: timedelta, address: str) -> int | None:
+def _forwarder(host: str, port: int, secret: RunSecret, timeout: timedelta, address: str) -> int | None:
     """The loopback port of this process's forwarder to the guard at host:port, started on first
     use; None for a store that demands no secret (started without one: its clients connect plainly).
     First one handshake from here, so a refusal is one line naming its cause rather than the c10d

@@ -19,7 +19,7 @@ import time
 from datetime import timedelta
 
 from zeroband.store.client import host_tcp_store
-from zeroband.trust.auth import SECRET_ENV, optional_secret
+from zeroband.trust.secret import SECRET_ENV, resolve_secret
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--host", default="127.0.0.1", help="the one address it listens on")
     args = parser.parse_args(argv)
-    secret = optional_secret()
+    secret = resolve_secret(None)
     if secret is None:
         print(f"store: no {SECRET_ENV}: the store port on {args.host}:{args.port} is only flood-bounded, not "
               "authenticated (sites.insecure; trusted networks only)", flush=True)

@@ -510,9 +510,9 @@ def local_secret_env(cfg: Config) -> tuple[dict[str, str], Path | None]:
     made once (random, mode 0600) and reused by every later launch of the run, so its signed
     checkpoints still verify on resume. It travels in the environment only (never argv, no log)."""
     from zeroband.config import ConfigError, read_secret_file
-    from zeroband.trust.auth import SECRET_ENV, optional_secret
+    from zeroband.trust.secret import SECRET_ENV, resolve_secret
 
-    if cfg.sites.insecure or optional_secret(cfg.sites.secret) is not None:
+    if cfg.sites.insecure or resolve_secret(cfg.sites.secret) is not None:
         return {}, None
     path = cfg.run_dir / SECRET_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -533,10 +533,9 @@ def store_secret_env(cfg: Config, site_env: dict[str, str]) -> dict[str, str]:
     """The store process's secret: the one sites read from the config or a secret_file (not in any
     environment) if set, else `site_env`'s (the run-local one, or none: the store then inherits
     $ZEROBAND_SECRET if the launcher has it)."""
-    from zeroband.trust.auth import SECRET_ENV, optional_secret
+    from zeroband.trust.secret import SECRET_ENV
 
-    configured = optional_secret(cfg.sites.secret)
-    return {**site_env, SECRET_ENV: configured.decode()} if configured is not None else site_env
+    return {**site_env, SECRET_ENV: cfg.sites.secret} if cfg.sites.secret else site_env
 
 
 # ---------------------------------------------------------------- one torchrun job on this terminal

@@ -10,7 +10,7 @@ runs over the store, under the generation's own (fresh) prefix P:
    with K = scrypt(secret, salt = label | P). The secret never leaves the process; the proofs are
    bound to both nonces and the prefix, so proofs recorded in an earlier generation (or copied from
    another site's slot) do not verify. scrypt makes each offline guess at the secret cost ~50 ms
-   and 16 MiB, and `load_secret` refuses secrets shorter than 16 bytes;
+   and 16 MiB, and a secret shorter than 16 bytes is refused (trust/secret.py);
 3. every site reads all proofs, which are public, and checks every pair. Since all honest sites
    hold the same key and read the same write-once values, they reach the same verdict (`decide`);
 4. the admitted members key this group's messages for this incarnation only: K_s from every
@@ -24,8 +24,8 @@ majority we cannot tell who holds the right secret, so we admit nobody. Within t
 fingerprint held by the most sites wins (ties: the one of the lowest site rank); sites with another
 fingerprint are refused with the keys that differ.
 
-The secret comes from the config or the ZEROBAND_SECRET environment variable (`load_secret`); it
-is never logged or put in an error message, and nothing derived from it but the proofs is stored.
+The secret is the run's `RunSecret` (trust/secret.py, resolved once at start); it is never logged or
+put in an error message, and nothing derived from it but the proofs is stored.
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ import hashlib
 import hmac
 import json
 import logging
-import os
 import secrets
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -43,9 +42,16 @@ from typing import Any
 
 import torch.distributed as dist
 
+from zeroband.trust.secret import SECRET_ENV, RunSecret, as_secret
+
 log = logging.getLogger(__name__)
 
-SECRET_ENV = "ZEROBAND_SECRET"
+SECRET_FIX = (f"fix: give every site the same secret ({SECRET_ENV}, or sites.secret_file with mode 0600), "
+              "and the same config")
+# Proofs bind the config fingerprint but verify only under the same secret: a site whose proofs fail
+# may also differ in config, which cannot be told until the secret matches; the line says both.
+WRONG_SECRET = ("wrong or missing shared secret (its admission proofs do not verify under this site's secret; "
+                f"its config is compared only once the secret matches); {SECRET_FIX}")
 MIN_SECRET_BYTES = 16
 LABEL = b"zeroband-admit-v1"
 NONCE_BYTES = 32
@@ -77,56 +83,6 @@ class Verdict:
         )
 
 
-def load_secret(config_value: str | None = None) -> bytes:
-    """The shared secret: the config value if set, else $ZEROBAND_SECRET. Errors never echo it."""
-    value = config_value if config_value else os.environ.get(SECRET_ENV, "")
-    if not value:
-        raise ValueError(f"no shared secret: set it in the config or the {SECRET_ENV} environment variable")
-    raw = value.encode()
-    if len(raw) < MIN_SECRET_BYTES:
-        raise ValueError(
-            f"the shared secret is {len(raw)} bytes; use at least {MIN_SECRET_BYTES} random bytes "
-            f"(e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`)"
-        )
-    return raw
-
-
-def optional_secret(config_value: str | None = None) -> bytes | None:
-    """The shared secret if one is configured (config or environment), else None. One that is set but
-    unusable (too short) is a one-line ConfigError that never echoes it."""
-    from zeroband.config import ConfigError
-
-    if not (config_value or os.environ.get(SECRET_ENV)):
-        return None
-    try:
-        return load_secret(config_value)
-    except ValueError as e:
-        raise ConfigError(f"sites.secret: {e}") from None
-
-
-def run_secret(config_value: str | None, insecure: bool, site_count: int) -> bytes | None:
-    """The secret a multi-site run authenticates with; None only for one site or `sites.insecure`."""
-    from zeroband.config import ConfigError
-
-    secret = optional_secret(config_value)
-    if secret is not None or site_count <= 1:
-        return secret
-    if not insecure:
-        raise ConfigError(
-            f"sites.secret: a {site_count}-site run needs a shared secret, or anyone who reaches the ports can "
-            f"join and corrupt it. Fix: export {SECRET_ENV}=<random string, same on every site>, or set "
-            "sites.insecure = true to run unauthenticated (trusted networks only)"
-        )
-    if not _warned:
-        _warned.append(True)
-        log.warning("sites.insecure = true: cross-site messages are NOT authenticated; anyone who can reach the "
-                    "store or the sites' ports can join the run or forge its messages")
-    return None
-
-
-_warned: list[bool] = []
-
-
 def flatten_fingerprint(tree: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
     """Nested config values as flat `a.b.c -> str` pairs, so a mismatch names the exact key."""
     out: dict[str, str] = {}
@@ -140,11 +96,6 @@ def flatten_fingerprint(tree: Mapping[str, Any], prefix: str = "") -> dict[str, 
 
 
 # ---- crypto (pure) --------------------------------------------------------------------------------
-
-def derive_key(secret: bytes, prefix: str) -> bytes:
-    """Slow, salted key derivation: proofs on the store must not make guessing the secret cheap."""
-    return hashlib.scrypt(secret, salt=LABEL + b"|" + prefix.encode(), n=2**14, r=8, p=1, dklen=32)
-
 
 def _canonical(fingerprint: Mapping[str, str]) -> bytes:
     return json.dumps(dict(fingerprint), sort_keys=True, separators=(",", ":")).encode()
@@ -183,16 +134,18 @@ def decide(site_count: int, me: int, secret_ok: Iterable[int], fingerprints: Map
     honest sites feed it identical inputs, so they agree."""
     club = sorted(set(secret_ok) | {me})  # our own proofs always verify under our own key
     if 2 * len(club) <= site_count:
-        why = (f"wrong shared secret? only sites {club} of {site_count} prove the same secret, not a majority, "
-               f"so no site can be admitted")
+        why = (f"wrong or missing shared secret, on this site or on the others: only sites {club} of {site_count} "
+               f"prove the same secret, not a majority, so no site can be admitted (configs are compared only "
+               f"once the secret matches); {SECRET_FIX}")
         return Verdict([], {me: why})
-    refused = {s: "wrong shared secret" for s in range(site_count) if s not in club}
+    refused = {s: WRONG_SECRET for s in range(site_count) if s not in club}
     reference = _winning_fingerprint(club, fingerprints)
     admitted = [s for s in club if _canonical(fingerprints[s]) == _canonical(reference)]
     theirs = "ours" if me in admitted else "agreed"
     for s in club:
         if s not in admitted:
-            refused[s] = fingerprint_diff(fingerprints[s], reference, theirs)
+            refused[s] = (f"config differs (the shared secret matches): {fingerprint_diff(fingerprints[s], reference, theirs)}; "
+                          "fix: start every site with the same values for these keys")
     return Verdict(admitted, refused)
 
 
@@ -221,13 +174,13 @@ class Admission:
     nonces: dict[int, bytes]  # every member's fresh random nonce of this admission ({} without a secret)
 
 
-def admit(store: dist.Store, prefix: str, site_rank: int, site_count: int, secret: bytes | None,
+def admit(store: dist.Store, prefix: str, site_rank: int, site_count: int, secret: RunSecret | bytes | None,
           fingerprint: Mapping[str, str], timeout: timedelta) -> list[int]:
     """`admission`'s admitted sites."""
     return admission(store, prefix, site_rank, site_count, secret, fingerprint, timeout).admitted
 
 
-def admission(store: dist.Store, prefix: str, site_rank: int, site_count: int, secret: bytes | None,
+def admission(store: dist.Store, prefix: str, site_rank: int, site_count: int, secret: RunSecret | bytes | None,
               fingerprint: Mapping[str, str], timeout: timedelta) -> Admission:
     """Run the handshake for one generation on every site; returns the admitted sites (all of
     them) and the nonces the session key comes from, or raises PeerRefused everywhere if any site
@@ -243,7 +196,7 @@ def admission(store: dist.Store, prefix: str, site_rank: int, site_count: int, s
         if verdict.refused:
             raise PeerRefused(site_rank, verdict)
         return Admission(verdict.admitted, {})
-    key = derive_key(secret, prefix)
+    key = as_secret(secret).derive(prefix)
     # Every value is signed (trust/signed.py) with a key of the secret and this prefix, bound
     # to its store key (so to its writer's site): a forged nonce, fingerprint or proof reads as "not
     # yet" and is re-written by its owner, rather than failing the proofs and blaming an honest site.

@@ -54,7 +54,8 @@ import torch
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from zeroband.trust.auth import TrustError, derive_key, frame
+from zeroband.trust.auth import TrustError, frame
+from zeroband.trust.secret import RunSecret, as_secret
 
 LABEL = b"zeroband-wire-v4"  # v4: one-time keys under a per-incarnation session key (v3: under the secret's key)
 SESSION_LABEL = b"zeroband-session-v1"
@@ -117,8 +118,9 @@ class WireAuth:
     guard: SealGuard = field(default_factory=SealGuard, compare=False, repr=False)
 
     @classmethod
-    def from_secret(cls, secret: bytes | None, run_name: str) -> WireAuth:
-        return cls(derive_key(secret, f"zeroband/{run_name}/wire") if secret else None)
+    def from_secret(cls, secret: RunSecret | bytes | None, run_name: str) -> WireAuth:
+        secret = as_secret(secret)
+        return cls(secret.derive(f"zeroband/{run_name}/wire") if secret is not None else None)
 
     def for_session(self, context: bytes, nonces: Mapping[int, bytes]) -> WireAuth:
         """This auth keyed for one admitted group: K_s from every member's admission nonce. Called

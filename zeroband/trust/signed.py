@@ -17,8 +17,10 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import threading
 import time
-from collections.abc import Mapping
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -198,3 +200,157 @@ def exchange(store: SignedStore, keys: Mapping[int, str], me: int, value: str | 
                               "is it running, with the same sites.store and run name?")
         tick.tick(_sites(missing))
         time.sleep(0.01 if now - start < 1.0 else POLL_S)
+
+
+# ---------------------------------------------------------------------- deletions: re-publish what we wrote
+STORM = "keep vanishing: someone with access to the coordination store is deleting them"
+
+
+class Ledger:
+    """The signed values this site wrote (or won a write-once slot with) that a slower peer may still
+    have to read: its arrivals, votes, member lists and verdicts, the committed counter, its
+    admission values and gloo addresses. Signatures verify but cannot stop a deletion, so whoever
+    sees one of them missing writes the very same bytes back (`restore`): idempotent, and only into
+    an empty key, so a newer value is never rolled back. A deletion then costs a peer one poll, not
+    a timeout. Bounded to the newest `limit` keys: older rounds are read by nobody.
+
+    `stalled_s` measures a storm: how long keys have kept vanishing since the site last made
+    progress (`progress()`, called at every committed round). Thread-safe: the heartbeat thread
+    restores too, on its own connection, while the main thread trains or sits in gloo's connect."""
+
+    def __init__(self, limit: int = 32) -> None:
+        self.values: OrderedDict[str, bytes] = OrderedDict()
+        self.limit, self.lock = limit, threading.Lock()
+        self.restored = 0  # keys written back, ever
+        self.vanishing_since: float | None = None  # first restore since the last progress
+        self.kept_at = 0.0  # when a value was last kept
+
+    def keep(self, key: str, raw: bytes) -> None:
+        with self.lock:
+            self.kept_at = time.monotonic()
+            self.values.pop(key, None)
+            self.values[key] = raw
+            while len(self.values) > self.limit:
+                self.values.popitem(last=False)
+
+    def forget(self, key: str) -> None:
+        with self.lock:
+            self.values.pop(key, None)
+
+    def restore(self, store: dist.Store) -> int:
+        """Write back every kept value whose key is missing; the number restored."""
+        with self.lock:
+            kept = list(self.values.items())
+        if not kept or store.check([k for k, _ in kept]):
+            return 0  # one round trip in the common case: nothing is missing
+        n = 0
+        for key, raw in kept:
+            if not store.check([key]):
+                store.compare_set(key, "", raw)  # only into an empty key: a newer value stays
+                n += 1
+        if n:
+            with self.lock:
+                self.restored += n
+                if self.vanishing_since is None:
+                    self.vanishing_since = time.monotonic()
+        return n
+
+    def progress(self) -> None:
+        with self.lock:
+            self.vanishing_since = None
+
+    def stalled_s(self) -> float:
+        since = self.vanishing_since
+        return 0.0 if since is None else time.monotonic() - since
+
+
+class KeepingStore(dist.Store):
+    """A c10d store that records into `ledger` what this site writes under `prefix` (and the value it
+    wins a write-once slot with), and drops what it deletes itself. Everything built on it (the
+    round protocol, admission, the signed gloo rendezvous) is then re-published when deleted."""
+
+    def __init__(self, inner: dist.Store, ledger: Ledger, prefix: str) -> None:
+        super().__init__()  # required by the pybind trampoline
+        self.inner, self.ledger, self.prefix = inner, ledger, prefix
+        self.set_timeout(inner.timeout)
+
+    def _keep(self, key: str, value: str | bytes) -> None:
+        if key.startswith(self.prefix):
+            self.ledger.keep(key, value.encode() if isinstance(value, str) else value)
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self.inner.set(key, value)
+        self._keep(key, value)
+
+    def get(self, key: str) -> bytes:
+        return self.inner.get(key)
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        now = self.inner.compare_set(key, expected, desired)
+        if now == (desired.encode() if isinstance(desired, str) else desired):
+            self._keep(key, now)
+        return now
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return self.inner.multi_get(keys)
+
+    def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
+        for k, v in zip(keys, values):
+            self.set(k, v)
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        self.inner.wait(keys, self.timeout if timeout is None else timeout)
+
+    def check(self, keys: list[str]) -> bool:
+        return self.inner.check(keys)
+
+    def add(self, key: str, amount: int) -> int:
+        return self.inner.add(key, amount)
+
+    def delete_key(self, key: str) -> bool:
+        self.ledger.forget(key)
+        return self.inner.delete_key(key)
+
+    def num_keys(self) -> int:
+        return self.inner.num_keys()
+
+    def list_keys(self) -> list[str]:
+        return self.inner.list_keys()
+
+
+class Republisher:
+    """A daemon thread that writes the ledger's deleted values back every `interval_s`, on its own store
+    connection (the main one may sit in a blocking get inside gloo's rendezvous, or in training),
+    for as long as a peer may still read them: until `keep_s` (sites.timeout_s, after which a peer
+    waiting for them has given up anyway) after the newest value was kept. The fixed mode's start
+    (incarnation nonces, arrival marks, admission values, gloo addresses, resume offers) uses it; the
+    elastic mode restores from its heartbeat thread and its polls instead."""
+
+    def __init__(self, open_client: Callable[[], dist.Store], ledger: Ledger, keep_s: float,
+                 interval_s: float = 0.1) -> None:
+        self.open_client, self.ledger, self.keep_s, self.interval_s = open_client, ledger, keep_s, interval_s
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="zeroband-republish", daemon=True)
+
+    def start(self) -> Republisher:
+        self.thread.start()
+        return self
+
+    def _run(self) -> None:
+        store = None
+        while not self.stopped.wait(self.interval_s):
+            if time.monotonic() - self.ledger.kept_at > self.keep_s:
+                continue  # nobody still waits for these values: no store traffic
+            try:
+                store = store or self.open_client()
+                self.ledger.restore(store)
+            except Exception as e:  # the store is gone (the run is ending): never block in a reconnect
+                log.debug("re-publishing kept store values stopped: %s", e)
+                return
+
+    def stop(self) -> None:
+        """Before the store goes away (a site hosting it exits): a daemon thread inside a store call
+        at interpreter exit aborts the process."""
+        self.stopped.set()
+        if self.thread.is_alive():
+            self.thread.join(timeout=5 * self.interval_s + 5)
