@@ -48,7 +48,7 @@ def kernel_impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
 # integration tests that take tens of seconds (`-m "not slow"` leaves them out). A test not listed
 # below is integration, so a new test can only make the unit tier faster, never slower.
 UNIT_MODULES = {"test_config", "test_data", "test_model", "test_plan", "test_rounds", "test_fetch_safety",
-                "test_outer_units", "test_outer_step", "test_save_policy", "test_layers"}
+                "test_outer_units", "test_outer_step", "test_save_policy", "test_layers", "test_ledger"}
 UNIT_TESTS = {
     "test_gpu_suite_smoke": {"test_cached_spec_is_skipped_and_a_changed_spec_runs_again",
                              "test_budget_stops_between_rows_and_the_next_invocation_goes_on",

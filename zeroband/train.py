@@ -20,6 +20,7 @@ import torch.distributed as dist
 from zeroband import checkpoint as ckpt
 from zeroband.checkpointer import Checkpointer, checkpoint_meta, checkpoint_secret, sync_due
 from zeroband.config import Config, ConfigError, dump_config, load_config, warn_allow_unsigned
+from zeroband.data.ledger import SharedData
 from zeroband.data.loader import PackedBatches
 from zeroband.data.tokenizer import TextTokenizer
 from zeroband.fingerprint import run_fingerprint
@@ -182,6 +183,8 @@ def setup(cfg: Config, world: World, topology: Topology) -> Run:
     outer = build_outer(cfg, model, topology, progress, scheduler)
     clock = ComputeClock()
     stateful = {"scheduler": scheduler, "data": train_data, "outer": outer, "progress": progress, "clock": clock}
+    if (ledger := SharedData.for_run(cfg, world, train_data, outer)) is not None:  # elastic: data as a ledger
+        stateful["ledger"] = ledger
     checkpointer = Checkpointer(cfg, ckpt_root, model, optimizer, stateful)
     return Run(cfg, world, topology, model, optimizer, scheduler, train_data, eval_set, val_data.bytes_per_token,
                outer, progress, clock, run_dir, ckpt_root, checkpointer)
@@ -383,7 +386,7 @@ def _train(cfg: Config, world: World, topology: Topology) -> dict[str, Any]:
         record_start(run, fresh=keep == -1)
     metrics = MetricsLogger(cfg, run.run_dir, world.rank == 0, cfg.train.steps, run.progress.step, tag=tag,
                             keep_through=keep)
-    run.outer.attach(lambda event: metrics.log(run.progress.step, event, "membership"))
+    run.outer.attach(lambda event: on_membership_event(run, metrics, event))
     unauthenticated = cfg.diloco is not None and world.site_count > 1 and topology.secret is None
     metrics.record_insecure(run.progress.step, insecure_choices(cfg, unauthenticated))
     if found is None:
@@ -400,6 +403,14 @@ def _train(cfg: Config, world: World, topology: Topology) -> dict[str, Any]:
     if world.rank == 0:
         print_summary(run)
     return result
+
+
+def on_membership_event(run: Run, metrics: MetricsLogger, event: dict[str, Any]) -> None:
+    """Record a membership event; an elastic run's data ledger follows it (zeroband/data/ledger.py)."""
+    metrics.log(run.progress.step, event, "membership")
+    ledger = run.stateful.get("ledger")
+    if ledger is not None and (record := ledger.on_event(event)) is not None:
+        metrics.log(run.progress.step, record, "data")
 
 
 def print_summary(run: Run) -> None:
