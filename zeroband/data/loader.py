@@ -6,7 +6,9 @@ rank j % dp_size -> tokenise, append EOS, concatenate -> rows of seq_len + 1 tok
 sharing one token so that every token is a target exactly once and no document tail is ever dropped.
 
 Sharding is by global dp rank only, so 2 sites x 1 rank reads the same documents per process as
-1 site x 2 ranks. `.txt` files are split into documents at blank lines (paragraphs).
+1 site x 2 ranks. An elastic run reads a lease instead (`set_lease`): pieces of the order that the
+shared data ledger (zeroband/data/ledger.py) dealt to this rank, so documents move between sites
+that come and go. `.txt` files are split into documents at blank lines (paragraphs).
 """
 
 from __future__ import annotations
