@@ -356,12 +356,12 @@ def test_a_lease_reads_exactly_its_documents_across_epochs(corpus: dict) -> None
     cfg, tok = _cfg(corpus), corpus["tok"]
     pb = PackedBatches(cfg, tok, 0, 1)
     n = pb.train_documents
-    lease = [(3, 6), (n - 2, n + 2)]  # the last two of epoch 0, the first two of epoch 1
+    lease = [(3, 6), (n - 2, n + 2), (n + 10, n + 30)]  # the end of epoch 0, the start of epoch 1, more
     pb.set_lease(lease)
     order = _train_order(corpus, cfg, 0) + _train_order(corpus, cfg, 1)
-    want = [tok.encode(order[d]) for a, b in lease for d in range(a, b)]
+    want = tok.encode_batch([order[d] for a, b in lease for d in range(a, b)])[:9]
     assert _read_docs(pb, len(want)) == want
-    assert pb.lease_read == len(want)
+    assert 9 <= pb.lease_read < 29  # counted as they enter the packing buffer
 
 
 def test_a_lease_resumes_exactly_and_its_end_is_one_line(corpus: dict) -> None:

@@ -4,7 +4,6 @@ processes, gloo and a TCP store."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 from collections import Counter
 from datetime import timedelta
@@ -31,10 +30,12 @@ def _killed_then_back(tree: dict) -> dict:
 
     if int(os.environ["ZEROBAND_SITE_RANK"]) != 2:
         return _train(tree)
-    child = mp.get_context("fork").Process(target=_train, args=(tree,))
-    child.start()
-    child.join()
-    assert child.exitcode == -9, child.exitcode
+    pid = os.fork()  # (run_sites' processes are daemons: multiprocessing forbids them children)
+    if pid == 0:
+        _train(tree)
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == 9, status
     uninstall()
     return {**_train(tree), "killed": True}
 
@@ -63,7 +64,7 @@ def test_a_killed_site_s_documents_are_read_again_and_every_document_once(corpus
     later = {d for r in records[lost["round"] + 1:] for pieces in r["committed"].values() for d in _docs(pieces)}
     assert lost_docs <= later | set(held), "the dead site's unread documents were not dealt out again"
     back = [r for r in records if r["round"] > lost["round"] and "2" in r["reads"]]
-    assert back and back[-1]["reads"]["2"][0] > 0, "the restarted site reads from the ledger again"
+    assert sum(r["reads"]["2"][0] for r in back) > 0, "the restarted site reads from the ledger again"
     per_round = Counter(len(r["reads"]) for r in records[1:])
     assert per_round[3] >= 2 and per_round[2] >= 1, per_round
 
