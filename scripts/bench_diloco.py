@@ -130,7 +130,7 @@ def _train_rank(overrides: list[str]) -> dict[str, Any]:
 
 def _outer_state_rank(overrides: list[str]) -> dict[str, Any]:
     """Build the model and DiLoCo as the trainer does, take one outer step, sum the outer state's bytes."""
-    from zeroband.mesh import init_topology, shutdown
+    from zeroband.mesh import fixed_global_group, init_topology, shutdown
     from zeroband.outer.diloco import DiLoCo, local_shard
     from zeroband.parallelize import build_model
     from zeroband.world import world_from_env
@@ -138,14 +138,15 @@ def _outer_state_rank(overrides: list[str]) -> dict[str, Any]:
     cfg = load_rank_config(overrides)
     world = world_from_env(cfg)
     topology = init_topology(world, cfg.sites.store, cfg.name, cfg.sites.timeout_s, "gloo")
+    group = fixed_global_group(topology, cfg.name)
     try:
         model = build_model(cfg, topology)
         shard = [local_shard(p) for p in model.parameters()]
         rss_before = vm_rss_mb()
-        outer = DiLoCo(model, cfg.diloco, topology)
+        outer = DiLoCo(model, cfg.diloco, topology, group=group)
         outer.start()
         # One blocking outer step: the momentum buffers exist only after the first one.
-        outer.after_inner_step(cfg.diloco.inner_steps - 1, sync_point=True)
+        outer.after_inner_step(cfg.diloco.inner_steps, sync_point=True)
         rss_after = vm_rss_mb()
         return {"shard_numel": sum(t.numel() for t in shard), "shard_bytes": sum(t.nbytes for t in shard),
                 "outer_copy_bytes": sum(t.nbytes for t in outer.outer),

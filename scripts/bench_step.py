@@ -132,7 +132,7 @@ def timed_outer_steps(outer: Any, params: list[Any], deltas: list[Any], repeats:
     for step in range(repeats + 1):
         torch._foreach_sub_(params, deltas)
         cpu0 = os.times()
-        stats = outer.after_inner_step(step, sync_point=True)
+        stats = outer.after_inner_step(step + 1, sync_point=True)
         cpu1 = os.times()
         steps.append({"outer_step_s": stats.outer_step_s, "allreduce_s": stats.allreduce_s,
                       "wire_bytes": stats.wire_bytes, "user_s": cpu1.user - cpu0.user,
@@ -154,15 +154,16 @@ def _outer_site(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from zeroband.config import DilocoConfig
-    from zeroband.diloco import DiLoCo
-    from zeroband.mesh import SECRET, init_topology, shutdown
+    from zeroband.mesh import SECRET, fixed_global_group, init_topology, shutdown
+    from zeroband.outer.diloco import DiLoCo
     from zeroband.world import World
 
     site = int(os.environ["ZEROBAND_SITE_RANK"])
     store = os.environ["ZEROBAND_BENCH_STORE"]
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     world = World(0, 1, 0, site, 2, device)
-    topology = init_topology(world, store, "bench-step", 120, "gloo", mark=SECRET, secret=b"bench-step-secret")
+    topology = init_topology(world, store, "bench-step", 120, "gloo", secret=b"bench-step-secret")
+    group = fixed_global_group(topology, "bench-step", mark=SECRET)
     try:
         torch.manual_seed(0)  # the same start everywhere (site 0's broadcast makes it so anyway)
         model = torch.nn.Sequential(*[torch.nn.Linear(args.width, args.width, bias=False, device=device)
@@ -172,7 +173,7 @@ def _outer_site(args: argparse.Namespace) -> dict[str, Any]:
         deltas = [torch.randn(p.shape, generator=gen, device=device).mul_(1e-3) for p in params]
         cfg = DilocoConfig(inner_steps=1, comm_dtype=args.wire, piece_mb=args.piece_mb,  # store, timeout: the topology's
                            outer_device=args.outer_device)
-        outer = DiLoCo(model, cfg, topology)
+        outer = DiLoCo(model, cfg, topology, group=group)
         outer.membership.may_retry = args.retry  # what elastic membership sets; its stores are not needed here
         outer.start()
         rows = []
@@ -181,7 +182,7 @@ def _outer_site(args: argparse.Namespace) -> dict[str, Any]:
             torch.set_num_threads(threads)  # the fused pass below runs with the same threads
             steps = timed_outer_steps(outer, params, deltas, args.repeats)
             rows.append({"threads": threads, "steps": steps, "numel": sum(p.numel() for p in params),
-                         **pass_floors(params, deltas, topology.global_group, site)})
+                         **pass_floors(params, deltas, group, site)})
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
         return {"rows": rows, "gpu": name, "kernels": kernels_used()}
     finally:

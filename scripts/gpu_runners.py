@@ -149,13 +149,13 @@ def shipped_loops(c: dict[str, Any], setup: Any, topology: Any, ctx: dict[str, A
     from zeroband.data.loader import PackedBatches
     from zeroband.data.tokenizer import TextTokenizer
     from zeroband.step import forward_backward, optimizer_step, settle_step
-    from zeroband.train import setup as train_setup
+    from zeroband.train import build_run
 
     cfg = shipped_config(c, ctx, Path(tempfile.mkdtemp(prefix="gpu-suite-")))
     accum, micro = cfg.grad_accum_steps(1), cfg.train.micro_batch
 
     def zeroband() -> Step:
-        run = train_setup(cfg, topology.world, topology)
+        run = build_run(cfg, topology.world, topology)
 
         def step() -> None:  # the body of zeroband.train.train_loop for a one-site run
             batches = [run.train_data.next_batch(micro) for _ in range(accum)]
@@ -222,16 +222,17 @@ def _outer_site(c: dict[str, Any]) -> dict[str, Any]:
     from bench_step import kernels_used, pass_floors, timed_outer_steps
 
     from zeroband.config import load_config
-    from zeroband.diloco import DiLoCo
-    from zeroband.mesh import SECRET, init_topology, shutdown
+    from zeroband.mesh import SECRET, fixed_global_group, init_topology, shutdown
     from zeroband.models.llama import Llama
+    from zeroband.outer.diloco import DiLoCo
     from zeroband.world import World
 
     site, store = int(os.environ["ZEROBAND_SITE_RANK"]), os.environ["ZEROBAND_BENCH_STORE"]
     device = torch.device("cuda", 0) if c["device"] == "cuda" else torch.device("cpu")
     cfg = load_config(REPO / c["config"], list(c["overrides"]))
-    topology = init_topology(World(0, 1, 0, site, 2, device), store, "gpu-suite-outer", 300, "gloo", mark=SECRET,
+    topology = init_topology(World(0, 1, 0, site, 2, device), store, "gpu-suite-outer", 300, "gloo",
                              secret=b"gpu-suite-outer-secret")
+    group = fixed_global_group(topology, "gpu-suite-outer", mark=SECRET)
     try:
         with torch.device("meta"):
             model = Llama(cfg.model)
@@ -240,13 +241,13 @@ def _outer_site(c: dict[str, Any]) -> dict[str, Any]:
         params = [p.data for p in model.parameters()]
         gen = torch.Generator(device).manual_seed(1 + site)
         deltas = [torch.randn(p.shape, generator=gen, device=device).mul_(1e-3) for p in params]
-        outer = DiLoCo(model, cfg.diloco.model_copy(update={"inner_steps": 1}), topology)
+        outer = DiLoCo(model, cfg.diloco.model_copy(update={"inner_steps": 1}), topology, group=group)
         outer.start()
         outer.threads = c["threads"]
         torch.set_num_threads(c["threads"])
         row = {"threads": c["threads"], "steps": timed_outer_steps(outer, params, deltas, c["repeats"]),
                "numel": sum(p.numel() for p in params),
-               **pass_floors(params, deltas, topology.global_group, site)}
+               **pass_floors(params, deltas, group, site)}
         return {"row": row, "kernels": kernels_used(), "comm_dtype": cfg.diloco.comm_dtype, "piece_mb": cfg.diloco.piece_mb,
                 "outer_device": cfg.diloco.outer_device}
     finally:

@@ -57,9 +57,9 @@ CODE_FILES = {
     "speed": ["zeroband/models/llama.py", "zeroband/parallelize.py", "zeroband/step.py", "zeroband/optim.py",
               "zeroband/train.py", "zeroband/config.py", "zeroband/data/loader.py", "zeroband/data/tokenizer.py",
               "scripts/bench_inner.py", "scripts/gpu_runners.py"],
-    "outer": ["zeroband/diloco.py", "zeroband/comm/*.py", "zeroband/config.py", "zeroband/models/llama.py",
+    "outer": ["zeroband/outer/*.py", "zeroband/comm/*.py", "zeroband/config.py", "zeroband/models/llama.py",
               "scripts/bench_step.py", "scripts/gpu_runners.py"],
-    "conv": ["zeroband/sim.py", "zeroband/train.py", "zeroband/diloco.py", "zeroband/step.py", "zeroband/optim.py",
+    "conv": ["zeroband/sim.py", "zeroband/train.py", "zeroband/outer/*.py", "zeroband/step.py", "zeroband/optim.py",
              "zeroband/models/llama.py", "zeroband/parallelize.py", "zeroband/data/loader.py", "zeroband/config.py",
              "zeroband/comm/*.py", "scripts/experiments/convergence.py", "scripts/gpu_runners.py"],
 }

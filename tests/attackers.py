@@ -196,16 +196,13 @@ class _ThenTamper:
 
 
 def tamper_start_broadcast(repeats: int = 48) -> dict:
-    """Make every global group of this (forked) process receive broadcasts through a tamperer with
-    `repeats` copies of `crc_neutral_delta()` back to back. Returns its report (filled in later)."""
-    from zeroband.comm.group import GlobalGroup
+    """Make every global group this (forked) process builds receive broadcasts through a tamperer with
+    `repeats` copies of `crc_neutral_delta()` back to back (the process-group seam, zeroband/seams.py).
+    Returns its report (filled in later)."""
+    from zeroband import seams
 
-    honest, report, delta = GlobalGroup.__init__, {}, crc_neutral_delta() * repeats
-
-    def init(self: GlobalGroup, pg: dist.ProcessGroup, rank: int, *args: Any, **kwargs: Any) -> None:
-        honest(self, BroadcastTamperer(pg, rank, delta, report), rank, *args, **kwargs)
-
-    GlobalGroup.__init__ = init
+    report, delta = {}, crc_neutral_delta() * repeats
+    seams.use(seams.Seams(pg=lambda pg, rank: BroadcastTamperer(pg, rank, delta, report)))
     return report
 
 

@@ -352,7 +352,7 @@ def test_mismatched_setting_stops_every_site_naming_it(corpus, tmp_path):
 
 def _agree(fingerprints: dict, secret: str | None) -> str:
     from zeroband.membership.base import agree_on_run
-    from zeroband.mesh import init_topology, shutdown
+    from zeroband.mesh import fixed_global_group, init_topology, shutdown
     from zeroband.trust.auth import PeerRefused
     from zeroband.world import World
 
@@ -360,9 +360,10 @@ def _agree(fingerprints: dict, secret: str | None) -> str:
     world = World(0, 1, 0, site, 2, torch.device("cpu"))
     topology = init_topology(world, os.environ["ZEROBAND_TEST_STORE"], "fp", 20, "gloo",
                              secret=secret.encode() if secret else None)
+    group = fixed_global_group(topology, "fp")
     topology.fingerprint = fingerprints[site]
     try:
-        agree_on_run(topology, 20)
+        agree_on_run(group, topology, 20)
         return "agreed"
     except PeerRefused as e:
         return str(e)

@@ -65,6 +65,14 @@ def test_diloco_steps_must_end_on_outer_boundary():
         load_config(None, ["--diloco.inner_steps", "20", "--train.steps", "30"])
 
 
+def test_inner_outer_lr_schedule_needs_rounds_of_inner_steps():
+    """Rounds of diloco.round_seconds end at each site's own step: one outer lr per site would split them."""
+    with pytest.raises(ConfigError, match="diloco.outer_lr_schedule = 'inner' needs rounds of diloco.inner_steps") as e:
+        load_config(None, ["--diloco.inner_steps", "2", "--train.steps", "4", "--diloco.round_seconds", "5",
+                           "--diloco.outer_lr_schedule", "inner"])
+    assert "Fix: set diloco.outer_lr_schedule = 'constant'" in str(e.value)
+
+
 def test_diloco_none_drops_section():
     assert load_config("configs/150M.toml", ["--diloco", "none"]).diloco is None
 

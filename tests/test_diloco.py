@@ -36,25 +36,26 @@ def _outer_by_hand(store: str, deltas: list[list[float]], momentum: float, neste
     after every boundary. `outer`: more [diloco] settings; `lr_factor(step)`: the inner schedule."""
     import os
 
-    from zeroband.mesh import init_topology, shutdown
+    from zeroband.mesh import fixed_global_group, init_topology, shutdown
     from zeroband.outer.diloco import DiLoCo
     from zeroband.world import World
 
     site = int(os.environ["ZEROBAND_SITE_RANK"])
     world = World(0, 1, 0, site, 2, torch.device("cpu"))
     topology = init_topology(world, store, "hand", 30, "gloo")
+    group = fixed_global_group(topology, "hand")
     model = torch.nn.Linear(1, 1, bias=False)
     with torch.no_grad():
         model.weight.fill_(1.0 if site == 0 else 5.0)  # site 0's value must win the initial broadcast
     cfg = DilocoConfig(outer_lr=lr, outer_momentum=momentum, nesterov=nesterov, comm_dtype="fp32",
                        overlap=overlap, overlap_rule=rule, **{"inner_steps": 1, "outer_momentum_warmup": 0, **outer})
-    outer = DiLoCo(model, cfg, topology, lr_factor=lr_factor)
+    outer = DiLoCo(model, cfg, topology, lr_factor=lr_factor, group=group)
     outer.start()
     seen = [float(model.weight)]
     for t, step_delta in enumerate(deltas[site]):
         with torch.no_grad():
             model.weight -= step_delta
-        outer.after_inner_step(t, sync_point=t == len(deltas[site]) - 1)
+        outer.after_inner_step(t + 1, sync_point=t == len(deltas[site]) - 1)
         seen.append(float(model.weight))
     shutdown()
     return seen
@@ -302,15 +303,17 @@ def _retrying_sites(store: str, may_retry: bool) -> dict:
     import os
 
     import zeroband.outer.diloco as diloco_module
-    from zeroband.mesh import init_topology, shutdown
+    from zeroband.mesh import fixed_global_group, init_topology, shutdown
     from zeroband.outer.diloco import DiLoCo
     from zeroband.world import World
 
     site = int(os.environ["ZEROBAND_SITE_RANK"])
     topology = init_topology(World(0, 1, 0, site, 2, torch.device("cpu")), store, "retry", 30, "gloo")
+    group = fixed_global_group(topology, "retry")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(600, 600, bias=False), torch.nn.Linear(600, 80, bias=False))
-    outer = DiLoCo(model, DilocoConfig(inner_steps=1, comm_dtype="fp16", outer_momentum_warmup=0), topology)
+    outer = DiLoCo(model, DilocoConfig(inner_steps=1, comm_dtype="fp16", outer_momentum_warmup=0), topology,
+                   group=group)
     outer.membership.may_retry = may_retry
     outer.start()
     gen = torch.Generator().manual_seed(1 + site)
@@ -319,7 +322,7 @@ def _retrying_sites(store: str, may_retry: bool) -> dict:
         with torch.no_grad():
             for p in model.parameters():
                 p.sub_(torch.randn(p.shape, generator=gen) * 1e-2)
-        outer.after_inner_step(step, sync_point=True)
+        outer.after_inner_step(step + 1, sync_point=True)
         memory.append((outer.arena, outer.arena.buf.data_ptr(), None if outer.spare is None else outer.spare.data_ptr()))
         params.append([p.detach().clone() for p in model.parameters()])
     honest = diloco_module.reduce_across_sites
@@ -330,7 +333,7 @@ def _retrying_sites(store: str, may_retry: bool) -> dict:
     diloco_module.reduce_across_sites = lost
     kept = outer.arena
     try:
-        outer.after_inner_step(3, sync_point=True)
+        outer.after_inner_step(4, sync_point=True)
     except RuntimeError:
         pass
     diloco_module.reduce_across_sites = honest

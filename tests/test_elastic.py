@@ -119,6 +119,21 @@ def test_nan_pseudo_gradient_excluded(corpus, tmp_path, store_address):
     assert_identical(tree, [0, 1, 2], 6)
 
 
+def test_outer_lr_follows_the_inner_schedule(corpus, tmp_path, store_address):
+    """diloco.outer_lr_schedule = "inner" acts in elastic runs too (it was silently ignored)."""
+    from zeroband.config import validate_config
+    from zeroband.optim import lr_factor
+
+    tree = elastic_tree(corpus, tmp_path, store_address, steps=6, outer_lr_schedule="inner")
+    run_sites(_train, 2, 1, (tree,), timeout=120)
+    optim = validate_config(tree).optim
+    for site in (0, 1):
+        lrs = {r["step"]: r["outer_lr"] for r in outer_records(tmp_path, site)}
+        assert lrs == {s: 0.7 * lr_factor(s - 1, 6, optim) for s in (2, 4, 6)}, (site, lrs)
+    assert lrs[6] < lrs[2]
+    assert_identical(tree, [0, 1], 6)
+
+
 @pytest.mark.parametrize("wrong", ["secret", "model"])
 def test_foreign_peer_refused(corpus, tmp_path, store_address, wrong):
     tree = elastic_tree(corpus, tmp_path, store_address, steps=4)

@@ -13,9 +13,11 @@ from pathlib import Path
 
 import pytest
 import tomli_w
+import torch
 
 from tests.helpers import tiny_overrides
-from zeroband import checkpoint
+from zeroband import checkpoint, seams
+from zeroband.outer.base import NoOuter
 from zeroband.testing import faults
 from zeroband.testing.faults import Fault, InjectedFault, install, parse_faults, uninstall
 from zeroband.testing.inject import inject_command, site_of
@@ -28,13 +30,8 @@ def _clean():
 
 
 def _no_outer():
-    """The outer class of a one-site run (NoOuter after the outer/membership split, SingleSite before)."""
-    try:
-        from zeroband.outer import NoOuter
-        return NoOuter()
-    except ImportError:
-        from zeroband.diloco import SingleSite
-        return SingleSite()
+    """The outer class of a one-site run, as a run built now gets it (through the installed seams)."""
+    return seams.current().outer(NoOuter(), torch.nn.Linear(1, 1))
 
 
 def test_parse_faults():
@@ -46,14 +43,14 @@ def test_parse_faults():
 
 
 def test_inner_fault_fires_at_its_step_on_its_site_and_rank_only():
-    outer = _no_outer()
     install("site1:step3:inner:raise:rank0,site0:step4:inner:raise", site=1, rank=0)
-    outer.after_inner_step(1)  # inner step 2 done
+    outer = _no_outer()
+    outer.after_inner_step(2)  # inner step 2 done
     with pytest.raises(InjectedFault, match="site 1 rank 0 step 3 \\(inner\\)"):
-        outer.after_inner_step(2)
-    outer.after_inner_step(3)  # site 0's entry: not this process
+        outer.after_inner_step(3)
+    outer.after_inner_step(4)  # site 0's entry: not this process
     install("site1:step3:inner:raise:rank0", site=1, rank=1)
-    outer.after_inner_step(2)  # rank 1 of site 1: not in the schedule
+    _no_outer().after_inner_step(3)  # rank 1 of site 1: not in the schedule
 
 
 def test_seal_fault_fires_between_the_two_renames(tmp_path):
@@ -71,12 +68,14 @@ def test_seal_fault_fires_between_the_two_renames(tmp_path):
 
 
 def test_uninstall_restores_every_seam():
-    before = (checkpoint.save_checkpoint, checkpoint._seal, type(_no_outer()).after_inner_step)
+    """Faults go through the seams a run is built with: nothing of the package is patched, ever."""
+    before = (checkpoint.save_checkpoint, checkpoint._seal, NoOuter.after_inner_step, checkpoint.os)
     install("site0:step1:inner:raise")
-    assert checkpoint.save_checkpoint is not before[0]
+    assert seams.current() is not seams.PLAIN and type(_no_outer()) is faults.FaultyOuter
+    assert (checkpoint.save_checkpoint, checkpoint._seal, NoOuter.after_inner_step, checkpoint.os) == before
     uninstall()
-    assert (checkpoint.save_checkpoint, checkpoint._seal, type(_no_outer()).after_inner_step) == before
-    _no_outer().after_inner_step(0)  # step 1: nothing fires any more
+    assert seams.current() is seams.PLAIN and type(_no_outer()) is NoOuter
+    _no_outer().after_inner_step(1)  # step 1: nothing fires any more
 
 
 def test_inject_command_wraps_the_trainer_of_a_site_command():

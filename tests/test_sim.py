@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -55,3 +57,19 @@ def test_simulated_sites_equal_forked_sites(corpus, tmp_path, diloco, precision)
 def test_a_failing_site_fails_the_simulated_run(corpus, tmp_path):
     tree = diloco_tree(corpus, tmp_path, train={"steps": 2}, data={"tokenizer": str(tmp_path / "missing")})
     assert "simulated site 0 failed" in run_simulated(tree, 2)["error"]
+
+
+def test_simulated_run_resumes_from_its_checkpoints(corpus, tmp_path):
+    """A simulated run is built as `zeroband train` builds one (train.build_run): started again, it
+    resumes from the sites' newest common checkpoint and ends with the bits of an uninterrupted run."""
+    tree = diloco_tree(corpus, tmp_path, train={"steps": 6, "global_batch": 2, "micro_batch": 2},
+                       checkpoint={"interval": 2}, eval={"interval": 0, "batches": 1})
+    straight = run_simulated(tree, 2)
+    whole = [final_params(tree, site, 6) for site in (0, 1)]
+    for site in (0, 1):  # as if the run had stopped after step 4
+        shutil.rmtree(tmp_path / "t" / "checkpoints" / f"site{site}" / "step_000000006")
+    resumed = run_simulated(tree, 2)
+    assert resumed["losses"] == straight["losses"][4:]  # only steps 5 and 6 were trained again
+    for site in (0, 1):
+        again = final_params(tree, site, 6)
+        assert all(torch.equal(whole[site][k], again[k]) for k in again), f"site {site} differs"

@@ -136,6 +136,39 @@ def test_killed_save_leaves_previous_checkpoint_loadable(corpus, tmp_path):
     assert find_checkpoint(root, "auto").step == 8 and not (root / "step_000000008.tmp").exists()
 
 
+def _leaves_on_sigterm(tree: dict) -> tuple[int, int, bool]:
+    """Train under the installed fault schedule, counting the loop's calls to the outer method's
+    leave() through the outer seam (zeroband/seams.py), wrapped around the schedule's own wrapper."""
+    import dataclasses
+
+    from zeroband import seams
+
+    leaves: list[int] = []
+
+    class Counted:
+        def __init__(self, outer: object) -> None:
+            self.outer = outer
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(self.outer, name)
+
+        def leave(self) -> None:
+            leaves.append(1)
+            self.outer.leave()
+
+    installed = seams.current()
+    seams.use(dataclasses.replace(installed, outer=lambda outer, model: Counted(installed.outer(outer, model))))
+    out = _train(tree)
+    saved = (Path(tree["output_dir"]) / "t" / "checkpoints" / "step_000000003" / "manifest.json").is_file()
+    return out["steps"], len(leaves), saved
+
+
+def test_sigterm_leaves_once_after_a_checkpoint(corpus, tmp_path):
+    """SIGTERM after step 3 (1-based at the loop's seam): the site saves step 3 and leaves once."""
+    tree = tiny_overrides(corpus, tmp_path, train={"steps": 8})
+    assert run_ranks(_leaves_on_sigterm, 1, (tree,), faults="site0:step3:inner:term") == [(3, 1, True)]
+
+
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_bf16_and_activation_checkpointing_train(corpus, tmp_path, ranks):
     """bf16 on a 2-rank site (FSDP2's bf16 policy) and on a 1-rank site (autocast, no FSDP2) learns."""

@@ -211,7 +211,7 @@ class DilocoConfig(Section):
     # inner_steps applies it sooner (fresher, as long as the all-reduce takes under tau inner steps,
     # else the step waits for it). Every site applies it at the same step, so they stay identical.
     overlap_steps: int = Field(0, ge=0)
-    # What a site trains on while the average is in flight (zeroband/diloco.py has the exact rules):
+    # What a site trains on while the average is in flight (zeroband/outer/diloco.py has the exact rules):
     # "delayed" keeps its own progress on the consensus; "eager" previews the outer step with its own
     # fresh pseudo-gradient in place of the average; "eager_share" with its 1/n share (Kale et al.
     # 2025). On the tuning split (docs/results/convergence_tuning.md) "eager" tied "delayed" with 40
@@ -273,6 +273,10 @@ class DilocoConfig(Section):
                              "with diloco.overlap or diloco.elastic")
         if self.round_seconds and (self.overlap or self.mode != "diloco"):
             raise ValueError("diloco.round_seconds needs diloco.mode = 'diloco' without diloco.overlap")
+        if self.round_seconds and self.outer_lr_schedule == "inner":  # each site's step at a boundary is its own
+            raise ValueError("diloco.outer_lr_schedule = 'inner' needs rounds of diloco.inner_steps steps: with "
+                             "diloco.round_seconds the sites would each take another outer lr. Fix: set "
+                             "diloco.outer_lr_schedule = 'constant' or diloco.round_seconds = 0")
         if self.elastic and self.mode != "diloco":
             raise ValueError("diloco.elastic needs diloco.mode = 'diloco'")
         if self.dead_after_s <= 2 * self.heartbeat_s:

@@ -1,9 +1,11 @@
-"""The two kinds of process group a rank belongs to, owned by one object.
+"""The two kinds of process group a rank belongs to.
 
 - the **site mesh** (axis "fsdp"): every rank of this site, over the fast local network; FSDP2
-  shards the model over it. It is the default process group that torchrun sets up.
+  shards the model over it. It is the default process group that torchrun sets up; `Topology`
+  holds it with the coordination store.
 - the **global group** (zeroband/comm/group.py): rank i of every site, built from the
-  coordination store; only these groups cross the WAN.
+  coordination store; only these groups cross the WAN. A fixed run has one for the whole run
+  (`fixed_global_group`), handed to its outer method; an elastic membership builds one per generation.
 """
 
 from __future__ import annotations
@@ -29,15 +31,14 @@ from zeroband.store.client import open_store
 from zeroband.trust.mac import WireAuth
 from zeroband.world import World
 
-__all__ = ["OPEN", "SECRET", "GlobalGroup", "Topology", "admission_mark", "init_site_group", "init_topology",
-           "new_global_group", "rendezvous", "shutdown"]
+__all__ = ["OPEN", "SECRET", "GlobalGroup", "Topology", "admission_mark", "fixed_global_group", "init_site_group",
+           "init_topology", "new_global_group", "rendezvous", "shutdown"]
 
 
 @dataclass
 class Topology:
     world: World
     site_mesh: DeviceMesh
-    global_group: GlobalGroup | None  # None for a single-site run, or built per generation (elastic)
     store: dist.Store | None = None  # the coordination store (DiLoCo runs)
     secret: bytes | None = None  # the run's shared secret (None: sites.insecure)
     timeout_s: float = 600.0  # sites.timeout_s: how long a cross-site wait may take
@@ -63,25 +64,29 @@ def init_site_group(world: World, timeout: timedelta) -> None:
 
 def init_topology(
     world: World, store_address: str | None, run_name: str, timeout_s: float, backend: str, host_store: bool = True,
-    build_group: bool = True, mark: str = OPEN, secret: bytes | None = None,
+    secret: bytes | None = None,
 ) -> Topology:
-    """The site mesh, and (for DiLoCo) the store plus, unless `build_group` is False, the fixed global group."""
+    """The site mesh, and (for DiLoCo) the coordination store. The cross-site groups are not part of
+    it: `fixed_global_group` builds a fixed run's, an elastic membership one per generation."""
     timeout = timedelta(seconds=timeout_s)
     init_site_group(world, timeout)
     mesh = init_device_mesh(world.device.type, (world.ranks_per_site,), mesh_dim_names=("fsdp",))
-    group = None
     store = None
     if store_address is not None:
         is_host = host_store and world.site_rank == 0 and world.rank == 0
         store = open_store(store_address, is_host, timeout)
-        if build_group:
-            auth = WireAuth.from_secret(secret, run_name)
-            # a fresh prefix per start: a persistent store's keys of earlier starts are never read
-            prefix = incarnation_prefix(store, f"zeroband/{run_name}/shard{world.rank}/start/", world.site_rank,
-                                        world.site_count, timeout_s, auth.subkey("arrive"))
-            group = new_global_group(store, prefix, world.site_rank, world.site_count, timeout, backend, mark=mark,
-                                     auth=auth)
-    return Topology(world, mesh, group, store, secret, timeout_s=timeout_s)
+    return Topology(world, mesh, store, secret, timeout_s=timeout_s)
+
+
+def fixed_global_group(topology: Topology, run_name: str, backend: str = "gloo", mark: str = OPEN) -> GlobalGroup:
+    """Rank i of every site for the whole run (fixed DiLoCo, cross-site data parallel), over the store."""
+    world, timeout_s = topology.world, topology.timeout_s
+    auth = WireAuth.from_secret(topology.secret, run_name)
+    # a fresh prefix per start: a persistent store's keys of earlier starts are never read
+    prefix = incarnation_prefix(topology.store, f"zeroband/{run_name}/shard{world.rank}/start/", world.site_rank,
+                                world.site_count, timeout_s, auth.subkey("arrive"))
+    return new_global_group(topology.store, prefix, world.site_rank, world.site_count, timedelta(seconds=timeout_s),
+                            backend, mark=mark, auth=auth)
 
 
 def shutdown() -> None:

@@ -5,7 +5,7 @@ torch import per process (4-20 s here) and k processes fighting over 2 cores; in
 k sites share one import and one core, so two runs go side by side, one per core.
 
 Nothing of the algorithm is re-implemented. Each thread is one site of 1 rank and runs
-`zeroband.train.setup` + `train_loop`, so the inner step, `DiLoCo` (outer step, all-reduce
+`zeroband.train.build_run` + `run_training` (a resume included), so the inner step, `DiLoCo` (outer step, all-reduce
 codecs, direct exchange), `CrossSiteDataParallel` and the metrics are the production code. The
 only difference from `zeroband launch` is where the global group comes from: a
 `ProcessGroupGloo` per site over an in-process `HashStore` instead of the TCP store, and a
@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from zeroband.comm.group import new_global_group
-from zeroband.config import Config, deep_merge, dump_config, validate_config
+from zeroband.config import Config, deep_merge, validate_config
 from zeroband.mesh import Topology
 from zeroband.world import World
 
@@ -88,8 +88,7 @@ class _SetupSync:
 
 def _site(cfg: Config, sites: int, store: dist.Store, full_eval: bool, results: dict, errors: dict,
           sync: _SetupSync) -> None:
-    from zeroband.metrics import MetricsLogger
-    from zeroband.train import setup, train_loop
+    from zeroband.train import build_run, run_training
 
     site = cfg.sites.site_rank if cfg.diloco else 0
     try:
@@ -99,17 +98,11 @@ def _site(cfg: Config, sites: int, store: dist.Store, full_eval: bool, results: 
             timeout = timedelta(seconds=cfg.sites.timeout_s)
             group = new_global_group(store, f"zeroband/{cfg.name}/sim/", site, sites, timeout, "gloo")
         with sync.lock:
-            run = setup(cfg, world, Topology(world, None, group, store, timeout_s=cfg.sites.timeout_s))
-            dump_config(cfg, run.run_dir / "config.toml")
+            run = build_run(cfg, world, Topology(world, None, store, timeout_s=cfg.sites.timeout_s), group)
         sync.barrier.wait()
         if not full_eval:
             run.eval_set = run.eval_set[:1]
-        run.outer.start()
-        metrics = MetricsLogger(cfg, run.run_dir, True, cfg.train.steps, 0, tag=f"site{site}" if cfg.diloco else "")
-        try:
-            results[site] = train_loop(run, metrics)
-        finally:
-            metrics.close()
+        results[site] = run_training(run, report=False)  # resumes from the sites' newest common checkpoint
     except BaseException as e:  # re-raised by run_sites on the caller's thread
         sync.barrier.abort()
         errors[site] = e

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from zeroband import checkpoint as ckpt
+from zeroband import seams
 from zeroband.checkpointer import Checkpointer, checkpoint_meta, checkpoint_secret, sync_due
 from zeroband.config import Config, ConfigError, dump_config, load_config, warn_allow_unsigned
 from zeroband.data.ledger import SharedData
@@ -26,7 +27,7 @@ from zeroband.data.tokenizer import TextTokenizer
 from zeroband.fingerprint import run_fingerprint
 from zeroband.membership.elastic import ElasticMembership
 from zeroband.membership.resume import ResumeMismatch, agree_resume
-from zeroband.mesh import Topology, admission_mark, init_topology, shutdown
+from zeroband.mesh import GlobalGroup, Topology, admission_mark, fixed_global_group, init_topology, shutdown
 from zeroband.metrics import ComputeClock, MetricsLogger, insecure_choices, peak_flops, peak_memory_mb
 from zeroband.models.llama import Llama, flops_per_token, num_params
 from zeroband.optim import build_optimizer, build_scheduler, hyperparameters_kept, lr_factor
@@ -94,21 +95,28 @@ class Schedule:
             group["lr"] = lr
 
 
-def build_outer(cfg: Config, model: torch.nn.Module, topology: Topology, progress: Progress,
-                scheduler: torch.optim.lr_scheduler.LRScheduler) -> Outer:
+def build_outer(cfg: Config, model: torch.nn.Module, topology: Topology, group: GlobalGroup | None,
+                progress: Progress, scheduler: torch.optim.lr_scheduler.LRScheduler) -> Outer:
+    """The outer method of `cfg`; `group`: the fixed global group (None: one site, or elastic)."""
     tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
     if cfg.diloco is None:
         return NoOuter()
     if cfg.diloco.mode == "data_parallel":
-        return CrossSiteDataParallel(model, cfg.diloco, topology)
-    if cfg.diloco.elastic:  # a joiner takes the outer state, progress and schedule from a peer
-        membership = ElasticMembership(cfg.diloco, cfg.sites, topology, cfg.name, topology.fingerprint)
-        for key, state in (("progress", progress), ("scheduler", Schedule(scheduler))):
-            membership.register_state_dict_fn(key, state.load_state_dict, state.state_dict)
-        # no lr_factor, as before the split: an elastic run's outer_lr_schedule = "inner" uses factor 1
-        return DiLoCo(model, cfg.diloco, topology, tokens_per_step, membership=membership)
-    return DiLoCo(model, cfg.diloco, topology, tokens_per_step,
-                  lr_factor=lambda step: lr_factor(step, cfg.train.steps, cfg.optim))
+        return CrossSiteDataParallel(model, cfg.diloco, topology, group)
+
+    def factor(step: int) -> float:  # the inner schedule's multiplier at inner step `step` (0-based)
+        return lr_factor(step, cfg.train.steps, cfg.optim)
+
+    if not cfg.diloco.elastic:
+        return DiLoCo(model, cfg.diloco, topology, tokens_per_step, lr_factor=factor, group=group)
+    # A joiner takes the outer state, progress and schedule from a peer, in the round it applies:
+    # the run's step is then `progress`, which every member of a round holds alike (rounds of
+    # diloco.round_seconds refuse outer_lr_schedule = "inner"), so they take the same outer lr.
+    membership = ElasticMembership(cfg.diloco, cfg.sites, topology, cfg.name, topology.fingerprint)
+    for key, state in (("progress", progress), ("scheduler", Schedule(scheduler))):
+        membership.register_state_dict_fn(key, state.load_state_dict, state.state_dict)
+    return DiLoCo(model, cfg.diloco, topology, tokens_per_step, membership=membership,
+                  lr_factor=lambda _: factor(progress.step - 1))
 
 
 # ---------------------------------------------------------------------------------- the loop
@@ -116,24 +124,32 @@ def build_outer(cfg: Config, model: torch.nn.Module, topology: Topology, progres
 
 def train(cfg: Config) -> dict[str, Any]:
     world = world_from_env(cfg)
-    d, s = cfg.diloco, cfg.sites
-    secret = run_secret(s.secret, s.insecure, world.site_count) if d else None  # before any port opens
+    # before any port opens
+    secret = run_secret(cfg.sites.secret, cfg.sites.insecure, world.site_count) if cfg.diloco else None
     if world.rank == 0:
         warn_allow_unsigned(cfg)  # the opt-out's one loud line; recorded in metrics.jsonl too
     with run_dir_lock(site_dirs(cfg, world)[0], world.rank == 0):  # a second run of this name stops here
-        topology = init_topology(world, s.store if d else None, cfg.name, s.timeout_s if d else 600.0,
-                                 s.backend if d else "gloo", host_store=s.host_store if d else False,
-                                 build_group=not (d and d.elastic), mark=admission_mark(s.secret if d else None),
-                                 secret=secret)
+        topology, group = open_topology(cfg, world, secret)
         try:
-            return _train(cfg, world, topology)
+            return run_training(build_run(cfg, world, topology, group))
         finally:
             shutdown()
 
 
+def open_topology(cfg: Config, world: World, secret: bytes | None) -> tuple[Topology, GlobalGroup | None]:
+    """The site mesh; for DiLoCo also the store and (unless elastic: built per generation) the global group."""
+    if cfg.diloco is None:  # one site: no store, nothing crosses sites
+        return init_topology(world, None, cfg.name, 600.0, "gloo"), None
+    s = cfg.sites
+    topology = init_topology(world, s.store, cfg.name, s.timeout_s, s.backend, host_store=s.host_store, secret=secret)
+    if cfg.diloco.elastic:
+        return topology, None
+    return topology, fixed_global_group(topology, cfg.name, s.backend, admission_mark(s.secret))
+
+
 @dataclass
 class Run:
-    """Everything the loop touches, built once by `setup`."""
+    """Everything the loop touches, built once by `build_run`."""
 
     cfg: Config
     world: World
@@ -150,6 +166,7 @@ class Run:
     run_dir: Path
     ckpt_root: Path
     checkpointer: Checkpointer
+    group: GlobalGroup | None = None  # the fixed global group (None: one site, or elastic)
     run_id: str = ""  # set by resume_or_start: new at a fresh start, the checkpoint's on a resume
     changes: list[ConfigChange] = field(default_factory=list)  # settings a resume changed (resume_rules.py)
 
@@ -165,7 +182,9 @@ def site_dirs(cfg: Config, world: World) -> tuple[Path, Path]:
     return cfg.run_dir / site_part, cfg.checkpoint_dir / site_part
 
 
-def setup(cfg: Config, world: World, topology: Topology) -> Run:
+def build_run(cfg: Config, world: World, topology: Topology, group: GlobalGroup | None = None) -> Run:
+    """The one way to build a run (train, sim, scripts, tests): model, data, inner and outer
+    optimizers, checkpointer, each outer object through the seams (zeroband/seams.py)."""
     run_dir, ckpt_root = site_dirs(cfg, world)
     torch.manual_seed(cfg.train.seed)
     tokenizer = TextTokenizer.load(cfg.data.tokenizer)
@@ -180,14 +199,15 @@ def setup(cfg: Config, world: World, topology: Topology) -> Run:
     optimizer = build_optimizer([p for _, p in named], cfg.optim, [n for n, _ in named])
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
     progress = Progress()
-    outer = build_outer(cfg, model, topology, progress, scheduler)
+    wrap = seams.current()  # what production builds is what the loop gets, unless a test wraps it
+    outer = wrap.outer(build_outer(cfg, model, topology, group, progress, scheduler), model)
     clock = ComputeClock()
     stateful = {"scheduler": scheduler, "data": train_data, "outer": outer, "progress": progress, "clock": clock}
     if (ledger := SharedData.for_run(cfg, world, train_data, outer)) is not None:  # elastic: data as a ledger
         stateful["ledger"] = ledger
-    checkpointer = Checkpointer(cfg, ckpt_root, model, optimizer, stateful)
+    checkpointer = wrap.checkpointer(Checkpointer(cfg, ckpt_root, model, optimizer, stateful))
     return Run(cfg, world, topology, model, optimizer, scheduler, train_data, eval_set, val_data.bytes_per_token,
-               outer, progress, clock, run_dir, ckpt_root, checkpointer)
+               outer, progress, clock, run_dir, ckpt_root, checkpointer, group)
 
 
 def resume_or_start(run: Run) -> ckpt.CheckpointInfo | None:
@@ -255,7 +275,7 @@ def agreed_checkpoint(run: Run, found: ckpt.CheckpointInfo | None) -> ckpt.Check
     if d is None or d.elastic or store is None:
         return found
     offer = verified_steps(run, found)
-    group = run.topology.global_group  # its prefix is this start's own (mesh.py): old offers are never read
+    group = run.group  # its prefix is this start's own (mesh.py): old offers are never read
     prefix = group.prefix if group else f"zeroband/{run.cfg.name}/shard{world.rank}/"
     step = agree_resume(store, prefix, world.site_rank, world.site_count, offer, run.cfg.sites.timeout_s,
                         group.auth.subkey("resume") if group else None)
@@ -322,7 +342,7 @@ def train_loop(run: Run, metrics: MetricsLogger) -> dict[str, Any]:
     window = StepWindow()
     rollbacks = 0
     timer = ComputeTimer(world.device)
-    stop = GracefulStop.install()
+    stop, stopping = GracefulStop.install(), False
     while not run.outer.finished(progress.step, cfg.train.steps):
         batches = [run.train_data.next_batch(cfg.train.micro_batch) for _ in range(accum)]
         timer.mark()
@@ -347,7 +367,7 @@ def train_loop(run: Run, metrics: MetricsLogger) -> dict[str, Any]:
         window.add(loss, tokens_per_step)
 
         sync_point = sync_due(cfg.checkpoint, progress.step, cfg.train.steps)
-        outer_stats = run.outer.after_inner_step(progress.step - 1, sync_point=sync_point)
+        outer_stats = run.outer.after_inner_step(progress.step, sync_point=sync_point)
         last = run.outer.finished(progress.step, cfg.train.steps)
         if outer_stats is not None:
             metrics.log(progress.step, {**outer_stats.as_dict(), "compute_utilisation": run.clock.utilisation}, "outer")
@@ -361,18 +381,20 @@ def train_loop(run: Run, metrics: MetricsLogger) -> dict[str, Any]:
         saver.maybe_save(progress.step, last)
         if stop.agreed(run.topology):  # SIGTERM on any rank of the site: leave cleanly
             log.info("SIGTERM: leaving at step %d after a checkpoint", progress.step)
-            run.outer.leave()
-            saver.maybe_save(progress.step, last, stopping=True)
+            stopping = True
             break
     stop.uninstall()
-    saver.maybe_save(progress.step, last=True)  # a site that joined at the very last boundary trained no step
-    run.outer.leave()  # finished: nobody should wait for this site any more
+    run.outer.leave()  # finished or stopping: nobody should wait for this site any more (once)
+    # Always when stopping early; at the end as configured (a site that joined at the very last
+    # boundary trained no step and is saved here).
+    saver.maybe_save(progress.step, last=True, stopping=stopping)
     return {"losses": losses, "val": val, "steps": progress.step, "tokens": progress.tokens,
             "compute_utilisation": run.clock.utilisation, "run_dir": str(run.run_dir)}
 
 
-def _train(cfg: Config, world: World, topology: Topology) -> dict[str, Any]:
-    run = setup(cfg, world, topology)
+def run_training(run: Run, report: bool = True) -> dict[str, Any]:
+    """Resume or start, then train to the end; `report`: rank 0 prints the summary afterwards."""
+    cfg, world = run.cfg, run.world
     found = resume_or_start(run)
     if found is not None and run_complete(run):
         if world.rank == 0:
@@ -380,14 +402,27 @@ def _train(cfg: Config, world: World, topology: Topology) -> dict[str, Any]:
                   "(raise train.steps to go on, or start a new run with --checkpoint.resume none)", flush=True)
         return {"losses": [], "val": {}, "steps": run.progress.step, "tokens": run.progress.tokens,
                 "complete": True, "run_dir": str(run.run_dir)}
-    tag = f"site{world.site_rank}" if cfg.diloco else ""
     keep = run.progress.step if found is not None or run.progress.step else -1
     if world.rank == 0:
         record_start(run, fresh=keep == -1)
+    metrics = open_metrics(run, found, keep)
+    try:
+        result = train_loop(run, metrics)
+    finally:
+        metrics.close()
+    if report and world.rank == 0:
+        print_summary(run)
+    return result
+
+
+def open_metrics(run: Run, found: ckpt.CheckpointInfo | None, keep: int) -> MetricsLogger:
+    """metrics.jsonl, continued after `keep` (-1: a fresh start), with the start's own records."""
+    cfg, world = run.cfg, run.world
+    tag = f"site{world.site_rank}" if cfg.diloco else ""
     metrics = MetricsLogger(cfg, run.run_dir, world.rank == 0, cfg.train.steps, run.progress.step, tag=tag,
                             keep_through=keep)
     run.outer.attach(lambda event: on_membership_event(run, metrics, event))
-    unauthenticated = cfg.diloco is not None and world.site_count > 1 and topology.secret is None
+    unauthenticated = cfg.diloco is not None and world.site_count > 1 and run.topology.secret is None
     metrics.record_insecure(run.progress.step, insecure_choices(cfg, unauthenticated))
     if found is None:
         metrics.log(0, {"params": num_params(cfg.model), "ranks": world.ranks_per_site, "sites": world.site_count,
@@ -396,13 +431,7 @@ def _train(cfg: Config, world: World, topology: Topology) -> dict[str, Any]:
         changed = {c.key: [c.old, c.new] for c in run.changes}
         metrics.log(run.progress.step, {"from": str(found.path), "run_id": run.run_id,
                                         **({"changed": changed} if changed else {})}, "resumed")
-    try:
-        result = train_loop(run, metrics)
-    finally:
-        metrics.close()
-    if world.rank == 0:
-        print_summary(run)
-    return result
+    return metrics
 
 
 def on_membership_event(run: Run, metrics: MetricsLogger, event: dict[str, Any]) -> None:

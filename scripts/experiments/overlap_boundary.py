@@ -27,14 +27,15 @@ def site(args: argparse.Namespace) -> list[tuple[float, float, float, float]]:
     import torch
 
     from zeroband.config import DilocoConfig
-    from zeroband.diloco import DiLoCo
-    from zeroband.mesh import SECRET, init_topology, shutdown
+    from zeroband.mesh import SECRET, fixed_global_group, init_topology, shutdown
+    from zeroband.outer.diloco import DiLoCo
     from zeroband.world import World
 
     s = int(os.environ["ZEROBAND_SITE_RANK"])
     world = World(0, 1, 0, s, 2, torch.device("cpu"))
     topology = init_topology(world, os.environ["ZEROBAND_BENCH_STORE"], "overlap-boundary", 120, "gloo",
-                             mark=SECRET, secret=b"overlap-boundary-secret")
+                             secret=b"overlap-boundary-secret")
+    group = fixed_global_group(topology, "overlap-boundary", mark=SECRET)
     try:
         torch.manual_seed(0)
         torch.set_num_threads(1)
@@ -42,7 +43,7 @@ def site(args: argparse.Namespace) -> list[tuple[float, float, float, float]]:
         params = [p.data for p in model.parameters()]
         gen = torch.Generator().manual_seed(1 + s)
         deltas = [torch.randn(p.shape, generator=gen).mul_(1e-3) for p in params]
-        outer = DiLoCo(model, DilocoConfig(inner_steps=1, comm_dtype="fp16", overlap=True), topology)
+        outer = DiLoCo(model, DilocoConfig(inner_steps=1, comm_dtype="fp16", overlap=True), topology, group=group)
         outer.start()
         outer.threads = 1
         rows = []
@@ -50,11 +51,11 @@ def site(args: argparse.Namespace) -> list[tuple[float, float, float, float]]:
             torch._foreach_sub_(params, deltas)
             time.sleep(args.gap)
             c0, t0 = os.times(), time.perf_counter()
-            stats = outer.after_inner_step(step, sync_point=False)
+            stats = outer.after_inner_step(step + 1, sync_point=False)
             t1, c1 = time.perf_counter(), os.times()
             if stats is not None:
                 rows.append((t1 - t0, stats.allreduce_s, c1.user - c0.user, c1.system - c0.system))
-        outer.after_inner_step(args.boundaries, sync_point=True)
+        outer.after_inner_step(args.boundaries + 1, sync_point=True)
         return rows
     finally:
         shutdown()

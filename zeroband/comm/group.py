@@ -18,6 +18,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
+from zeroband import seams
 from zeroband.trust.auth import ADMIT_REFUSE_S, SECRET_ENV, PeerRefused, Verdict, frame
 from zeroband.trust.mac import NO_AUTH, WireAuth
 from zeroband.trust.signed import ForgedValue, SealedStore, SignedStore, exchange
@@ -169,7 +170,8 @@ def new_global_group(
         return dist.ProcessGroupGloo(scoped, site_rank, site_count, timeout)
 
     watch.current = "every site (connecting the group)"
-    group = GlobalGroup(watch.run(build, "rendezvous"), site_rank, site_count, store, watch, prefix, auth)
+    pg = seams.current().pg(watch.run(build, "rendezvous"), site_rank)  # as built, unless a test wraps it (zeroband/seams.py)
+    group = GlobalGroup(pg, site_rank, site_count, store, watch, prefix, auth)
     group.rendezvous = sealed  # a Python store must outlive the C++ group that may call it
     return group
 

@@ -50,13 +50,13 @@ class EventLog:
             self.sink(record)
 
 
-def agree_on_run(topology: Topology, timeout_s: float) -> None:
+def agree_on_run(group: GlobalGroup, topology: Topology, timeout_s: float) -> None:
     """Before anything crosses the global group: every site proves the shared secret and shows the
     same settings (`topology.fingerprint`); else PeerRefused on every site, naming each differing
     key with both values (zeroband/trust/auth.py). Settings that agree also fix every
     message's size, so a misconfigured site can never make gloo abort on a wrong-size message.
     Runs at every start (fresh, resumed, restarted): the group's session key is this incarnation's."""
-    admit_group(topology.global_group, topology.store, topology.secret, topology.fingerprint, timeout_s)
+    admit_group(group, topology.store, topology.secret, topology.fingerprint, timeout_s)
 
 
 def admit_group(group: GlobalGroup, store: dist.Store, secret: bytes | None, fingerprint: dict[str, str],
@@ -102,13 +102,13 @@ class Membership(Protocol):
 class FixedMembership:
     """One cross-site group for the whole run: every site takes part in every round."""
 
-    def __init__(self, topology: Topology, timeout_s: float) -> None:
+    def __init__(self, group: GlobalGroup, topology: Topology, timeout_s: float) -> None:
         self.topology, self.timeout_s = topology, timeout_s
-        self.group = topology.global_group
+        self.group = group
         self.may_retry = False
 
     def start(self, resumed: bool) -> None:
-        agree_on_run(self.topology, self.timeout_s)
+        agree_on_run(self.group, self.topology, self.timeout_s)
 
     @property
     def holds_state(self) -> bool:

@@ -3,10 +3,11 @@ outer step, the round clock, and `NoOuter`.
 
 The loop (zeroband/train.py) calls, and nothing else: `start(resumed)` once before the first
 step; `sync_gradients()` between backward and the inner optimizer step; `after_inner_step(step,
-sync_point)` after every inner step (an outer step when a round ends; `sync_point` asks for a
-blocking one, after which every site holds the same bits); `finished(step, total_steps)`;
-`leave()` on the way out; `attach(sink)` for structured events; `state_dict` / `load_state_dict`
-for checkpoints. Nothing below the loop writes the loop's own state (progress, schedule).
+sync_point)` after every inner step, `step` being the inner steps done (1-based) (an outer step
+when a round ends; `sync_point` asks for a blocking one, after which every site holds the same
+bits); `finished(step, total_steps)`; `leave()` once on the way out; `attach(sink)` for structured
+events; `state_dict` / `load_state_dict` for checkpoints. Nothing below the loop writes the loop's
+own state (progress, schedule).
 """
 
 from __future__ import annotations
@@ -99,12 +100,12 @@ class RoundClock:
         self.rounds, self.steps_in_round, self.round_start = 0, 0, time.monotonic()
 
     def tick(self, step: int) -> bool:
-        """Count one inner step; True if this step ends a round."""
+        """Count inner step `step` (1-based: the steps done); True if it ends a round."""
         self.steps_in_round += 1
         if self.cfg.round_seconds:
             due = time.monotonic() - self.round_start >= self.cfg.round_seconds
         else:
-            due = (step + 1) % self.cfg.inner_steps == 0
+            due = step % self.cfg.inner_steps == 0
         if due:
             self.rounds += 1
         return due
@@ -128,6 +129,3 @@ class RoundClock:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.rounds = state["rounds"]
-
-
-SingleSite = NoOuter  # the old name

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from zeroband.comm.group import GlobalGroup
 from zeroband.comm.reduce import describe_exclusions, reduce_across_sites
 from zeroband.config import DilocoConfig
 from zeroband.membership.base import agree_on_run
@@ -32,9 +33,9 @@ log = logging.getLogger(__name__)
 
 
 class CrossSiteDataParallel:
-    def __init__(self, model: torch.nn.Module, cfg: DilocoConfig, topology: Topology) -> None:
+    def __init__(self, model: torch.nn.Module, cfg: DilocoConfig, topology: Topology, group: GlobalGroup) -> None:
         self.cfg = cfg
-        self.topology = topology
+        self.topology, self.group = topology, group
         self.params = list(model.parameters())
         self.window = {"comm_s": 0.0, "payload": 0, "wire": 0, "steps": 0}
         self.reports = 0
@@ -46,11 +47,11 @@ class CrossSiteDataParallel:
         pass
 
     def start(self, resumed: bool = False) -> None:
-        agree_on_run(self.topology, self.topology.timeout_s)
+        agree_on_run(self.group, self.topology, self.topology.timeout_s)
         with torch.no_grad():
             local = [local_shard(p) for p in self.params]
-            broadcast_from_site0(local, self.topology)
-            verify_identical(local, self.topology, "initial broadcast")
+            broadcast_from_site0(local, self.group, self.topology)
+            verify_identical(local, self.group, self.topology, "initial broadcast")
 
     @torch.no_grad()
     def sync_gradients(self) -> None:
@@ -58,7 +59,7 @@ class CrossSiteDataParallel:
         shards = [local_shard(p.grad) if p.grad is not None else torch.zeros_like(local_shard(p)) for p in self.params]
         grads = [g.detach().to("cpu", torch.float32, copy=True) for g in shards]
         stats = site_stats(grads, self.topology)
-        group = self.topology.global_group
+        group = self.group
         result = group.watched(lambda: reduce_across_sites(grads, stats, group, self.cfg.comm_dtype,
                                                            int(self.cfg.piece_mb * 2**20)), "gradient all-reduce")
         if result.exclusions:  # the others' average stands in for their gradients this step
@@ -74,7 +75,7 @@ class CrossSiteDataParallel:
         return step >= total_steps
 
     def after_inner_step(self, step: int, sync_point: bool = False) -> OuterStats | None:
-        if (step + 1) % self.cfg.inner_steps:
+        if step % self.cfg.inner_steps:
             return None
         self.reports += 1
         w, self.window = self.window, {"comm_s": 0.0, "payload": 0, "wire": 0, "steps": 0}

@@ -84,11 +84,10 @@ def local_shard(param: torch.nn.Parameter) -> torch.Tensor:
     return data.to_local() if isinstance(data, DTensor) else data
 
 
-def broadcast_from_site0(tensors: list[torch.Tensor], topology: Topology) -> None:
+def broadcast_from_site0(tensors: list[torch.Tensor], group: GlobalGroup, topology: Topology) -> None:
     """Every site takes site 0's tensors: one sealed message (trust/mac.py, under this incarnation's
     session key), opened before any value is used. A site that received it altered applies nothing,
     and every site then stops with the same line (`refuse_if_any`), not just the one that saw it."""
-    group = topology.global_group
     numel = sum(t.numel() for t in tensors)
     buf = torch.empty(4 * numel + group.auth.tag_bytes, dtype=torch.uint8)
     flat = buf[: 4 * numel].view(torch.float32)
@@ -104,7 +103,7 @@ def broadcast_from_site0(tensors: list[torch.Tensor], topology: Topology) -> Non
             return False
 
     verified = group.watched(send, "initial broadcast")
-    refuse_if_any(not verified, topology, "initial broadcast", lambda sites: (
+    refuse_if_any(not verified, group, topology, "initial broadcast", lambda sites: (
         f"the parameters that sites {sites} received from site 0 failed authentication (altered on the way: "
         "an on-path attacker or a corrupting link); no site applied them. Check the network path between the sites"))
     for t, v in zip(tensors, _split(flat, tensors)):
@@ -116,10 +115,10 @@ def _split(flat: torch.Tensor, tensors: list[torch.Tensor]) -> list[torch.Tensor
     return list(flat.split([t.numel() for t in tensors]))
 
 
-def refuse_if_any(bad: bool, topology: Topology, when: str, why: Callable[[list[int]], str]) -> None:
+def refuse_if_any(bad: bool, group: GlobalGroup, topology: Topology, when: str,
+                  why: Callable[[list[int]], str]) -> None:
     """Every site says whether `bad` holds for it (on every shard's group); if it does anywhere,
     every rank of every site raises the same TrustError, naming those sites."""
-    group = topology.global_group
     table = group.watched(lambda: group.gather_scalars([float(bad)]), f"agreeing on the {when}")[:, 0]
     flags = table.to(topology.world.device)
     topology.site_all_reduce(flags, op=dist.ReduceOp.MAX)  # another rank's shard may be the one altered
@@ -128,10 +127,9 @@ def refuse_if_any(bad: bool, topology: Topology, when: str, why: Callable[[list[
         raise TrustError(f"{when}: {why(sites)}")
 
 
-def verify_identical(tensors: list[torch.Tensor], topology: Topology, when: str) -> None:
+def verify_identical(tensors: list[torch.Tensor], group: GlobalGroup, topology: Topology, when: str) -> None:
     """The keyed digest (trust/mac.py `replica_digest`, not CRC32: a linear checksum lets an attacker
     choose a change that keeps it) of this rank's tensors must agree on every site and shard."""
-    group = topology.global_group
     table = group.watched(lambda: checksum_table(tensors, group), f"checksum after {when}")
     mismatch = torch.tensor([float(len(set(table)) > 1)], device=topology.world.device)
     topology.site_all_reduce(mismatch, op=dist.ReduceOp.MAX)
@@ -171,13 +169,14 @@ def outer_stats(diloco: DiLoCo, result: ReduceResult, stats: SiteStats, grads: l
 
 class DiLoCo(OverlapRules):
     def __init__(self, model: torch.nn.Module, cfg: DilocoConfig, topology: Topology, tokens_per_step: int = 0,
-                 lr_factor: Callable[[int], float] | None = None, membership: Membership | None = None) -> None:
+                 lr_factor: Callable[[int], float] | None = None, membership: Membership | None = None,
+                 group: GlobalGroup | None = None) -> None:
         """`membership` says who takes part in each round; by default every site, on the fixed
-        `topology.global_group` (zeroband/membership/). `lr_factor(step)` is the inner schedule's
+        `group` (zeroband/membership/, mesh.fixed_global_group). `lr_factor(step)` is the inner schedule's
         multiplier (used by `outer_lr_schedule = "inner"`)."""
         self.cfg = cfg
         self.topology = topology
-        self.membership = membership or FixedMembership(topology, topology.timeout_s)
+        self.membership = membership or FixedMembership(group, topology, topology.timeout_s)
         self.local = [local_shard(p) for p in model.parameters()]
         self.copy = OuterCopy(self.local, cfg)
         self.outer, self.outer_device = self.copy.tensors, self.copy.device
@@ -226,12 +225,12 @@ class DiLoCo(OverlapRules):
                 self._round(None, 0.0, time.perf_counter(), 0.0)
             return
         if resumed:
-            verify_identical(self.checksum_tensors(), self.topology, "resume")
+            verify_identical(self.checksum_tensors(), self.group, self.topology, "resume")
             return
-        broadcast_from_site0(self.local, self.topology)
+        broadcast_from_site0(self.local, self.group, self.topology)
         for o, t in zip(self.outer, self.local):
             o.copy_(t.detach())
-        verify_identical(self.outer, self.topology, "initial broadcast")
+        verify_identical(self.outer, self.group, self.topology, "initial broadcast")
 
     def leave(self) -> None:
         self.membership.leave()
@@ -255,7 +254,7 @@ class DiLoCo(OverlapRules):
     def after_inner_step(self, step: int, sync_point: bool = False) -> OuterStats | None:
         if not self.clock.tick(step):
             return self._land_in_flight(step) if self.in_flight else None
-        self.boundary_step = step + 1
+        self.boundary_step = step
         self.parts = Parts()
         with torch_threads(self.threads), self.parts.cpu():  # this thread's CPU; the exchange thread adds its own
             if self.cfg.overlap and not sync_point:

@@ -118,7 +118,7 @@ class OverlapRules:
     @torch.no_grad()
     def _land_in_flight(self, step: int) -> OuterStats | None:
         """overlap_steps = tau: apply the pending average tau inner steps after its launch."""
-        if not self.cfg.overlap_steps or step + 1 - self.boundary_step < self.cfg.overlap_steps:
+        if not self.cfg.overlap_steps or step - self.boundary_step < self.cfg.overlap_steps:
             return None
         t0, pending = time.perf_counter(), self.in_flight
         waited = self._complete_in_flight()

@@ -8,38 +8,38 @@ process lives on, as a collective waiting on a peer that stopped sending does, o
 pseudo-gradient sent at that `allreduce` is poisoned with NaN), and optionally the rank inside the
 site (default: every rank).
 
-Production code knows nothing of this: `install` wraps, from outside, the seams the outer loop and
-the checkpoint module keep for it (docs: the fault seams in the notes of issue 14):
-- `inner`: before `after_inner_step(step)` of any outer class, i.e. once inner step `step + 1` is done;
-- `allreduce`: the first cross-site collective (a `GlobalGroup` call) made inside that
-  `after_inner_step`, so only at a sync boundary; `nan` poisons `pseudo_gradient()` instead;
-- `checkpoint`: inside `checkpoint.save_checkpoint`, once this rank's shards are written and before
-  the step is sealed (when the extras' state is read);
-- `seal`: inside `checkpoint._seal`, between the two renames that replace a step saved twice.
+Production code knows nothing of this: `install` builds wrappers for the seams every run is built
+through (zeroband/seams.py), as torchft's FakeProcessGroupWrapper wraps a process group, and the
+trainer calls the same public interfaces on them:
+- `inner`: the outer method's `after_inner_step(step)` (`FaultyOuter`), before it runs;
+- `allreduce`: the first call on a cross-site process group (`FaultyPG`: send, recv, all-reduce,
+  broadcast) after that `after_inner_step` began, so only at a sync boundary (an overlapped
+  boundary's all-reduce starts after the call returns: the fault waits for it); `nan` makes
+  this site's pseudo-gradient NaN instead: one value of the local model is NaN while the outer
+  step takes pseudo-gradient = outer copy - local model (it is put back if no round ended);
+- `checkpoint`: inside the save (`FaultyCheckpointer`), once this rank's shards are written and
+  before the step is sealed (when the extras' state is read);
+- `seal`: at the rename that seals the step (`seams.replace`), after a copy saved earlier of the
+  same step was moved aside: between the two renames.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib
-import inspect
 import os
-import pkgutil
 import signal
 import threading
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from zeroband import seams
+from zeroband.checkpoint import step_dir
+
 POINTS = ("inner", "allreduce", "checkpoint", "seal")
 ACTIONS = {"kill": signal.SIGKILL, "term": signal.SIGTERM, "stop": signal.SIGSTOP}
 OTHER_ACTIONS = ("raise", "hang", "nan")
-# Where the outer classes live, before and after the outer/membership split; missing ones are skipped.
-OUTER_MODULES = ("zeroband.outer", "zeroband.membership", "zeroband.diloco", "zeroband.elastic",
-                 "zeroband.cross_site_dp")
-GROUP_MODULES = ("zeroband.comm.group", "zeroband.mesh")
-GROUP_CALLS = ("all_reduce", "broadcast", "gather_scalars", "post_scalars")
 
 
 class InjectedFault(RuntimeError):
@@ -72,14 +72,12 @@ def parse_faults(spec: str) -> list[Fault]:
 
 @dataclass
 class Injector:
-    """The schedule of one process (site, rank) and the state of the step being finished."""
+    """The schedule of one process (site, rank), and the step whose `allreduce` faults are armed."""
 
     faults: list[Fault]
     site: int
     rank: int
-    step: int | None = None  # inner step being finished, while inside after_inner_step
     armed: int | None = None  # step whose `allreduce` faults fire at the next cross-site call
-    boundary: bool = False  # pseudo_gradient was taken in this after_inner_step: a sync boundary
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def due(self, point: str, step: int | None) -> list[Fault]:
@@ -95,8 +93,8 @@ class Injector:
             if f.action in ACTIONS:  # nan is applied to the pseudo-gradient, not here
                 os.kill(os.getpid(), ACTIONS[f.action])
 
-    def poisons(self) -> bool:
-        return any(f.action == "nan" for f in self.due("allreduce", self.step))
+    def poisons(self, step: int) -> bool:
+        return any(f.action == "nan" for f in self.due("allreduce", step))
 
     def group_call(self) -> None:
         with self.lock:  # the all-reduce may run on a watched thread: fire once
@@ -104,119 +102,107 @@ class Injector:
         if step is not None:
             self.fire("allreduce", step)
 
+    def replace(self, src: Any, dst: Any) -> None:
+        """`os.replace`, firing a `seal` fault just before the step's new copy is renamed into place."""
+        dst = Path(dst)
+        for f in self.due_anywhere("seal"):
+            if dst == step_dir(dst.parent, f.step) and Path(src) != dst:
+                self.fire("seal", f.step)
+        os.replace(src, dst)
 
-_active: Injector | None = None
-_originals: list[tuple[Any, str, Any]] = []  # (owner, attribute, original) to restore
-_depth = threading.local()  # nested after_inner_step calls (a subclass calling super) fire once
+    def due_anywhere(self, point: str) -> list[Fault]:
+        return [f for f in self.faults if (f.point, f.site) == (point, self.site) and f.rank in (None, self.rank)]
 
-
-def install(spec: str, site: int | None = None, rank: int | None = None) -> Injector:
-    """Arm `spec` for this process: site from ZEROBAND_SITE_RANK, rank from RANK unless given.
-    Installing again replaces the schedule; the wrappers are put in place once."""
-    global _active
-    site = int(os.environ.get("ZEROBAND_SITE_RANK", "0")) if site is None else site
-    rank = int(os.environ.get("RANK", "0")) if rank is None else rank
-    _active = Injector(parse_faults(spec), site, rank)
-    if not _originals:
-        _wrap_all()
-    return _active
+    def seams(self) -> seams.Seams:
+        return seams.Seams(pg=lambda pg, rank: FaultyPG(pg, self), outer=lambda outer, model: FaultyOuter(outer, model, self),
+                           checkpointer=lambda saver: FaultyCheckpointer(saver, self), replace=self.replace)
 
 
-def uninstall() -> None:
-    global _active
-    _active = None
-    while _originals:
-        owner, name, original = _originals.pop()
-        setattr(owner, name, original)
+class Wrapper:
+    """Everything but what a subclass defines goes to the wrapped object, writes included."""
+
+    def __init__(self, inner: Any, inj: Injector) -> None:
+        object.__setattr__(self, "inner", inner)
+        object.__setattr__(self, "inj", inj)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self.inner, name, value)
 
 
-def _patch(owner: Any, name: str, make: Callable[[Any], Any]) -> None:
-    original = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
-    _originals.append((owner, name, original))
-    setattr(owner, name, make(original))
+class FaultyPG(Wrapper):
+    """A cross-site process group whose calls fire an armed `allreduce` fault first."""
+
+    def allreduce(self, *args: Any, **kwargs: Any) -> Any:
+        self.inj.group_call()
+        return self.inner.allreduce(*args, **kwargs)
+
+    def broadcast(self, *args: Any, **kwargs: Any) -> Any:
+        self.inj.group_call()
+        return self.inner.broadcast(*args, **kwargs)
+
+    def send(self, *args: Any, **kwargs: Any) -> Any:
+        self.inj.group_call()
+        return self.inner.send(*args, **kwargs)
+
+    def recv(self, *args: Any, **kwargs: Any) -> Any:
+        self.inj.group_call()
+        return self.inner.recv(*args, **kwargs)
 
 
-def _modules(names: tuple[str, ...]) -> Iterator[Any]:
-    for name in names:
-        try:
-            module = importlib.import_module(name)
-        except ImportError:
-            continue
-        yield module
-        for info in pkgutil.iter_modules(getattr(module, "__path__", [])):
+class FaultyOuter(Wrapper):
+    """The outer method; `inner` faults fire before a step is handed to it, `allreduce` ones are armed."""
+
+    def __init__(self, inner: Any, model: torch.nn.Module, inj: Injector) -> None:
+        super().__init__(inner, inj)
+        object.__setattr__(self, "model", model)
+
+    def after_inner_step(self, step: int, sync_point: bool = False) -> Any:
+        done = step  # the inner steps done, 1-based
+        self.inj.fire("inner", done)
+        self.inj.armed = done if self.inj.due("allreduce", done) else None
+        rounds = self._rounds()
+        with _poisoned(self.model, self.inj.poisons(done)) as poison:
             try:
-                yield importlib.import_module(f"{name}.{info.name}")
-            except ImportError:  # an optional dependency (e.g. etcd3gw) this run does not use
-                continue
+                return self.inner.after_inner_step(step, sync_point=sync_point)
+            finally:
+                ended = rounds is not None and self._rounds() != rounds
+                poison.keep = ended  # no round took the pseudo-gradient: the model is put back
+                if not ended:  # an overlapped boundary's all-reduce starts after this: stay armed for it
+                    self.inj.armed = None
+
+    def _rounds(self) -> int | None:
+        """Outer rounds this site has ended (DiLoCo's round clock); None for a method without rounds."""
+        clock = getattr(self.inner, "clock", None)
+        return None if clock is None else clock.rounds
 
 
-def _classes_with(names: tuple[str, ...], attribute: str) -> list[type]:
-    found: dict[int, type] = {}
-    for module in _modules(names):
-        for obj in vars(module).values():
-            if isinstance(obj, type) and obj.__module__.startswith("zeroband.") and attribute in obj.__dict__:
-                found[id(obj)] = obj
-    return list(found.values())
+class _poisoned:
+    """One value of the model's first local tensor is NaN inside (if `on`): the pseudo-gradient
+    (outer copy - local model) sent from it is NaN there; put back on the way out unless `keep`."""
 
+    def __init__(self, model: torch.nn.Module, on: bool) -> None:
+        data = next(model.parameters()).data if on else None
+        self.value = None if data is None else (data.to_local() if hasattr(data, "to_local") else data).view(-1)
+        self.keep, self.before = False, None
 
-def _wrap_all() -> None:
-    from zeroband import checkpoint
+    def __enter__(self) -> _poisoned:
+        if self.value is not None:
+            self.before = self.value[0].item()
+            with torch.no_grad():
+                self.value[0] = float("nan")
+        return self
 
-    for cls in _classes_with(OUTER_MODULES, "after_inner_step"):
-        _patch(cls, "after_inner_step", _wrap_after_inner_step)
-    for name in ("pseudo_gradient", "_pseudo_gradient"):  # the contract name, and the one before the rename
-        for cls in _classes_with(OUTER_MODULES, name):
-            _patch(cls, name, _wrap_pseudo_gradient)
-    for cls in _classes_with(GROUP_MODULES, "all_reduce"):
-        for name in GROUP_CALLS:
-            if name in cls.__dict__:
-                _patch(cls, name, _wrap_group_call)
-    _patch(checkpoint, "save_checkpoint", _wrap_save_checkpoint)
-    _patch(checkpoint, "_seal", _wrap_seal)
-
-
-def _wrap_after_inner_step(original: Callable) -> Callable:
-    @functools.wraps(original)
-    def after_inner_step(self: Any, step: int, *args: Any, **kwargs: Any) -> Any:
-        inj, depth = _active, getattr(_depth, "n", 0)
-        if inj is None or depth:
-            return original(self, step, *args, **kwargs)
-        inj.fire("inner", step + 1)
-        inj.step, inj.armed = step + 1, (step + 1 if inj.due("allreduce", step + 1) else None)
-        inj.boundary, _depth.n = False, 1
-        try:
-            return original(self, step, *args, **kwargs)
-        finally:
-            # An overlapped boundary returns before its all-reduce starts: stay armed for it.
-            _depth.n, inj.step = 0, None
-            if not inj.boundary:
-                inj.armed = None
-    return after_inner_step
-
-
-def _wrap_pseudo_gradient(original: Callable) -> Callable:
-    @functools.wraps(original)
-    def pseudo_gradient(self: Any, *args: Any, **kwargs: Any) -> Any:
-        grads = original(self, *args, **kwargs)
-        if _active is not None:
-            _active.boundary = True
-        if _active is not None and _active.poisons():  # a site whose pseudo-gradient went bad
-            grads[0].view(-1)[0] = float("nan")
-        return grads
-    return pseudo_gradient
-
-
-def _wrap_group_call(original: Callable) -> Callable:
-    @functools.wraps(original)
-    def group_call(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if _active is not None:
-            _active.group_call()
-        return original(self, *args, **kwargs)
-    return group_call
+    def __exit__(self, *exc: Any) -> None:
+        if self.value is not None and not self.keep and self.value[0].isnan():
+            with torch.no_grad():
+                self.value[0] = self.before
 
 
 class _FireOnRead:
-    """An extra whose state is read by save_checkpoint after the shards are written: the fault fires there."""
+    """An extra whose state is read by the save after the shards are written: the fault fires there."""
 
     def __init__(self, inj: Injector, step: int) -> None:
         self.inj, self.step = inj, step
@@ -229,54 +215,35 @@ class _FireOnRead:
         pass
 
 
-def _wrap_save_checkpoint(original: Callable) -> Callable:
-    signature = inspect.signature(original)
+class FaultyCheckpointer(Wrapper):
+    """The save policy's object; a `checkpoint` fault of the step saved fires inside its save."""
 
-    @functools.wraps(original)
-    def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
-        bound = signature.bind(*args, **kwargs)
-        step = bound.arguments["step"]
-        if _active is not None and _active.due("checkpoint", step):
-            bound.arguments["extras"] = {**bound.arguments["extras"], "injected_fault": _FireOnRead(_active, step)}
-        return original(*bound.args, **bound.kwargs)
-    return save_checkpoint
-
-
-class _RenameWatch:
-    """`os` as _seal sees it, firing the `seal` fault just before `tmp` is renamed into place."""
-
-    def __init__(self, tmp: Path, fire: Callable[[], None]) -> None:
-        self.tmp, self.fire_once = tmp, fire
-        self.fired = False
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(os, name)
-
-    def replace(self, src: Any, dst: Any) -> None:
-        if Path(src) == self.tmp and not self.fired:
-            self.fired = True
-            self.fire_once()
-        os.replace(src, dst)
-
-
-def _wrap_seal(original: Callable) -> Callable:
-    signature = inspect.signature(original)
-
-    @functools.wraps(original)
-    def _seal(*args: Any, **kwargs: Any) -> Any:
-        from zeroband import checkpoint
-
-        bound = signature.bind(*args, **kwargs)
-        step, inj = bound.arguments["step"], _active
-        if inj is None or not inj.due("seal", step):
-            return original(*args, **kwargs)
-        watch = _RenameWatch(Path(bound.arguments["tmp"]), lambda: inj.fire("seal", step))
-        checkpoint.os = watch
+    def maybe_save(self, step: int, last: bool, stopping: bool = False) -> bool:
+        if not self.inj.due("checkpoint", step):
+            return self.inner.maybe_save(step, last, stopping)
+        self.inner.stateful["injected_fault"] = _FireOnRead(self.inj, step)
         try:
-            result = original(*args, **kwargs)
+            return self.inner.maybe_save(step, last, stopping)
         finally:
-            checkpoint.os = os
-        if not watch.fired:  # _seal no longer renames tmp into place: fail loudly, never silently skip
-            inj.fire("seal", step)
-        return result
-    return _seal
+            self.inner.stateful.pop("injected_fault", None)
+
+
+_active: Injector | None = None
+
+
+def install(spec: str, site: int | None = None, rank: int | None = None) -> Injector:
+    """Arm `spec` for this process: site from ZEROBAND_SITE_RANK, rank from RANK unless given. Runs
+    and groups built from now on go through its wrappers; installing again replaces the schedule."""
+    global _active
+    site = int(os.environ.get("ZEROBAND_SITE_RANK", "0")) if site is None else site
+    rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+    _active = Injector(parse_faults(spec), site, rank)
+    seams.use(_active.seams())
+    return _active
+
+
+def uninstall() -> None:
+    """Runs built from now on are plain again."""
+    global _active
+    _active = None
+    seams.use(None)

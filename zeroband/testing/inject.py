@@ -3,9 +3,10 @@
     python -m zeroband.testing.inject --faults site1:step6:allreduce:kill -- train CONFIG --k v ...
     python -m zeroband.testing.inject --faults site1:step6:allreduce:nan -- launch CONFIG --sites 2
 
-The wrappers of zeroband.testing.faults are installed in this process, then the command runs
-in-process (`zeroband.cli.main`). Under `launch`, every site's ranks are started through this entry
-point too, with the same schedule; each rank keeps the entries of its own site and rank.
+The seams of zeroband.testing.faults are installed in this process (zeroband/seams.py), then the
+command runs in-process (`zeroband.cli.main`). Under `launch`, every site's ranks are started
+through this entry point too (the `site_command` seam), with the same schedule; each rank keeps
+the entries of its own site and rank.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import replace
 
+from zeroband import seams
 from zeroband.testing.faults import install
 
 ENTRY = "zeroband.testing.inject"
@@ -34,16 +37,10 @@ def site_of(argv: list[str]) -> int | None:
     return None
 
 
-def _wrap_site_commands(faults: str) -> None:
-    """`zeroband launch` starts its sites through `site_command`: arm the faults in them too."""
-    from zeroband.tools import launch
-
-    plain = launch.site_command
-
-    def site_command(config: str, site: int, *args: object, **kwargs: object) -> list[str]:
-        return inject_command(plain(config, site, *args, **kwargs), faults, site)
-
-    launch.site_command = site_command
+def arm_sites(faults: str) -> None:
+    """`zeroband launch` starts its sites through the `site_command` seam: arm the faults in them too."""
+    installed = seams.current()
+    seams.use(replace(installed, site_command=lambda command, site: inject_command(command, faults, site)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     site = args.site if args.site is not None else site_of(command)
     install(args.faults, site=site if site is not None else int(os.environ.get("ZEROBAND_SITE_RANK", "0")))
-    _wrap_site_commands(args.faults)
+    arm_sites(args.faults)
     from zeroband.cli import main as zeroband_main
 
     return zeroband_main(command)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from zeroband import torchrun
+from zeroband import seams, torchrun
 from zeroband.config import Config, load_config
 
 
@@ -173,7 +173,7 @@ def _start_sites(config, sites, nproc, overrides, log_dir, store, wrap, site_env
     procs = []
     for site in range(sites):
         with open(log_dir / f"site{site}.log", "w") as log_file:  # the child keeps its own descriptor
-            cmd = wrap(site, site_command(config, site, sites, nproc, store, overrides))
+            cmd = wrap(site, seams.current().site_command(site_command(config, site, sites, nproc, store, overrides), site))
             procs.append(subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT,
                                           env={**env, **site_env(site)}, start_new_session=True))
     return procs
