@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import (  # noqa: E402
     REPO,
     add_out_argument,
+    free_port,
     load_average,
     load_note,
     markdown_table,
@@ -55,6 +56,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--wires", default=",".join(WIRES))
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--piece-mb", type=float, default=32.0)
+    p.add_argument("--streams", type=int, default=1, help="connections per peer pair (sites.streams)")
+    p.add_argument("--loopback", action="store_true",
+                   help="no emulator, no root: sites on 127.0.0.1 (seconds only; the rate column is meaningless)")
     add_out_argument(p, "benchmarks", "allreduce.{json,md}")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -65,7 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def wan_bytes() -> tuple[int, int]:
     """tx, rx of wan0 as this namespace's sysfs reports them (`ip netns exec` remounts /sys)."""
-    base = Path("/sys/class/net/wan0/statistics")
+    base = Path(f"/sys/class/net/{os.environ.get('GLOO_SOCKET_IFNAME', 'wan0')}/statistics")
     return int((base / "tx_bytes").read_text()), int((base / "rx_bytes").read_text())
 
 
@@ -93,7 +97,8 @@ def worker(args: argparse.Namespace) -> None:
     site, sites = int(os.environ["ZB_WAN_SITE"]), args.sites
     timeout = timedelta(seconds=600)
     store = open_store(os.environ["ZB_WAN_STORE"], site == 0, timeout)
-    group = new_global_group(store, "bench/", site, sites, timeout)
+    extra = {"streams": args.streams} if args.streams != 1 else {}  # the gloo baseline had no streams
+    group = new_global_group(store, "bench/", site, sites, timeout, **extra)
     group.gather_scalars([0.0])  # connections up before timing
     results = []
     for wire in args.wires.split(","):
@@ -123,13 +128,21 @@ def run_link(args: argparse.Namespace, rate: float) -> list[list[dict[str, Any]]
 
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--sites", str(args.sites),
            "--params", str(args.params), "--wires", args.wires, "--repeats", str(args.repeats),
-           "--piece-mb", str(args.piece_mb)]
+           "--piece-mb", str(args.piece_mb), "--streams", str(args.streams)]
+    if args.loopback:
+        store = f"tcp://127.0.0.1:{free_port()}"
+        env = [{"ZB_WAN_SITE": str(i), "ZB_WAN_STORE": store, "GLOO_SOCKET_IFNAME": "lo"} for i in range(args.sites)]
+        return _outputs([subprocess.Popen(cmd, env={**os.environ, **env[i], "OMP_NUM_THREADS": "1"},
+                                          stdout=subprocess.PIPE, text=True, cwd=REPO) for i in range(args.sites)])
     with WanEmulator(args.sites, rate_mbit=rate, delay_ms=args.delay_ms, mtu=args.mtu, name="zbar") as wan:
-        procs = [subprocess.Popen(wan.wrap(i, cmd), env={**os.environ, **wan.env(i), "OMP_NUM_THREADS": "1"},
-                                  stdout=subprocess.PIPE, text=True, cwd=REPO) for i in range(args.sites)]
-        outs = [p.communicate(timeout=3600)[0] for p in procs]
-        if any(p.returncode for p in procs):
-            raise RuntimeError(f"a site failed: exit codes {[p.returncode for p in procs]}")
+        return _outputs([subprocess.Popen(wan.wrap(i, cmd), env={**os.environ, **wan.env(i), "OMP_NUM_THREADS": "1"},
+                                          stdout=subprocess.PIPE, text=True, cwd=REPO) for i in range(args.sites)])
+
+
+def _outputs(procs: list[subprocess.Popen]) -> list[list[dict[str, Any]]]:
+    outs = [p.communicate(timeout=3600)[0] for p in procs]
+    if any(p.returncode for p in procs):
+        raise RuntimeError(f"a site failed: exit codes {[p.returncode for p in procs]}")
     return [json.loads(out.strip().splitlines()[-1]) for out in outs]
 
 

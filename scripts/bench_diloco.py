@@ -150,7 +150,7 @@ def _outer_state_rank(overrides: list[str]) -> dict[str, Any]:
         rss_after = vm_rss_mb()
         return {"shard_numel": sum(t.numel() for t in shard), "shard_bytes": sum(t.nbytes for t in shard),
                 "outer_copy_bytes": sum(t.nbytes for t in outer.outer),
-                "momentum_bytes": optimizer_state_bytes(outer.optimizer), "rss_delta_mb": rss_after - rss_before}
+                "momentum_bytes": optimizer_state_bytes(outer.optimizer.optimizer), "rss_delta_mb": rss_after - rss_before}
     finally:
         shutdown()
 

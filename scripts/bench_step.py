@@ -143,9 +143,10 @@ def timed_outer_steps(outer: Any, params: list[Any], deltas: list[Any], repeats:
 def kernels_used() -> str:
     """Which outer-step kernels ran (zeroband/comm/kernels.py): set ZEROBAND_KERNELS=eager to compare."""
     from zeroband.comm.kernels import kernels
+    from zeroband.outer.sgd_kernel import implementation
 
     k = kernels()
-    if k.name == "native" and not k.exact_sgd:
+    if k.name == "native" and implementation() != "native":
         return "native (outer optimizer: torch's SGD)"
     return k.name
 

@@ -48,7 +48,8 @@ def kernel_impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
 # integration tests that take tens of seconds (`-m "not slow"` leaves them out). A test not listed
 # below is integration, so a new test can only make the unit tier faster, never slower.
 UNIT_MODULES = {"test_config", "test_data", "test_model", "test_plan", "test_rounds", "test_fetch_safety",
-                "test_outer_units", "test_outer_step", "test_save_policy", "test_layers", "test_ledger"}
+                "test_outer_units", "test_outer_step", "test_save_policy", "test_layers", "test_outer_sync",
+                "test_transport", "test_ledger"}
 UNIT_TESTS = {
     "test_gpu_suite_smoke": {"test_cached_spec_is_skipped_and_a_changed_spec_runs_again",
                              "test_budget_stops_between_rows_and_the_next_invocation_goes_on",
@@ -81,6 +82,9 @@ UNIT_TESTS = {
                     "test_decide_names_the_first_failure_and_bounds_the_rest", "test_policy_bound_follows_the_config",
                     "test_terminal_filter_holds_back_everything_from_the_first_failure_on",
                     "test_local_secret_is_made_once_0600_and_reused"},
+    "test_outer_optimizer": {"test_the_outer_optimizer_is_a_pure_function_of_the_config",
+                             *(f"test_outer_optimizer_settings_are_refused_in_one_line[{k}]"
+                               for k in ("no_lr", "unknown", "kwargs", "momentum", "overlap"))},
     "test_optim": {"test_muon_takes_hidden_matrices_adamw_the_rest", "test_resume_keeps_the_muon_runs_adamw_kernel",
                    "test_resume_keeps_this_runs_adamw_kernel[host-gpu]",
                    "test_resume_keeps_this_runs_adamw_kernel[gpu-host]"},

@@ -54,15 +54,15 @@ def test_pieces_cover_everything_on_block_boundaries():
 
 
 # ----------------------------------------------------------------------- real groups
-def _group(port: int, prefix: str):
+def _group(port: int, prefix: str, streams: int = 1, store=None):
     import torch.distributed as dist
 
     from zeroband.comm.group import new_global_group
 
     site, sites = int(os.environ["ZEROBAND_SITE_RANK"]), int(os.environ["ZEROBAND_SITE_COUNT"])
     timeout = timedelta(seconds=30)
-    store = dist.TCPStore("127.0.0.1", port, is_master=site == 0, timeout=timeout, wait_for_workers=False)
-    return new_global_group(store, prefix, site, sites, timeout), site
+    store = store or dist.TCPStore("127.0.0.1", port, is_master=site == 0, timeout=timeout, wait_for_workers=False)
+    return new_global_group(store, prefix, site, sites, timeout, streams=streams), site
 
 
 def _reduce_all(port: int, wires: list[str], piece_bytes: int) -> dict:
@@ -74,6 +74,26 @@ def _reduce_all(port: int, wires: list[str], piece_bytes: int) -> dict:
         out[wire] = (t, sent)
     out["again"] = group.gather_scalars([float(-site)])  # same tag reused: matched in order
     return out
+
+
+def _reduce_per_streams(port: int) -> dict:
+    group, site = _group(port, "one/")
+    out = {}
+    for streams in (1, 4):
+        group = group if streams == 1 else _group(port, "four/", 4, group.store)[0]
+        gen = torch.Generator().manual_seed(site)
+        t = [torch.randn(600_000, generator=gen), torch.randn(7, generator=gen)]
+        all_reduce_dense(t, group, "fp16", 0.5, 1 << 20)
+        out[streams] = t
+    return out
+
+
+def test_four_streams_give_bitwise_the_same_all_reduce_as_one():
+    """Issue 27: the same bytes arrive over 4 connections per peer as over 1, so the fp16 direct
+    all-reduce (pieces of 1 MB, cut into 64 KB+ slices per stream) ends bitwise identical."""
+    res = run_sites(_reduce_per_streams, 2, 1, (free_port(),), timeout=60)
+    ref = res[(0, 0)][1]
+    assert all(torch.equal(a, b) for s in (0, 1) for k in (1, 4) for a, b in zip(ref, res[(s, 0)][k]))
 
 
 @pytest.mark.parametrize("sites", [2, 3])

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from zeroband.comm import kernels as K
+from zeroband.outer import sgd_kernel as S
 
 CC = K._compiler()
 needs_cc = pytest.mark.skipif(CC is None, reason="no C compiler: the native kernels cannot be built here")
@@ -33,7 +34,7 @@ def test_every_vector_path_writes_the_eager_bits(arch: str, tmp_path: Path):
     if arch == "avx2" and not all(f in CPU_FLAGS for f in (" avx2", " f16c", " fma")):
         pytest.skip("this CPU has no AVX2/F16C/FMA")
     native = _built(tmp_path, ARCHES[arch])
-    assert K.check(native) is None and K.check_sgd(native)
+    assert K.check(native) is None and S.check_sgd(S.build_and_load(CC, K.private_dir(tmp_path / "sgd"), (ARCHES[arch],)))
     gen = torch.Generator().manual_seed(11)
     for n in (1, 15, 16, 17, 4095, 4097, 70_001):
         for peak in (1e-30, 1.0, 3e4):
@@ -138,10 +139,9 @@ def test_the_check_rejects_a_kernel_that_rounds_otherwise(tmp_path: Path):
     if "avx512f" in CPU_FLAGS or " f16c" in CPU_FLAGS:  # the replaced intrinsic is on this CPU's path
         assert K.check(_built(tmp_path / "a", ARCHES["native"], toward_zero)).startswith("encode_f16")
     fused = tmp_path / "fused.c"
-    fused.write_text(source.replace("vadd(vmul(vload(buf + i), vm), gi)", "vfma(vload(buf + i), vm, gi)")
+    fused.write_text(S.SOURCE.read_text().replace("vadd(vmul(vload(buf + i), vm), gi)", "vfma(vload(buf + i), vm, gi)")
                      .replace("buf[i] * m + gi;", "fmaf(buf[i], m, gi);"))
-    native = _built(tmp_path / "b", ARCHES["native"], fused)
-    assert K.check(native) is None and not K.check_sgd(native)
+    assert not S.check_sgd(S.build_and_load(CC, K.private_dir(tmp_path / "b"), (ARCHES["native"],), fused))
 
 
 @needs_cc
@@ -187,31 +187,36 @@ def test_only_output_larger_than_the_cache_is_streamed():
 
 @pytest.mark.parametrize("momentum, nesterov", [(0.5, True), (0.9, False), (0.0, False)])
 def test_the_outer_step_is_torchs_sgd_then_the_copy_back(momentum: float, nesterov: bool, kernel_impl: str):
-    """OuterCopy.step (SGD on the outer copy, the local shard written in the same pass) gives what
+    """NesterovSGD.step (SGD on the outer copy, the local shard written in the same pass) gives what
     torch.optim.SGD(fused=True) and a copy give, bit for bit, with its state in the optimizer (so a
-    checkpoint reads the same), through a first step without a buffer and changes of lr and momentum."""
+    checkpoint reads the same), through a first step without a buffer and changes of lr and momentum
+    (handed to the step as a schedule; the optimizer's param_groups keep the configured values)."""
     from zeroband.comm.timing import Parts
     from zeroband.config import DilocoConfig
+    from zeroband.outer.optimizer import NesterovSGD, OuterHyper
     from zeroband.outer.placement import OuterCopy
 
     gen = torch.Generator().manual_seed(2)
     local = [torch.randn(333, 7, generator=gen), torch.randn(5, generator=gen), torch.randn(4099, generator=gen)]
     copy = OuterCopy(local, DilocoConfig(inner_steps=1))
     ref = [t.clone() for t in local]
-    ours = torch.optim.SGD(copy.tensors, lr=0.7, momentum=momentum, nesterov=nesterov, fused=True)
+    ours = NesterovSGD(torch.optim.SGD(copy.tensors, lr=0.7, momentum=momentum, nesterov=nesterov, fused=True))
     theirs = torch.optim.SGD(ref, lr=0.7, momentum=momentum, nesterov=nesterov, fused=True)
     for step in range(4):
         grads = [torch.randn(t.shape, generator=gen) * 10.0**-step for t in local]
-        for opt in (ours, theirs):
-            opt.param_groups[0].update(lr=0.7 / (step + 1), momentum=momentum * min(1.0, (step + 1) / 2))
-        copy.step(ours, grads, Parts(), into_local=True)
+        hyper = OuterHyper(lr_scale=1 / (step + 1), momentum_scale=min(1.0, (step + 1) / 2))
+        theirs.param_groups[0].update(lr=0.7 * hyper.lr_scale, momentum=momentum * hyper.momentum_scale)
+        ours.step(copy, grads, hyper, Parts(), into_local=True)
         for r, g in zip(ref, grads):
             r.grad = g
         theirs.step()
         for o, t, r in zip(copy.tensors, local, ref):
             assert torch.equal(o.view(torch.int32), r.view(torch.int32)) and torch.equal(t, o)
     mine, want = ours.state_dict(), theirs.state_dict()
-    assert mine["param_groups"] == want["param_groups"] and mine["state"].keys() == want["state"].keys()
+    scheduled = ("lr", "momentum")
+    assert [{k: v for k, v in g.items() if k not in scheduled} for g in mine["param_groups"]] == \
+        [{k: v for k, v in g.items() if k not in scheduled} for g in want["param_groups"]]
+    assert mine["state"].keys() == want["state"].keys()
     for i, state in want["state"].items():
         assert state.keys() == mine["state"][i].keys()
         if "momentum_buffer" in state:

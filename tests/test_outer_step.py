@@ -190,7 +190,7 @@ def test_owner_sum_is_bitwise_zero_decode_add(peak: float, kernel_impl: str):
 def test_outer_preview_in_reused_memory_is_the_formula(momentum: float, nesterov: bool, with_buf: bool):
     """The eager rules' preview written into reused memory gives the formula's bits (one temporary
     per operation), whatever the state of the momentum buffer."""
-    from zeroband.outer.overlap import outer_preview
+    from zeroband.outer.optimizer import sgd_preview as outer_preview
 
     gen = torch.Generator().manual_seed(7)
     theta, d, buf = (torch.randn(999, generator=gen) * c for c in (1.0, 1e-3, 1e-3))

@@ -5,7 +5,7 @@ import pytest
 from zeroband.config import DilocoConfig
 from zeroband.membership.base import EventLog
 from zeroband.outer.base import RoundClock
-from zeroband.outer.diloco import outer_hyperparameters
+from zeroband.outer.optimizer import outer_hyperparameters
 
 
 def test_outer_hyperparameters_schedule_and_warmup():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import hashlib
+import inspect
 import json
 import os
 import re
@@ -180,6 +181,15 @@ class LogConfig(Section):
     wandb_mode: Literal["online", "offline", "disabled"] = "offline"
 
 
+SGD_OUTER = ("nesterov", "sgd")  # diloco.outer_optimizer values that outer_momentum / nesterov configure
+
+
+def torch_sgd_class() -> type:
+    import torch  # only when a config is checked
+
+    return torch.optim.SGD
+
+
 class DilocoConfig(Section):
     """Present only for multi-site runs: what is computed across sites (who they are: [sites])."""
 
@@ -189,9 +199,17 @@ class DilocoConfig(Section):
     # momentum multiplies consistent pseudo-gradients up to 7x and loses to one site when a run has
     # tens of outer steps; lr 0.7 with momentum 0.5, warmed up over 5 outer steps, held up with
     # 10 and with 40 outer steps.
-    outer_lr: float = Field(0.7, gt=0)
+    # Which outer optimizer (zeroband/outer/optimizer.py): "nesterov" (SGD with Nesterov momentum, the
+    # default; the native fused path), "sgd" (heavy-ball momentum; outer_lr 1 with outer_momentum 0 is
+    # plain averaging), "adam", "adamw", or a torch optimizer's dotted name ("torch.optim.RAdam"). Every
+    # one is built with lr = outer_lr and `outer_kwargs`; outer_momentum, nesterov and the momentum
+    # warm-up are SGD's. Measured against each other: docs/results/convergence_outer.md.
+    outer_optimizer: str = "nesterov"
+    outer_lr: float = Field(0.7, gt=0)  # the default is Nesterov SGD's: other optimizers need their own
     outer_momentum: float = Field(0.5, ge=0, lt=1)
     nesterov: bool = True
+    # More settings of the outer optimizer's constructor, e.g. { betas = [0.9, 0.95], eps = 1e-8 } for adam.
+    outer_kwargs: dict[str, float | bool | list[float]] = Field(default_factory=dict)
     # Outer learning rate over the run: "constant", or "inner": outer_lr x the inner schedule's factor
     # at the boundary (warmup and decay alike), so momentum cannot keep pushing once inner steps shrink.
     outer_lr_schedule: Literal["constant", "inner"] = "constant"
@@ -261,6 +279,42 @@ class DilocoConfig(Section):
             values = {k: v for k, v in values.items() if k not in moved} | renamed
         return values
 
+    @model_validator(mode="before")
+    @classmethod
+    def _outer_lr_given(cls, values: Any) -> Any:
+        # outer_lr's default (0.7) is Nesterov SGD's: an Adam step of 0.7 per coordinate would wreck the
+        # model, so any other optimizer names its lr (a dumped config always carries it: round trips pass).
+        name = values.get("outer_optimizer", "nesterov") if isinstance(values, dict) else "nesterov"
+        if name in SGD_OUTER or not isinstance(name, str):
+            return values
+        from zeroband.outer.optimizer import optimizer_class
+
+        optimizer_class(name)  # an unknown name is the first thing to say
+        if "outer_lr" not in values:
+            raise ValueError(f"diloco.outer_lr must be set for diloco.outer_optimizer = "
+                             f"{values['outer_optimizer']!r} (the default 0.7 is Nesterov SGD's; Adam takes ~1e-3 to 1e-2)")
+        return values
+
+    @model_validator(mode="after")
+    def _check_outer_optimizer(self) -> DilocoConfig:
+        from zeroband.outer.optimizer import optimizer_class  # imports torch: only when a config is checked
+
+        cls = optimizer_class(self.outer_optimizer)
+        takes = set(inspect.signature(cls.__init__).parameters) - {"self", "params"}
+        if unknown := sorted(set(self.outer_kwargs) - takes):
+            raise ValueError(f"diloco.outer_kwargs has {unknown[0]!r}, which {cls.__name__} does not take "
+                             f"(it takes: {', '.join(sorted(takes))})")
+        fields = type(self).model_fields
+        if self.outer_optimizer not in SGD_OUTER:
+            for key in ("outer_momentum", "nesterov", "outer_momentum_warmup"):
+                if getattr(self, key) != fields[key].default:
+                    raise ValueError(f"diloco.{key} applies to the SGD outer optimizers only ('nesterov', 'sgd'), "
+                                     f"not {self.outer_optimizer!r}: remove it (set betas etc. in diloco.outer_kwargs)")
+        if self.overlap and self.overlap_rule != "delayed" and cls is not torch_sgd_class():
+            raise ValueError(f"diloco.overlap_rule={self.overlap_rule!r} previews the outer step, which only SGD "
+                             f"can: set diloco.overlap_rule = 'delayed' for outer_optimizer {self.outer_optimizer!r}")
+        return self
+
     @model_validator(mode="after")
     def _check_outer(self) -> DilocoConfig:
         if self.overlap_steps and self.overlap_steps >= self.inner_steps:
@@ -318,6 +372,9 @@ class SitesConfig(Section):
     site_count: int | None = Field(None, gt=0)
     backend: Literal["gloo", "nccl"] = "gloo"
     timeout_s: float = Field(600.0, gt=0)
+    # Connections per peer pair of the cross-site transport (comm/transport.py): a large message is
+    # cut into this many slices sent at once, to fill a long fat link; the bytes and results are the same.
+    streams: int = Field(1, ge=1, le=64)
 
     @model_validator(mode="before")
     @classmethod

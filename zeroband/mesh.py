@@ -78,7 +78,8 @@ def init_topology(
     return Topology(world, mesh, store, secret, timeout_s=timeout_s)
 
 
-def fixed_global_group(topology: Topology, run_name: str, backend: str = "gloo", mark: str = OPEN) -> GlobalGroup:
+def fixed_global_group(topology: Topology, run_name: str, backend: str = "gloo", mark: str = OPEN,
+                       streams: int = 1) -> GlobalGroup:
     """Rank i of every site for the whole run (fixed DiLoCo, cross-site data parallel), over the store."""
     world, timeout_s = topology.world, topology.timeout_s
     auth = WireAuth.from_secret(topology.secret, run_name)
@@ -86,7 +87,7 @@ def fixed_global_group(topology: Topology, run_name: str, backend: str = "gloo",
     prefix = incarnation_prefix(topology.store, f"zeroband/{run_name}/shard{world.rank}/start/", world.site_rank,
                                 world.site_count, timeout_s, auth.subkey("arrive"))
     return new_global_group(topology.store, prefix, world.site_rank, world.site_count, timedelta(seconds=timeout_s),
-                            backend, mark=mark, auth=auth)
+                            backend, mark=mark, auth=auth, streams=streams)
 
 
 def shutdown() -> None:

@@ -144,7 +144,7 @@ def open_topology(cfg: Config, world: World, secret: bytes | None) -> tuple[Topo
     topology = init_topology(world, s.store, cfg.name, s.timeout_s, s.backend, host_store=s.host_store, secret=secret)
     if cfg.diloco.elastic:
         return topology, None
-    return topology, fixed_global_group(topology, cfg.name, s.backend, admission_mark(s.secret))
+    return topology, fixed_global_group(topology, cfg.name, s.backend, admission_mark(s.secret), s.streams)
 
 
 @dataclass

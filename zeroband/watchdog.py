@@ -46,6 +46,14 @@ class PeerLost(ConnectionError):
     """The transport failed while waiting on a peer (connection reset or closed, gloo's own timeout)."""
 
 
+class TransportError(PeerLost):
+    """A connection of the cross-site transport failed (comm/transport.py); the watcher adds the phase."""
+
+
+class TransportTimeout(PeerTimeout):
+    """A transport operation outlived the group's timeout (comm/transport.py)."""
+
+
 class Interrupted(RuntimeError):
     """SIGTERM arrived while this site was blocked waiting on a peer."""
 
@@ -98,15 +106,23 @@ class Watch:
         return box["result"]
 
     def _named(self, error: BaseException, what: str, elapsed: float) -> BaseException:
-        """gloo's own errors say neither the phase nor the site: name both (ours pass unchanged)."""
+        """gloo's and the transport's errors say neither the phase nor the site: name both (others pass
+        unchanged)."""
+        if isinstance(error, TransportTimeout):
+            return self._timeout(what, elapsed)
+        if isinstance(error, TransportError):
+            return PeerLost(f"{what}: lost {self.current}: {error}")
         text = str(error).strip()
         if not isinstance(error, RuntimeError) or "gloo" not in text:
             return error
         first = text.splitlines()[0].split("] ", 1)[-1]  # drop the C++ source location
         if "Timed out" in text:
-            return PeerTimeout(f"{what}: no answer from {self.current} after {elapsed:.0f} s "
-                               f"(sites.timeout_s={self.timeout_s:g}); that site is frozen, dead or unreachable")
+            return self._timeout(what, elapsed)
         return PeerLost(f"{what}: lost {self.current}: {first}")
+
+    def _timeout(self, what: str, elapsed: float) -> PeerTimeout:
+        return PeerTimeout(f"{what}: no answer from {self.current} after {elapsed:.0f} s "
+                           f"(sites.timeout_s={self.timeout_s:g}); that site is frozen, dead or unreachable")
 
     def join(self, thread: threading.Thread, what: str, check: Callable[[], None] | None = None) -> None:
         """Wait for `thread`, logging every log_every_s; `check` may raise to give up early."""

@@ -3,6 +3,7 @@
     python scripts/experiments/convergence.py --out docs/results   # the report (~35-45 min on 2 cores)
     python scripts/experiments/convergence.py --phase tune --out docs/results  # the grid behind the defaults
     python scripts/experiments/convergence.py --quick --out /tmp/q # pipeline check (~2 min; CI smoke)
+    python scripts/experiments/convergence.py --phase outer --out docs/results  # outer optimizers (~5 min)
 
 Every row is one run of the real trainer. Multi-site rows run k sites as k threads of one process
 (`zeroband.sim`: the trainer's own loop, DiLoCo and all-reduce code, joined by a real gloo group),
@@ -75,6 +76,10 @@ FULL = Scale(model=dict(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=35
 QUICK = Scale(model=dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=176), vocab=512, seq_len=64,
               batch=2, steps=20, sites=2, sweep_sites=(), seeds=1, lr=3e-3, warmup=2, eval_interval=10,
               eval_batches=2)
+# The outer-optimizer comparison (`--phase outer`): small enough to run in minutes on 2 shared cores.
+OUTER = Scale(model=dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=176), vocab=512, seq_len=64,
+              batch=4, steps=120, sites=4, sweep_sites=(), seeds=2, lr=3e-3, warmup=6, eval_interval=12,
+              eval_batches=16)
 # A CUDA GPU (sites share it as threads): ~27M parameters, 40 / 10 outer steps over T = 800.
 GPU = Scale(model=dict(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, ffn_dim=1408), vocab=4096, seq_len=256,
             batch=16, steps=800, sites=4, sweep_sites=(2, 8), seeds=3, lr=1e-3, warmup=40, eval_interval=80,
@@ -137,6 +142,9 @@ def config_tree(spec: Spec, base: dict[str, Any], out_dir: Path) -> dict[str, An
                           "outer_momentum_warmup": spec.outer_momentum_warmup, "overlap": spec.overlap,
                           "overlap_rule": spec.overlap_rule, "error_feedback": spec.error_feedback}
     if "diloco" in tree:
+        if spec.extra.get("diloco", {}).get("outer_optimizer", "nesterov") not in ("nesterov", "sgd"):
+            for key in ("outer_momentum", "outer_momentum_warmup"):  # SGD's settings: refused for the others
+                tree["diloco"].pop(key)
         tree["diloco"].update(spec.extra.get("diloco", {}))
         tree["sites"] = {"timeout_s": 300, "insecure": True}
     return tree
@@ -256,6 +264,28 @@ def tune_specs(scale: Scale, seed: int = 100) -> list[Spec]:
               for regime, h in regimes(scale).items() for tau in sorted({1, h // 2})]
     # Why a gap may remain: averaging every step (H = 1) is the ceiling of any outer optimizer here.
     specs.append(Spec("plain_avg_H1", "diloco", k, t, seed, h=1, regime="H1", **PLAIN_AVERAGING))
+    return specs
+
+
+# Outer Adam's settings, fixed before the first run and not tuned on its numbers: lr = H x the inner
+# peak lr, the most a round of H inner AdamW steps moves one coordinate (Adam steps each coordinate
+# by about lr); torch's default betas and eps.
+def outer_adam(scale: Scale, h: int) -> dict[str, Any]:
+    return {"diloco": {"outer_optimizer": "adam", "outer_lr": round(h * scale.lr, 6)}}
+
+
+def outer_specs(scale: Scale, default: dict[str, Any]) -> list[Spec]:
+    """Outer optimizers side by side (issue 25): the shipped Nesterov, plain averaging (SGD lr 1, no
+    momentum) and Adam, against one site and data parallel; every seed of `scale`, both regimes."""
+    k, t = scale.sites, scale.steps
+    specs: list[Spec] = []
+    for s in range(scale.seeds):
+        specs += [Spec("single", "single", 1, t, s), Spec("dp", "dp", k, t, s)]
+        for regime, h in regimes(scale).items():
+            specs += [Spec(f"nesterov_default_{regime}", "diloco", k, t, s, h=h, regime=regime, **default),
+                      Spec(f"plain_avg_{regime}", "diloco", k, t, s, h=h, regime=regime, **PLAIN_AVERAGING,
+                           extra={"diloco": {"outer_optimizer": "sgd"}}),
+                      Spec(f"adam_{regime}", "diloco", k, t, s, h=h, regime=regime, extra=outer_adam(scale, h))]
     return specs
 
 
@@ -497,10 +527,29 @@ def tune_report(results: list[dict[str, Any]], out: Path, argv: list[str], wall_
     (out / "convergence_tuning.json").write_text(json.dumps(results, indent=1))
 
 
+def outer_report(results: list[dict[str, Any]], scale: Scale, out: Path, argv: list[str], wall_s: float) -> None:
+    rows = by_row(results)
+    single = mean_std([r["val_loss"] for r in rows["single"]])[0]
+    dp = mean_std([r["val_loss"] for r in rows["dp"]])[0]
+    adam = {regime: outer_adam(scale, h)["diloco"] for regime, h in regimes(scale).items()}
+    lines = ["# Outer optimizers: Nesterov (shipped) vs plain averaging vs Adam", "", "```bash",
+             "python " + " ".join(argv), "```", "",
+             f"Machine: {machine()}. Wall time {wall_s / 60:.1f} min; load average when done {os.getloadavg()[0]:.1f}.", "",
+             f"k = {scale.sites} sites, mean ± std over {scale.seeds} seeds (0-{scale.seeds - 1}), every row kept. "
+             f"Nesterov: the shipped defaults `{json.dumps(shipped_default())}`; plain averaging: "
+             f"`outer_optimizer = \"sgd\"`, lr 1, momentum 0; Adam: `{json.dumps(adam)}` per regime, fixed before "
+             "the first run (lr = H x the inner peak lr, torch's default betas and eps) and not tuned on these numbers.",
+             "", *table(rows, single, dp), "",
+             "Gap closed = (one site - row) / (one site - data parallel), on mean validation loss.", "",
+             "## Setup", "", setup_text(scale), "", "Raw per-run numbers and curves: `convergence_outer.json`."]
+    (out / "convergence_outer.md").write_text("\n".join(lines) + "\n")
+    (out / "convergence_outer.json").write_text(json.dumps({"scale": asdict(scale), "runs": results}, indent=1))
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--phase", choices=["report", "tune"], default="report")
+    p.add_argument("--phase", choices=["report", "tune", "outer"], default="report")
     p.add_argument("--quick", action="store_true", help="tiny model and rows: checks the pipeline, not the method")
     p.add_argument("--gpu", action="store_true", help="the CUDA scale: a ~27M-parameter model, 4 sites on one GPU")
     add_out_argument(p, "docs/results", "convergence*.{md,json,png}")
@@ -512,7 +561,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", default="", help="comma-separated row names to keep (default: all)")
     args = p.parse_args(argv)
     args.out = output_dir(args.out, "convergence", args.quick)
-    scale = QUICK if args.quick else GPU if args.gpu else FULL
+    scale = QUICK if args.quick else GPU if args.gpu else OUTER if args.phase == "outer" else FULL
     start = time.perf_counter()
     corpus = args.corpus or shared_corpus(args.cache, args.shared_corpus)
     tokenizer = prepare_tokenizer(corpus, scale.vocab, 0.02, args.cache)
@@ -521,6 +570,8 @@ def main(argv: list[str] | None = None) -> int:
         if not corpus.is_file():
             write_train_split(args.corpus or shared_corpus(args.cache), 0.02, corpus)
         specs = tune_specs(scale)
+    elif args.phase == "outer":
+        specs = outer_specs(scale, shipped_default())
     else:
         specs = report_specs(scale, shipped_default())
     if args.rows:
@@ -534,6 +585,8 @@ def main(argv: list[str] | None = None) -> int:
     shown = ["scripts/experiments/convergence.py", *argv]
     if args.phase == "tune":
         tune_report(results, args.out, shown, time.perf_counter() - start)
+    elif args.phase == "outer":
+        outer_report(results, scale, args.out, shown, time.perf_counter() - start)
     else:
         write_report(results, scale, args.out, shown, time.perf_counter() - start)
     say_written(*sorted(args.out.glob("convergence*")))

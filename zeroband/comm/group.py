@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from zeroband import seams
+from zeroband.comm.transport import Transport
 from zeroband.trust.auth import ADMIT_REFUSE_S, SECRET_ENV, PeerRefused, Verdict, frame
 from zeroband.trust.mac import NO_AUTH, WireAuth
 from zeroband.trust.signed import ForgedValue, SealedStore, SignedStore, exchange
@@ -47,7 +48,7 @@ class GlobalGroup:
     call, so a message from an earlier round or incarnation does not verify.
     """
 
-    def __init__(self, pg: dist.ProcessGroup, rank: int, size: int, store: dist.Store | None = None,
+    def __init__(self, pg: dist.ProcessGroup | Transport, rank: int, size: int, store: dist.Store | None = None,
                  watch: Watch | None = None, prefix: str = "", auth: WireAuth = NO_AUTH) -> None:
         self.pg = pg
         self.store = store  # keeps the store client (and on site 0 its server) alive with the group
@@ -153,27 +154,45 @@ def checksum_table(tensors: list[torch.Tensor], group: GlobalGroup) -> list[str]
 
 def new_global_group(
     store: dist.Store, prefix: str, site_rank: int, site_count: int, timeout: timedelta, backend: str = "gloo",
-    watch: Watch | None = None, mark: str = OPEN, auth: WireAuth = NO_AUTH,
+    watch: Watch | None = None, mark: str = OPEN, auth: WireAuth = NO_AUTH, streams: int = 1,
 ) -> GlobalGroup:
-    """The group of rank i of every site, after a named, logged, bounded rendezvous (`rendezvous`)."""
+    """The group of rank i of every site, after a named, logged, bounded rendezvous (`rendezvous`).
+    On CPU it runs on zeroband's own transport (comm/transport.py: authenticated, bounded against
+    strangers, `streams` connections per peer), never on gloo's listener."""
     watch = watch or Watch(timeout.total_seconds())
     rendezvous(store, prefix, site_rank, site_count, timeout.total_seconds(), mark, auth.subkey("arrive"))
-    # With a secret, gloo's rendezvous values are signed: no process without it can take a site's slot.
+    # With a secret, the addresses are signed: no process without it can take a site's slot.
     sealed = SealedStore(store, auth.subkey("rendezvous")) if auth.key else store
-    scoped = dist.PrefixStore(prefix, sealed)
 
-    def build() -> dist.ProcessGroup:
+    def build() -> dist.ProcessGroup | Transport:
         if backend == "nccl":
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timeout
-            return dist.ProcessGroupNCCL(scoped, site_rank, site_count, opts)
-        return dist.ProcessGroupGloo(scoped, site_rank, site_count, timeout)
+            return dist.ProcessGroupNCCL(dist.PrefixStore(prefix, sealed), site_rank, site_count, opts)
+        return connect_transport(store, sealed, prefix, site_rank, site_count, timeout.total_seconds(),
+                                 auth.subkey("transport"), streams)
 
     watch.current = "every site (connecting the group)"
     pg = seams.current().pg(watch.run(build, "rendezvous"), site_rank)  # as built, unless a test wraps it (zeroband/seams.py)
     group = GlobalGroup(pg, site_rank, site_count, store, watch, prefix, auth)
-    group.rendezvous = sealed  # a Python store must outlive the C++ group that may call it
+    group.rendezvous = sealed  # a Python store must outlive the C++ group that may call it (nccl)
     return group
+
+
+def connect_transport(store: dist.Store, sealed: dist.Store, prefix: str, rank: int, size: int, timeout_s: float,
+                      subkey: bytes | None, streams: int) -> Transport:
+    """Listen, publish this member's address (signed through `sealed`), read every member's and
+    connect. A forged address fails `sealed.get` with ForgedValue before any connection is made."""
+    transport = Transport(rank, size, prefix, subkey, timeout_s, streams)
+    try:
+        keys = {s: f"{prefix}zeroband-transport/{s}" for s in range(size)}
+        sealed.set(keys[rank], transport.address)
+        wait_keys(store, keys, "connecting the group", timeout_s)  # present; verified by the get below
+        transport.connect({s: sealed.get(k).decode() for s, k in keys.items()})
+    except BaseException:
+        transport.close()
+        raise
+    return transport
 
 
 def admission_mark(secret: str | None) -> str:

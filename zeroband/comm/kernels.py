@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
-from torch.optim.sgd import sgd as torch_sgd
 
 log = logging.getLogger(__name__)
 
@@ -139,9 +138,6 @@ class Kernels(Protocol):
     def add_f32(self, total: torch.Tensor, x: torch.Tensor, weight: float, first: bool, scratch: torch.Tensor,
                 stats: Row = None) -> None: ...
 
-    def sgd(self, p: torch.Tensor, g: torch.Tensor, buf: torch.Tensor | None, local: torch.Tensor | None, lr: float,
-            momentum: float, nesterov: bool, stream: bool = False) -> torch.Tensor | None: ...
-
 
 class Eager:
     """torch, one op at a time: what each kernel means."""
@@ -197,17 +193,6 @@ class Eager:
             add_stats(stats, values)
         accumulate(total, values, 1.0, first)
 
-    def sgd(self, p: torch.Tensor, g: torch.Tensor, buf: torch.Tensor | None, local: torch.Tensor | None, lr: float,
-            momentum: float, nesterov: bool, stream: bool = False) -> torch.Tensor | None:
-        """One step of torch.optim.SGD(fused=True) on `p` (dampening 0, no weight decay), as its `step()`
-        runs it: `buf` None is the first step with momentum; returns the momentum buffer. Then local <- p."""
-        bufs = [buf]
-        torch_sgd([p], [g], bufs, fused=True, weight_decay=0.0, momentum=momentum, lr=lr, dampening=0.0,
-                            nesterov=nesterov, maximize=False)
-        if local is not None:
-            local.copy_(p)
-        return bufs[0]
-
 
 EAGER = Eager()
 
@@ -218,10 +203,6 @@ def _fits(*pairs: tuple[torch.Tensor | None, torch.dtype]) -> bool:
 
 
 F32, F16, F64 = torch.float32, torch.float16, torch.float64
-# torch's CPU fused SGD rounds a tensor's last n % 8 values as scalar code (its 16-wide loop leaves the
-# rest to an 8-wide one the compiler made of its tail loop): where they start is zb_sgd's `tail_from`.
-# Measured on torch 2.13 with AVX-512; `check_sgd` falls back to torch's optimizer wherever it differs.
-TORCH_SCALAR_TAIL = 8
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -238,14 +219,12 @@ class Native:
         p, n, f, d, i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_double, ctypes.c_int
         sig = {"zb_sub_sumsq": (d, [p, p, p, n, i, i]), "zb_copy": (None, [p, p, n, i, i]), "zb_max_abs": (f, [p, n, i]),
                "zb_encode_f16": (None, [p, n, f, p, p, d, p, i, i]), "zb_decode_f16": (None, [p, n, d, p, p, i, i]),
-               "zb_add_f16": (None, [p, p, n, d, i, p, i]), "zb_add_f32": (None, [p, p, n, f, i, p, i]),
-               "zb_sgd": (None, [p, p, p, p, n, f, f, i, i, n, i, i])}  # each ends with its thread count
+               "zb_add_f16": (None, [p, p, n, d, i, p, i]), "zb_add_f32": (None, [p, p, n, f, i, p, i])}  # each ends with its thread count
         for name, (restype, argtypes) in sig.items():
             fn = getattr(lib, name)
             fn.restype, fn.argtypes = restype, argtypes
         self.lib = lib
         self.threads = 1  # per call, at most (`set_threads`); one run on the calling thread at 1
-        self.exact_sgd = True  # `kernels()` turns it off when torch's optimizer rounds otherwise (`check_sgd`)
 
     def sub_sumsq(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, stream: bool = False) -> float:
         if not _fits((a, F32), (b, F32), (out, F32)):
@@ -287,18 +266,6 @@ class Native:
         if not _fits((total, F32), (x, F32), (stats, F64)):
             return EAGER.add_f32(total, x, weight, first, scratch, stats)
         self.lib.zb_add_f32(total.data_ptr(), x.data_ptr(), x.numel(), weight, int(first), _ptr(stats), self.threads)
-
-    def sgd(self, p: torch.Tensor, g: torch.Tensor, buf: torch.Tensor | None, local: torch.Tensor | None, lr: float,
-            momentum: float, nesterov: bool, stream: bool = False) -> torch.Tensor | None:
-        if not (self.exact_sgd and _fits((p, F32), (g, F32), (buf, F32), (local, F32))):
-            return EAGER.sgd(p, g, buf, local, lr, momentum, nesterov, stream)
-        first = momentum != 0 and buf is None
-        if first:
-            buf = torch.empty_like(p)
-        n = p.numel()
-        self.lib.zb_sgd(p.data_ptr(), g.data_ptr(), _ptr(buf) if momentum != 0 else None, _ptr(local), n,
-                        lr, momentum, nesterov, first, n - n % TORCH_SCALAR_TAIL, stream, self.threads)
-        return buf
 
 
 # ---------------------------------------------------------------------------------------------- loading
@@ -347,31 +314,40 @@ def cache_dir() -> Path:
         return private_dir(Path(tempfile.gettempdir()) / f"zeroband-kernels-{os.getuid()}")
 
 
-def build(cc: str, directory: Path, arches: tuple[list[str], ...] = ARCH_FLAGS, source_path: Path = SOURCE) -> Path:
+def build(cc: str, directory: Path, arches: tuple[list[str], ...] = ARCH_FLAGS,
+          source_path: Path | tuple[Path, ...] = SOURCE) -> Path:
     """The library for this source, compiler and CPU: built once (into a temporary file renamed into
     place, so processes building at once never load a half-written file), then reused. The first of
-    `arches` that compiles wins."""
+    `arches` that compiles wins. A tuple of sources is one translation unit, in that order: a later
+    file (zeroband/outer/sgd.c) uses the earlier one's static helpers (`-include`)."""
+    sources = source_path if isinstance(source_path, tuple) else (source_path,)
     version = _run([cc, "--version"]) or ""
-    source = source_path.read_bytes()
+    source = b"|".join(s.read_bytes() for s in sources)
+    includes = [arg for s in sources[:-1] for arg in ("-include", str(s.resolve()))]
     for arch in arches:
         key = hashlib.sha256(b"|".join([source, version.encode(), " ".join(FLAGS + arch).encode(),
                                         _cpu().encode()])).hexdigest()[:20]
-        lib = directory / f"zb_kernels-{key}.so"
+        lib = directory / f"zb_{sources[-1].stem}-{key}.so"
         if lib.exists():
             return lib
         tmp = directory / f".{lib.name}.{os.getpid()}"
-        if _run([cc, *FLAGS, *arch, "-o", str(tmp), str(source_path), "-lm"]) is not None:
+        if _run([cc, *FLAGS, *arch, *includes, "-o", str(tmp), str(sources[-1]), "-lm"]) is not None:
             os.replace(tmp, lib)
             return lib
         tmp.unlink(missing_ok=True)
-    raise OSError(f"{cc} could not build {source_path.name}")
+    raise OSError(f"{cc} could not build {sources[-1].name}")
 
 
-def load(lib: Path) -> Native:
+def open_library(lib: Path) -> ctypes.CDLL:
+    """The library at `lib`, unless others can write it (a library is code)."""
     st = lib.stat()
     if st.st_uid != os.getuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         raise ValueError(f"{lib} is writable by others: not loaded")
-    return Native(ctypes.CDLL(str(lib)))
+    return ctypes.CDLL(str(lib))
+
+
+def load(lib: Path) -> Native:
+    return Native(open_library(lib))
 
 
 def probe(n: int = 40_000) -> dict[str, torch.Tensor]:
@@ -452,27 +428,6 @@ def set_threads(n: int) -> int:
     return before
 
 
-def check_sgd(native: Native, n: int = 40_000) -> bool:
-    """Whether `native.sgd` gives torch's optimizer's bits (parameters, momentum buffer, local copy)
-    over steps that start without a buffer, change lr and momentum, and run with momentum 0."""
-    v = probe(n)
-    for nesterov in (True, False):
-        for k in (n, n - 1, n - 9, 5):  # no tail; an 8-wide epilogue and 7 scalar values; 7 scalar; all scalar
-            p, bufs, local = [v["x"][:k].clone(), v["x"][:k].clone()], [None, None], [_off(k, True), _off(k, False)]
-            for step, (lr, momentum) in enumerate([(0.7, 0.1), (0.5, 0.9), (0.7, 0.0), (0.3, 0.6)]):
-                g = v["y"][:k] * 10.0**-step
-                bufs = [impl.sgd(p[i], g, bufs[i], local[i], lr, momentum, nesterov, stream=i == 0)
-                        for i, impl in enumerate((native, EAGER))]
-                if not (_same(p[0], p[1]) and _same(local[0], local[1]) and _same(bufs[0], bufs[1])):
-                    return False
-    return True
-
-
-def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
-    return (a is None and b is None) or (a is not None and b is not None
-                                         and torch.equal(a.view(torch.int32), b.view(torch.int32)))
-
-
 @functools.cache
 def native_or_eager() -> Kernels:
     """Built, loaded and checked once per process."""
@@ -483,9 +438,6 @@ def native_or_eager() -> Kernels:
         native = load(build(cc, cache_dir()))
         if (wrong := check(native)) is not None:
             raise ValueError(f"its {wrong} differs from torch's bits")
-        if not check_sgd(native):  # the rest still runs native
-            native.exact_sgd = False
-            log.warning("outer-step kernels: torch's own SGD (this torch build rounds it otherwise than zb_sgd)")
     except (OSError, ValueError) as e:
         log.warning("outer-step kernels: eager torch ops (slower, same bits): native kernels unavailable: %s", e)
         return EAGER

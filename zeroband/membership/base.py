@@ -1,19 +1,22 @@
 """Who takes part in an outer round: the `Membership` protocol and the fixed membership.
 
-The outer loop (zeroband/outer/diloco.py) computes; a membership decides which sites take part in
-a round and gives it the group to all-reduce on. `run_round(prepare)` carries out one round:
-`prepare(contribute, reduce)` runs on the main thread (site-group collectives are allowed there)
-and returns the cross-site work, a function of the round's `GlobalGroup` that runs on a watched
-thread. `run_round` returns that work's result once the round counts, or `NOT_DONE` when it did
-not (the elastic membership skips a round that failed too often). `holds_state` is False while a
-site waits for the run's state (elastic joiners): the outer loop then takes rounds that contribute
-nothing until a peer has handed the state over.
+The outer loop (zeroband/outer/diloco.py) computes; a membership answers its questions and never
+calls it back. `attempts()` yields the attempts of one round (fixed: exactly one; elastic: one per
+generation until a verdict commits, at most `max_retries` + 1, then the round is skipped and the
+iteration simply ends). Each `Attempt` says whether this site brings a pseudo-gradient
+(`contributes`) and whether anything is averaged (`averages`: False when the round only hands the
+run's state over), runs the cross-site work on the round's group (`exchange`, on a watched thread),
+turns a failure inside `with attempt:` into a failed attempt where a round may retry, and answers
+`commit()`: whether every member may apply the result. `holds_state` is False while a site waits
+for the run's state (elastic joiners): the outer loop then takes rounds that contribute nothing
+until a peer has handed the state over.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
+from types import TracebackType
 from typing import Any, Protocol
 
 import torch
@@ -23,9 +26,6 @@ from zeroband.comm.group import GlobalGroup
 from zeroband.mesh import Topology
 from zeroband.trust.auth import Admission, admission
 
-Exchange = Callable[[GlobalGroup], Any]
-Prepare = Callable[[bool, bool], Exchange]  # (contribute, reduce) -> the cross-site work
-NOT_DONE = object()  # run_round's result when the round did not count
 Event = dict[str, Any]
 
 
@@ -68,9 +68,28 @@ def admit_group(group: GlobalGroup, store: dist.Store, secret: bytes | None, fin
     return result
 
 
+class Attempt(Protocol):
+    """One try at a round: the questions the outer loop asks of it, in the order it asks them."""
+
+    contributes: bool  # this site brings a pseudo-gradient (False: it waits for the run's state)
+    averages: bool  # the round averages anything (False: it only hands the run's state over)
+
+    def __enter__(self) -> Attempt: ...
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 tb: TracebackType | None) -> bool:
+        """True (the error is swallowed) where a failed attempt is voted on and retried."""
+
+    def exchange(self, work: Callable[[GlobalGroup], Any]) -> Any:
+        """`work(group)` on the round's group, on a watched thread; its result."""
+
+    def commit(self) -> bool:
+        """Whether every member may apply this attempt's result (elastic: a vote)."""
+
+
 class Membership(Protocol):
     group: GlobalGroup | None  # the group of the current round (fixed: the whole run's)
-    may_retry: bool  # a round may run `prepare`'s work more than once (it must keep its inputs)
+    may_retry: bool  # an attempt may fail and be retried: `exchange`'s work must keep its inputs
 
     def start(self, resumed: bool) -> None:
         """Admission and the first round's number, before anything else crosses sites."""
@@ -79,7 +98,8 @@ class Membership(Protocol):
     def holds_state(self) -> bool:
         """False while this site still waits for the run's state (it contributes nothing)."""
 
-    def run_round(self, prepare: Prepare) -> Any: ...
+    def attempts(self) -> Iterator[Attempt]:
+        """This round's attempts; the iteration ends after a commit or when the round is skipped."""
 
     def rounds_done(self, local_rounds: int) -> int:
         """Outer rounds the run has completed (for `RoundClock.finished`)."""
@@ -114,9 +134,8 @@ class FixedMembership:
     def holds_state(self) -> bool:
         return True
 
-    def run_round(self, prepare: Prepare) -> Any:
-        work = prepare(True, True)
-        return self.group.watched(lambda: work(self.group), "outer all-reduce")
+    def attempts(self) -> Iterator[Attempt]:
+        yield FixedAttempt(self.group)
 
     def rounds_done(self, local_rounds: int) -> int:
         return local_rounds
@@ -136,3 +155,25 @@ class FixedMembership:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
+
+
+class FixedAttempt:
+    """The one attempt of a fixed round: every site contributes; a failure stops the run."""
+
+    contributes = averages = True
+
+    def __init__(self, group: GlobalGroup) -> None:
+        self.group = group
+
+    def __enter__(self) -> FixedAttempt:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 tb: TracebackType | None) -> bool:
+        return False
+
+    def exchange(self, work: Callable[[GlobalGroup], Any]) -> Any:
+        return self.group.watched(lambda: work(self.group), "outer all-reduce")
+
+    def commit(self) -> bool:
+        return True

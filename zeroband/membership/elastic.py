@@ -29,8 +29,9 @@ from __future__ import annotations
 
 import io
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
+from types import TracebackType
 from typing import Any
 
 import torch
@@ -38,7 +39,7 @@ import torch.distributed as dist
 
 from zeroband.comm.group import OPEN, SECRET, GlobalGroup, checksum_table, new_global_group, rendezvous
 from zeroband.config import DilocoConfig, SitesConfig
-from zeroband.membership.base import NOT_DONE, Event, EventLog, Prepare
+from zeroband.membership.base import Event, EventLog
 from zeroband.membership.heartbeat import Heartbeat, Liveness, heartbeat_key, leave_key
 from zeroband.membership.rounds import Decision, RoundCoordinator
 from zeroband.mesh import Topology
@@ -55,8 +56,61 @@ class MemberLost(RuntimeError):
     pass
 
 
-class LeftOut(Exception):
-    """This site was not in the round's decision: it joins the next boundary as a fresh site."""
+class StateDiffers(RuntimeError):
+    """The members' outer state differs after a hand-over: the attempt fails."""
+
+
+class ElasticAttempt:
+    """One attempt of an elastic round: groups of this generation, the state handed to members that
+    lack it, the outer loop's work, and a vote; any failure inside `with` is the attempt's."""
+
+    def __init__(self, member: ElasticMembership, decision: Decision, number: int) -> None:
+        self.member, self.decision, self.number = member, decision, number
+        self.contributes = not member.fresh
+        self.averages = member.round > 0 and decision.has_holder  # else the state hand-over is the whole round
+        self.failed = self.committed = False
+
+    def __enter__(self) -> ElasticAttempt:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 tb: TracebackType | None) -> bool:
+        m = self.member
+        if error is None or not isinstance(error, Exception):
+            return False
+        if isinstance(error, PeerRefused) and m.world.site_rank not in [self.decision.members[i] for i in error.admitted]:
+            m.leave()  # we are the foreign peer: stop, and let the others go on without us
+            return False
+        if isinstance(error, PeerRefused | StateDiffers):
+            log.error("round %d: %s", m.round, error)
+        else:  # every failure is voted on, never applied
+            log.warning("round %d: attempt failed on site %d rank %d: %s", m.round, m.world.site_rank, m.world.rank,
+                        error)
+        self.failed, m.group = True, None  # a group that saw a failure is not trusted again
+        return True
+
+    def exchange(self, work: Callable[[GlobalGroup], Any]) -> Any:
+        """Site-group collectives happen only on the main thread, before and after the watched one: an
+        abandoned thread must never hold a site collective that the others would match with another."""
+        m = self.member
+        crcs, result = m._watched(self.decision, self.number, lambda: m._exchange(self.decision, work))
+        if crcs is not None and len(set(crcs)) > 1:
+            raise StateDiffers(f"outer state differs between members after hand-over: {crcs}")
+        return result
+
+    def commit(self) -> bool:
+        m, decision = self.member, self.decision
+        with store_failures_named(m.sites.store):
+            verdict = m.rounds.vote_and_verdict(m.round, self.number, decision, m._site_ok(not self.failed),
+                                                m.sites.timeout_s)
+        if verdict == "commit":
+            m._commit(decision, self.number)
+            self.committed = True
+            return True
+        log.warning("round %d attempt %d aborted (members %s); retrying", m.round, self.number, decision.members)
+        m.emit("aborted", attempt=self.number, members=decision.members, generation=decision.generation)
+        m.group = None  # a group that saw a failure is not trusted again
+        return False
 
 
 class ElasticMembership:
@@ -134,45 +188,53 @@ class ElasticMembership:
         self.group = None
 
     # ------------------------------------------------------------------ one round
-    def run_round(self, prepare: Prepare) -> Any:
-        """One outer round; a site left out of it waits for the next boundary as a joiner. Every
-        step of it talks to the store: if the store goes away, that is the error, in one line."""
-        with store_failures_named(self.sites.store):
-            while True:
-                try:
-                    return self._try_round(prepare)
-                except LeftOut:
-                    continue  # fresh now: its own progress of this round is dropped
+    def attempts(self) -> Iterator[ElasticAttempt]:
+        """This round's attempts, one per generation. A site left out of a decision waits for the next
+        boundary as a joiner (its own progress of this round is dropped) and goes on in that round."""
+        number = 0
+        while True:
+            with store_failures_named(self.sites.store):
+                decision = self._decide(number)
+                left_out = self._left_out(decision, number)
+            if left_out:
+                self.fresh, self.round, number = True, self.round + 1, 0
+                continue
+            attempt = ElasticAttempt(self, decision, number)
+            yield attempt
+            if attempt.committed:
+                return
+            if self.after_aborted(number, self.cfg.max_retries) == "skip":
+                self._skip()
+                return
+            number += 1
 
-    def _try_round(self, prepare: Prepare) -> Any:
-        for attempt in range(self.cfg.max_retries + 1):
-            decision = self._decide(attempt)
-            log.info("site %d round %d attempt %d: %s", self.world.site_rank, self.round, attempt, decision)
-            self.emit("decision", attempt=attempt, members=decision.members, fresh=decision.fresh,
-                      generation=decision.generation)
-            refuse_if_foreign(self, decision)
-            stale = self.fresh and self.world.site_rank not in decision.fresh  # decided before we (re)started
-            if self.world.site_rank not in decision.members or stale:
-                log.warning("round %d: left out (late, presumed dead, or a decision from before a restart); "
-                            "joining the next boundary", self.round)
-                self.emit("left_out", attempt=attempt, members=decision.members, fresh=decision.fresh,
-                          generation=decision.generation)
-                self.fresh, self.round = True, self.round + 1
-                raise LeftOut
-            # no member holds the state: the donor's is the run's, handed over like round 0's
-            work = prepare(not self.fresh, self.round > 0 and decision.has_holder)
-            outcome = self._attempt(decision, attempt, work)
-            verdict = self.rounds.vote_and_verdict(self.round, attempt, decision,
-                                                   self._site_ok(outcome is not NOT_DONE), self.sites.timeout_s)
-            if verdict == "commit":
-                return self._commit(decision, attempt, outcome)
-            log.warning("round %d attempt %d aborted (members %s); retrying", self.round, attempt, decision.members)
-            self.emit("aborted", attempt=attempt, members=decision.members, generation=decision.generation)
-            self.group = None  # a group that saw a failure is not trusted again
+    def _left_out(self, decision: Decision, attempt: int) -> bool:
+        """Whether this site is outside `decision` (late, presumed dead, or the decision predates a restart)."""
+        log.info("site %d round %d attempt %d: %s", self.world.site_rank, self.round, attempt, decision)
+        self.emit("decision", attempt=attempt, members=decision.members, fresh=decision.fresh,
+                  generation=decision.generation)
+        refuse_if_foreign(self, decision)
+        stale = self.fresh and self.world.site_rank not in decision.fresh  # decided before we (re)started
+        if self.world.site_rank in decision.members and not stale:
+            return False
+        log.warning("round %d: left out (late, presumed dead, or a decision from before a restart); "
+                    "joining the next boundary", self.round)
+        self.emit("left_out", attempt=attempt, members=decision.members, fresh=decision.fresh,
+                  generation=decision.generation)
+        return True
+
+    @staticmethod
+    def after_aborted(attempt: int, max_retries: int) -> str:
+        """What follows aborted attempt number `attempt` of a round: "retry" in a new generation while
+        attempts remain, else "skip": the round ends without an outer step (`_skip`, next)."""
+        return "retry" if attempt < max_retries else "skip"
+
+    def _skip(self) -> None:
+        """The effect of "skip": the round is over without an outer step. The outer loop
+        then applies nothing, so every site keeps its local progress and its outer copy."""
         log.error("round %d failed %d times: skipped, local progress kept", self.round, self.cfg.max_retries + 1)
         self.emit("skipped", attempts=self.cfg.max_retries + 1)
         self.round += 1
-        return NOT_DONE
 
     def _decide(self, attempt: int) -> Decision:
         expected = set(range(self.world.site_count)) if self.round == 0 else set(self.members)
@@ -186,30 +248,6 @@ class ElasticMembership:
         if self.group is not None and members == self.members:
             return self.generation
         return self.topology.store.add(self.prefix + "generation", 1)
-
-    def _attempt(self, decision: Decision, attempt: int, work: Callable[[GlobalGroup], Any]) -> Any:
-        """Groups, state hand-over, the outer loop's `work`; NOT_DONE if anything failed (the vote
-        then aborts). Site-group collectives happen only on the main thread, before and after the
-        watched thread: an abandoned thread must never hold a site collective that the others would
-        then match with a different one."""
-        try:
-            crcs, result = self._watched(decision, attempt, lambda: self._exchange(decision, work))
-        except PeerRefused as e:
-            if self.world.site_rank not in [decision.members[i] for i in e.admitted]:
-                self.leave()  # we are the foreign peer: stop, and let the others go on without us
-                raise
-            log.error("round %d: %s", self.round, e)
-            self.group = None
-            return NOT_DONE
-        except Exception as e:  # every failure is voted on, never applied
-            log.warning("round %d: attempt failed on site %d rank %d: %s", self.round, self.world.site_rank,
-                        self.world.rank, e)
-            self.group = None
-            return NOT_DONE
-        if crcs is not None and len(set(crcs)) > 1:
-            log.error("round %d: outer state differs between members after hand-over: %s", self.round, crcs)
-            return NOT_DONE
-        return result
 
     def _exchange(self, decision: Decision, work: Callable[[GlobalGroup], Any]) -> tuple[list[str] | None, Any]:
         """Everything that crosses sites in one attempt (global groups and the store only)."""
@@ -235,7 +273,7 @@ class ElasticMembership:
                              self.fingerprint, timeout)
         auth = self.auth.for_session(prefix.encode(), admitted.nonces)  # this generation's key only
         self.group = new_global_group(self.topology.store, prefix, index, len(decision.members), timeout,
-                                      self.sites.backend, self.watch, mark, auth)
+                                      self.sites.backend, self.watch, mark, auth, self.sites.streams)
         self.generation, self.members = decision.generation, decision.members
 
     def _watched(self, decision: Decision, attempt: int, work: Callable[[], Any]) -> Any:
@@ -256,14 +294,13 @@ class ElasticMembership:
         self.watch.current = "the members (forming the group)"
         return self.watch.run(work, f"round {self.round} exchange", check)
 
-    def _commit(self, decision: Decision, attempt: int, outcome: Any) -> Any:
+    def _commit(self, decision: Decision, attempt: int) -> None:
         self.fresh, self.members = False, decision.members
         if self.world.site_rank == decision.donor and self.world.rank == 0:
             self.rounds.mark_committed(self.round)
         self.emit("commit", attempt=attempt, members=decision.members, generation=decision.generation,
                   joined=decision.fresh)
         self.round += 1
-        return outcome
 
     # ------------------------------------------------------------------ state hand-over
     def _hand_over(self, decision: Decision) -> list[str]:

@@ -9,10 +9,13 @@ no branches on the method):
   an outer step and returns `OuterStats`, otherwise None. `sync_point=True` asks for a blocking
   outer step (checkpoints and the last step), after which all sites are bitwise identical.
 
-The outer step (blocking): pseudo-gradient = outer copy - local shard (fp32, CPU), averaged over
-the sites on this rank's global group (comm/reduce.py), applied by the outer optimizer (SGD,
-Nesterov by default) to the CPU fp32 outer copy, which is copied back into the local shard. Every
-site receives the same all-reduce bytes and runs the same CPU arithmetic, so all end identical.
+The outer step (blocking, `sync`): pseudo-gradient = outer copy - local shard (fp32, CPU), averaged
+over the sites on this rank's global group (comm/reduce.py), applied by the outer optimizer
+(zeroband/outer/optimizer.py: Nesterov SGD by default, any torch optimizer) to the CPU fp32 outer
+copy, which is copied back into the local shard. Every site receives the same all-reduce bytes and
+runs the same CPU arithmetic, so all end identical. `sync` asks the membership for the round's
+attempts (fixed: one; elastic: retried in new generations, or the round skipped) and applies the
+average of the attempt that commits; it hands the membership nothing but the work of the exchange.
 
 The overlapped outer step (`diloco.overlap = true`): a one-step-delayed outer update, as in
 Streaming DiLoCo's overlapped communication (Douillard et al. 2025, arXiv 2501.18512, Sec. 2.3,
@@ -54,6 +57,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -65,11 +69,11 @@ from zeroband.comm.group import GlobalGroup, checksum_table, digest48
 from zeroband.comm.reduce import ReduceResult, SiteStats, describe_exclusions, reduce_across_sites
 from zeroband.comm.timing import Parts
 from zeroband.config import DilocoConfig
-from zeroband.membership.base import NOT_DONE, FixedMembership, Membership
+from zeroband.membership.base import FixedMembership, Membership
 from zeroband.mesh import Topology
-from zeroband.optim import hyperparameters_kept
 from zeroband.outer.base import OuterStats, RoundClock
-from zeroband.outer.overlap import OverlapRules, Scratch, _InFlight
+from zeroband.outer.optimizer import OptimizerFactory, OuterSchedule, build_outer_optimizer
+from zeroband.outer.overlap import InFlight, Overlap
 from zeroband.outer.placement import OuterCopy, _views, outer_thread_count, torch_threads
 from zeroband.outer.stats import site_stats, tensor_stats
 from zeroband.trust.auth import TrustError
@@ -139,14 +143,6 @@ def verify_identical(tensors: list[torch.Tensor], group: GlobalGroup, topology: 
         )
 
 
-def outer_hyperparameters(cfg: DilocoConfig, outer_step: int, inner_factor: float) -> tuple[float, float]:
-    """Outer lr and momentum of outer step `outer_step` + 1: outer_lr x the inner schedule's factor
-    at the boundary (`outer_lr_schedule = "inner"`), momentum ramped over `outer_momentum_warmup`."""
-    lr = cfg.outer_lr * (inner_factor if cfg.outer_lr_schedule == "inner" else 1.0)
-    ramp = min(1.0, (outer_step + 1) / cfg.outer_momentum_warmup) if cfg.outer_momentum_warmup else 1.0
-    return lr, cfg.outer_momentum * ramp
-
-
 def outer_stats(diloco: DiLoCo, result: ReduceResult, stats: SiteStats, grads: list[torch.Tensor], comm_s: float,
                 total_s: float, overlapped: bool) -> OuterStats:
     """The "outer" metrics record of the step just applied (the norms and crc are site-group reductions)."""
@@ -158,7 +154,7 @@ def outer_stats(diloco: DiLoCo, result: ReduceResult, stats: SiteStats, grads: l
         wire_bytes=result.wire_bytes,
         pseudo_grad_norm=stats.sumsq**0.5,
         avg_pseudo_grad_norm=diloco.site_sum(diloco.applied_sumsq) ** 0.5,
-        outer_lr=diloco.optimizer.param_groups[0]["lr"],
+        outer_lr=diloco.optimizer.applied_lr,
         sites_used=result.sites_used,
         excluded_sites=result.excluded_sites,
         overlapped=overlapped,
@@ -167,25 +163,22 @@ def outer_stats(diloco: DiLoCo, result: ReduceResult, stats: SiteStats, grads: l
     )
 
 
-class DiLoCo(OverlapRules):
+class DiLoCo:
     def __init__(self, model: torch.nn.Module, cfg: DilocoConfig, topology: Topology, tokens_per_step: int = 0,
                  lr_factor: Callable[[int], float] | None = None, membership: Membership | None = None,
-                 group: GlobalGroup | None = None) -> None:
+                 group: GlobalGroup | None = None, optimizer: OptimizerFactory | None = None) -> None:
         """`membership` says who takes part in each round; by default every site, on the fixed
         `group` (zeroband/membership/, mesh.fixed_global_group). `lr_factor(step)` is the inner schedule's
-        multiplier (used by `outer_lr_schedule = "inner"`)."""
+        multiplier (used by `outer_lr_schedule = "inner"`). `optimizer(params)` builds the outer
+        optimizer (any torch optimizer) instead of `diloco.outer_optimizer`."""
         self.cfg = cfg
         self.topology = topology
         self.membership = membership or FixedMembership(group, topology, topology.timeout_s)
         self.local = [local_shard(p) for p in model.parameters()]
         self.copy = OuterCopy(self.local, cfg)
         self.outer, self.outer_device = self.copy.tensors, self.copy.device
-        # holds the outer optimizer's settings and state; its step is OuterCopy.step (torch's fused SGD, or
-        # comm/kernels.py's with the same bits, which also writes the local shard in the same pass)
-        self.optimizer = torch.optim.SGD(
-            self.outer, lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=cfg.nesterov and cfg.outer_momentum > 0,
-            fused=True,
-        )
+        self.optimizer = build_outer_optimizer(self.copy, cfg, optimizer)  # zeroband/outer/optimizer.py
+        self.schedule = OuterSchedule(cfg, lr_factor)
         self.threads = outer_thread_count(cfg.outer_threads, len(os.sched_getaffinity(0)),
                                           int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         self.parts = Parts()  # the current outer step's timers
@@ -195,10 +188,8 @@ class DiLoCo(OverlapRules):
         self.applied_sumsq = 0.0  # sum of squares of the last average applied (this rank's shard)
         self.outer_step = 0
         self.error_feedback: dict[int, torch.Tensor] | None = {} if cfg.error_feedback else None
-        self.in_flight: _InFlight | None = None
-        self.scratch = Scratch()  # the overlapped boundary's reused memory
+        self.overlap = Overlap(cfg, self.local, self.copy, self.optimizer)  # its state: the average in flight
         self.clock = RoundClock(cfg, tokens_per_step)
-        self.lr_factor = lr_factor or (lambda step: 1.0)
         self.boundary_step = 0  # inner steps done at the current boundary
         self.membership.register_state_dict_fn("outer", self.load_shared_state_dict, self.shared_state_dict,
                                                self.checksum_tensors)
@@ -221,8 +212,7 @@ class DiLoCo(OverlapRules):
         self.topology.fingerprint = {**self.topology.fingerprint, "outer device (diloco.outer_device)": self.outer_device.type}
         self.membership.start(resumed)
         if not self.membership.holds_state:
-            while not self.membership.holds_state:
-                self._round(None, 0.0, time.perf_counter(), 0.0)
+            self.join()
             return
         if resumed:
             verify_identical(self.checksum_tensors(), self.group, self.topology, "resume")
@@ -244,8 +234,7 @@ class DiLoCo(OverlapRules):
         return digest48(self.checksum_tensors(), group.auth if group is not None else NO_AUTH)
 
     def checksum_tensors(self) -> list[torch.Tensor]:
-        bufs = [self.optimizer.state.get(o, {}).get("momentum_buffer") for o in self.outer]
-        return self.outer + [b for b in bufs if b is not None]
+        return self.outer + self.optimizer.state_tensors()
 
     # ------------------------------------------------------------------ the outer step
     def finished(self, step: int, total_steps: int) -> bool:
@@ -253,52 +242,77 @@ class DiLoCo(OverlapRules):
 
     def after_inner_step(self, step: int, sync_point: bool = False) -> OuterStats | None:
         if not self.clock.tick(step):
-            return self._land_in_flight(step) if self.in_flight else None
+            return self._land_early() if self.overlap.due(step) else None
         self.boundary_step = step
         self.parts = Parts()
-        with torch_threads(self.threads), self.parts.cpu():  # this thread's CPU; the exchange thread adds its own
+        with torch_threads(self.threads), self.parts.cpu(), torch.no_grad():  # the exchange thread adds its CPU
+            t0 = time.perf_counter()
+            landed, waited = self.overlap.land(self.group, self._apply) if self.overlap.pending else (None, 0.0)
             if self.cfg.overlap and not sync_point:
-                return self._overlapped_boundary()
-            return self._blocking_boundary()
+                return self._launch(landed, waited, t0)
+            grads = self.pseudo_gradient() if self.membership.holds_state else None
+            return self.sync(grads, self.clock.take_tokens(), t0, waited)
 
     @torch.no_grad()
-    def _blocking_boundary(self) -> OuterStats | None:
-        t0 = time.perf_counter()
-        waited = self._complete_in_flight() if self.in_flight else 0.0
-        grads = self.pseudo_gradient() if self.membership.holds_state else None
-        return self._round(grads, self.clock.take_tokens(), t0, waited)
+    def sync(self, grads: list[torch.Tensor] | None, tokens: float = 0.0, t0: float | None = None,
+             waited: float = 0.0) -> OuterStats | None:
+        """One blocking outer step: the round's members average `grads` (None: this site has none yet,
+        it waits for the run's state) and apply the average to the outer copy and the local shard."""
+        t0 = time.perf_counter() if t0 is None else t0
+        t1, preparing = time.perf_counter(), 0.0
+        for attempt in self.membership.attempts():
+            result, t2 = None, time.perf_counter()
+            mine, stats = self.contribution(grads if attempt.contributes else None, tokens, attempt.averages)
+            preparing += time.perf_counter() - t2
+            with attempt:  # where a round may retry, a failure in here fails this attempt only
+                result = attempt.exchange(partial(self.reduce, mine, stats) if attempt.averages else lambda group: None)
+            if not attempt.commit():
+                continue
+            comm_s = waited + time.perf_counter() - t1 - preparing
+            if result is None:  # the round handed the run's state over: the local shard takes it
+                with self.parts("h2d"):
+                    self.copy.to_local()
+                return None
+            for part, seconds in result.timings.items():
+                self.parts.add(part, seconds)
+            self._apply(mine, result, into_local=True)
+            return self._stats(result, stats, mine, comm_s, time.perf_counter() - t0, overlapped=False)
+        return None  # the membership skipped the round: every site keeps its local progress
 
-    def _round(self, grads: list[torch.Tensor] | None, tokens: float, t0: float, waited: float) -> OuterStats | None:
-        """One blocking outer step through the membership; `grads` None: this site has no
-        pseudo-gradient (it waits for the run's state) and takes part without contributing."""
-        kept: dict[str, Any] = {"stats_s": 0.0}
+    def join(self) -> None:
+        """A site without the run's state takes rounds, contributing nothing, until a peer handed it over."""
+        while not self.membership.holds_state:
+            self.sync(None)
 
-        def prepare(contribute: bool, reduce: bool) -> Callable[[GlobalGroup], ReduceResult | None]:
-            if not reduce:  # elastic round 0: the state hand-over is the whole round
-                return lambda group: None
-            t1 = time.perf_counter()
-            if contribute and grads is not None:  # a retried attempt starts again from the originals
-                mine = self._retry_copy(grads) if self.membership.may_retry else grads
-                with self.parts("stats"):
-                    stats = site_stats(mine, self.topology, tokens, local=self.copy.stats_of(grads))
-            else:
-                mine, stats = [torch.zeros_like(o) for o in self.outer], SiteStats(0.0, 0.0, abstain=True)
-            kept.update(grads=mine, stats=stats, stats_s=kept["stats_s"] + time.perf_counter() - t1)
-            return lambda group: self.reduce(mine, stats, group)
+    def contribution(self, grads: list[torch.Tensor] | None, tokens: float,
+                     averages: bool = True) -> tuple[list[torch.Tensor], SiteStats]:
+        """What this site puts into an attempt, with the site's statistics (site-group collectives: on
+        the main thread): `grads`, copied where an attempt may be retried (a retry starts again from the
+        originals); zeros that abstain if None; nothing where the attempt averages nothing."""
+        if not averages:
+            return [], SiteStats(0.0, 0.0, abstain=True)
+        if grads is None:
+            return [torch.zeros_like(o) for o in self.outer], SiteStats(0.0, 0.0, abstain=True)
+        mine = self._retry_copy(grads) if self.membership.may_retry else grads
+        with self.parts("stats"):
+            return mine, site_stats(mine, self.topology, tokens, local=self.copy.stats_of(grads))
 
-        t1 = time.perf_counter()
-        result = self.membership.run_round(prepare)
-        comm_s = waited + time.perf_counter() - t1 - kept["stats_s"]
-        if result is NOT_DONE:
-            return None  # the round did not count: local progress kept
-        if result is None:  # a hand-over round: the local shard takes the state it received
-            with self.parts("h2d"):
-                self.copy.to_local()
+    def _launch(self, landed: InFlight | None, waited: float, t0: float) -> OuterStats | None:
+        """The overlapped boundary: this round's average starts in the background (zeroband/outer/overlap.py);
+        the statistics are those of the average that landed (none at the first boundary)."""
+        grads = self.pseudo_gradient()
+        stats = site_stats(grads, self.topology, self.clock.take_tokens(), local=self.copy.stats_of(grads))
+        self.overlap.launch(grads, stats, self.group.size, self.reduce, self.boundary_step)
+        if landed is None:
             return None
-        for part, seconds in result.timings.items():
-            self.parts.add(part, seconds)
-        self._apply(kept["grads"], result, into_local=True)
-        return self._stats(result, kept["stats"], kept["grads"], comm_s, time.perf_counter() - t0, overlapped=False)
+        return self._stats(landed.result, landed.stats, landed.grads, waited, time.perf_counter() - t0, True)
+
+    @torch.no_grad()
+    def _land_early(self) -> OuterStats:
+        """overlap_steps = tau: the pending average lands tau inner steps after its launch."""
+        t0 = time.perf_counter()
+        landed, waited = self.overlap.land(self.group, self._apply)
+        return self._stats(landed.result, landed.stats, landed.grads, waited, time.perf_counter() - t0, True)
 
     def pseudo_gradient(self) -> list[torch.Tensor]:
         """Outer copy - local shard: the list about to be averaged (fixed and elastic), as views of one
@@ -342,12 +356,9 @@ class DiLoCo(OverlapRules):
                 with self.parts("h2d"):
                     self.copy.to_local()
             return
-        group = self.optimizer.param_groups[0]
-        group["lr"], momentum = outer_hyperparameters(self.cfg, self.outer_step, self.lr_factor(self.boundary_step - 1))
-        if self.cfg.outer_momentum_warmup:
-            group["momentum"] = momentum
         grads = self.copy.on_outer_device(grads, self.parts)
-        self.copy.step(self.optimizer, grads, self.parts, into_local)
+        self.optimizer.step(self.copy, grads, self.schedule.at(self.outer_step, self.boundary_step), self.parts,
+                            into_local)
         self.outer_step += 1
 
     def site_sum(self, value: float) -> float:
@@ -360,7 +371,7 @@ class DiLoCo(OverlapRules):
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
-        if self.in_flight is not None:
+        if self.overlap.pending is not None:
             raise RuntimeError("checkpoint with an outer all-reduce in flight: save only at sync points")
         return {"outer": [o.detach().to("cpu", copy=True) for o in self.outer], "optimizer": self.optimizer.state_dict(),
                 "outer_step": self.outer_step, "error_feedback": self.error_feedback, "clock": self.clock.state_dict(),
@@ -376,8 +387,7 @@ class DiLoCo(OverlapRules):
     def load_shared_state_dict(self, state: dict[str, Any]) -> None:
         for o, saved in zip(self.outer, state["outer"], strict=True):
             o.copy_(saved)
-        with hyperparameters_kept(self.optimizer):  # a resume's new outer_momentum / nesterov apply
-            self.optimizer.load_state_dict(state["optimizer"])
+        self.optimizer.load_state_dict(state["optimizer"])  # a resume's new outer settings apply
         self.outer_step = state["outer_step"]
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -1,40 +1,43 @@
 """The overlapped outer step (`diloco.overlap = true`) and its rules; see zeroband/outer/diloco.py.
 
-`OverlapRules` is the part of `DiLoCo` that runs while an average is in flight: launching it on a
-background thread, moving the working model by an estimate ("eager", "eager_share"), landing the
-average tau inner steps later or at the next boundary, and rebasing local progress onto it.
+`Overlap` is an object with its own state: the average in flight (launched on a background thread,
+with the snapshot of the local shard taken at its launch) and the memory it reuses. It moves the
+working model by an estimate while the average is in flight ("eager", "eager_share": a preview that
+the outer optimizer computes), and lands the average tau inner steps later or at the next boundary,
+rebasing local progress onto it. What it needs from the outer step is handed to it: the local
+shard, the outer copy, the outer optimizer, and the reduce / apply functions of each call.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 
 from zeroband.comm.group import GlobalGroup
 from zeroband.comm.reduce import ReduceResult, SiteStats
-from zeroband.outer.base import OuterStats
-from zeroband.outer.stats import site_stats
+from zeroband.config import DilocoConfig
+from zeroband.outer.optimizer import OuterOptimizer
+from zeroband.outer.placement import OuterCopy
 
-if TYPE_CHECKING:
-    from zeroband.outer.diloco import DiLoCo
+Reduce = Callable[[list[torch.Tensor], SiteStats], ReduceResult]  # the average of a pseudo-gradient, in place
 
 
-class _InFlight:
+class InFlight:
     """A pseudo-gradient all-reduce running on a background thread (global group only)."""
 
-    def __init__(self, grads: list[torch.Tensor], stats: SiteStats, diloco: DiLoCo, snapshot: list[torch.Tensor]):
+    def __init__(self, grads: list[torch.Tensor], stats: SiteStats, reduce: Reduce, snapshot: list[torch.Tensor]):
         self.grads, self.stats, self.snapshot = grads, stats, snapshot  # grads become the average in place
         self.result: ReduceResult | None = None
         self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, args=(diloco,), name="zeroband-outer-allreduce", daemon=True)
+        self.thread = threading.Thread(target=self._run, args=(reduce,), name="zeroband-outer-allreduce", daemon=True)
         self.thread.start()
 
-    def _run(self, diloco: DiLoCo) -> None:
+    def _run(self, reduce: Reduce) -> None:
         try:
-            self.result = diloco.reduce(self.grads, self.stats)
+            self.result = reduce(self.grads, self.stats)
         except BaseException as e:  # re-raised on the main thread by wait()
             self.error = e
 
@@ -43,25 +46,6 @@ class _InFlight:
         if self.error is not None:
             raise self.error
         return self.result
-
-
-
-def outer_preview(theta: torch.Tensor, buf: torch.Tensor | None, d: torch.Tensor, lr: float, momentum: float,
-                  nesterov: bool, out: torch.Tensor | None = None, scratch: torch.Tensor | None = None) -> torch.Tensor:
-    """Where torch's SGD (dampening 0, no weight decay) would move `theta` with gradient `d`, leaving
-    its state alone: buf' = momentum * buf + d; step = d + momentum * buf' (Nesterov) or buf'.
-    Written into `out`, with `scratch` for buf' (both like theta, aliasing none of the inputs;
-    fresh when not given): the same operations in the same order as the formulas, so the same bits
-    (additions commute exactly), without a full-size temporary per operation."""
-    out = torch.empty_like(theta) if out is None else out
-    if momentum == 0:
-        return torch.sub(theta, torch.mul(d, lr, out=out), out=out)
-    if buf is None:
-        new_buf = d
-    else:
-        new_buf = torch.mul(buf, momentum, out=torch.empty_like(theta) if scratch is None else scratch).add_(d)
-    step = torch.mul(new_buf, momentum, out=out).add_(d) if nesterov else out.copy_(new_buf)
-    return torch.sub(theta, step.mul_(lr), out=out)
 
 
 def estimate_weight(rule: str, sites: int) -> float | None:
@@ -97,56 +81,52 @@ class Scratch:
         return [k.copy_(t.detach()) for k, t in zip(self.kept, local)]
 
 
-class OverlapRules:
-    """Mixed into `DiLoCo`: the overlapped boundary (it uses DiLoCo's optimizer, copies and reduce)."""
+class Overlap:
+    """The overlapped outer step's state and rules (steps 1-5 of zeroband/outer/diloco.py's docstring)."""
 
-    @torch.no_grad()
-    def _overlapped_boundary(self) -> OuterStats | None:
-        t0 = time.perf_counter()
-        previous = self.in_flight
-        waited = self._complete_in_flight() if previous else 0.0
-        grads = self.pseudo_gradient()
-        stats = site_stats(grads, self.topology, self.clock.take_tokens(), local=self.copy.stats_of(grads))
-        weight = estimate_weight(self.cfg.overlap_rule, self.group.size)
+    def __init__(self, cfg: DilocoConfig, local: list[torch.Tensor], copy: OuterCopy, optimizer: OuterOptimizer) -> None:
+        self.rule, self.tau = cfg.overlap_rule, cfg.overlap_steps
+        self.local, self.copy, self.optimizer = local, copy, optimizer
+        self.pending: InFlight | None = None
+        self.launched_at = 0  # inner steps done when the pending average was launched
+        self.scratch = Scratch()
+
+    def due(self, step: int) -> bool:
+        """overlap_steps = tau: the pending average lands tau inner steps after its launch (`step`
+        and `launched_at` count inner steps done)."""
+        return self.pending is not None and bool(self.tau) and step - self.launched_at >= self.tau
+
+    def launch(self, grads: list[torch.Tensor], stats: SiteStats, sites: int, reduce: Reduce, step: int) -> None:
+        """Steps 4-5: the eager rules move the local shard to the estimate, then the average of `grads`
+        starts on a background thread, with a snapshot of the local shard to rebase onto later."""
+        weight = estimate_weight(self.rule, sites)
         if weight is not None:
             self._move_to_estimate(grads, weight)
-        self.in_flight = _InFlight(grads, stats, self, self.scratch.snapshot(self.local))
-        if previous is None:
-            return None  # nothing applied yet: the first round's average is still in flight
-        return self._stats(previous.result, previous.stats, previous.grads, waited, time.perf_counter() - t0, True)
+        self.pending, self.launched_at = InFlight(grads, stats, reduce, self.scratch.snapshot(self.local)), step
 
-    @torch.no_grad()
-    def _land_in_flight(self, step: int) -> OuterStats | None:
-        """overlap_steps = tau: apply the pending average tau inner steps after its launch."""
-        if not self.cfg.overlap_steps or step - self.boundary_step < self.cfg.overlap_steps:
-            return None
-        t0, pending = time.perf_counter(), self.in_flight
-        waited = self._complete_in_flight()
-        return self._stats(pending.result, pending.stats, pending.grads, waited, time.perf_counter() - t0, True)
+    def land(self, group: GlobalGroup, apply: Callable[[list[torch.Tensor], ReduceResult], None]) -> tuple[InFlight, float]:
+        """Steps 1-3: wait for the pending average, `apply` it to the outer copy, and rebase local
+        progress onto the new outer copy. Returns the landed exchange and the seconds waited for it."""
+        pending, self.pending = self.pending, None
+        t0 = time.perf_counter()
+        pending.result = pending.wait(group)
+        waited = time.perf_counter() - t0
+        apply(pending.grads, pending.result)
+        outer = self.copy.tensors
+        for t, o, s in zip(self.local, outer, pending.snapshot):  # t <- o + (t - s), same bits as the formula
+            if in_place_ok(t, o):
+                t.sub_(s).add_(o)
+            else:
+                t.copy_(self.scratch.take(0, o).copy_(t).sub_(s).add_(o))
+        return pending, waited
 
     def _move_to_estimate(self, fresh: list[torch.Tensor], weight: float) -> None:
         """Eager rules, step 5: local <- the outer step previewed on weight x this site's d_k. In reused
         scratch memory (or straight into a host fp32 shard): a fresh temporary per operation was a page
         fault per 4 KB, most of the overlapped boundary's time."""
-        group = self.optimizer.param_groups[0]
-        for t, o, d in zip(self.local, self.outer, fresh):
-            buf = self.optimizer.state.get(o, {}).get("momentum_buffer")
+        for t, o, d in zip(self.local, self.copy.tensors, fresh):
             est = torch.mul(d, weight, out=self.scratch.take(0, o)) if weight != 1.0 else d
             out = t if in_place_ok(t, o) else self.scratch.take(1, o)
-            outer_preview(o, buf, est, group["lr"], group["momentum"], group["nesterov"], out, self.scratch.take(2, o))
+            self.optimizer.preview(o, est, out, self.scratch.take(2, o))
             if out is not t:
                 t.copy_(out)
-
-    def _complete_in_flight(self) -> float:
-        """Wait for the pending average, apply it, and rebase local progress onto the new outer copy."""
-        pending, self.in_flight = self.in_flight, None
-        t0 = time.perf_counter()
-        result = pending.wait(self.group)
-        waited = time.perf_counter() - t0
-        self._apply(pending.grads, result)
-        for t, o, s in zip(self.local, self.outer, pending.snapshot):  # t <- o + (t - s), same bits as the formula
-            if in_place_ok(t, o):
-                t.sub_(s).add_(o)
-            else:
-                t.copy_(self.scratch.take(0, o).copy_(t).sub_(s).add_(o))
-        return waited

@@ -16,6 +16,7 @@ from zeroband.comm.direct import flat_base
 from zeroband.comm.kernels import ChunkStats, Measured, count_nonfinite, kernels, set_threads, streams
 from zeroband.comm.timing import Parts
 from zeroband.config import DilocoConfig
+from zeroband.outer import sgd_kernel
 from zeroband.outer.stats import chunks_of
 
 
@@ -36,10 +37,6 @@ def _subtract(outer: torch.Tensor, local: torch.Tensor, out: torch.Tensor, acc: 
         acc.add(g[s])
 
 
-def _flat(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.view(-1)
-
-
 def pick_outer_device(setting: str, local: torch.device, blocking: bool, need_bytes: int,
                       free_bytes: int | None) -> torch.device:
     """Where the outer copy and momentum live: the CPU for a CPU model; on a GPU, "auto" keeps them
@@ -58,9 +55,9 @@ def outer_thread_count(setting: int, affinity_cores: int, local_ranks: int) -> i
 
 @contextmanager
 def torch_threads(n: int) -> Iterator[None]:
-    """torch's intra-op threads and the native kernels' (comm/kernels.py) set to `n` for the block
-    (the inner step keeps its own setting)."""
-    before, kernel_before = torch.get_num_threads(), set_threads(n)
+    """torch's intra-op threads and the native kernels' (comm/kernels.py, outer/sgd_kernel.py) set to
+    `n` for the block (the inner step keeps its own setting)."""
+    before, kernel_before, sgd_before = torch.get_num_threads(), set_threads(n), sgd_kernel.set_threads(n)
     change = n != before  # nothing to change: leave the process-wide setting alone
     if change:
         torch.set_num_threads(n)
@@ -70,6 +67,7 @@ def torch_threads(n: int) -> Iterator[None]:
         if change:
             torch.set_num_threads(before)
         set_threads(kernel_before)
+        sgd_kernel.set_threads(sgd_before)
 
 
 class OuterCopy:
@@ -151,26 +149,6 @@ class OuterCopy:
                 k.copy(o.view(-1), t.view(-1), self.stream)
             else:
                 t.copy_(o)
-
-    def step(self, optimizer: torch.optim.SGD, grads: list[torch.Tensor], parts: Parts, into_local: bool) -> None:
-        """The outer optimizer's step on the outer copy with `grads` (its state stays the optimizer's:
-        checkpoints are unchanged); with `into_local`, the local shard takes the new outer copy too, in
-        the same pass where both live on the host (comm/kernels.py `sgd`: torch's bits), else after it."""
-        group, k = optimizer.param_groups[0], kernels()
-        together = into_local and not any(t.is_cuda for t in self.local) and self.device.type == "cpu"
-        with parts("optimizer"):
-            for o, g, t in zip(self.tensors, grads, self.local):
-                local = t.view(-1) if together and t.is_contiguous() else None
-                kept = optimizer.state.get(o, {}).get("momentum_buffer")  # .get: no empty state, as torch
-                buf = k.sgd(o.view(-1), g.reshape(-1), _flat(kept), local, group["lr"], group["momentum"],
-                            group["nesterov"], self.stream)
-                if buf is not None:
-                    optimizer.state[o]["momentum_buffer"] = buf.view(o.shape)
-                if together and local is None:
-                    t.copy_(o)
-        if into_local and not together:
-            with parts("h2d"):
-                self.to_local()
 
     def on_outer_device(self, grads: list[torch.Tensor], parts: Parts) -> list[torch.Tensor]:
         """The average where the outer copy is: sent back to the GPU when the copy lives there."""

@@ -1,0 +1,158 @@
+"""Connection floods against every port a site opens to the other sites (issue 23 item 5, issue 27).
+
+A real 2-site training run (forked sites, real TCPStore, the real cross-site transport) while an
+attacker process, holding no secret, finds every listening TCP port of the site processes (`ss
+-ltnp`) and, against each: opens 20,000 connections that each send 8 bytes as fast as it can (gloo's
+listener kept an fd for each and died of `accept: Too many open files`, SIGABRT), then 600
+connections that send 1 byte and stall, held open until the run ends.
+
+Each site has its own public address here (127.0.0.2, 127.0.0.3: ZEROBAND_TRANSPORT_HOST), and its
+internal listeners stay on 127.0.0.1 (GLOO_SOCKET_IFNAME=lo). Ports in scope: every listener of
+the site processes on a public address, i.e. each site's transport listener (zeroband/comm/
+transport.py). Out of scope: the site-internal ones on loopback (the intra-site gloo group, which
+listens even with one rank; torchrun's store with several), and the coordination store (hosted by
+site 0 in this run; flooding it is the store guard's test, zeroband/store/guard.py).
+
+The attacker keeps its connections open up to its RLIMIT_NOFILE (raised to the hard limit, 20,000
+here): the 8-byte connections go in waves of WAVE, each closed before the next, so 40,000 never sit
+open at once; the 600 stalled ones per port stay open. The sites are paced (test side only) so
+that their exchanges run while the flood is on: the first statistics exchange waits until the flood
+started, the second until it finished, the later ones until the stalled connections are in place.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import resource
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import _train, final_params, listeners, process_tree, tiny_overrides
+from tests.multiproc import free_port, run_sites
+
+SECRET = "flood-tests-shared-secret-0123456789"
+FLOOD, STALLED, WAVE = 20_000, 600, 4_000
+STAGES = ("flooding", "flooded", "stalled")
+
+pytestmark = pytest.mark.timeout(120)
+
+
+# ---------------------------------------------------------------------------- the sites (paced)
+def _paced_train(tree: dict, stages: str) -> dict:
+    """The honest trainer; its k-th statistics exchange starts once the attack reached stage k."""
+    from zeroband.comm.group import GlobalGroup
+
+    honest, calls = GlobalGroup.post_scalars, [0]
+
+    def paced(self: GlobalGroup, values: list[float]):  # noqa: ANN202
+        calls[0] += 1
+        _wait_for(Path(stages) / STAGES[min(calls[0], len(STAGES)) - 1], 90)
+        return honest(self, values)
+
+    GlobalGroup.post_scalars = paced
+    out = _train(tree)
+    return {"steps": out["steps"], "losses": out["losses"]}
+
+
+def _wait_for(path: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the attacker never reached {path.name}")
+        time.sleep(0.05)
+
+
+# ---------------------------------------------------------------------------- the attacker
+def _attack(parent: int, sites: int, stages: str, report: mp.Queue) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    ports = _site_ports(parent, sites)
+    Path(stages, STAGES[0]).touch()
+    start, results, threads = time.monotonic(), {}, []
+    for port in ports:  # one thread per port: every port flooded at once
+        threads.append(threading.Thread(target=lambda p=port: results.__setitem__(p, _flood(p))))
+        threads[-1].start()
+    for t in threads:
+        t.join()
+    flood_s = time.monotonic() - start
+    Path(stages, STAGES[1]).touch()
+    held = [s for port in ports for s in _stall(port)]
+    Path(stages, STAGES[2]).touch()
+    report.put({"ports": ports, "flood": results, "flood_s": flood_s, "stalled": len(held), "nofile": hard})
+    time.sleep(600)  # holds the stalled connections until the test ends this process
+
+
+def _site_ports(parent: int, sites: int) -> list[tuple[str, int]]:
+    """Every listener of the site processes on a public address (not 127.0.0.1), once each site has one."""
+    me, deadline = os.getpid(), time.monotonic() + 60
+    while time.monotonic() < deadline:
+        pids = process_tree(parent) - {me, parent}
+        found = [a.rsplit(":", 1) for a, _ in listeners(pids)]
+        ports = sorted((host, int(port)) for host, port in found if host != "127.0.0.1")
+        if len(ports) >= sites:
+            return ports
+        time.sleep(0.05)
+    raise TimeoutError("the sites never opened their transport listeners")
+
+
+def _flood(port: tuple[str, int]) -> dict:
+    """FLOOD connections that each send 8 bytes; kept open in waves of WAVE."""
+    made = failed = 0
+    while made + failed < FLOOD:
+        wave = []
+        for _ in range(min(WAVE, FLOOD - made - failed)):
+            try:
+                s = socket.create_connection(port, timeout=1.0)
+                s.send(b"\x00\x01\x02\x03\x04\x05\x06\x07")
+                wave.append(s)
+                made += 1
+            except OSError:
+                failed += 1
+        for s in wave:
+            s.close()
+    return {"made": made, "failed": failed}
+
+
+def _stall(port: tuple[str, int]) -> list[socket.socket]:
+    held = []
+    for _ in range(STALLED):
+        try:
+            s = socket.create_connection(port, timeout=1.0)
+            s.send(b"Z")
+            held.append(s)
+        except OSError:
+            pass
+    return held
+
+
+# ---------------------------------------------------------------------------- the test
+@pytest.mark.slow
+def test_sites_keep_training_through_connection_floods_on_every_port(corpus, tmp_path):
+    store_port, stages = free_port(), tmp_path / "stages"
+    stages.mkdir()
+    tree = tiny_overrides(corpus, tmp_path, train={"steps": 8, "global_batch": 2, "micro_batch": 2})
+    tree["diloco"] = {"inner_steps": 2}
+    tree["sites"] = {"store": f"tcp://127.0.0.1:{store_port}", "timeout_s": 60, "streams": 2}
+    ctx = mp.get_context("fork")
+    report: mp.Queue = ctx.Queue()
+    attacker = ctx.Process(target=_attack, args=(os.getpid(), 2, str(stages), report), daemon=True)
+    attacker.start()
+    try:
+        out = run_sites(_paced_train, 2, 1, (tree, str(stages)), env={"ZEROBAND_SECRET": SECRET, "GLOO_SOCKET_IFNAME": "lo"},
+                        site_env={s: {"ZEROBAND_TRANSPORT_HOST": f"127.0.0.{2 + s}"} for s in (0, 1)}, timeout=110)
+        seen = report.get(timeout=10)
+    finally:
+        attacker.kill()
+    assert [h for h, _ in seen["ports"]] == ["127.0.0.2", "127.0.0.3"], seen  # each site's transport listener
+    assert seen["stalled"] >= 2 * STALLED * 0.95, seen
+    assert all(r["made"] + r["failed"] == FLOOD and r["made"] >= FLOOD // 2 for r in seen["flood"].values()), seen
+    assert [out[(s, 0)]["steps"] for s in (0, 1)] == [8, 8]
+    a, b = final_params(tree, 0, 8, SECRET), final_params(tree, 1, 8, SECRET)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    print(f"flood: {seen}")

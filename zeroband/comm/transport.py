@@ -1,0 +1,594 @@
+"""The cross-site transport: authenticated TCP connections that zeroband owns, in place of gloo's.
+
+Why not gloo: its listener keeps an fd and a pair per connection that sends 8 bytes, and aborts
+the process when the fds run out (`accept: Too many open files`, SIGABRT: 20,000 connections in
+2.6 s killed a site, issue 23 item 5). Nothing in gloo bounds what a stranger may open, so the
+cross-site groups run on this module instead (stdlib sockets and threads).
+
+Setup (once per group, i.e. per incarnation or elastic generation; `Transport.connect`):
+- every member listens on the configured address (`listen_host`) with an ephemeral port, published
+  through the store (signed with the secret, comm/group.py);
+- for each pair, the higher rank dials the lower one `streams` times (one connection per stream);
+- handshake, all fixed sizes: the dialer sends HELLO (src, dst, stream, streams, its nonce, HMAC);
+  the acceptor checks it and answers (its nonce, HMAC over the hello and both nonces); the dialer
+  checks that and sends CONFIRM (HMAC over the hello and the acceptor's nonce). Both sides proved
+  the key over the other's fresh nonce, so a recorded handshake cannot be replayed. The key is the
+  secret's `transport` subkey bound to the group's prefix (run, incarnation, generation, shard);
+  without a secret (sites.insecure) it is a public constant: unkeyed, with the same bounds.
+
+Bounds on what a stranger can cost (`_Acceptor`): one selector thread accepts without blocking and
+reads at most HELLO then CONFIRM bytes from a connection that has not authenticated; it closes one
+that has not finished within HELLO_DEADLINE_S, one that fails a check, and, when MAX_PENDING are
+pending, the oldest of them (a stalled connection is always the oldest, so a real peer that
+answers in time displaces it). No thread per connection, no buffer beyond the fixed sizes.
+
+After setup every message is framed as (tag, total bytes) + payload; the receiver refuses a total
+larger than the buffer it posted (no allocation sized by the peer). Matching is gloo's: FIFO per
+(peer, tag). With `streams` > 1 a message is cut into contiguous slices (`slices`), slice k sent
+on stream k and written into the receiver's buffer at its offset: the same bytes arrive, so the
+results are bitwise those of one stream. Message contents are sealed end to end by trust/mac.py;
+this layer only decides who may hold a connection.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hmac
+import logging
+import os
+import queue
+import secrets
+import selectors
+import socket
+import struct
+import threading
+import time
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from zeroband.watchdog import PeerTimeout, TransportError, TransportTimeout
+
+log = logging.getLogger(__name__)
+
+LABEL = b"zeroband-transport-v1"
+MAGIC = b"ZBT1"
+HELLO = struct.Struct("!4sIIII16s32s")  # magic, src, dst, stream, streams, nonce, HMAC: 68 bytes
+ANSWER, CONFIRM = 16 + 32, 32  # acceptor's nonce + HMAC; dialer's HMAC
+HEADER = struct.Struct("!QQ")  # message tag, total bytes of the message
+HELLO_DEADLINE_S = 3.0  # an unauthenticated connection's whole handshake
+MAX_PENDING = 64  # unauthenticated connections held at once
+MIN_SLICE = 1 << 16  # smaller messages use fewer streams
+BROADCAST_TAG, ALLREDUCE_TAG = 1 << 40, (1 << 40) + 1  # above every tag of comm/group.py
+INSECURE_KEY = b"zeroband-transport-insecure"  # sites.insecure: anyone can compute it (bounds still hold)
+
+
+# ----------------------------------------------------------------------------------- pure helpers
+def group_key(subkey: bytes | None, prefix: str) -> bytes:
+    """The handshake key of one group: the secret's transport subkey bound to the group's prefix."""
+    return hmac.digest(subkey or INSECURE_KEY, LABEL + b"|" + prefix.encode(), "sha256")
+
+
+def _mac(key: bytes, *parts: bytes) -> bytes:
+    return hmac.digest(key, b"|".join([LABEL, *parts]), "sha256")
+
+
+def make_hello(key: bytes, src: int, dst: int, stream: int, streams: int, nonce: bytes) -> bytes:
+    body = HELLO.pack(MAGIC, src, dst, stream, streams, nonce, bytes(32))[:-32]
+    return body + _mac(key, b"hello", body)
+
+
+def check_hello(key: bytes, data: bytes, me: int, size: int, streams: int) -> tuple[int, int] | None:
+    """(source rank, stream) of a valid hello to `me`, else None."""
+    magic, src, dst, stream, their_streams, _, tag = HELLO.unpack(data)
+    ok = magic == MAGIC and dst == me and me < src < size and stream < streams == their_streams
+    return (src, stream) if ok and hmac.compare_digest(tag, _mac(key, b"hello", data[:-32])) else None
+
+
+def answer_tag(key: bytes, hello: bytes, nonce: bytes) -> bytes:
+    return _mac(key, b"answer", hello, nonce)
+
+
+def confirm_tag(key: bytes, hello: bytes, nonce: bytes) -> bytes:
+    return _mac(key, b"confirm", hello, nonce)
+
+
+def slices(total: int, streams: int) -> list[tuple[int, int]]:
+    """(offset, length) of slice k of a `total`-byte message, for each of `streams` streams: contiguous,
+    in order, covering it exactly (trailing streams get empty slices when the message is small)."""
+    used = max(1, min(streams, total // MIN_SLICE))
+    step = -(-total // used)
+    bounds = [min(total, k * step) for k in range(streams + 1)]
+    return [(bounds[k], bounds[k + 1] - bounds[k]) for k in range(streams)]
+
+
+HOST_ENV = "ZEROBAND_TRANSPORT_HOST"
+
+
+def listen_host() -> str:
+    """The address cross-site groups listen on: ZEROBAND_TRANSPORT_HOST (an address of this host);
+    else the interface named by GLOO_SOCKET_IFNAME (the setting launchers and the WAN emulator
+    already give); else the host name's address, as gloo did. Setting the first lets the
+    intra-site gloo group (GLOO_SOCKET_IFNAME) stay on loopback or the site's own network."""
+    if os.environ.get(HOST_ENV):
+        return os.environ[HOST_ENV]
+    name = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0]
+    if not name:
+        return socket.gethostbyname(socket.gethostname())
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        packed = struct.pack("256s", name.encode()[:15])
+        try:
+            return socket.inet_ntoa(fcntl.ioctl(s.fileno(), 0x8915, packed)[20:24])  # SIOCGIFADDR
+        except OSError as e:
+            raise ValueError(f"GLOO_SOCKET_IFNAME={name!r}: no IPv4 address on that interface ({e})") from None
+
+
+def as_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, in place."""
+    if not t.is_contiguous() or t.device.type != "cpu":
+        raise ValueError("the cross-site transport sends contiguous CPU tensors only")
+    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+# ----------------------------------------------------------------------------------------- works
+class Work:
+    """Done when `parts` parts completed; `wait` raises the first error, or TransportTimeout."""
+
+    def __init__(self, parts: int, timeout_s: float, what: str) -> None:
+        self.left, self.timeout_s, self.what = parts, timeout_s, what
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+        self.lock = threading.Lock()
+        if parts == 0:
+            self.done.set()
+
+    def part_done(self) -> None:
+        with self.lock:
+            self.left -= 1
+            if self.left <= 0:
+                self.done.set()
+
+    def fail(self, error: BaseException) -> None:
+        with self.lock:
+            if not self.done.is_set():  # a completed work stays completed
+                self.error = error
+                self.done.set()
+
+    def is_completed(self) -> bool:
+        return self.done.is_set()
+
+    def wait(self, timeout: Any = None) -> bool:
+        limit = self.timeout_s if timeout is None else getattr(timeout, "total_seconds", lambda: timeout)()
+        if not self.done.wait(limit):
+            raise TransportTimeout(f"{self.what}: nothing for {limit:g} s")
+        if self.error is not None:
+            raise self.error
+        return True
+
+
+class Then:
+    """A work that, once `works` completed, runs `finish` (a collective's local step)."""
+
+    def __init__(self, works: list[Work], finish: Callable[[], None] = lambda: None) -> None:
+        self.works, self.finish, self.finished = works, finish, False
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+    def wait(self, timeout: Any = None) -> bool:
+        for w in self.works:
+            w.wait(timeout)
+        if not self.finished:
+            self.finished = True
+            self.finish()
+        return True
+
+
+# ------------------------------------------------------------------------------- the listener
+class _Pending:
+    """An accepted connection that has not authenticated: what it sent so far, fixed-size only."""
+
+    def __init__(self, deadline: float) -> None:
+        self.deadline, self.data, self.hello, self.nonce, self.who = deadline, b"", b"", b"", (0, 0)
+
+
+class _Acceptor:
+    """Accepts and authenticates connections on one thread (a selector); hands each authenticated
+    one to `admit(src, stream, sock)`. See the module docstring for the bounds it keeps."""
+
+    def __init__(self, host: str, key: bytes, me: int, size: int, streams: int,
+                 admit: Callable[[int, int, socket.socket], None]) -> None:
+        self.key, self.me, self.size, self.streams, self.admit = key, me, size, streams, admit
+        self.sock = socket.create_server((host, 0), backlog=128)
+        self.sock.setblocking(False)
+        self.address = self.sock.getsockname()[:2]
+        self.pending: OrderedDict[socket.socket, _Pending] = OrderedDict()
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(self.sock, selectors.EVENT_READ)
+        self.closed = False
+        self.refused = 0  # connections closed unauthenticated (for tests and logs)
+        self.thread = threading.Thread(target=self._loop, name="zeroband-transport-accept", daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while not self.closed:
+            try:
+                events = self.selector.select(0.25)
+            except (OSError, ValueError):  # closed under us
+                return
+            for key, _ in events:
+                if key.fileobj is self.sock:
+                    self._accept_all()
+                elif key.fileobj in self.pending:
+                    self._read(key.fileobj)
+            self._expire(time.monotonic())
+
+    def _accept_all(self) -> None:
+        """Every connection the kernel queued, without blocking; when the pool is full the oldest
+        pending one makes room (fds stay bounded whatever a stranger opens)."""
+        for _ in range(1024):  # then let the pending ones speak
+            try:
+                conn, _ = self.sock.accept()
+            except BlockingIOError:
+                return
+            except OSError:  # EMFILE and the like: free a slot, try again on the next wakeup
+                self._drop_oldest()
+                return
+            if len(self.pending) >= MAX_PENDING:
+                self._drop_oldest()
+            conn.setblocking(False)
+            self.pending[conn] = _Pending(time.monotonic() + HELLO_DEADLINE_S)
+            self.selector.register(conn, selectors.EVENT_READ)
+
+    def _read(self, conn: socket.socket) -> None:
+        p = self.pending[conn]
+        need = (HELLO.size if not p.hello else CONFIRM) - len(p.data)
+        try:
+            chunk = conn.recv(need)
+        except BlockingIOError:
+            return
+        except OSError:
+            chunk = b""
+        p.data += chunk
+        if not chunk:
+            self._close(conn)
+        elif len(p.data) == (HELLO.size if not p.hello else CONFIRM):
+            self._step(conn, p)
+
+    def _step(self, conn: socket.socket, p: _Pending) -> None:
+        """A complete hello (answer it) or confirm (admit the connection); anything else closes it."""
+        if not p.hello:
+            who = check_hello(self.key, p.data, self.me, self.size, self.streams)
+            if who is None:
+                return self._close(conn)
+            p.hello, p.who, p.nonce, p.data = p.data, who, secrets.token_bytes(16), b""
+            try:
+                conn.send(p.nonce + answer_tag(self.key, p.hello, p.nonce))  # 48 bytes: fits a fresh socket
+            except OSError:
+                self._close(conn)
+            return
+        if not hmac.compare_digest(p.data, confirm_tag(self.key, p.hello, p.nonce)):
+            return self._close(conn)
+        self.selector.unregister(conn)
+        del self.pending[conn]
+        conn.setblocking(True)
+        self.admit(*p.who, conn)
+
+    def _expire(self, now: float) -> None:
+        while self.pending:
+            conn, p = next(iter(self.pending.items()))
+            if p.deadline > now:
+                return
+            self._close(conn)
+
+    def _drop_oldest(self) -> None:
+        if self.pending:
+            self._close(next(iter(self.pending)))
+
+    def _close(self, conn: socket.socket) -> None:
+        self.refused += 1
+        self.pending.pop(conn, None)
+        try:
+            self.selector.unregister(conn)
+        except (KeyError, ValueError):
+            pass
+        conn.close()
+
+    def close(self) -> None:
+        self.closed = True
+        if threading.current_thread() is not self.thread:  # a finalizer may run on any thread
+            self.thread.join(1.0)
+        for conn in list(self.pending):
+            self._close(conn)
+        self.selector.close()
+        self.sock.close()
+
+
+def dial(address: tuple[str, int], key: bytes, me: int, dst: int, stream: int, streams: int) -> socket.socket:
+    """One authenticated connection to `dst` (the dialer's side of the handshake); raises OSError or
+    TransportError when it fails."""
+    sock = socket.create_connection(address, timeout=HELLO_DEADLINE_S)
+    try:
+        hello = make_hello(key, me, dst, stream, streams, secrets.token_bytes(16))
+        sock.sendall(hello)
+        answer = _read_exact(sock, ANSWER)
+        nonce, tag = answer[:16], answer[16:]
+        if not hmac.compare_digest(tag, answer_tag(key, hello, nonce)):
+            raise TransportError(f"site {dst} answered the handshake without the shared secret")
+        sock.sendall(confirm_tag(key, hello, nonce))
+        sock.settimeout(None)
+        return sock
+    except BaseException:
+        sock.close()
+        raise
+
+
+def _read_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    _recv_into(sock, memoryview(buf))
+    return bytes(buf)
+
+
+def _recv_into(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise TransportError("closed by the peer")
+        got += n
+
+
+# ------------------------------------------------------------------------------ one peer's links
+class _Recv:
+    """A posted receive: the buffer, the message size once its first slice announced it, and its work."""
+
+    def __init__(self, view: memoryview, work: Work) -> None:
+        self.view, self.work, self.total, self.claims = view, work, -1, 0
+
+
+class _Peer:
+    """The `streams` authenticated connections to one peer: a sender and a receiver thread per
+    connection, receives matched FIFO per tag (each stream carries slice k of every message, in
+    send order, so the n-th header of a tag on any stream belongs to the n-th message of that tag)."""
+
+    def __init__(self, rank: int, socks: list[socket.socket]) -> None:
+        self.rank, self.socks, self.streams = rank, socks, len(socks)
+        self.outbox: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in socks]
+        self.posted: dict[int, dict[int, _Recv]] = {}  # tag -> sequence number -> receive
+        self.count: dict[int, int] = {}  # receives posted per tag
+        self.seen = [dict[int, int]() for _ in socks]  # headers read per tag, per stream
+        self.cond = threading.Condition()
+        self.error: TransportError | None = None
+        for k, sock in enumerate(socks):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            for fn, name in ((self._send_loop, "send"), (self._recv_loop, "recv")):
+                threading.Thread(target=fn, args=(k,), name=f"zeroband-transport-{name}-{rank}.{k}", daemon=True).start()
+
+    def send(self, tag: int, view: memoryview, work: Work) -> None:
+        for k, (offset, length) in enumerate(slices(len(view), self.streams)):
+            self.outbox[k].put((tag, len(view), view[offset : offset + length], work))
+        if self.error is not None:  # a sender that already failed may never take them
+            work.fail(self.error)
+
+    def recv(self, tag: int, view: memoryview, work: Work) -> None:
+        with self.cond:
+            if self.error is not None:
+                return work.fail(self.error)
+            seq = self.count.get(tag, 0)
+            self.count[tag] = seq + 1
+            self.posted.setdefault(tag, {})[seq] = _Recv(view, work)
+            self.cond.notify_all()
+
+    def _send_loop(self, k: int) -> None:
+        sock = self.socks[k]
+        while True:
+            item = self.outbox[k].get()
+            if item is None:
+                return
+            tag, total, view, work = item
+            try:
+                sock.sendall(HEADER.pack(tag, total))
+                if len(view):
+                    sock.sendall(view)
+                work.part_done()
+            except OSError as e:
+                self.fail(TransportError(f"connection to site {self.rank}: {e}"))
+                work.fail(self.error)
+
+    def _recv_loop(self, k: int) -> None:
+        sock, header, r = self.socks[k], bytearray(HEADER.size), None
+        try:
+            while True:
+                _recv_into(sock, memoryview(header))
+                tag, total = HEADER.unpack(header)
+                r = self._match(k, tag)
+                if total > len(r.view) or r.total not in (-1, total):
+                    raise TransportError(f"a message of {total} bytes for tag {tag} where {len(r.view)} bytes "
+                                         "were expected")
+                r.total = total
+                offset, length = slices(total, self.streams)[k]
+                _recv_into(sock, r.view[offset : offset + length])
+                r.work.part_done()
+                r = None
+        except (OSError, TransportError) as e:
+            self.fail(TransportError(f"connection to site {self.rank}: {e}"))
+            if r is not None:  # claimed by this stream, so no longer among the posted ones `fail` ends
+                r.work.fail(self.error)
+
+    def _match(self, k: int, tag: int) -> _Recv:
+        """The receive this stream's next slice of `tag` belongs to; waits until it is posted (the
+        sender then waits on TCP's window, as gloo's waits for the receiver's buffer)."""
+        seq = self.seen[k].get(tag, 0)
+        self.seen[k][tag] = seq + 1
+        with self.cond:
+            while seq not in self.posted.get(tag, {}):
+                if self.error is not None:
+                    raise self.error
+                self.cond.wait(0.5)
+            r = self.posted[tag][seq]
+            r.claims += 1
+            if r.claims == self.streams:  # every stream has its slice: forget it
+                del self.posted[tag][seq]
+            return r
+
+    def fail(self, error: TransportError) -> None:
+        """Every pending and later operation with this peer fails with `error` (the first one)."""
+        with self.cond:
+            if self.error is None:
+                self.error = error
+            for by_seq in self.posted.values():
+                for r in by_seq.values():
+                    r.work.fail(self.error)
+            self.posted.clear()
+            self.cond.notify_all()
+        for k, sock in enumerate(self.socks):
+            _drain(self.outbox[k], self.error)
+            self.outbox[k].put(None)  # ends the sender (after the send it may be in, which now fails)
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self.fail(TransportError("the group was closed"))
+        for sock in self.socks:
+            sock.close()
+
+
+def _drain(q: queue.SimpleQueue, error: BaseException) -> None:
+    while True:
+        try:
+            item = q.get_nowait()
+        except queue.Empty:
+            return
+        if item is not None:
+            item[3].fail(error)
+
+
+# ----------------------------------------------------------------------------------- the group
+class Transport:
+    """Rank `rank` of `size` members: `listen`, publish `address`, `connect`, then the calls of a c10d
+    process group that zeroband uses (`send`, `recv`, `broadcast`, `allreduce`), each returning a
+    work whose `wait()` is bounded by `timeout_s` and raises TransportError when a peer is lost."""
+
+    def __init__(self, rank: int, size: int, prefix: str, subkey: bytes | None, timeout_s: float,
+                 streams: int = 1, host: str | None = None) -> None:
+        if streams < 1:
+            raise ValueError(f"sites.streams={streams}: must be at least 1")
+        self.rank, self.size, self.streams, self.timeout_s = rank, size, streams, timeout_s
+        self.key = group_key(subkey, prefix)
+        self.peers: dict[int, _Peer] = {}
+        self.accepted: dict[int, dict[int, socket.socket]] = {}
+        self.cond = threading.Condition()
+        # The acceptor holds this object weakly, so a group nobody uses any more is collected and its
+        # sockets and threads end (as a c10d group's are when it is dropped, e.g. an old generation's).
+        admit = weakref.WeakMethod(self._admit)
+        self.acceptor = _Acceptor(host or listen_host(), self.key, rank, size, streams,
+                                  lambda *a: (admit() or _refuse)(*a))
+        self.address = "{}:{}".format(*self.acceptor.address)
+        self.close = weakref.finalize(self, _close_all, self.acceptor, self.peers, self.accepted)
+
+    def _admit(self, src: int, stream: int, sock: socket.socket) -> None:
+        with self.cond:
+            slots = self.accepted.setdefault(src, {})
+            if stream in slots or src in self.peers:  # only a key holder gets here: keep the first
+                sock.close()
+                return
+            slots[stream] = sock
+            self.cond.notify_all()
+
+    def connect(self, addresses: dict[int, str]) -> None:
+        """Dial every lower rank (`streams` connections each) and wait for every higher one to dial us;
+        raises PeerTimeout naming the sites still missing after `timeout_s`."""
+        deadline = time.monotonic() + self.timeout_s
+        for dst in range(self.rank):
+            host, port = addresses[dst].rsplit(":", 1)
+            socks = [self._dial((host, int(port)), dst, k, deadline) for k in range(self.streams)]
+            self.peers[dst] = _Peer(dst, socks)
+        with self.cond:
+            while missing := [s for s in range(self.rank + 1, self.size) if len(self.accepted.get(s, {})) < self.streams]:
+                if time.monotonic() > deadline:
+                    raise PeerTimeout(f"connecting the group: {_names(missing)} did not connect within "
+                                      f"{self.timeout_s:g} s (sites.timeout_s)")
+                self.cond.wait(0.1)
+            for src, slots in self.accepted.items():
+                self.peers[src] = _Peer(src, [slots[k] for k in range(self.streams)])
+
+    def _dial(self, address: tuple[str, int], dst: int, stream: int, deadline: float) -> socket.socket:
+        """Retried until the deadline: a listener under a flood may drop our handshake once."""
+        while True:
+            try:
+                return dial(address, self.key, self.rank, dst, stream, self.streams)
+            except (OSError, TransportError) as e:
+                if time.monotonic() > deadline:
+                    raise PeerTimeout(f"connecting the group: site {dst} at {address[0]}:{address[1]} refused or "
+                                      f"dropped every handshake for {self.timeout_s:g} s (last: {e}); it holds "
+                                      "another secret or sites.streams, or is not running") from None
+                time.sleep(0.05)
+
+    # ---- the process-group calls
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Work:
+        work = Work(self.streams, self.timeout_s, f"send to site {dst}")
+        self.peers[dst].send(tag, as_bytes(tensors[0]), work)
+        return work
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Work:
+        work = Work(self.streams, self.timeout_s, f"receive from site {src}")
+        self.peers[src].recv(tag, as_bytes(tensors[0]), work)
+        return work
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Then:
+        root, t = opts.rootRank, tensors[0]
+        if self.rank == root:
+            return Then([self.send([t], dst, BROADCAST_TAG) for dst in range(self.size) if dst != root])
+        return Then([self.recv([t], root, BROADCAST_TAG)])
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Then:
+        """Every member's tensor to every other; each sums (or min/max) them in rank order, so every
+        member ends with bitwise the same result. For small tensors (statistics, flags)."""
+        t = tensors[0]
+        own = t.detach().contiguous().clone()
+        parts = {r: own if r == self.rank else torch.empty_like(own) for r in range(self.size)}
+        works = [self.recv([parts[r]], r, ALLREDUCE_TAG) for r in parts if r != self.rank]
+        works += [self.send([own], r, ALLREDUCE_TAG) for r in parts if r != self.rank]
+        combine = _combiner(getattr(opts, "reduceOp", dist.ReduceOp.SUM))
+
+        def finish() -> None:
+            total = parts[0].clone()
+            for r in range(1, self.size):
+                total = combine(total, parts[r])
+            t.copy_(total)
+
+        return Then(works, finish)
+
+
+
+def _close_all(acceptor: _Acceptor, peers: dict[int, _Peer], accepted: dict[int, dict[int, socket.socket]]) -> None:
+    """`Transport.close`, also run when the transport is collected: no socket or thread outlives it."""
+    acceptor.close()
+    for peer in list(peers.values()):
+        peer.close()
+    for slots in list(accepted.values()):
+        for sock in list(slots.values()):
+            sock.close()
+
+
+def _refuse(src: int, stream: int, sock: socket.socket) -> None:
+    sock.close()
+
+
+def _combiner(op: Any) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    ops = {dist.ReduceOp.SUM: torch.add, dist.ReduceOp.MAX: torch.maximum, dist.ReduceOp.MIN: torch.minimum,
+           dist.ReduceOp.PRODUCT: torch.mul}
+    for known, fn in ops.items():
+        if op == known:
+            return fn
+    raise ValueError(f"the cross-site transport does not reduce with {op}")
+
+
+def _names(sites: list[int]) -> str:
+    return f"site {sites[0]}" if len(sites) == 1 else f"sites {sites}"
