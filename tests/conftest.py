@@ -49,7 +49,7 @@ def kernel_impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
 # below is integration, so a new test can only make the unit tier faster, never slower.
 UNIT_MODULES = {"test_config", "test_link", "test_data", "test_model", "test_plan", "test_rounds", "test_fetch_safety",
                 "test_outer_units", "test_outer_step", "test_save_policy", "test_layers", "test_outer_sync",
-                "test_transport", "test_docs_links"}
+                "test_transport", "test_docs_links", "test_ledger"}
 UNIT_TESTS = {
     "test_attacks_flood_store": {"test_the_guard_decides_on_a_whole_answer_bound_to_its_challenge_and_port"},
     "test_gpu_suite_smoke": {"test_cached_spec_is_skipped_and_a_changed_spec_runs_again",

@@ -179,3 +179,9 @@ def test_every_command_line_form_of_a_secret_is_refused_without_echo(tmp_path):
     assert secret not in str(e.value)
     toml.chmod(0o600)
     assert load_config(toml).sites.secret == secret
+
+
+def test_span_docs_has_a_default_and_a_one_line_error():
+    assert load_config(None).data.span_docs == 64
+    with pytest.raises(ConfigError, match=r"data.span_docs: Input should be greater than 0 \(got 0\)"):
+        load_config(None, ["--data.span_docs", "0"])

@@ -12,7 +12,7 @@ import torch
 
 from zeroband.config import DataConfig
 from zeroband.data.fetch import clean_text, fetch_demo_corpus, split_document, strip_gutenberg
-from zeroband.data.loader import PackedBatches, is_val_document
+from zeroband.data.loader import DataError, PackedBatches, is_val_document
 from zeroband.data.tokenizer import TextTokenizer, train_tokenizer
 
 WORDS = "the a king queen sword crown night day river stone bright dark speak walk love fear gold".split()
@@ -338,3 +338,46 @@ def test_fetch_demo_corpus(tmp_path: Path) -> None:
     assert (
         fetch_demo_corpus(tmp_path, cache_dir=tmp_path / "cache") == out and out.stat().st_mtime_ns == mtime
     )
+
+
+# --------------------------------------------------------------------------------------------
+# Leases from the data ledger (elastic runs)
+
+
+def _train_order(corpus: dict, cfg: DataConfig, epoch: int) -> list[str]:
+    """The train documents in epoch `epoch`'s shuffled order (what the ledger's indices count in)."""
+    import numpy as np
+
+    train = [d for d in corpus["docs"] if not is_val_document(d, cfg.val_fraction)]
+    return [train[i] for i in np.random.default_rng([cfg.shuffle_seed, epoch]).permutation(len(train))]
+
+
+def test_a_lease_reads_exactly_its_documents_across_epochs(corpus: dict) -> None:
+    cfg, tok = _cfg(corpus), corpus["tok"]
+    pb = PackedBatches(cfg, tok, 0, 1)
+    n = pb.train_documents
+    lease = [(3, 6), (n - 2, n + 2), (n + 10, n + 30)]  # the end of epoch 0, the start of epoch 1, more
+    pb.set_lease(lease)
+    order = _train_order(corpus, cfg, 0) + _train_order(corpus, cfg, 1)
+    want = tok.encode_batch([order[d] for a, b in lease for d in range(a, b)])[:9]
+    assert _read_docs(pb, len(want)) == want
+    assert 9 <= pb.lease_read < 29  # counted as they enter the packing buffer
+
+
+def test_a_lease_resumes_exactly_and_its_end_is_one_line(corpus: dict) -> None:
+    cfg, tok = _cfg(corpus), corpus["tok"]
+    full = PackedBatches(cfg, tok, 0, 1)
+    full.set_lease([(0, 30)])
+    expected = _take(full, 6)
+    first = PackedBatches(cfg, tok, 0, 1)
+    first.set_lease([(0, 30)])
+    _take(first, 3)
+    resumed = PackedBatches(cfg, tok, 1, 2)  # a lease does not depend on the rank layout
+    resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    assert all(torch.equal(p, q) for p, q in zip(expected[3:], _take(resumed, 3)))
+    short = PackedBatches(cfg, tok, 0, 1)
+    short.set_lease([(0, 2)])
+    with pytest.raises(DataError, match=r"read all 2 documents .* Fix: raise data.span_docs"):
+        _take(short, 20)
+    with pytest.raises(DataError, match="data.streaming = true cannot be used with an elastic run"):
+        PackedBatches(_cfg(corpus, streaming=True), tok, 0, 1).set_lease([(0, 2)])

@@ -21,6 +21,7 @@ from zeroband import checkpoint as ckpt
 from zeroband import seams
 from zeroband.checkpointer import Checkpointer, checkpoint_meta, sync_due
 from zeroband.config import Config, ConfigError, dump_config, load_config, warn_allow_unsigned
+from zeroband.data.ledger import SharedData
 from zeroband.data.loader import PackedBatches
 from zeroband.data.tokenizer import TextTokenizer
 from zeroband.fingerprint import run_fingerprint
@@ -204,6 +205,8 @@ def build_run(cfg: Config, world: World, topology: Topology, group: GlobalGroup 
     outer = wrap.outer(build_outer(cfg, model, topology, group, progress, scheduler), model)
     clock = ComputeClock()
     stateful: dict[str, ckpt.Stateful] = {"scheduler": scheduler, "data": train_data, "outer": outer, "progress": progress, "clock": clock}
+    if (ledger := SharedData.for_run(cfg, world, train_data, outer)) is not None:  # elastic: data as a ledger
+        stateful["ledger"] = ledger
     checkpointer = wrap.checkpointer(Checkpointer(cfg, ckpt_root, model, optimizer, stateful, topology.secret))
     return Run(cfg, world, topology, model, optimizer, scheduler, train_data, eval_set, val_data.bytes_per_token,
                outer, progress, clock, run_dir, ckpt_root, checkpointer, group)
@@ -421,7 +424,7 @@ def open_metrics(run: Run, found: ckpt.CheckpointInfo | None, keep: int) -> Metr
     tag = f"site{world.site_rank}" if cfg.diloco else ""
     metrics = MetricsLogger(cfg, run.run_dir, world.rank == 0, cfg.train.steps, run.progress.step, tag=tag,
                             keep_through=keep)
-    run.outer.attach(lambda event: metrics.log(run.progress.step, event, "membership"))
+    run.outer.attach(lambda event: on_membership_event(run, metrics, event))
     unauthenticated = cfg.diloco is not None and world.site_count > 1 and run.topology.secret is None
     metrics.record_insecure(run.progress.step, insecure_choices(cfg, unauthenticated))
     if found is None:
@@ -432,6 +435,14 @@ def open_metrics(run: Run, found: ckpt.CheckpointInfo | None, keep: int) -> Metr
         metrics.log(run.progress.step, {"from": str(found.path), "run_id": run.run_id,
                                         **({"changed": changed} if changed else {})}, "resumed")
     return metrics
+
+
+def on_membership_event(run: Run, metrics: MetricsLogger, event: dict[str, Any]) -> None:
+    """Record a membership event; an elastic run's data ledger follows it (zeroband/data/ledger.py)."""
+    metrics.log(run.progress.step, event, "membership")
+    ledger = run.stateful.get("ledger")
+    if ledger is not None and (record := ledger.on_event(event)) is not None:
+        metrics.log(run.progress.step, record, "data")
 
 
 def print_summary(run: Run) -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import configparser
 import hashlib
 import json
-import os
 import re
 import ssl
 import subprocess

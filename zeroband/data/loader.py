@@ -6,7 +6,9 @@ rank j % dp_size -> tokenise, append EOS, concatenate -> rows of seq_len + 1 tok
 sharing one token so that every token is a target exactly once and no document tail is ever dropped.
 
 Sharding is by global dp rank only, so 2 sites x 1 rank reads the same documents per process as
-1 site x 2 ranks. `.txt` files are split into documents at blank lines (paragraphs).
+1 site x 2 ranks. An elastic run reads a lease instead (`set_lease`): pieces of the order that the
+shared data ledger (zeroband/data/ledger.py) dealt to this rank, so documents move between sites
+that come and go. `.txt` files are split into documents at blank lines (paragraphs).
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ import hashlib
 import json
 import logging
 from collections import deque
-from contextlib import contextmanager
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal
 
@@ -26,6 +28,7 @@ import numpy as np
 import torch
 
 from zeroband.config import ConfigError, DataConfig
+from zeroband.data.ledger import Piece
 from zeroband.data.tokenizer import TextTokenizer
 
 Split = Literal["train", "val"]
@@ -228,7 +231,21 @@ class _IndexedSource:
         order = self.indices[split]
         if split == "train":
             order = order[np.random.default_rng([seed % 2**32, epoch]).permutation(len(order))]
-        mine = order[rank::size]
+        yield from self._rows(order[rank::size], start)
+
+    def lease_texts(self, lease: list[Piece], seed: int, start: int) -> Iterator[list[str]]:
+        """The train documents of `lease` (global indices: epoch x N + position, zeroband/data/ledger.py),
+        from its `start`-th document on."""
+        n, orders = len(self.indices["train"]), {}
+        picked = []
+        for d in (d for a, b in lease for d in range(a, b)):
+            epoch = d // n
+            if epoch not in orders:
+                orders[epoch] = self.indices["train"][np.random.default_rng([seed % 2**32, epoch]).permutation(n)]
+            picked.append(orders[epoch][d % n])
+        yield from self._rows(np.asarray(picked, dtype=np.int64), start)
+
+    def _rows(self, mine: np.ndarray, start: int) -> Iterator[list[str]]:
         for lo in range(start, len(mine), _TOKENIZE_CHUNK):
             yield self.ds[[int(i) for i in mine[lo : lo + _TOKENIZE_CHUNK]]][self.field]
 
@@ -314,6 +331,8 @@ class _Cursor:
         return True
 
     def _next_epoch(self) -> None:
+        if self.split == "train" and self.loader.leased is not None:
+            raise self.loader._lease_error(self.consumed)
         if self.consumed == 0:
             raise self.loader._no_documents_error(self.split)
         self.epoch, self.consumed, self.chunks = self.epoch + 1, 0, None
@@ -340,6 +359,7 @@ class PackedBatches:
         self._source = source_cls(ds, cfg.text_field, cfg.val_fraction)
         self._check_counts()
         self._cursor = _Cursor(self, split)
+        self.leased: list[Piece] | None = None  # elastic runs: the ledger's pieces for this rank (set_lease)
         self._val_cache: dict[tuple[int, int], tuple[list[tuple[torch.Tensor, torch.Tensor]], float]] = {}
         self._bytes_per_token: float | None = None
 
@@ -363,7 +383,43 @@ class PackedBatches:
 
     def _texts(self, split: Split, epoch: int, start: int) -> Iterator[list[str]]:
         with bad_rows_named(self.cfg):  # streaming: a bad row surfaces only when it is read
+            if split == "train" and self.leased is not None:
+                yield from self._source.lease_texts(self.leased, self.cfg.shuffle_seed, start)
+                return
             yield from self._source.texts(split, epoch, self.cfg.shuffle_seed, self.dp_rank, self.dp_size, start)
+
+    def _lease_error(self, read: int) -> DataError:
+        return DataError(
+            f"rank {self.dp_rank} read all {read} documents the data ledger leased to it before the round ended. "
+            "Fix: raise data.span_docs (each rank is leased at least 4 spans ahead)"
+        )
+
+    # ---------------------------------------------------------------------------------------- leases
+
+    @property
+    def train_documents(self) -> int:
+        """Documents in one epoch of the train split (what the ledger's global indices count in)."""
+        n = self._source.count("train")
+        if n is None:
+            raise DataError("data.streaming = true cannot be used with an elastic run: the data ledger addresses "
+                            "documents by index. Fix: set data.streaming = false")
+        return n
+
+    def set_lease(self, pieces: list[Piece]) -> None:
+        """Read `pieces` (the ledger's lease for this rank) from their first document on, instead of
+        a fixed slot. Tokens already in the packing buffer stay: they come before the lease's."""
+        if self.split != "train":
+            raise ValueError("only the train split is leased")
+        self.train_documents  # noqa: B018 -- a streaming source stops here, in one line
+        self.leased = [tuple(p) for p in pieces]
+        c = self._cursor
+        c.consumed, c.chunks = 0, None
+        c.pending.clear()  # tokenised ahead from the old lease: the new one starts where reading stopped
+
+    @property
+    def lease_read(self) -> int:
+        """Documents of the current lease read so far (pulled into the packing buffer)."""
+        return self._cursor.consumed
 
     # ----------------------------------------------------------------------------------------
 
@@ -413,12 +469,14 @@ class PackedBatches:
             "epoch": c.epoch,
             "docs_consumed": c.consumed,
             "buffer": list(c.buffer),
+            **({"lease": [list(p) for p in self.leased]} if self.leased is not None else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue exactly where `state` was taken; documents before it are skipped, not re-tokenised."""
         mine = self.state_dict()
-        for key in ("version", "split", "dp_rank", "dp_size", "seq_len", "shuffle_seed"):
+        leased = "lease" in state
+        for key in ("version", "split", "seq_len", "shuffle_seed") + (() if leased else ("dp_rank", "dp_size")):
             if state.get(key) != mine[key]:
                 raise ValueError(
                     f"data state was saved with {key}={state.get(key)!r} but this loader has {key}={mine[key]!r}; "
@@ -428,3 +486,4 @@ class PackedBatches:
         cursor.epoch, cursor.consumed = int(state["epoch"]), int(state["docs_consumed"])
         cursor.buffer = [int(t) for t in state["buffer"]]
         self._cursor = cursor
+        self.leased = [(int(a), int(b)) for a, b in state["lease"]] if leased else None
