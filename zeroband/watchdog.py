@@ -29,6 +29,8 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
+from zeroband.comm.work import Work
+
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
@@ -82,7 +84,7 @@ class Watch:
         self.timeout_s, self.log_every_s, self.interruptible = timeout_s, log_every_s, interruptible
         self.current = "the exchange to start"
 
-    def wait(self, work: dist.Work, peer: int | str, phase: str) -> None:
+    def wait(self, work: Work, peer: int | str, phase: str) -> None:
         """On the worker thread: note whom we wait for, then wait (bounded by the group's timeout)."""
         self.current = f"{_who(peer)} ({phase})"
         work.wait()

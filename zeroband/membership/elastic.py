@@ -123,13 +123,15 @@ class ElasticMembership:
         self.secret = topology.secret
         self.auth = WireAuth.from_secret(self.secret, run_name)  # seals all-reduce messages
         sign_key = self.auth.subkey("store")  # and, independently keyed, the protocol's store values
-        self.signed = SignedStore(topology.store, sign_key)
-        self.liveness = Liveness(topology.store, self.prefix, slots, cfg.dead_after_s, sign_key)
-        self.rounds = RoundCoordinator(topology.store, self.prefix, self.world.site_rank, self.world.rank == 0,
+        assert topology.store is not None, "elastic membership needs the coordination store (sites.store)"
+        self.store: dist.Store = topology.store
+        self.signed = SignedStore(self.store, sign_key)
+        self.liveness = Liveness(self.store, self.prefix, slots, cfg.dead_after_s, sign_key)
+        self.rounds = RoundCoordinator(self.store, self.prefix, self.world.site_rank, self.world.rank == 0,
                                        self.liveness, sign_key)
         self.heartbeat = None
         if self.world.rank == 0:
-            topology.store.delete_key(leave_key(self.prefix, self.world.site_rank))  # back after a leave
+            self.store.delete_key(leave_key(self.prefix, self.world.site_rank))  # back after a leave
             reopen = lambda: open_store(sites.store, False, timedelta(seconds=sites.timeout_s))  # noqa: E731
             self.heartbeat = Heartbeat(reopen, self.prefix, self.world.site_rank, cfg.heartbeat_s, sign_key).start()
         self.watch = Watch(sites.timeout_s, interruptible=False)  # SIGTERM here means: finish the round, then leave
@@ -247,34 +249,35 @@ class ElasticMembership:
         """Keep the groups while the members are the same and healthy; else a fresh generation."""
         if self.group is not None and members == self.members:
             return self.generation
-        return self.topology.store.add(self.prefix + "generation", 1)
+        return self.store.add(self.prefix + "generation", 1)
 
     def _exchange(self, decision: Decision, work: Callable[[GlobalGroup], Any]) -> tuple[list[str] | None, Any]:
         """Everything that crosses sites in one attempt (global groups and the store only)."""
-        self._ensure_group(decision)
-        crcs = self._hand_over(decision) if decision.fresh else None
-        return crcs, work(self.group)
+        group = self._ensure_group(decision)
+        crcs = self._hand_over(decision, group) if decision.fresh else None
+        return crcs, work(group)
 
     def _site_ok(self, ok: bool) -> bool:
         flag = torch.tensor([1.0 if ok else 0.0], device=self.world.device)
         self.topology.site_all_reduce(flag, op=dist.ReduceOp.MIN)
         return bool(flag.item())
 
-    def _ensure_group(self, decision: Decision) -> None:
+    def _ensure_group(self, decision: Decision) -> GlobalGroup:
         if self.group is not None and decision.generation == self.generation:
-            return
+            return self.group
         index = decision.members.index(self.world.site_rank)
         prefix = f"{self.prefix}gen{decision.generation}/shard{self.world.rank}/"
         timeout = timedelta(seconds=self.sites.timeout_s)
         mark = OPEN if self.secret is None else SECRET
-        rendezvous(self.topology.store, prefix, index, len(decision.members), self.sites.timeout_s, mark,
+        rendezvous(self.store, prefix, index, len(decision.members), self.sites.timeout_s, mark,
                    self.auth.subkey("arrive"))
-        admitted = admission(self.topology.store, prefix, index, len(decision.members), self.secret,
+        admitted = admission(self.store, prefix, index, len(decision.members), self.secret,
                              self.fingerprint, timeout)
         auth = self.auth.for_session(prefix.encode(), admitted.nonces)  # this generation's key only
-        self.group = new_global_group(self.topology.store, prefix, index, len(decision.members), timeout,
+        self.group = new_global_group(self.store, prefix, index, len(decision.members), timeout,
                                       self.sites.backend, self.watch, mark, auth, self.sites.streams)
         self.generation, self.members = decision.generation, decision.members
+        return self.group
 
     def _watched(self, decision: Decision, attempt: int, work: Callable[[], Any]) -> Any:
         """Run `work` on a thread; give up as soon as a member is seen dead, another member has
@@ -303,10 +306,10 @@ class ElasticMembership:
         self.round += 1
 
     # ------------------------------------------------------------------ state hand-over
-    def _hand_over(self, decision: Decision) -> list[str]:
+    def _hand_over(self, decision: Decision, group: GlobalGroup) -> list[str]:
         """The donor's registered state to every member; returns the members' keyed digests."""
-        hand_over(self.group, decision.members.index(decision.donor), self.handed)
-        return checksum_table([t for fn in self.checksums for t in fn()], self.group)
+        hand_over(group, decision.members.index(decision.donor), self.handed)
+        return checksum_table([t for fn in self.checksums for t in fn()], group)
 
 
 def hand_over(group: GlobalGroup, src: int, handed: dict[str, tuple[Callable[[Any], None], Callable[[], Any]]]) -> None:
@@ -344,5 +347,5 @@ def refuse_if_foreign(member: ElasticMembership, decision: Decision) -> None:
         who = ", ".join(f"site {s} {m}" for s, m in sorted(marks.items()))
         reason = f"sites disagree on admission ({who}); set the same sites.secret or ZEROBAND_SECRET on every site"
     # the others see the same mismatch about now; give them time to read it before the store may go
-    read_by_all(member.topology.store, f"{member.prefix}refused/", me, member.world.site_count, 2 * member.cfg.dead_after_s)
+    read_by_all(member.store, f"{member.prefix}refused/", me, member.world.site_count, 2 * member.cfg.dead_after_s)
     raise PeerRefused(me, Verdict([], {me: reason}))

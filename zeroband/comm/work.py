@@ -1,0 +1,26 @@
+"""What the global group needs of a process group and of its works, as structural types: torch's
+c10d groups (ProcessGroupNCCL) and works satisfy them, and so do zeroband's transport (comm/transport.py)."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+
+class Work(Protocol):
+    """A pending operation: `wait` blocks until it completed (or raises)."""
+
+    def wait(self, timeout: Any = ...) -> bool: ...
+
+
+class ProcessGroupLike(Protocol):
+    """The point-to-point and collective calls the global group makes (comm/group.py, comm/direct.py)."""
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int, /) -> Work: ...
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int, /) -> Work: ...
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any, /) -> Work: ...
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any, /) -> Work: ...
