@@ -25,13 +25,19 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch.distributed as dist
 
-from zeroband.comm.work import Work
-
 log = logging.getLogger(__name__)
+
+
+class Work(Protocol):
+    """A pending operation (torch's c10d Work, comm/transport.py's): `wait` blocks until it completed or raises."""
+
+    def wait(self, timeout: Any = ...) -> bool: ...
+
+
 T = TypeVar("T")
 
 LOG_EVERY_S = 10.0

@@ -1,5 +1,6 @@
 """What the global group needs of a process group and of its works, as structural types: torch's
-c10d groups (ProcessGroupNCCL) and works satisfy them, and so do zeroband's transport (comm/transport.py)."""
+c10d groups (ProcessGroupNCCL) and works satisfy them, and so do zeroband's transport (comm/transport.py).
+Work itself lives in zeroband/watchdog.py, a layer below comm, which waits on works."""
 
 from __future__ import annotations
 
@@ -7,11 +8,7 @@ from typing import Any, Protocol
 
 import torch
 
-
-class Work(Protocol):
-    """A pending operation: `wait` blocks until it completed (or raises)."""
-
-    def wait(self, timeout: Any = ...) -> bool: ...
+from zeroband.watchdog import Work  # defined below comm's layer: Watch.wait takes it
 
 
 class ProcessGroupLike(Protocol):
