@@ -296,7 +296,8 @@ class StoreForger:
 
 
 class StoreDeleter:
-    """An outsider with access to the store, without the secret, that deletes every key under
+    """An outsider with access to the store (on a guarded tcp:// store: on-path into an authenticated
+    connection, as StoreForger), without the signing keys, that deletes every key under
     `prefix` every `period_s` (a deletion storm): through a TCPStore client (`tcp://host:port`) or
     straight through etcd's own API (`etcd://endpoints/root`), as anyone holding etcd credentials
     could. Runs on a thread of the test process until `stop()`; `deleted` counts the keys it deleted."""
@@ -323,12 +324,16 @@ class StoreDeleter:
     def _tcp(self) -> Any:
         from datetime import timedelta
 
+        from zeroband.store.client import connect_tcp_store
+
         host, port = self.url.removeprefix("tcp://").rsplit(":", 1)
-        store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=2))
+        box: list[Any] = []
 
         def delete() -> int:
-            keys = [k for k in store.list_keys() if k.startswith(self.prefix)]
-            return sum(bool(store.delete_key(k)) for k in keys)
+            # connected the way a site is (StoreForger's docstring says why), once the store is up
+            box[:] = box or [connect_tcp_store(host, int(port), timedelta(seconds=2), self.url)]
+            keys = [k for k in box[0].list_keys() if k.startswith(self.prefix)]
+            return sum(bool(box[0].delete_key(k)) for k in keys)
 
         return delete
 

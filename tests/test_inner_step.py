@@ -33,7 +33,7 @@ def _one_rank_site(monkeypatch: pytest.MonkeyPatch) -> Topology:
         raise AssertionError("a 1-rank site reduced something")
 
     monkeypatch.setattr(dist, "all_reduce", no_collective)
-    return Topology(World(0, 1, 0, 0, 1, torch.device("cpu")), site_mesh=None)  # type: ignore[arg-type]
+    return Topology(World(0, 1, 0, 0, 1, torch.device("cpu")), site_mesh=None)
 
 
 def test_settle_step_on_a_one_rank_site_is_its_own_loss_with_no_collective(monkeypatch):

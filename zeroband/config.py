@@ -315,7 +315,7 @@ class DilocoConfig(Section):
     @model_validator(mode="after")
     def _check_outer_optimizer(self) -> DilocoConfig:
         cls = optimizer_class(self.outer_optimizer)
-        takes = set(inspect.signature(cls.__init__).parameters) - {"self", "params"}
+        takes = set(inspect.signature(cls).parameters) - {"self", "params"}  # its __init__'s, less self
         if unknown := sorted(set(self.outer_kwargs) - takes):
             raise ValueError(f"diloco.outer_kwargs has {unknown[0]!r}, which {cls.__name__} does not take "
                              f"(it takes: {', '.join(sorted(takes))})")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from pathlib import Path
 
 import torch
@@ -13,17 +14,24 @@ from zeroband.models.hf import export_hf
 from zeroband.models.llama import Llama
 from zeroband.trust.secret import RunSecret, resolve_secret
 
-UNRESOLVED = object()  # no secret handed down: resolve the config's / environment's (once, here)
+
+class Unresolved(enum.Enum):
+    """No secret handed down: resolve the config's / environment's (once, here)."""
+
+    TOKEN = 0
 
 
-def load_for_export(cfg: Config, checkpoint_path: Path, secret: RunSecret | None | object = UNRESOLVED) -> Llama:
+UNRESOLVED = Unresolved.TOKEN
+
+
+def load_for_export(cfg: Config, checkpoint_path: Path, secret: RunSecret | Unresolved | None = UNRESOLVED) -> Llama:
     """An unsharded CPU model holding a checkpoint's weights (DCP reshards any rank count onto one).
     The checkpoint must pass the same trust check as a resume (signature, or the run's own dir),
     under `secret` (the command's, resolved once; by default the config's or $ZEROBAND_SECRET)."""
     # the trainer defines what a checkpoint must match and what signs it
     from zeroband.checkpointer import checkpoint_meta, signs_every_checkpoint
 
-    secret = resolve_secret(cfg.sites.secret) if secret is UNRESOLVED else secret
+    secret = resolve_secret(cfg.sites.secret) if isinstance(secret, Unresolved) else secret
 
     if not checkpoint_path.is_dir():
         raise ckpt.CheckpointError(f"--checkpoint {checkpoint_path}: no such directory; pass a step_* directory "
@@ -55,8 +63,8 @@ def latest_checkpoint(cfg: Config, secret: RunSecret | None) -> Path:
 
 
 def export(cfg: Config, checkpoint_path: Path | None, out_dir: Path, verify: bool = True,
-           secret: RunSecret | None | object = UNRESOLVED) -> dict[str, float | str]:
-    secret = resolve_secret(cfg.sites.secret) if secret is UNRESOLVED else secret  # once per export
+           secret: RunSecret | Unresolved | None = UNRESOLVED) -> dict[str, float | str]:
+    secret = resolve_secret(cfg.sites.secret) if isinstance(secret, Unresolved) else secret  # once per export
     path = checkpoint_path or latest_checkpoint(cfg, secret)
     model = load_for_export(cfg, path, secret)
     tokenizer = TextTokenizer.load(cfg.data.tokenizer)

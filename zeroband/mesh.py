@@ -40,7 +40,7 @@ __all__ = ["OPEN", "SECRET", "GlobalGroup", "Topology", "admission_mark", "fixed
 @dataclass
 class Topology:
     world: World
-    site_mesh: DeviceMesh
+    site_mesh: DeviceMesh | None  # None: never sharded (sim.py's one-rank sites)
     store: dist.Store | None = None  # the coordination store (DiLoCo runs)
     secret: RunSecret | None = None  # the run's shared secret, resolved once (None: one site, or sites.insecure)
     timeout_s: float = 600.0  # sites.timeout_s: how long a cross-site wait may take
@@ -89,12 +89,13 @@ def init_topology(
 def fixed_global_group(topology: Topology, run_name: str, backend: str = "gloo", mark: str = OPEN,
                        streams: int = 1) -> GlobalGroup:
     """Rank i of every site for the whole run (fixed DiLoCo, cross-site data parallel), over the store."""
-    world, timeout_s = topology.world, topology.timeout_s
+    world, timeout_s, store = topology.world, topology.timeout_s, topology.store
+    assert store is not None, "a global group needs the coordination store (sites.store)"
     auth = WireAuth.from_secret(topology.secret, run_name)
     # a fresh prefix per start: a persistent store's keys of earlier starts are never read
-    prefix = incarnation_prefix(topology.store, f"zeroband/{run_name}/shard{world.rank}/start/", world.site_rank,
+    prefix = incarnation_prefix(store, f"zeroband/{run_name}/shard{world.rank}/start/", world.site_rank,
                                 world.site_count, timeout_s, auth.subkey("arrive"))
-    return new_global_group(topology.store, prefix, world.site_rank, world.site_count, timedelta(seconds=timeout_s),
+    return new_global_group(store, prefix, world.site_rank, world.site_count, timedelta(seconds=timeout_s),
                             backend, mark=mark, auth=auth, streams=streams)
 
 

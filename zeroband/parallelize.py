@@ -32,6 +32,7 @@ def build_model(cfg: Config, topology: Topology, shard: bool | None = None) -> L
     if cfg.train.activation_checkpointing:
         apply_activation_checkpointing(model)
     if shard:  # FSDP2 casts the gathered parameters to bf16 and reduces gradients in fp32
+        assert topology.site_mesh is not None, "sharding needs the site mesh (mesh.init_topology)"
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
         for block in model_blocks(model):
             if cfg.train.compile:

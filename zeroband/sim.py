@@ -90,7 +90,7 @@ def _site(cfg: Config, sites: int, store: dist.Store, full_eval: bool, results: 
           sync: _SetupSync) -> None:
     from zeroband.train import build_run, run_training
 
-    site = cfg.sites.site_rank if cfg.diloco else 0
+    site = (cfg.sites.site_rank or 0) if cfg.diloco else 0  # site_configs sets every site's site_rank
     try:
         world = World(0, 1, 0, site, sites, torch.device(cfg.train.device if cfg.train.device != "auto" else "cpu"))
         group = None

@@ -103,6 +103,7 @@ def build_outer(cfg: Config, model: torch.nn.Module, topology: Topology, group: 
     if cfg.diloco is None:
         return NoOuter()
     if cfg.diloco.mode == "data_parallel":
+        assert group is not None, "cross-site data parallel runs on the fixed global group (open_topology)"
         return CrossSiteDataParallel(model, cfg.diloco, topology, group)
 
     def factor(step: int) -> float:  # the inner schedule's multiplier at inner step `step` (0-based)

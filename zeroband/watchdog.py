@@ -25,11 +25,19 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch.distributed as dist
 
 log = logging.getLogger(__name__)
+
+
+class Work(Protocol):
+    """A pending operation (torch's c10d Work, comm/transport.py's): `wait` blocks until it completed or raises."""
+
+    def wait(self, timeout: Any = ...) -> bool: ...
+
+
 T = TypeVar("T")
 
 LOG_EVERY_S = 10.0
@@ -82,7 +90,7 @@ class Watch:
         self.timeout_s, self.log_every_s, self.interruptible = timeout_s, log_every_s, interruptible
         self.current = "the exchange to start"
 
-    def wait(self, work: dist.Work, peer: int | str, phase: str) -> None:
+    def wait(self, work: Work, peer: int | str, phase: str) -> None:
         """On the worker thread: note whom we wait for, then wait (bounded by the group's timeout)."""
         self.current = f"{_who(peer)} ({phase})"
         work.wait()

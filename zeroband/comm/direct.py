@@ -32,12 +32,12 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
-import torch.distributed as dist
 
 # Tag = phase base + piece index: a fast site's all-gather never matches a scatter receive.
 from zeroband.comm.group import AG_TAG, MAX_PIECES, RS_TAG, GlobalGroup
 from zeroband.comm.kernels import Row, kernels, streams
 from zeroband.comm.timing import Parts
+from zeroband.comm.work import Work
 
 DEFAULT_PIECE_BYTES = 4 << 20  # 4 MB of fp32 values per piece (diloco.piece_mb)
 
@@ -151,10 +151,10 @@ class DirectExchange:
         self.sumsq: float | None = None  # of the whole result, when a review measured the others' chunks
         self.own_weight = 1.0  # what this site's own slices are multiplied by when it sums them
         self.stream = streams(4 * numel)  # results land in a vector larger than the cache: write past it
-        self.sends: list[tuple[dist.Work, torch.Tensor, int]] = []  # gloo reads a buffer until its send completes
+        self.sends: list[tuple[Work, torch.Tensor, int]] = []  # gloo reads a buffer until its send completes
         self.sent = 0
-        self.scatter_in: dict[tuple[int, int], tuple[torch.Tensor, dist.Work | None]] = {}
-        self.gather_in: dict[tuple[int, int], tuple[torch.Tensor, dist.Work | None]] = {}
+        self.scatter_in: dict[tuple[int, int], tuple[torch.Tensor, Work | None]] = {}
+        self.gather_in: dict[tuple[int, int], tuple[torch.Tensor, Work | None]] = {}
         for p, chunk in enumerate(self.chunks):
             lo, hi = chunk[self.rank]
             for src in self.peers if hi > lo else []:
@@ -207,7 +207,7 @@ class DirectExchange:
                 error_feedback[i] = r.clone()
         return self.sent
 
-    def _recv(self, n: int, src: int, tag: int) -> tuple[torch.Tensor, dist.Work]:
+    def _recv(self, n: int, src: int, tag: int) -> tuple[torch.Tensor, Work]:
         buf = self.arena.take(self.codec.nbytes(n) + self.auth.tag_bytes)
         return buf, self.pg.recv([buf], src, tag)
 

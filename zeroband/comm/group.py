@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from zeroband import seams
 from zeroband.comm.transport import Transport
+from zeroband.comm.work import ProcessGroupLike, Work
 from zeroband.trust.auth import ADMIT_REFUSE_S, PeerRefused, Verdict, frame
 from zeroband.trust.mac import NO_AUTH, WireAuth
 from zeroband.trust.secret import RunSecret
@@ -48,7 +49,7 @@ class GlobalGroup:
     call, so a message from an earlier round or incarnation does not verify.
     """
 
-    def __init__(self, pg: dist.ProcessGroup | Transport, rank: int, size: int, store: dist.Store | None = None,
+    def __init__(self, pg: ProcessGroupLike, rank: int, size: int, store: dist.Store | None = None,
                  watch: Watch | None = None, prefix: str = "", auth: WireAuth = NO_AUTH) -> None:
         self.pg = pg
         self.store = store  # keeps the store client (and on site 0 its server) alive with the group
@@ -67,7 +68,7 @@ class GlobalGroup:
     def watched(self, fn: Callable[[], T], what: str) -> T:
         return self.watch.run(fn, what)
 
-    def wait(self, work: dist.Work, peer: int | str, phase: str) -> None:
+    def wait(self, work: Work, peer: int | str, phase: str) -> None:
         self.watch.wait(work, peer, phase)
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> None:
@@ -166,11 +167,12 @@ def new_global_group(
     # With a secret, the addresses are signed: no process without it can take a site's slot.
     sealed = SealedStore(store, auth.subkey("rendezvous")) if auth.key else store
 
-    def build() -> dist.ProcessGroup | Transport:
+    def build() -> ProcessGroupLike:
         if backend == "nccl":
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timeout
-            return dist.ProcessGroupNCCL(dist.PrefixStore(prefix, sealed), site_rank, site_count, opts)
+            # torch's stub: Backend (so ProcessGroupNCCL) lacks the send/recv/allreduce/broadcast it has
+            return dist.ProcessGroupNCCL(dist.PrefixStore(prefix, sealed), site_rank, site_count, opts)  # type: ignore[return-value]
         return connect_transport(store, sealed, prefix, site_rank, site_count, timeout.total_seconds(),
                                  auth.subkey("transport"), streams)
 

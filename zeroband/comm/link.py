@@ -30,9 +30,9 @@ import secrets
 import socket
 import statistics
 import struct
-import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -285,7 +285,7 @@ def transfer_rates(events: list[tuple[float, int]]) -> tuple[int, float, float]:
     return total, t1 - t0, late * 8 / (t1 - mid) if t1 > mid else 0.0
 
 
-def probe(streams: list[Stream], key: bytes | None, initiator: bool, seconds: float = 2.0, pings: int = 5,
+def probe(streams: Sequence[Stream], key: bytes | None, initiator: bool, seconds: float = 2.0, pings: int = 5,
           window_bytes: int | None = None) -> LinkProbe:
     """Measure the link to one peer; both peers call it at once on the same connected `streams`.
 
@@ -366,4 +366,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

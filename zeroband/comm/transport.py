@@ -46,7 +46,7 @@ import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -131,7 +131,7 @@ def as_bytes(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, in place."""
     if not t.is_contiguous() or t.device.type != "cpu":
         raise ValueError("the cross-site transport sends contiguous CPU tensors only")
-    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()).cast("B")
+    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]  # numpy's stub: an ndarray is a buffer
 
 
 # ----------------------------------------------------------------------------------------- works
@@ -224,7 +224,7 @@ class _Acceptor:
                 if key.fileobj is self.sock:
                     self._accept_all()
                 elif key.fileobj in self.pending:
-                    self._read(key.fileobj)
+                    self._read(cast(socket.socket, key.fileobj))  # only sockets are registered
             self._expire(time.monotonic())
 
     def _accept_all(self) -> None:
@@ -415,9 +415,10 @@ class _Peer:
                 r.work.part_done()
                 r = None
         except (OSError, TransportError) as e:
-            self.fail(TransportError(f"connection to site {self.rank}: {e}"))
+            error = TransportError(f"connection to site {self.rank}: {e}")
+            self.fail(error)
             if r is not None:  # claimed by this stream, so no longer among the posted ones `fail` ends
-                r.work.fail(self.error)
+                r.work.fail(self.error or error)  # the first error, which `fail` just kept
 
     def _match(self, k: int, tag: int) -> _Recv:
         """The receive this stream's next slice of `tag` belongs to; waits until it is posted (the
@@ -582,8 +583,9 @@ def _refuse(src: int, stream: int, sock: socket.socket) -> None:
 
 
 def _combiner(op: Any) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    ops = {dist.ReduceOp.SUM: torch.add, dist.ReduceOp.MAX: torch.maximum, dist.ReduceOp.MIN: torch.minimum,
-           dist.ReduceOp.PRODUCT: torch.mul}
+    ops: dict[Any, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+        dist.ReduceOp.SUM: torch.add, dist.ReduceOp.MAX: torch.maximum, dist.ReduceOp.MIN: torch.minimum,
+        dist.ReduceOp.PRODUCT: torch.mul}
     for known, fn in ops.items():
         if op == known:
             return fn

@@ -384,6 +384,7 @@ class PackedBatches:
     def _texts(self, split: Split, epoch: int, start: int) -> Iterator[list[str]]:
         with bad_rows_named(self.cfg):  # streaming: a bad row surfaces only when it is read
             if split == "train" and self.leased is not None:
+                assert isinstance(self._source, _IndexedSource)  # set_lease refused a streaming source
                 yield from self._source.lease_texts(self.leased, self.cfg.shuffle_seed, start)
                 return
             yield from self._source.texts(split, epoch, self.cfg.shuffle_seed, self.dp_rank, self.dp_size, start)
@@ -411,7 +412,7 @@ class PackedBatches:
         if self.split != "train":
             raise ValueError("only the train split is leased")
         self.train_documents  # noqa: B018 -- a streaming source stops here, in one line
-        self.leased = [tuple(p) for p in pieces]
+        self.leased = [(int(p[0]), int(p[1])) for p in pieces]
         c = self._cursor
         c.consumed, c.chunks = 0, None
         c.pending.clear()  # tokenised ahead from the old lease: the new one starts where reading stopped

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from types import TracebackType
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.distributed as dist
@@ -59,6 +59,7 @@ def agree_on_run(group: GlobalGroup, topology: Topology, timeout_s: float) -> No
     key with both values (zeroband/trust/auth.py). Settings that agree also fix every
     message's size, so a misconfigured site can never make gloo abort on a wrong-size message.
     Runs at every start (fresh, resumed, restarted): the group's session key is this incarnation's."""
+    assert topology.store is not None, "agreeing across sites needs the coordination store (sites.store)"
     admit_group(group, topology.store, topology.secret, topology.fingerprint, timeout_s)
 
 
@@ -91,7 +92,10 @@ class Attempt(Protocol):
 
 
 class Membership(Protocol):
-    group: GlobalGroup | None  # the group of the current round (fixed: the whole run's)
+    @property
+    def group(self) -> GlobalGroup | None:
+        """The group of the current round (fixed: the whole run's)."""
+
     may_retry: bool  # an attempt may fail and be retried: `exchange`'s work must keep its inputs
 
     def start(self, resumed: bool) -> None:
@@ -172,7 +176,7 @@ class FixedAttempt:
         return self
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
-                 tb: TracebackType | None) -> bool:
+                 tb: TracebackType | None) -> Literal[False]:  # never swallows: a fixed round is not retried
         return False
 
     def exchange(self, work: Callable[[GlobalGroup], Any]) -> Any:

@@ -126,7 +126,9 @@ class ElasticMembership:
         sign_key = self.auth.subkey("store")  # and, independently keyed, the protocol's store values
         # what we write is kept and written back if deleted (by the polls and the heartbeat thread)
         self.ledger = Ledger()
-        self.store = KeepingStore(topology.store, self.ledger, self.prefix)
+        assert topology.store is not None, "elastic membership needs the coordination store (sites.store)"
+        self.raw_store: dist.Store = topology.store
+        self.store: dist.Store = KeepingStore(topology.store, self.ledger, self.prefix)
         self.signed = SignedStore(self.store, sign_key)
         self.liveness = Liveness(self.store, self.prefix, slots, cfg.dead_after_s, sign_key)
         self.rounds = RoundCoordinator(self.store, self.prefix, self.world.site_rank, self.world.rank == 0,
@@ -201,7 +203,7 @@ class ElasticMembership:
             return  # nothing was ever deleted: no attack, no wait
         others, deadline = set(self.members) - {self.world.site_rank}, time.monotonic() + self.cfg.dead_after_s
         while time.monotonic() < deadline:
-            self.ledger.restore(self.topology.store)
+            self.ledger.restore(self.raw_store)
             if not others & self.liveness.alive_after_poll():
                 return
             time.sleep(POLL_S)
@@ -270,18 +272,18 @@ class ElasticMembership:
 
     def _exchange(self, decision: Decision, work: Callable[[GlobalGroup], Any]) -> tuple[list[str] | None, Any]:
         """Everything that crosses sites in one attempt (global groups and the store only)."""
-        self._ensure_group(decision)
-        crcs = self._hand_over(decision) if decision.fresh else None
-        return crcs, work(self.group)
+        group = self._ensure_group(decision)
+        crcs = self._hand_over(decision, group) if decision.fresh else None
+        return crcs, work(group)
 
     def _site_ok(self, ok: bool) -> bool:
         flag = torch.tensor([1.0 if ok else 0.0], device=self.world.device)
         self.topology.site_all_reduce(flag, op=dist.ReduceOp.MIN)
         return bool(flag.item())
 
-    def _ensure_group(self, decision: Decision) -> None:
+    def _ensure_group(self, decision: Decision) -> GlobalGroup:
         if self.group is not None and decision.generation == self.generation:
-            return
+            return self.group
         index = decision.members.index(self.world.site_rank)
         prefix = f"{self.prefix}gen{decision.generation}/shard{self.world.rank}/"
         timeout = timedelta(seconds=self.sites.timeout_s)
@@ -294,6 +296,7 @@ class ElasticMembership:
         self.group = new_global_group(self.store, prefix, index, len(decision.members), timeout,
                                       self.sites.backend, self.watch, mark, auth, self.sites.streams)
         self.generation, self.members = decision.generation, decision.members
+        return self.group
 
     def _watched(self, decision: Decision, attempt: int, work: Callable[[], Any]) -> Any:
         """Run `work` on a thread; give up as soon as a member is seen dead, another member has
@@ -323,10 +326,10 @@ class ElasticMembership:
         self.round += 1
 
     # ------------------------------------------------------------------ state hand-over
-    def _hand_over(self, decision: Decision) -> list[str]:
+    def _hand_over(self, decision: Decision, group: GlobalGroup) -> list[str]:
         """The donor's registered state to every member; returns the members' keyed digests."""
-        hand_over(self.group, decision.members.index(decision.donor), self.handed)
-        return checksum_table([t for fn in self.checksums for t in fn()], self.group)
+        hand_over(group, decision.members.index(decision.donor), self.handed)
+        return checksum_table([t for fn in self.checksums for t in fn()], group)
 
 
 def fresh_generation(store: dist.Store, counter: str, newest_seen: int) -> int:
@@ -375,5 +378,5 @@ def refuse_if_foreign(member: ElasticMembership, decision: Decision) -> None:
         who = ", ".join(f"site {s} {m}" for s, m in sorted(marks.items()))
         reason = f"sites disagree on admission ({who}); set the same sites.secret or ZEROBAND_SECRET on every site"
     # the others see the same mismatch about now; give them time to read it before the store may go
-    read_by_all(member.topology.store, f"{member.prefix}refused/", me, member.world.site_count, 2 * member.cfg.dead_after_s)
+    read_by_all(member.store, f"{member.prefix}refused/", me, member.world.site_count, 2 * member.cfg.dead_after_s)
     raise PeerRefused(me, Verdict([], {me: reason}))

@@ -173,7 +173,10 @@ class DiLoCo:
         optimizer (any torch optimizer) instead of `diloco.outer_optimizer`."""
         self.cfg = cfg
         self.topology = topology
-        self.membership = membership or FixedMembership(group, topology, topology.timeout_s)
+        if membership is None:
+            assert group is not None, "DiLoCo needs a `membership` or the fixed `group`"
+            membership = FixedMembership(group, topology, topology.timeout_s)
+        self.membership = membership
         self.local = [local_shard(p) for p in model.parameters()]
         self.copy = OuterCopy(self.local, cfg)
         self.outer, self.outer_device = self.copy.tensors, self.copy.device
@@ -184,7 +187,8 @@ class DiLoCo:
         self.parts = Parts()  # the current outer step's timers
         # The all-reduce's memory (comm/direct.py) and, where a round may retry, the vector its inputs are
         # copied into: lent to one exchange at a time and reused only after an exchange completed.
-        self.arena, self.spare = Arena(), None
+        self.arena = Arena()
+        self.spare: torch.Tensor | None = None
         self.applied_sumsq = 0.0  # sum of squares of the last average applied (this rank's shard)
         self.outer_step = 0
         self.error_feedback: dict[int, torch.Tensor] | None = {} if cfg.error_feedback else None
@@ -198,9 +202,12 @@ class DiLoCo:
         self.membership.attach(sink)
 
     @property
-    def group(self) -> GlobalGroup | None:
-        """The cross-site group of the current round."""
-        return self.membership.group
+    def group(self) -> GlobalGroup:
+        """The cross-site group of the current round (there is one wherever this is read: from the
+        first round on, or from start() on for a fixed run; overlap is fixed-only)."""
+        group = self.membership.group
+        assert group is not None, "no cross-site group yet: the membership forms it in a round"
+        return group
 
     # ------------------------------------------------------------------ start: identical replicas
     @torch.no_grad()
@@ -230,7 +237,7 @@ class DiLoCo:
 
     def digest48(self, group: GlobalGroup | None = None) -> int:
         """48 bits of the keyed digest of the outer state (comm/group.py): the per-step replica check."""
-        group = group or self.group
+        group = group or self.membership.group  # none yet (elastic): unkeyed
         return digest48(self.checksum_tensors(), group.auth if group is not None else NO_AUTH)
 
     def checksum_tensors(self) -> list[torch.Tensor]:

@@ -45,6 +45,7 @@ class InFlight:
         group.watch.join(self.thread, "overlapped outer all-reduce")
         if self.error is not None:
             raise self.error
+        assert self.result is not None, "the joined reduce neither returned nor raised"
         return self.result
 
 
@@ -108,6 +109,7 @@ class Overlap:
         """Steps 1-3: wait for the pending average, `apply` it to the outer copy, and rebase local
         progress onto the new outer copy. Returns the landed exchange and the seconds waited for it."""
         pending, self.pending = self.pending, None
+        assert pending is not None, "land() needs an average in flight (check `pending` first)"
         t0 = time.perf_counter()
         pending.result = pending.wait(group)
         waited = time.perf_counter() - t0

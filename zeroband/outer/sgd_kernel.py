@@ -76,6 +76,7 @@ def check_sgd(native: NativeSGD, n: int = 40_000) -> bool:
     """Whether `native.sgd` gives torch's optimizer's bits (parameters, momentum buffer, local copy)
     over steps that start without a buffer, change lr and momentum, and run with momentum 0."""
     v = K.probe(n)
+    bufs: list[torch.Tensor | None]  # the momentum buffers: none before the first step
     for nesterov in (True, False):
         for k in (n, n - 1, n - 9, 5):  # no tail; an 8-wide epilogue and 7 scalar values; 7 scalar; all scalar
             p, bufs, local = [v["x"][:k].clone(), v["x"][:k].clone()], [None, None], [K._off(k, True), K._off(k, False)]

@@ -88,11 +88,10 @@ def _tcp_store(address: str, is_host: bool, timeout: timedelta, secret: RunSecre
     # the one this process opened it with: a secret from the config or a file is in no environment.
     if secret is not None:
         _SECRETS[(url.hostname, url.port)] = as_secret(secret)
-    else:
-        secret = _SECRETS.get((url.hostname, url.port))
+    known = _SECRETS.get((url.hostname, url.port))
     if is_host:
-        return host_tcp_store(url.hostname, url.port, timeout, secret)
-    return connect_tcp_store(url.hostname, url.port, timeout, address, secret)
+        return host_tcp_store(url.hostname, url.port, timeout, known)
+    return connect_tcp_store(url.hostname, url.port, timeout, address, known)
 
 
 _SECRETS: dict[tuple[str, int], RunSecret] = {}
@@ -147,6 +146,7 @@ def _helper(args: list[str], key: bytes | None, ready: str) -> tuple[subprocess.
 
 
 def _drain(proc: subprocess.Popen) -> None:
+    assert proc.stdout is not None  # stdout=PIPE
     for line in proc.stdout:
         log.debug("%s", line.rstrip())
 

@@ -428,6 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.forward:
         # no PDEATHSIG: it fires when the *thread* that started us ends, and a forwarder outlives
         # the (heartbeat) thread that may have opened it; the ppid poll below ends it instead
+        assert key is not None  # --forward reads its key from stdin above
         fwd = Forwarder((args.host, args.port), key)
         threading.Thread(target=fwd.serve, daemon=True).start()
         print(f"forwarder listening on 127.0.0.1:{fwd.port}", flush=True)

@@ -186,7 +186,8 @@ class _poisoned:
     def __init__(self, model: torch.nn.Module, on: bool) -> None:
         data = next(model.parameters()).data if on else None
         self.value = None if data is None else (data.to_local() if hasattr(data, "to_local") else data).view(-1)
-        self.keep, self.before = False, None
+        self.keep = False
+        self.before: float | None = None  # the value the NaN replaced (set on entry)
 
     def __enter__(self) -> _poisoned:
         if self.value is not None:
@@ -196,7 +197,7 @@ class _poisoned:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if self.value is not None and not self.keep and self.value[0].isnan():
+        if self.value is not None and self.before is not None and not self.keep and self.value[0].isnan():
             with torch.no_grad():
                 self.value[0] = self.before
 

@@ -20,7 +20,7 @@ import hashlib
 import hmac
 import logging
 import os
-from typing import Any
+from typing import Any, overload
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,8 @@ class RunSecret:
         if len(value) < MIN_SECRET_BYTES:
             raise ValueError(f"the shared secret ({source}) is {len(value)} bytes; use at least {MIN_SECRET_BYTES} "
                              "random bytes (e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`)")
-        self._value, self._keys, self.source = value, {}, source
+        self._value, self.source = value, source
+        self._keys: dict[str, bytes] = {}
 
     def derive(self, label: str) -> bytes:
         """A 32-byte key for one use (`label`: an admission prefix, a run's wire label, checkpoint signing)."""
@@ -65,6 +66,10 @@ class RunSecret:
         raise TypeError("a RunSecret is never pickled: hand it down in the process that resolved it")
 
 
+@overload
+def as_secret(secret: None) -> None: ...
+@overload
+def as_secret(secret: RunSecret | bytes) -> RunSecret: ...
 def as_secret(secret: RunSecret | bytes | None) -> RunSecret | None:
     """A RunSecret from what a caller holds (tests and tools may hand raw bytes)."""
     return RunSecret(secret, "the caller") if isinstance(secret, bytes) else secret

@@ -38,6 +38,9 @@ class ForgedValue(TrustError):
     """A store value that should be there failed authentication."""
 
 
+ABSENT, NEVER = b"\x00zeroband-absent", b"\x00zeroband-never"  # a read-only compare_set's expected / desired
+
+
 class SignedStore:
     """Wraps a c10d store (TCPStore, EtcdStore, PrefixStore) for the protocol's own keys."""
 
@@ -76,8 +79,11 @@ class SignedStore:
         self.store.set(key, self.seal(key, value))  # type: ignore[arg-type]  # torch's Store stub says str; c10d stores take bytes
 
     def read(self, key: str) -> bytes | None:
-        """The verified value, or None if the key is absent or its value is refused."""
-        return self.open(key, self.store.get(key)) if self.store.check([key]) else None
+        """The verified value, or None if the key is absent or its value is refused. One compare_set
+        that never writes (no sealed value equals ABSENT), so one non-blocking round trip: a check then
+        a get would block in the get, up to the store's timeout, when the key is deleted in between."""
+        raw = self.store.compare_set(key, ABSENT, NEVER)  # type: ignore[arg-type]  # the stub says str; c10d takes bytes
+        return None if raw == ABSENT else self.open(key, raw)
 
     def check(self, keys: list[str]) -> bool:
         return all(self.read(k) is not None for k in keys)
@@ -183,7 +189,10 @@ def exchange(store: SignedStore, keys: Mapping[int, str], me: int, value: str | 
             store.set(keys[me], raw)
         values = {s: store.read(k) for s, k in keys.items() if s != me}
         missing, now = {s for s, v in values.items() if v is None}, time.monotonic()
-        for s in missing:  # present but refused: since when (deleted: only "not yet")
+        for s in values.keys() - missing:  # refused only while it keeps failing: a value that verified resets it
+            bad_since.pop(s, None)
+        for s in missing:  # present but refused: since when (deleted: only "not yet"; a deletion racing its
+            # re-publication can make one poll read "missing" then "present": it must keep failing to count)
             if store.store.check([keys[s]]):
                 bad_since.setdefault(s, now)
             else:
@@ -246,7 +255,7 @@ class Ledger:
         n = 0
         for key, raw in kept:
             if not store.check([key]):
-                store.compare_set(key, "", raw)  # only into an empty key: a newer value stays
+                store.compare_set(key, "", raw)  # type: ignore[arg-type]  # only into an empty key (a newer value stays); the stub says str, c10d takes bytes
                 n += 1
         if n:
             with self.lock:
@@ -272,14 +281,14 @@ class KeepingStore(dist.Store):
     def __init__(self, inner: dist.Store, ledger: Ledger, prefix: str) -> None:
         super().__init__()  # required by the pybind trampoline
         self.inner, self.ledger, self.prefix = inner, ledger, prefix
-        self.set_timeout(inner.timeout)
+        self.set_timeout(inner.timeout)  # type: ignore[attr-defined]  # torch's Store stub lacks the timeout property
 
     def _keep(self, key: str, value: str | bytes) -> None:
         if key.startswith(self.prefix):
             self.ledger.keep(key, value.encode() if isinstance(value, str) else value)
 
     def set(self, key: str, value: str | bytes) -> None:
-        self.inner.set(key, value)
+        self.inner.set(key, value)  # type: ignore[arg-type]  # torch's Store stub says str; c10d stores take bytes
         self._keep(key, value)
 
     def get(self, key: str) -> bytes:
@@ -299,7 +308,7 @@ class KeepingStore(dist.Store):
             self.set(k, v)
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        self.inner.wait(keys, self.timeout if timeout is None else timeout)
+        self.inner.wait(keys, self.timeout if timeout is None else timeout)  # type: ignore[attr-defined]  # torch's Store stub lacks the timeout property
 
     def check(self, keys: list[str]) -> bool:
         return self.inner.check(keys)
