@@ -1,4 +1,4 @@
-"""Rogue behaviour for tests/test_attacks.py, all on the test side: wrapped process groups and codecs
+"""Rogue behaviour for tests/integration/test_attacks.py, all on the test side: wrapped process groups and codecs
 that a malicious or broken site would run, and a forger that writes store values without the secret.
 Nothing here is a hook in production code."""
 

@@ -11,7 +11,7 @@ only difference from `zeroband launch` is where the global group comes from: a
 `ProcessGroupGloo` per site over an in-process `HashStore` instead of the TCP store, and a
 1-rank site needs no site mesh. With torch's intra-op threads set to 1 (as every site process of
 a launch on this machine has), a simulated run gives the same numbers as the multi-process run;
-tests/test_sim.py checks that bit for bit.
+tests/integration/test_sim.py checks that bit for bit.
 """
 
 from __future__ import annotations

@@ -510,7 +510,7 @@ def setup_text(scale: Scale) -> str:
             f"{scale.eval_batches} batches scored on site 0 every {scale.eval_interval} steps; documents shuffled by "
             "seed, document j to reader j mod k. `train.seed = seed` sets the initial weights.\n"
             "- Multi-site rows run in one process through `zeroband.sim` (the trainer's loop, DiLoCo and the "
-            "all-reduce, on k threads joined by gloo); tests/test_sim.py shows it equals the multi-process run.\n"
+            "all-reduce, on k threads joined by gloo); tests/integration/test_sim.py shows it equals the multi-process run.\n"
             "- Tuning: `--phase tune` (convergence_tuning.md) chose the defaults on a corpus without the validation "
             "documents above and on seed 100; the seeds reported here (0-2) were not used for tuning.")
 

@@ -1,6 +1,6 @@
 """The store's public port: nothing reaches the c10d TCPStore before it proves it holds the run's secret.
 
-Measured on torch 2.13 (libuv server, tests/test_hangs.py): 100 idle TCP connections delay a new
+Measured on torch 2.13 (libuv server, tests/integration/test_hangs.py): 100 idle TCP connections delay a new
 client by ~9 s, and 300 or more keep every new client out (its connect/validate hangs past its own
 timeout), even after the idle connections are closed. The server has no setting for this, so the
 real store listens on an ephemeral loopback port and this guard owns the public one.

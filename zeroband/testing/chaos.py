@@ -1,4 +1,4 @@
-"""Helpers for the chaos suite (scripts/chaos.py, tests/test_chaos.py): site processes, an etcd
+"""Helpers for the chaos suite (scripts/chaos.py, tests/integration/test_chaos.py): site processes, an etcd
 cluster that can live inside the sites' network namespaces, and the post-mortem of a run
 (membership decisions and outer checksums from the sites' metrics.jsonl records, checkpoints).
 

@@ -1,0 +1,268 @@
+"""Attacks on the coordination store (issue 23, items 3, 4 and 9).
+
+An outsider who can reach the store but holds no secret (tests/attackers.py `StoreForger`) writes
+and deletes the keys that steer a fixed run: the arrival marks, the admission values, the resume
+agreement. Real forked sites, real TCPStore (hosted by site 0), real gloo; the forger is a thread
+of the test process with its own store connection. Key names are those of both the old layout
+(`.../gen0/shard0/...`) and the new one (`.../shard0/start/<incarnation>/...`, found by listing
+the store), so every test attacks either code. After each attack the honest sites must finish with
+identical replicas and the right step count, or stop with one line naming the attack.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+
+from tests.attackers import StoreForger
+from tests.helpers import _train, diloco_tree, final_params
+from tests.multiproc import run_sites
+from tests.unit import test_attacks_store as unit_tier  # what both tiers share is defined there, once
+
+SECRET = unit_tier.SECRET
+_secret = unit_tier._secret
+pytestmark = unit_tier.pytestmark
+
+RUN = "t"  # tiny_overrides' run name
+
+
+def _tree(corpus: dict, tmp_path, steps: int, **ckpt) -> dict:
+    tree = diloco_tree(corpus, tmp_path, train={"steps": steps, "global_batch": 2, "micro_batch": 2},
+                       checkpoint={"interval": 2, "keep_last": 5, **ckpt})
+    tree["sites"].update(insecure=False, timeout_s=20)
+    return tree
+
+
+def _incarnations(keys: list[str]) -> list[str]:
+    """Prefixes of this run's start, old layout and new (found by listing the store)."""
+    new = {m.group(0) for k in keys if (m := re.match(rf"zeroband/{RUN}/shard0/start/[0-9a-f]{{32}}/", k))}
+    return [f"zeroband/{RUN}/gen0/shard0/", *sorted(new)]
+
+
+def _attacked_run(tree: dict, targets, period_s: float = 0.25) -> tuple[dict, int]:
+    host, port = tree["sites"]["store"].removeprefix("tcp://").split(":")
+    forger = StoreForger(host, int(port), targets, period_s).start()
+    try:
+        out = run_sites(_site, 2, 1, (tree,), env={"ZEROBAND_SECRET": SECRET}, timeout=80)
+    finally:
+        writes = forger.stop()
+    return {s: out[(s, 0)] for s in (0, 1)}, writes
+
+
+def _site(tree: dict) -> dict:
+    from zeroband.trust.auth import TrustError
+    from zeroband.watchdog import PeerTimeout
+
+    try:
+        res = _train(tree)
+        return {"error": None, "steps": res["steps"], "trained": len(res["losses"])}
+    except (TrustError, PeerTimeout, RuntimeError) as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def _finished_alike(out: dict, tree: dict, steps: int, trained: int) -> None:
+    for s in (0, 1):
+        assert out[s]["error"] is None, out
+        assert (out[s]["steps"], out[s]["trained"]) == (steps, trained), out
+    a, b = final_params(tree, 0, steps, SECRET), final_params(tree, 1, steps, SECRET)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ---------------------------------------------------------------------- item 3: unsigned keys, fixed mode
+def test_forged_arrival_mark_is_ignored(corpus, tmp_path):
+    """The issue's attack: one write of site 1's arrival mark saying it has no secret stopped the run
+    and blamed site 1. Now marks are signed: the forged one reads as "not yet" and site 1's own
+    (re-written) mark wins."""
+    tree = _tree(corpus, tmp_path, 2)
+    mark = b"without a shared secret"
+
+    def targets(keys: list[str]) -> dict:
+        return {f"zeroband/{RUN}/shard0/start/arrive/1": mark,
+                **{p + "zeroband-arrive/1": mark for p in _incarnations(keys)}}
+
+    out, writes = _attacked_run(tree, targets)
+    assert writes > 0
+    _finished_alike(out, tree, 2, 2)
+
+
+def test_forged_admission_values_are_ignored(corpus, tmp_path):
+    """Unsigned admission nonces and fingerprints: a forged nonce of site 1 failed its proofs ("site 1
+    refused: wrong shared secret") or took its write-once slot. Now they are signed and re-written."""
+    tree = _tree(corpus, tmp_path, 2)
+
+    def targets(keys: list[str]) -> dict:
+        forged = {"nonce/1": b"11" * 32, "fingerprint/1": b'{"model.dim": "1"}', "proof/1": b'{"0": "00"}'}
+        return {f"{p}admit/{k}": v for p in _incarnations(keys) for k, v in forged.items()}
+
+    out, writes = _attacked_run(tree, targets)
+    assert writes > 0
+    _finished_alike(out, tree, 2, 2)
+
+
+def test_forged_resume_agreement_is_ignored(corpus, tmp_path):
+    """Both sites hold checkpoints 2 and 4; an outsider offers only step 2 in both sites' names. Both
+    used to resume from 2 and exit 0 having lost steps. Now the signed offers win: both resume from 4."""
+    first = _tree(corpus, tmp_path, 4)
+    out = run_sites(_site, 2, 1, (first,), env={"ZEROBAND_SECRET": SECRET}, timeout=80)
+    assert all(out[(s, 0)]["error"] is None for s in (0, 1)), out
+    tree = _tree(corpus, tmp_path, 6)
+    tree["sites"]["store"] = first["sites"]["store"].rsplit(":", 1)[0] + ":" + str(_port())
+
+    def targets(keys: list[str]) -> dict:
+        old = {f"zeroband/{RUN}/shard0/resume/site{s}": b"[2]" for s in (0, 1)}
+        return {**old, **{f"{p}resume/site{s}": b"[2]" for p in _incarnations(keys)[1:] for s in (0, 1)}}
+
+    out, writes = _attacked_run(tree, targets, period_s=0.1)
+    assert writes > 0
+    _finished_alike(out, tree, 6, 2)
+
+
+def _port() -> int:
+    from tests.multiproc import free_port
+
+    return free_port()
+
+
+# ---------------------------------------------------------------------- item 4: replayed heartbeats
+def test_replayed_heartbeats_keep_no_frozen_site_alive():
+    """Two recorded (validly signed) beats of a site, alternated by an outsider after the site froze,
+    kept it "alive" until sites.timeout_s. Now a beat counts only if it is newer than the last one
+    accepted from that site: the frozen site is dead after dead_after_s."""
+    import torch.distributed as dist
+
+    from tests.multiproc import free_port
+    from zeroband.membership.heartbeat import Heartbeat, Liveness, heartbeat_key
+
+    port, key = free_port(), b"k" * 32
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    client = lambda: dist.TCPStore("127.0.0.1", port, is_master=False)  # noqa: E731
+    beat = Heartbeat(client, "p/", 1, 0.1, key).start()
+    seen = Liveness(client(), "p/", [1], dead_after_s=1.0, sign_key=key)
+    recorded = []
+    while len(recorded) < 2:
+        seen.poll()
+        value = server.get(heartbeat_key("p/", 1))
+        if value not in recorded:
+            recorded.append(value)
+        time.sleep(0.02)
+    beat.stop()  # the site freezes; the attacker alternates its two recorded beats
+    assert seen.dead_among([1]) == set()
+    frozen, dead_at = time.monotonic(), None
+    for i in range(40):
+        server.set(heartbeat_key("p/", 1), recorded[i % 2])
+        if dead_at is None and seen.dead_among([1]) == {1}:
+            dead_at = time.monotonic() - frozen
+        time.sleep(0.1)
+    assert dead_at is not None and dead_at < 2.0, "replayed beats kept a frozen site alive"
+
+
+# ---------------------------------------------------------------------- item 4: deletion storms, elastic mode
+STORM_LINE = "keep vanishing: someone with access to the coordination store is deleting them"
+
+
+def _elastic_site(tree: dict) -> dict:
+    from zeroband.trust.auth import TrustError
+    from zeroband.watchdog import PeerTimeout
+
+    try:
+        res = _train(tree)
+        return {"error": None, "steps": res["steps"]}
+    except (TrustError, PeerTimeout, RuntimeError) as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+# Known gap (issue 23): on etcd, a storm that deletes every key every 0.1 s during a generation's
+# admission can still end one site with a "wrong or missing shared secret" refusal instead of the
+# storm's line (a deleted proof read as a failed one). Kept as a non-strict xfail so it stays visible.
+ETCD_STORM_GAP = pytest.mark.xfail(strict=False, reason="admission under an etcd deletion storm may blame the secret")
+
+
+@pytest.mark.parametrize("backend", ["tcp", pytest.param("etcd", marks=ETCD_STORM_GAP)])
+def test_elastic_run_goes_on_through_a_deletion_storm(corpus, tmp_path, backend):
+    """The issue's attack: an outsider deleting every key under the run's prefix in a loop held two
+    elastic sites at round 0 until join_timeout_s (3600 s). Now a missing key reads as "not yet" and
+    every site re-writes the signed values it wrote or decided (idempotent: the same bytes) as soon
+    as they go missing: both sites finish every round with identical replicas. Were the storm to
+    stall a round for sites.timeout_s, they would stop with one line naming it, never hang."""
+    from tests.attackers import StoreDeleter
+    from tests.helpers import elastic_tree, outer_records
+    from tests.multiproc import free_port
+    from zeroband.store.client import open_store
+
+    cluster = host = None
+    if backend == "etcd":
+        from tests.etcd_cluster import INSTALL_HINT, etcd_binary, start_cluster
+
+        if etcd_binary() is None:
+            pytest.skip(INSTALL_HINT)
+        pytest.importorskip("etcd3gw", reason="etcd client missing: pip install etcd3gw")
+        cluster = start_cluster(1)
+        address = cluster.url("storm")
+    else:
+        address = f"tcp://127.0.0.1:{free_port()}"
+        host = open_store(address, True, timedelta(seconds=60))
+    tree = elastic_tree(corpus, tmp_path, address, steps=6, sites={"insecure": False, "timeout_s": 20},
+                        start_grace_s=20.0)
+    deleter = StoreDeleter(address, f"zeroband/{tree['name']}/", period_s=0.1).start()
+    began = time.monotonic()
+    try:
+        out = run_sites(_elastic_site, 2, 1, (tree,), env={"ZEROBAND_SECRET": SECRET}, timeout=80)
+    finally:
+        deleted = deleter.stop()
+        if cluster is not None:
+            cluster.stop()
+    took = time.monotonic() - began
+    assert deleted > 0
+    finished = [s for s in (0, 1) if out[(s, 0)]["error"] is None]
+    for s in set((0, 1)) - set(finished):  # allowed: a stop with the one line naming the attack
+        assert STORM_LINE in out[(s, 0)]["error"], out
+    for s in finished:
+        assert out[(s, 0)]["steps"] == 6 and [r["step"] for r in outer_records(tmp_path, s)][-1] == 6, out
+    if len(finished) == 2:  # never two finished runs with different replicas
+        a, b = final_params(tree, 0, 6, SECRET), final_params(tree, 1, 6, SECRET)
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    print(f"{backend}: {deleted} keys deleted; sites {finished} finished in {took:.1f} s; "
+          + "; ".join(f"site {s}: {out[(s, 0)]['error']}" for s in (0, 1) if s not in finished))
+    del host
+
+
+def test_fixed_run_goes_on_through_a_deletion_storm(corpus, tmp_path):
+    """The fixed mode's start (incarnation nonces, arrival marks, admission values, signed gloo
+    addresses, resume offers) under the same storm: a value deleted after its writer moved on to the
+    next phase used to leave its peer waiting for sites.timeout_s and blame the writer. Now every
+    site writes back what it wrote while its peers may still read it."""
+    from tests.attackers import StoreDeleter
+
+    tree = _tree(corpus, tmp_path, 2)
+    deleter = StoreDeleter(tree["sites"]["store"], f"zeroband/{RUN}/", period_s=0.1).start()
+    try:
+        out = run_sites(_site, 2, 1, (tree,), env={"ZEROBAND_SECRET": SECRET}, timeout=80)
+    finally:
+        deleted = deleter.stop()
+    assert deleted > 0
+    _finished_alike({s: out[(s, 0)] for s in (0, 1)}, tree, 2, 2)
+
+
+# ---------------------------------------------------------------------- item 9: restart on etcd
+def test_fixed_run_on_etcd_restarts(corpus, tmp_path):
+    """A persistent store keeps the keys of the previous start: its signed gloo addresses (dead
+    ports) and its write-once admission nonces. The restart used to fail after sites.timeout_s.
+    Now every start has its own prefix (a hash of fresh nonces of every site): it resumes and ends."""
+    from tests.etcd_cluster import INSTALL_HINT, etcd_binary, start_cluster
+
+    if etcd_binary() is None:
+        pytest.skip(INSTALL_HINT)
+    pytest.importorskip("etcd3gw", reason="etcd client missing: pip install etcd3gw")
+    cluster = start_cluster(1)
+    try:
+        for steps, trained in ((2, 2), (4, 2)):
+            tree = _tree(corpus, tmp_path, steps)
+            tree["sites"].update(store=cluster.url("restart-test"), host_store=False, timeout_s=10)
+            out = run_sites(_site, 2, 1, (tree,), env={"ZEROBAND_SECRET": SECRET}, timeout=60)
+            _finished_alike({s: out[(s, 0)] for s in (0, 1)}, tree, steps, trained)
+    finally:
+        cluster.stop()

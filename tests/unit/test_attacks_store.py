@@ -1,0 +1,131 @@
+"""Attacks on the coordination store (issue 23, items 3, 4 and 9).
+
+An outsider who can reach the store but holds no secret (tests/attackers.py `StoreForger`) writes
+and deletes the keys that steer a fixed run: the arrival marks, the admission values, the resume
+agreement. Real forked sites, real TCPStore (hosted by site 0), real gloo; the forger is a thread
+of the test process with its own store connection. Key names are those of both the old layout
+(`.../gen0/shard0/...`) and the new one (`.../shard0/start/<incarnation>/...`, found by listing
+the store), so every test attacks either code. After each attack the honest sites must finish with
+identical replicas and the right step count, or stop with one line naming the attack.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+SECRET = "store-attack-tests-shared-secret-0123"
+
+pytestmark = pytest.mark.timeout(90)
+
+
+@pytest.fixture(autouse=True)
+def _secret(monkeypatch):
+    monkeypatch.setenv("ZEROBAND_SECRET", SECRET)  # to read the signed checkpoints back
+
+
+def _tcp_store():
+    import torch.distributed as dist
+
+    from tests.multiproc import free_port
+
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    return server, lambda: dist.TCPStore("127.0.0.1", port, is_master=False)
+
+
+def _delete_in_a_loop(store, keys: list[str], stop, period_s: float = 0.05) -> None:
+    while not stop.wait(period_s):
+        for key in keys:
+            store.delete_key(key)
+
+
+def test_deleted_values_are_written_back_and_a_storm_is_named():
+    """Unit: what a site wrote comes back after a deletion (only into an empty key: a newer value is
+    never rolled back), and a wait whose keys keep vanishing stops after storm_after_s naming the
+    attack, although this fresh site would otherwise wait join_timeout_s (here 3600 s)."""
+    import threading
+
+    from zeroband.membership.heartbeat import Liveness
+    from zeroband.membership.rounds import RoundCoordinator
+    from zeroband.trust.signed import STORM, KeepingStore, Ledger, SignedStore, StoreInterference
+
+    server, client = _tcp_store()
+    ledger, key = Ledger(), b"k" * 32
+    kept = SignedStore(KeepingStore(client(), ledger, "p/"), key)
+    kept.set("p/a", "1")
+    kept.set("q/other", "x")  # outside the prefix: not ours to keep
+    server.delete_key("p/a")
+    server.delete_key("q/other")
+    assert ledger.restore(server) == 1 and kept.read("p/a") == b"1" and not server.check(["q/other"])
+    server.delete_key("p/a")
+    server.set("p/a", "newer")
+    assert ledger.restore(server) == 0 and server.get("p/a") == b"newer"
+
+    ledger, store = Ledger(), KeepingStore(client(), Ledger(), "p/")
+    store.ledger = ledger
+    liveness = Liveness(store, "p/", [0, 1], dead_after_s=60.0, sign_key=key)
+    liveness.seen[1] = (1, time.monotonic())  # site 1 is alive but never arrives
+    rounds = RoundCoordinator(store, "p/", 0, True, liveness, key, ledger, storm_after_s=1.0)
+    stop = threading.Event()
+    deleter = threading.Thread(target=_delete_in_a_loop, args=(client(), ["p/r3/a0/arrive/0"], stop), daemon=True)
+    deleter.start()
+    began = time.monotonic()
+    try:
+        with pytest.raises(StoreInterference, match=f"store keys of round 3 {STORM}"):
+            rounds.rendezvous(3, 0, {0, 1}, 1, 0.0, True, 3600.0, lambda members: 1)
+    finally:
+        stop.set()
+    assert time.monotonic() - began < 5.0 and ledger.restored > 0
+
+
+def test_a_deleted_heartbeat_is_no_death_and_generations_are_never_reused():
+    """Unit: a live site whose beat was deleted just before a poll (after a long inner step) is not
+    dead: absence is "no news" for dead_after_s, and its next beat is accepted. A dead site whose
+    beat an attacker deletes is still dropped. A generation counter deleted (back to 1) never hands
+    out a generation number this site has seen."""
+    from zeroband.membership.elastic import fresh_generation
+    from zeroband.membership.heartbeat import Liveness, heartbeat_key
+    from zeroband.trust.signed import SignedStore
+
+    server, client = _tcp_store()
+    key = b"k" * 32
+    beats = SignedStore(client(), key)
+    seen = Liveness(client(), "p/", [1], dead_after_s=0.5, sign_key=key)
+    beats.set(heartbeat_key("p/", 1), "n:1")
+    seen.poll()
+    time.sleep(0.6)  # a long inner step: no poll
+    server.delete_key(heartbeat_key("p/", 1))
+    assert seen.dead_among([1]) == set()  # deleted: no news, not a death
+    beats.set(heartbeat_key("p/", 1), "n:2")
+    assert seen.dead_among([1]) == set()
+    server.delete_key(heartbeat_key("p/", 1))  # the site dies, and its beat is deleted
+    seen.poll()
+    time.sleep(0.6)  # absent for dead_after_s of polling
+    assert seen.dead_among([1]) == {1}
+
+    assert fresh_generation(server, "p/generation", 0) == 1
+    server.delete_key("p/generation")
+    assert fresh_generation(server, "p/generation", 7) == 8 and fresh_generation(server, "p/generation", 8) == 9
+
+
+def test_a_value_deleted_after_its_writer_moved_on_comes_back():
+    """Unit: site 1 read site 0's value and moved on; an outsider then deletes site 1's value before
+    site 0 read it. Site 0 used to wait until sites.timeout_s and blame site 1. Now site 1's
+    Republisher (a thread on its own connection, as in the fixed mode's start) writes it back."""
+    from zeroband.trust.signed import KeepingStore, Ledger, Republisher, SignedStore, exchange
+
+    server, client = _tcp_store()
+    key, keys = b"k" * 32, {0: "p/x/0", 1: "p/x/1"}
+    SignedStore(client(), key).set(keys[0], "a")
+    ledger = Ledger()
+    republisher = Republisher(client, ledger, keep_s=30.0).start()
+    try:
+        assert exchange(SignedStore(KeepingStore(client(), ledger, "p/"), key), keys, 1, "b", "test", 5.0)[0] == b"a"
+        server.delete_key(keys[1])  # after site 1 moved on
+        began = time.monotonic()
+        assert exchange(SignedStore(client(), key), keys, 0, "a", "test", 5.0)[1] == b"b"
+        assert time.monotonic() - began < 1.0 and ledger.restored >= 1
+    finally:
+        republisher.stop()

