@@ -30,7 +30,7 @@ pytestmark = unit_tier.pytestmark
 
 SECRET = "store-flood-tests-shared-secret-0123"
 
-FLOODER = Path(__file__).with_name("flood_store.py")
+FLOODER = Path(__file__).parents[1] / "flood_store.py"  # tests/flood_store.py
 
 FD_BOUND = 1024 + 2 * 256 + 64  # the guard's max_pending + 2 * max_clients + its own few
 
