@@ -408,10 +408,6 @@ class SitesConfig(Section):
             raise ValueError(f"site_rank={self.site_rank} must be < site_count={self.site_count}")
         if not (self.store.startswith("tcp://") and ":" in self.store[6:]) and not self.store.startswith("etcd://"):
             raise ValueError(f"store={self.store!r} must look like tcp://host:port or etcd://h1:p1,h2:p2,h3:p3")
-        # the default floor gives way to a shorter timeout_s; a floor the user set above it is a mistake
-        if "timeout_floor_s" in self.model_fields_set and self.timeout_floor_s > self.timeout_s:
-            raise ValueError(f"timeout_floor_s={self.timeout_floor_s:g} must be <= timeout_s={self.timeout_s:g}: "
-                             "lower sites.timeout_floor_s or raise sites.timeout_s")
         return self
 
 
