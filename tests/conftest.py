@@ -56,3 +56,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         item.add_marker(tier)
         if item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(TIMEOUT_S[tier]))
+
+
+@pytest.fixture
+def store_address():
+    """A hosted tcp:// store for the test's sites, alive until the test ends."""
+    from datetime import timedelta
+
+    from tests.multiproc import free_port
+    from zeroband.store.client import open_store
+
+    address = f"tcp://127.0.0.1:{free_port()}"
+    host = open_store(address, True, timedelta(seconds=60))
+    yield address
+    del host

@@ -6,22 +6,11 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from datetime import timedelta
 
-import pytest
 import torch
 
 from tests.helpers import _train, elastic_tree, final_params, site_records
-from tests.multiproc import free_port, run_sites
-from zeroband.store.client import open_store
-
-
-@pytest.fixture
-def store_address():
-    address = f"tcp://127.0.0.1:{free_port()}"
-    host = open_store(address, True, timedelta(seconds=60))
-    yield address
-    del host
+from tests.multiproc import run_sites
 
 
 def _killed_then_back(tree: dict) -> dict:

@@ -22,13 +22,6 @@ from zeroband.tools.launch import store_process
 SECRET = "correct horse battery staple"
 
 
-@pytest.fixture
-def store_address():
-    address = f"tcp://127.0.0.1:{free_port()}"
-    host = open_store(address, True, timedelta(seconds=60))
-    yield address
-    del host
-
 
 def assert_identical(tree: dict, sites: list[int], step: int, secret: str | None = None) -> None:
     ref = final_params(tree, sites[0], step, secret)
