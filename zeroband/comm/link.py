@@ -223,8 +223,9 @@ class LinkProbe:
 
     def link(self) -> Link:
         """The measured link: its rate is the steady throughput (a lower bound of the link's rate
-        when streams x window / RTT is what limited it; then more streams would get more)."""
-        return Link(self.rtt_s, self.steady_bps, self.streams, self.window_bytes)
+        when streams x window / RTT is what limited it; then more streams would get more), on the
+        streams kept after it (`chosen`) where a choice was made."""
+        return Link(self.rtt_s, self.steady_bps, self.chosen or self.streams, self.window_bytes)
 
     def record(self, payload_bytes: float | None = None, factor: float = 3.0, floor_s: float = 10.0,
                ceiling_s: float = 600.0) -> dict[str, Any]:
