@@ -726,7 +726,8 @@ def main(argv: list[str] | None = None) -> int:
             "dp_steps": args.dp_steps, "tokens_per_step": args.batch * args.seq_len, "sweep_rates": args.sweep_rates,
             "quick": args.quick, "pin_cpus": args.pin_cpus, "extra_overrides": extra, "chatter_bytes_per_s": chatter, "cores": os.cpu_count(),
             "loadavg_start": load_start, "loadavg_end": load_average(),
-            "streams": 1, "window_bytes": kernel_window()}  # the exchange's one connection per peer pair
+            # sites.streams auto: the streams the probe keeps on this link (comm/link.py choose_streams)
+            "streams": streams_for(args.rate_mbit * 1e6, 2 * args.delay_ms / 1e3), "window_bytes": kernel_window()}
     for m in results:
         m["predicted"] = predicted(meta, m)
     if args.from_raw:

@@ -108,6 +108,7 @@ class Watch:
     def run(self, fn: Callable[[], T], what: str, check: Callable[[], None] | None = None) -> T:
         """fn() on a helper thread, watched from here (see `join`)."""
         box: dict[str, Any] = {}
+        self.bound, self.bound_end = None, math.inf  # an earlier failed wait's bound is not this run's
 
         def target() -> None:
             try:
