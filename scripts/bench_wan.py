@@ -125,7 +125,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     p.add_argument("--ceiling-seconds", type=float, default=3.0, help="timed transfer per --ceiling probe")
     p.add_argument("--streams", dest="streams_check", action="store_true",
                    help="the outer all-reduce alone (scripts/wan/link_allreduce.py) with sites.streams auto and 1, at "
-                        "500 Mbit/s / 200 ms (a 200 MB fp16 step) and 20 Mbit/s / 100 ms (the demo model's); kept beside the rows")
+                        "500 Mbit/s / 200 ms (a 300 MB fp16 step) and 20 Mbit/s / 100 ms (the demo model's); kept beside the rows")
     args, extra = p.parse_known_args(argv)
     return _defaults(args), extra
 
@@ -640,7 +640,7 @@ def run_ceiling(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------------------- streams per peer
 KEPT = ("ceiling", "streams")  # measured apart (--ceiling, --streams): kept when the rows are re-measured
-STREAMS_RUNS = [(500.0, 100.0, 100_000_000), (20.0, 50.0, 1_787_008)]  # (Mbit/s, one-way ms, fp32 values)
+STREAMS_RUNS = [(500.0, 100.0, 150_000_000), (20.0, 50.0, 1_787_008)]  # (Mbit/s, one-way ms, fp32 values)
 
 
 def measure_streams(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -691,8 +691,8 @@ def streams_markdown(rows: list[dict[str, Any]]) -> str:
             "choose_streams); 1: one connection, probed on. seconds = mean over rounds of the faster site's time "
             "(both enter together); BW / rate = bytes this site sent (payload, no TCP/IP headers) / seconds / link "
             "rate, so the 3 round trips of a step (statistics, review, last piece) count against it. bound = the "
-            "longest link-derived wait bound of the step (the review's, as for the whole scatter at fp32). 200 MB = "
-            "the fp16 outer step of a 100M-parameter model; 3.6 MB = the demo preset's (the rows above). Regenerate "
+            "longest link-derived wait bound of the step (the review's, as for the whole scatter at fp32). 300 MB = "
+            "the fp16 outer step of a 150M-parameter model; 3.6 MB = the demo preset's (the rows above). Regenerate "
             "(keeps the rows above): `flock /tmp/zeroband-test.lock python scripts/bench_wan.py --streams --out benchmarks`."),
         markdown_table(["rate Mbit/s", "RTT ms", "payload MB", "sites.streams", "streams used", "probe RTT ms",
                         "probe Mbit/s", "seconds", "BW / rate", "bound s"], table)])
