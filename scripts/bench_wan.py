@@ -629,12 +629,13 @@ def ceiling_markdown(rows: list[dict[str, Any]]) -> str:
                         "link model Mbit/s"], table)])
 
 
-def run_ceiling(args: argparse.Namespace) -> int:
-    """--ceiling: probe the emulator and rewrite wan.json / wan.md with the ceiling beside the rows."""
+def update_section(args: argparse.Namespace, key: str, rows: list[dict[str, Any]], alone: Any) -> int:
+    """--ceiling, --streams: rewrite wan.json / wan.md with `rows` under `key`, beside the rows kept
+    (`alone(rows)`: the markdown when there are none)."""
     previous = args.out / "wan.json"
     data = json.loads(previous.read_text()) if previous.is_file() else {}
-    data["ceiling"] = measure_ceiling(args)
-    write_outputs(args.out, "wan", data, render(data) if "results" in data else ceiling_markdown(data["ceiling"]))
+    data[key] = rows
+    write_outputs(args.out, "wan", data, render(data) if "results" in data else alone(rows))
     return 0
 
 
@@ -698,22 +699,13 @@ def streams_markdown(rows: list[dict[str, Any]]) -> str:
                         "probe Mbit/s", "seconds", "BW / rate", "bound s"], table)])
 
 
-def run_streams(args: argparse.Namespace) -> int:
-    """--streams: measure and rewrite wan.json / wan.md with the streams table beside the rows."""
-    previous = args.out / "wan.json"
-    data = json.loads(previous.read_text()) if previous.is_file() else {}
-    data["streams"] = measure_streams(args)
-    write_outputs(args.out, "wan", data, render(data) if "results" in data else streams_markdown(data["streams"]))
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     args, extra = parse_args(argv)
     preflight()
     if args.ceiling:
-        return run_ceiling(args)
+        return update_section(args, "ceiling", measure_ceiling(args), ceiling_markdown)
     if args.streams_check:
-        return run_streams(args)
+        return update_section(args, "streams", measure_streams(args), streams_markdown)
     ensure_demo_data()
     load_start = load_average()
     runs = load_raw(args.from_raw) if args.from_raw else measure(args, extra)
