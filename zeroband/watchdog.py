@@ -145,7 +145,7 @@ class Watch:
 
     def _stalled(self, what: str) -> PeerTimeout:
         seconds, why = self.bound or (self.timeout_s, "")
-        return PeerTimeout(f"{what}: no answer from {self.current} within {seconds:.1f} s ({why}; "
+        return PeerTimeout(f"{what}: no answer from {self.current} within {seconds:.1f} s (link bound: {why}; "
                            f"sites.timeout_s={self.timeout_s:g}); that site is frozen, dead or unreachable")
 
     def join(self, thread: threading.Thread, what: str, check: Callable[[], None] | None = None) -> None:

@@ -176,10 +176,10 @@ def choose_streams(streams: int | str, measured: LinkProbe) -> int:
 def bound_note(payload_bytes: float, link: Link, factor: float, floor_s: float, ceiling_s: float) -> str:
     """`wait_bound`'s arithmetic in words, for the line that declares a peer stalled."""
     bound = wait_bound(payload_bytes, link, factor, floor_s, ceiling_s)
-    clamp = " (floor: sites.timeout_floor_s)" if bound == floor_s else " (ceiling: sites.timeout_s)" if bound == ceiling_s else ""
-    return (f"link bound {bound:.1f} s{clamp} = {factor:g} x {transfer_s(payload_bytes, link):.2f} s for "
-            f"{payload_bytes / 1e6:.2f} MB at {throughput(link) / 1e6:.0f} Mbit/s + {WAIT_RTTS} x "
-            f"{1e3 * link.rtt_s:.0f} ms RTT")
+    clamp = (", raised to sites.timeout_floor_s" if bound == floor_s else
+             ", cut to sites.timeout_s" if bound == ceiling_s else "")
+    return (f"{factor:g} x {transfer_s(payload_bytes, link):.2f} s for {payload_bytes / 1e6:.2f} MB at "
+            f"{throughput(link) / 1e6:.0f} Mbit/s + {WAIT_RTTS} x {1e3 * link.rtt_s:.0f} ms RTT{clamp}")
 
 
 # ------------------------------------------------------------------------------------ the probe
