@@ -54,7 +54,7 @@ def _frozen_mid_allreduce(store_port: int) -> dict:
         group.post_scalars(SiteStats(1.0, 0.0).as_list())()
         me = os.getpid()
         if os.fork() == 0:
-            time.sleep(FLOOR_S + 15)
+            time.sleep(FLOOR_S + 6)
             os.kill(me, signal.SIGKILL)
             os._exit(0)
         os.kill(me, signal.SIGSTOP)

@@ -204,6 +204,8 @@ PING = struct.Struct("!cQ16s")  # kind, sequence, session nonce
 REPORT = struct.Struct("!cQddd16s")  # kind, bytes, seconds, median RTT, steady bits/s, session nonce
 TIMES = struct.Struct("!dd")  # the initiator's median and minimum RTT, told to the responder
 FRAME = struct.Struct("!I")  # length of a transfer piece; 0 ends the stream's transfer
+SEND_AHEAD = 64 << 10  # bytes per piece sent, and unsent bytes a stream may hold (_send_for)
+NOTSENT_LOWAT = getattr(socket, "TCP_NOTSENT_LOWAT", 25)  # Linux's value where Python lacks the name
 
 
 @dataclass(frozen=True)
@@ -295,14 +297,28 @@ def _pings(stream: Stream, key: bytes | None, nonce: bytes, count: int, initiato
 
 
 def _send_for(stream: Stream, seconds: float, errors: list[BaseException]) -> None:
-    """Framed pieces until `seconds` have passed, then the end frame."""
-    piece, header = bytes(CHUNK), FRAME.pack(CHUNK)
+    """Framed pieces until `seconds` have passed, then the end frame.
+
+    The bytes written but not yet sent are held to SEND_AHEAD (TCP_NOTSENT_LOWAT, restored after):
+    what is in flight stays the kernel's choice (the window being measured), but the tail left
+    in the send buffer at the deadline stays small. Without it 16 streams on a 5 Mbit/s link
+    queued megabytes each and the transfer outlived its deadline by tens of seconds."""
+    piece, header = bytes(SEND_AHEAD), FRAME.pack(SEND_AHEAD)
     deadline = time.perf_counter() + seconds
+    setsockopt = getattr(stream, "setsockopt", None)
+    try:
+        before = stream.getsockopt(socket.IPPROTO_TCP, NOTSENT_LOWAT) if setsockopt else None  # type: ignore[attr-defined]
+        if setsockopt:
+            setsockopt(socket.IPPROTO_TCP, NOTSENT_LOWAT, SEND_AHEAD)
+    except OSError:  # not TCP (a socketpair in tests)
+        setsockopt = before = None
     try:
         while time.perf_counter() < deadline:
             stream.sendall(header)
             stream.sendall(piece)
         stream.sendall(FRAME.pack(0))
+        if setsockopt:
+            setsockopt(socket.IPPROTO_TCP, NOTSENT_LOWAT, before)
     except BaseException as e:  # reported by the caller's thread
         errors.append(e)
 
