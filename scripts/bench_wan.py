@@ -3,6 +3,7 @@
     flock /tmp/zeroband-bench.lock python scripts/bench_wan.py --out benchmarks  # full run, ~19 min
     python scripts/bench_wan.py --quick --out /tmp/wan                      # CI smoke test, < 60 s
     flock /tmp/zeroband-bench.lock python scripts/bench_wan.py --ceiling --out benchmarks  # emulator ceiling, ~1 min
+    flock /tmp/zeroband-test.lock python scripts/bench_wan.py --streams --out benchmarks  # streams vs 1, ~5 min
 
 Every row is a real multi-site run: S torchrun jobs (`zeroband.tools.launch.launch_sites`), each site in
 its own network namespace behind a fresh emulated link (`WanLink`: per-site uplink rate, one-way
@@ -122,6 +123,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     p.add_argument("--ceiling", action="store_true",
                    help="only measure what the emulator carries (link probes, no training); other rows kept")
     p.add_argument("--ceiling-seconds", type=float, default=3.0, help="timed transfer per --ceiling probe")
+    p.add_argument("--streams", dest="streams_check", action="store_true",
+                   help="the outer all-reduce alone (scripts/wan/link_allreduce.py) with sites.streams auto and 1, at "
+                        "500 Mbit/s / 200 ms (a 300 MB fp16 step) and 20 Mbit/s / 100 ms (the demo model's); kept beside the rows")
     args, extra = p.parse_known_args(argv)
     return _defaults(args), extra
 
@@ -475,6 +479,7 @@ def render(data: dict[str, Any]) -> str:
         NOTES.format(chatter=meta["chatter_bytes_per_s"]),
         load_note(meta["loadavg_start"], meta["loadavg_end"]),
         *([ceiling_markdown(data["ceiling"])] if data.get("ceiling") else []),
+        *([streams_markdown(data["streams"])] if data.get("streams") else []),
     ])
 
 
@@ -624,20 +629,83 @@ def ceiling_markdown(rows: list[dict[str, Any]]) -> str:
                         "link model Mbit/s"], table)])
 
 
-def run_ceiling(args: argparse.Namespace) -> int:
-    """--ceiling: probe the emulator and rewrite wan.json / wan.md with the ceiling beside the rows."""
+def update_section(args: argparse.Namespace, key: str, rows: list[dict[str, Any]], alone: Any) -> int:
+    """--ceiling, --streams: rewrite wan.json / wan.md with `rows` under `key`, beside the rows kept
+    (`alone(rows)`: the markdown when there are none)."""
     previous = args.out / "wan.json"
     data = json.loads(previous.read_text()) if previous.is_file() else {}
-    data["ceiling"] = measure_ceiling(args)
-    write_outputs(args.out, "wan", data, render(data) if "results" in data else ceiling_markdown(data["ceiling"]))
+    data[key] = rows
+    write_outputs(args.out, "wan", data, render(data) if "results" in data else alone(rows))
     return 0
+
+
+# ---------------------------------------------------------------------------------- streams per peer
+KEPT = ("ceiling", "streams")  # measured apart (--ceiling, --streams): kept when the rows are re-measured
+STREAMS_RUNS = [(500.0, 100.0, 150_000_000), (20.0, 50.0, 1_787_008)]  # (Mbit/s, one-way ms, fp32 values)
+
+
+def measure_streams(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Per link, the same all-reduce with sites.streams auto (probe, then choose_streams) and 1."""
+    import importlib.util
+
+    from zeroband.wan import WanEmulator
+
+    spec = importlib.util.spec_from_file_location("link_allreduce", REPO / "scripts/wan/link_allreduce.py")
+    assert spec is not None and spec.loader is not None
+    worker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(worker)
+    rows = []
+    for rate, delay, numel in STREAMS_RUNS:
+        for streams in ("auto", "1"):
+            with WanEmulator(2, rate_mbit=rate, delay_ms=delay, mtu=args.mtu, backend="tun") as wan:
+                out = worker.run_pair(wan, ["--streams", streams, "--numel", str(numel), "--rounds", "3"], args.timeout)
+            rows.append(streams_row(rate, delay, numel, streams, out))
+            r = rows[-1]
+            print(f"{rate:g} Mbit/s, {2 * delay:g} ms, streams {streams} -> {r['streams_used']}: {r['seconds']:.2f} s, "
+                  f"{100 * r['bw_over_rate']:.0f}% of the rate, bound {r['wait_bound_s']:.1f} s", flush=True)
+    return rows
+
+
+def streams_row(rate: float, delay: float, numel: int, streams: str, out: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    """Rounds 2.. (round 1 also ramps the windows up), per round the faster site's seconds (the one that
+    waited only for the network: both enter together, a site's own CPU work delays only itself)."""
+    rounds = [min(site[k]["seconds"] for site in out) for k in range(1, len(out[0]) - 1)]
+    first, link = out[0][0], out[0][-1]["link"][0]
+    seconds = statistics.fmean(rounds)
+    return {"rate_mbit": rate, "rtt_ms": 2 * delay, "numel": numel, "streams": streams,
+            "streams_used": link["streams_used"], "probe_rtt_ms": link["rtt_ms"], "probe_mbit": link["steady_mbit"],
+            "payload_bytes": first["payload_bytes"], "wire_bytes": first["wire_bytes"], "seconds": seconds,
+            "rounds_s": rounds, "bw_over_rate": first["wire_bytes"] * 8 / seconds / (rate * 1e6),
+            "wait_bound_s": max(site[k]["wait_bound_s"] for site in out for k in range(len(site) - 1))}
+
+
+def streams_markdown(rows: list[dict[str, Any]]) -> str:
+    table = [[f"{r['rate_mbit']:g}", f"{r['rtt_ms']:g}", f"{r['payload_bytes'] / 1e6:.1f}", r["streams"], r["streams_used"],
+              f"{r['probe_rtt_ms']:.0f}", f"{r['probe_mbit']:.0f}", f"{r['seconds']:.2f}", f"{100 * r['bw_over_rate']:.0f}%",
+              f"{r['wait_bound_s']:.1f}"] for r in rows]
+    return "\n\n".join([
+        "### Streams per peer: the outer all-reduce alone (issue 27)", (
+            "2 sites in the TUN emulator, one fp16 outer all-reduce of a pseudo-gradient through `reduce_across_sites` "
+            "(statistics, review, pieces) on zeroband's transport, 3 rounds, rounds 2-3 reported. `sites.streams` auto: "
+            "the group dials 16 connections per peer, probes the link on them at connect (authenticated pings, then "
+            "a timed transfer) and keeps those that cover the measured bandwidth-delay product (comm/link.py "
+            "choose_streams); 1: one connection, probed on. seconds = mean over rounds of the faster site's time "
+            "(both enter together); BW / rate = bytes this site sent (payload, no TCP/IP headers) / seconds / link "
+            "rate, so the 3 round trips of a step (statistics, review, last piece) count against it. bound = the "
+            "longest link-derived wait bound of the step (the review's, as for the whole scatter at fp32). 300 MB = "
+            "the fp16 outer step of a 150M-parameter model; 3.6 MB = the demo preset's (the rows above). Regenerate "
+            "(keeps the rows above): `flock /tmp/zeroband-test.lock python scripts/bench_wan.py --streams --out benchmarks`."),
+        markdown_table(["rate Mbit/s", "RTT ms", "payload MB", "sites.streams", "streams used", "probe RTT ms",
+                        "probe Mbit/s", "seconds", "BW / rate", "bound s"], table)])
 
 
 def main(argv: list[str] | None = None) -> int:
     args, extra = parse_args(argv)
     preflight()
     if args.ceiling:
-        return run_ceiling(args)
+        return update_section(args, "ceiling", measure_ceiling(args), ceiling_markdown)
+    if args.streams_check:
+        return update_section(args, "streams", measure_streams(args), streams_markdown)
     ensure_demo_data()
     load_start = load_average()
     runs = load_raw(args.from_raw) if args.from_raw else measure(args, extra)
@@ -650,14 +718,15 @@ def main(argv: list[str] | None = None) -> int:
             "dp_steps": args.dp_steps, "tokens_per_step": args.batch * args.seq_len, "sweep_rates": args.sweep_rates,
             "quick": args.quick, "pin_cpus": args.pin_cpus, "extra_overrides": extra, "chatter_bytes_per_s": chatter, "cores": os.cpu_count(),
             "loadavg_start": load_start, "loadavg_end": load_average(),
-            "streams": 1, "window_bytes": kernel_window()}  # the exchange's one connection per peer pair
+            # sites.streams auto: the streams the probe keeps on this link (comm/link.py choose_streams)
+            "streams": streams_for(args.rate_mbit * 1e6, 2 * args.delay_ms / 1e3), "window_bytes": kernel_window()}
     for m in results:
         m["predicted"] = predicted(meta, m)
     if args.from_raw:
         meta.update(measured_load(args.out / "wan.json", meta))
     data: dict[str, Any] = {"meta": meta, "results": results}
     if (args.out / "wan.json").is_file():  # the emulator's ceiling is measured apart (--ceiling): kept
-        data.update({k: v for k, v in json.loads((args.out / "wan.json").read_text()).items() if k == "ceiling"})
+        data.update({k: v for k, v in json.loads((args.out / "wan.json").read_text()).items() if k in KEPT})
     data["targets"] = targets(args, results)
     write_outputs(args.out, "wan", data, render(data))
     if plot(results, args.out / "wan.png") is not None:

@@ -17,7 +17,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -389,11 +389,24 @@ class SitesConfig(Section):
     timeout_s: float = Field(600.0, gt=0)
     # Connections per peer pair of the cross-site transport (comm/transport.py): a large message is
     # cut into this many slices sent at once, to fill a long fat link; the bytes and results are the same.
-    streams: int = Field(1, ge=1, le=64)
+    # "auto": per peer, those that cover the probed bandwidth-delay product (comm/link.py choose_streams).
+    streams: int | Literal["auto"] = "auto"
+    # Longest timed transfer of the link probe each global group runs when it connects (at start, and
+    # per elastic generation); 0: no probe (waits keep timeout_s; "auto" streams: 1).
+    probe_s: float = Field(3.0, ge=0, le=60)
     # A wait's bound from the measured link (zeroband/comm/link.py wait_bound): wait_factor x the
     # payload's transfer time + a few RTTs, never under timeout_floor_s nor over timeout_s (the ceiling wins).
     timeout_floor_s: float = Field(10.0, gt=0)
     wait_factor: float = Field(3.0, ge=1)
+
+    @field_validator("streams", mode="before")
+    @classmethod
+    def _streams(cls, value: Any) -> Any:
+        if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 64):
+            return value
+        if isinstance(value, str) and value.isdigit() and 1 <= int(value) <= 64:
+            return int(value)
+        raise ValueError('use "auto" (chosen from the measured link) or a number of streams from 1 to 64')
 
     @model_validator(mode="before")
     @classmethod

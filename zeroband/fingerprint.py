@@ -15,7 +15,7 @@ from zeroband.trust.auth import flatten_fingerprint
 # settings that must agree are compared.
 PER_SITE_DILOCO_KEYS = {"heartbeat_s", "dead_after_s", "grace_s", "start_grace_s", "join_timeout_s", "max_retries",
                         "log_checksum"}
-SHARED_SITES_KEYS = {"site_count", "backend", "streams"}
+SHARED_SITES_KEYS = {"site_count", "backend", "streams", "probe_s"}  # probe_s: 0 on one side only would stall the probe
 
 
 def run_fingerprint(cfg: Config, tokenizer: TextTokenizer, ranks_per_site: int) -> dict[str, str]:

@@ -27,6 +27,7 @@ from zeroband.comm.group import (
     new_global_group,
     rendezvous,
 )
+from zeroband.comm.link import LinkPolicy
 from zeroband.store.client import open_store
 from zeroband.trust.mac import WireAuth
 from zeroband.trust.secret import RunSecret
@@ -87,7 +88,7 @@ def init_topology(
 
 
 def fixed_global_group(topology: Topology, run_name: str, backend: str = "gloo", mark: str = OPEN,
-                       streams: int = 1) -> GlobalGroup:
+                       policy: LinkPolicy | None = None) -> GlobalGroup:
     """Rank i of every site for the whole run (fixed DiLoCo, cross-site data parallel), over the store."""
     world, timeout_s, store = topology.world, topology.timeout_s, topology.store
     assert store is not None, "a global group needs the coordination store (sites.store)"
@@ -96,7 +97,7 @@ def fixed_global_group(topology: Topology, run_name: str, backend: str = "gloo",
     prefix = incarnation_prefix(store, f"zeroband/{run_name}/shard{world.rank}/start/", world.site_rank,
                                 world.site_count, timeout_s, auth.subkey("arrive"))
     return new_global_group(store, prefix, world.site_rank, world.site_count, timedelta(seconds=timeout_s),
-                            backend, mark=mark, auth=auth, streams=streams)
+                            backend, mark=mark, auth=auth, policy=policy)
 
 
 _republishers: list[Republisher] = []  # stopped at shutdown: no store call may outlive the store

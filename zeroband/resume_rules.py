@@ -30,7 +30,7 @@ RESUME_RULES: dict[str, tuple[Rule, str]] = {
     "checkpoint.resume": ("ignore", ""), "checkpoint.dir": ("ignore", ""), "checkpoint.allow_unsigned": ("ignore", ""),
     "sites.store": ("ignore", ""), "sites.host_store": ("ignore", ""), "sites.secret_file": ("ignore", ""),
     "sites.insecure": ("ignore", ""), "sites.site_rank": ("ignore", ""), "sites.timeout_s": ("ignore", ""),
-    "sites.timeout_floor_s": ("ignore", ""), "sites.wait_factor": ("ignore", ""),
+    "sites.timeout_floor_s": ("ignore", ""), "sites.wait_factor": ("ignore", ""), "sites.probe_s": ("ignore", ""),
     "model.preset": ("ignore", ""), "model.init_from": ("ignore", ""), "model.init_std": ("ignore", ""),
     # what the checkpoint's state means
     "model": ("refuse", "the checkpoint's weights have the old shape"),

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from zeroband import checkpoint as ckpt
 from zeroband import seams
 from zeroband.checkpointer import Checkpointer, checkpoint_meta, sync_due
+from zeroband.comm.link import LinkPolicy
 from zeroband.config import Config, ConfigError, dump_config, load_config, warn_allow_unsigned
 from zeroband.data.ledger import SharedData
 from zeroband.data.loader import PackedBatches
@@ -147,7 +148,7 @@ def open_topology(cfg: Config, world: World, secret: RunSecret | None) -> tuple[
                              keep_start_keys=False)  # see issue 23: the start Republisher can abort a launched site at exit
     if cfg.diloco.elastic:
         return topology, None
-    return topology, fixed_global_group(topology, cfg.name, s.backend, admission_mark(secret), s.streams)
+    return topology, fixed_global_group(topology, cfg.name, s.backend, admission_mark(secret), LinkPolicy.of(s))
 
 
 @dataclass
@@ -439,8 +440,9 @@ def open_metrics(run: Run, found: ckpt.CheckpointInfo | None, keep: int) -> Metr
 
 
 def on_membership_event(run: Run, metrics: MetricsLogger, event: dict[str, Any]) -> None:
-    """Record a membership event; an elastic run's data ledger follows it (zeroband/data/ledger.py)."""
-    metrics.log(run.progress.step, event, "membership")
+    """Record a membership event; an elastic run's data ledger follows it (zeroband/data/ledger.py).
+    A group's link probe (event "link", one per peer) is a record of its own kind."""
+    metrics.log(run.progress.step, event, "link" if event.get("event") == "link" else "membership")
     ledger = run.stateful.get("ledger")
     if ledger is not None and (record := ledger.on_event(event)) is not None:
         metrics.log(run.progress.step, record, "data")

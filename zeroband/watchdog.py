@@ -22,9 +22,11 @@ the site logs (`zeroband.tools.launch.WAIT_LINE`) and shows them on its terminal
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Mapping
+from datetime import timedelta
 from typing import Any, Protocol, TypeVar
 
 import torch.distributed as dist
@@ -89,15 +91,24 @@ class Watch:
     def __init__(self, timeout_s: float, log_every_s: float = LOG_EVERY_S, interruptible: bool = True) -> None:
         self.timeout_s, self.log_every_s, self.interruptible = timeout_s, log_every_s, interruptible
         self.current = "the exchange to start"
+        self.bound: tuple[float, str] | None = None  # the current wait's own bound (seconds, how it was derived)
+        self.bound_end = math.inf  # when it runs out (monotonic)
 
-    def wait(self, work: Work, peer: int | str, phase: str) -> None:
-        """On the worker thread: note whom we wait for, then wait (bounded by the group's timeout)."""
+    def wait(self, work: Work, peer: int | str, phase: str, bound: tuple[float, str] | None = None) -> None:
+        """On the worker thread: note whom we wait for, then wait, bounded by the group's timeout and
+        by `bound` where the link was measured (comm/link.py wait_bound; `join` enforces it too)."""
         self.current = f"{_who(peer)} ({phase})"
-        work.wait()
+        self.bound, self.bound_end = bound, math.inf if bound is None else time.monotonic() + bound[0]
+        if bound is None:
+            work.wait()
+            return
+        work.wait(timedelta(seconds=bound[0]))
+        self.bound, self.bound_end = None, math.inf  # kept after a failure: the error names it
 
     def run(self, fn: Callable[[], T], what: str, check: Callable[[], None] | None = None) -> T:
         """fn() on a helper thread, watched from here (see `join`)."""
         box: dict[str, Any] = {}
+        self.bound, self.bound_end = None, math.inf  # an earlier failed wait's bound is not this run's
 
         def target() -> None:
             try:
@@ -117,7 +128,7 @@ class Watch:
         """gloo's and the transport's errors say neither the phase nor the site: name both (others pass
         unchanged)."""
         if isinstance(error, TransportTimeout):
-            return self._timeout(what, elapsed)
+            return self._timeout(what, elapsed) if self.bound is None else self._stalled(what)
         if isinstance(error, TransportError):
             return PeerLost(f"{what}: lost {self.current}: {error}")
         text = str(error).strip()
@@ -131,6 +142,11 @@ class Watch:
     def _timeout(self, what: str, elapsed: float) -> PeerTimeout:
         return PeerTimeout(f"{what}: no answer from {self.current} after {elapsed:.0f} s "
                            f"(sites.timeout_s={self.timeout_s:g}); that site is frozen, dead or unreachable")
+
+    def _stalled(self, what: str) -> PeerTimeout:
+        seconds, why = self.bound or (self.timeout_s, "")
+        return PeerTimeout(f"{what}: no answer from {self.current} within {seconds:.1f} s (link bound: {why}; "
+                           f"sites.timeout_s={self.timeout_s:g}); that site is frozen, dead or unreachable")
 
     def join(self, thread: threading.Thread, what: str, check: Callable[[], None] | None = None) -> None:
         """Wait for `thread`, logging every log_every_s; `check` may raise to give up early."""
@@ -150,6 +166,8 @@ class Watch:
                     deadline = now + STOP_GRACE_S
                 elif now >= deadline:
                     raise Interrupted(f"SIGTERM while {what} waited {now - start:.0f} s for {self.current}")
+            if now >= self.bound_end + POLL_S:  # the worker's own wait ends at bound_end: this is a backstop
+                raise self._stalled(what)
             if now >= deadline:
                 raise PeerTimeout(f"{what}: no answer from {self.current} after {now - start:.0f} s "
                                   f"(sites.timeout_s={self.timeout_s:g}); that site is frozen, dead or unreachable")

@@ -50,10 +50,10 @@ def _paced_train(tree: dict, stages: str) -> dict:
 
     honest, calls = GlobalGroup.post_scalars, [0]
 
-    def paced(self: GlobalGroup, values: list[float]):  # noqa: ANN202
+    def paced(self: GlobalGroup, values: list[float], nbytes: float | None = None):  # noqa: ANN202
         calls[0] += 1
         _wait_for(Path(stages) / STAGES[min(calls[0], len(STAGES)) - 1], 90)
-        return honest(self, values)
+        return honest(self, values, nbytes)
 
     GlobalGroup.post_scalars = paced
     out = _train(tree)

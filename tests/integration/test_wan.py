@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import signal
@@ -9,9 +10,12 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
+from typing import Any
 
 import pytest
 
+from zeroband.comm.link import Link, wait_bound
 from zeroband.wan import WanEmulator, cleanup_stale
 from zeroband.wan.emulator import list_namespaces
 from zeroband.wan.measure import measure_link, measure_loss, measure_rtt, measure_throughput
@@ -30,6 +34,7 @@ def _netns_usable() -> str | None:
     return None
 
 
+REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(_netns_usable() is not None, reason=str(_netns_usable()))
 
 
@@ -159,3 +164,29 @@ def test_gloo_all_reduce_crosses_the_link() -> None:
     assert [p.returncode for p in procs] == [0, 0], outs
     assert sum(sent) >= numel * 4, sent
     assert min(sent) >= numel * 4 // 2, sent  # both directions carried half the tensor or more
+
+
+def _link_allreduce() -> Any:
+    spec = importlib.util.spec_from_file_location("link_allreduce", REPO / "scripts/wan/link_allreduce.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_slow_live_link_is_never_declared_dead() -> None:
+    """5 Mbit/s, 50 ms RTT, floor 0.5 s: every piece takes ~1.7 s on the wire, three times the floor,
+    so only bounds derived from the measured link (3 x 1.7 s + 4 RTT) let the all-reduce finish. The
+    probe at connect sees the rate; the rounds' bounds are in their records."""
+    with WanEmulator(2, rate_mbit=5, delay_ms=25) as wan:
+        out = _link_allreduce().run_pair(wan, ["--numel", "1000000", "--rounds", "2", "--probe-s", "1",
+                                               "--floor-s", "0.5", "--timeout-s", "60"], timeout_s=100)
+    for site in out:
+        rounds, link = site[:-1], site[-1]["link"][0]
+        assert [r["round"] for r in rounds] == [0, 1], site
+        assert 3.5 <= link["steady_mbit"] <= 5.5 and 40 <= link["rtt_ms"] <= 80 and link["streams_used"] == 1, link
+        measured = Link(link["rtt_ms"] / 1e3, link["steady_mbit"] * 1e6, link["streams_used"], link["window_bytes"])
+        for r in rounds:  # each piece took ~1.7 s, more than 3x the floor: the bound followed the link
+            # the round's longest wait: the review's statistics, bounded as for the whole scatter at fp32
+            assert r["seconds"] > 2.0 and r["wait_bound_s"] == pytest.approx(wait_bound(4e6, measured, 3.0, 0.5, 60)), r
+            assert r["wait_bound_s"] > 10.0, r

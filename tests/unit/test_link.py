@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import socket
 import threading
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +18,12 @@ from zeroband.comm.link import (
     Link,
     LinkProbe,
     ProbeError,
+    bound_note,
+    choose_streams,
+    dial_streams,
     kernel_window,
     probe,
+    probe_seconds,
     streams_for,
     throughput,
     transfer_rates,
@@ -83,7 +89,8 @@ def test_transfer_rates_use_the_second_half_of_the_time() -> None:
     assert transfer_rates([(1.0, 10)]) == (10, 0.0, 0.0)
 
 
-def _pair(streams: int, keys: tuple[bytes | None, bytes | None], seconds: float = 0.2) -> dict[str, Any]:
+def _pair(streams: int, keys: tuple[bytes | None, bytes | None], seconds: float = 0.2,
+          choose: Callable[[LinkProbe], int] | None = None) -> dict[str, Any]:
     """Both ends of a probe over real connected sockets, each end in its own thread."""
     socks = [socket.socketpair() for _ in range(streams)]
     for a, b in socks:
@@ -94,7 +101,7 @@ def _pair(streams: int, keys: tuple[bytes | None, bytes | None], seconds: float 
     def run(side: str, initiator: bool, key: bytes | None) -> None:
         mine = [s[0] if initiator else s[1] for s in socks]
         try:
-            out[side] = probe(mine, key, initiator, seconds=seconds, pings=3)
+            out[side] = probe(mine, key, initiator, seconds=seconds, pings=3, choose=choose)
         except Exception as e:  # noqa: BLE001 - the test inspects it
             out[side] = e
             for s in mine:
@@ -152,3 +159,43 @@ def test_wait_keys_are_checked_in_one_line() -> None:
     assert load_config("configs/demo_diloco.toml", ["--sites.timeout_floor_s", "700"]).sites.timeout_floor_s == 700
     with pytest.raises(ConfigError, match=r"sites.wait_factor: Input should be greater than or equal to 1"):
         load_config("configs/demo_diloco.toml", ["--sites.wait_factor", "0.5"])
+
+
+def test_auto_streams_dial_enough_to_probe_and_keep_what_covers_the_link() -> None:
+    assert dial_streams("auto", 3.0) == MAX_STREAMS and dial_streams("auto", 0.0) == 1 and dial_streams(4, 3.0) == 4
+    # 500 Mbit/s measured at 200 ms on 16 streams: 12.5 MB in flight / 2.8 MB windows -> 5 streams
+    measured = LinkProbe(0.2, 0.2, 5, MAX_STREAMS, 2_796_202, 10**8, 2.0, 4e8, 500e6)
+    assert choose_streams("auto", measured) == 5 and choose_streams(2, measured) == 2
+    # a loopback-like link: one window covers it; a 10 Gbit/s link cannot get more than was probed
+    assert choose_streams("auto", replace(measured, rtt_s=1e-3, rtt_min_s=1e-4, steady_bps=5e9)) == 1
+    assert choose_streams("auto", replace(measured, steady_bps=10e9)) == MAX_STREAMS
+
+
+def test_the_probe_lasts_fifteen_round_trips_within_its_cap() -> None:
+    assert probe_seconds(1e-4, 3.0) == 0.2  # loopback: the floor
+    assert probe_seconds(0.1, 3.0) == pytest.approx(1.5) and probe_seconds(0.2, 3.0) == 3.0
+    assert probe_seconds(0.2, 1.0) == 1.0  # sites.probe_s caps it
+
+
+def test_bound_note_spells_out_the_arithmetic() -> None:
+    link = Link(0.2, 500e6, 5, 2_796_202)
+    note = bound_note(50e6, link, 3.0, 1.0, 600.0)
+    assert note == "3 x 0.80 s for 50.00 MB at 500 Mbit/s + 4 x 200 ms RTT"  # 3.2 s
+    assert bound_note(1e3, link, 3.0, 10.0, 600.0).endswith("RTT, raised to sites.timeout_floor_s")
+    assert bound_note(1e12, link, 3.0, 10.0, 600.0).endswith("RTT, cut to sites.timeout_s")
+
+
+def test_probe_agrees_on_the_streams_the_initiator_chose() -> None:
+    out = _pair(4, (b"k" * 32, b"k" * 32), choose=lambda r: 3)
+    assert out["init"].chosen == out["resp"].chosen == 3, out
+    assert out["init"].record()["streams_used"] == 3
+
+
+def test_streams_auto_is_the_default_and_a_bad_value_is_one_line() -> None:
+    cfg = load_config("configs/demo_diloco.toml", [])
+    assert cfg.sites.streams == "auto" and cfg.sites.probe_s == 3.0
+    assert load_config("configs/demo_diloco.toml", ["--sites.streams", "4"]).sites.streams == 4
+    with pytest.raises(ConfigError) as e:
+        load_config("configs/demo_diloco.toml", ["--sites.streams", "many"])
+    problems = str(e.value).splitlines()[1:]
+    assert len(problems) == 1 and 'sites.streams: Value error, use "auto"' in problems[0], e.value

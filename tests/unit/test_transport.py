@@ -19,8 +19,10 @@ from zeroband.watchdog import PeerTimeout
 KEY = b"k" * 32
 
 
-def connected(size: int, streams: int = 1, key: bytes | None = KEY, timeout_s: float = 10) -> list[Transport]:
-    group = [Transport(r, size, "test/gen0/", key, timeout_s, streams, host="127.0.0.1") for r in range(size)]
+def connected(size: int, streams: int | str = 1, key: bytes | None = KEY, timeout_s: float = 10,
+              probe_s: float = 0.0) -> list[Transport]:
+    group = [Transport(r, size, "test/gen0/", key, timeout_s, streams, host="127.0.0.1", probe_s=probe_s)
+             for r in range(size)]
     addresses = {r: t.address for r, t in enumerate(group)}
     threads = [threading.Thread(target=t.connect, args=(addresses,)) for t in group]
     for th in threads:
@@ -170,3 +172,26 @@ def test_a_lost_peer_fails_pending_receives_at_once():
     a.close()
     with pytest.raises(TransportError):
         work.wait(5)
+
+
+def test_auto_streams_probe_every_peer_at_connect_and_keep_what_the_link_needs():
+    """"auto": 16 connections per peer to probe on (authenticated, the group's key), then the streams
+    that cover the measured bandwidth-delay product: on loopback one window does, so 1 is kept and
+    the other 15 are closed; both ends of every pair hold the same measurement and choice."""
+    a, b = connected(2, "auto", probe_s=0.3)
+    assert a.links[1] == b.links[0] and a.links[1].streams == 16 and a.links[1].bytes > 0
+    assert a.links[1].chosen == 1 and a.peers[1].streams == b.peers[0].streams == 1
+    # three members probe their pairs at once (on 2 shared cores a pair's pings may see the others'
+    # transfers: the choice may differ per pair, never between the two ends of one)
+    group = connected(3, "auto", probe_s=0.3)
+    for t in group:
+        assert sorted(t.links) == [r for r in range(3) if r != t.rank]
+        assert all(t.peers[p].streams == probe.chosen for p, probe in t.links.items())
+    assert group[0].links[1] == group[1].links[0] and group[1].links[2] == group[2].links[1]
+    payload = torch.randn(300_000)
+    assert torch.equal(exchange(group[2], group[1], payload), payload)
+
+
+def test_a_given_stream_count_is_probed_and_kept():
+    a, b = connected(2, 3, probe_s=0.2)
+    assert a.links[1].streams == a.links[1].chosen == 3 and a.peers[1].streams == b.peers[0].streams == 3

@@ -235,8 +235,9 @@ class DirectExchange:
         waited on only once: the verified payload replaces it in `inbox`)."""
         buf, work = inbox[p, src]
         if work is not None:
-            with self.parts("network_wait"):
-                self.group.wait(work, src, f"{'reduce-scatter' if tag < AG_TAG else 'all-gather'} piece {p}")
+            with self.parts("network_wait"):  # src's uplink carries this message to each of its peers
+                self.group.wait(work, src, f"{'reduce-scatter' if tag < AG_TAG else 'all-gather'} piece {p}",
+                                nbytes=buf.numel() * (self.size - 1))
             with self.parts("mac"):
                 buf = self.auth.open(buf, self.context, (self.call, tag, src, self.rank))
             inbox[p, src] = (buf, None)
@@ -335,8 +336,10 @@ class DirectExchange:
                 self.codec.decode(buf, b - a, out=flat[a:b], stats=None if review is None else got[src],
                                   stream=self.stream)
         with self.parts("network_wait"):
-            for work, _, dst in self.sends:
-                self.group.wait(work, dst, "sends to drain")
+            left = sum(buf.numel() for _, buf, _ in self.sends)  # what may still sit in this site's uplink
+            for work, buf, dst in self.sends:
+                self.group.wait(work, dst, "sends to drain", nbytes=left)
+                left -= buf.numel()
         if review is not None:
             review.check_gathered(got)
             self.sumsq = float(self.own[0] + got[:, 0].sum())

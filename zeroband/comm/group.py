@@ -12,12 +12,13 @@ import secrets
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
 
 from zeroband import seams
+from zeroband.comm.link import LinkPolicy, LinkProbe, bound_note, wait_bound
 from zeroband.comm.transport import Transport
 from zeroband.comm.work import ProcessGroupLike, Work
 from zeroband.trust.auth import ADMIT_REFUSE_S, PeerRefused, Verdict, frame
@@ -50,7 +51,8 @@ class GlobalGroup:
     """
 
     def __init__(self, pg: ProcessGroupLike, rank: int, size: int, store: dist.Store | None = None,
-                 watch: Watch | None = None, prefix: str = "", auth: WireAuth = NO_AUTH) -> None:
+                 watch: Watch | None = None, prefix: str = "", auth: WireAuth = NO_AUTH,
+                 links: dict[int, LinkProbe] | None = None, policy: LinkPolicy | None = None) -> None:
         self.pg = pg
         self.store = store  # keeps the store client (and on site 0 its server) alive with the group
         self.rendezvous: dist.Store | None = None  # the store the C++ group reads (new_global_group)
@@ -59,6 +61,30 @@ class GlobalGroup:
         self.watch = watch or Watch(float("inf"))
         self.prefix, self.context, self.auth = prefix, prefix.encode(), auth
         self.calls = 0
+        # The link to each peer as the transport's probe measured it at connect (none: nccl, or no probe):
+        # a wait for a payload from that peer is bounded by wait_bound (`bound`), not only the timeout.
+        self.links, self.policy = links or {}, policy or LinkPolicy()
+        self.bound_s = 0.0  # the longest bound chosen since `take_bound` (the round's, in the outer record)
+
+    def bound(self, peer: int | str, nbytes: float | None) -> tuple[float, str] | None:
+        """The bound of a wait for `nbytes` from `peer`: wait_bound of the measured link, clamped to
+        [sites.timeout_floor_s, sites.timeout_s]; None where nothing was measured or no size given."""
+        probe = self.links.get(peer) if isinstance(peer, int) and nbytes is not None else None
+        if probe is None or nbytes is None:
+            return None
+        p, ceiling = self.policy, self.watch.timeout_s
+        seconds = wait_bound(nbytes, probe.link(), p.factor, p.floor_s, ceiling)
+        self.bound_s = max(self.bound_s, seconds)
+        return seconds, bound_note(nbytes, probe.link(), p.factor, p.floor_s, ceiling)
+
+    def take_bound(self) -> float:
+        """The longest wait bound since the last call (0: none derived from the link)."""
+        seconds, self.bound_s = self.bound_s, 0.0
+        return seconds
+
+    def link_records(self) -> list[dict[str, Any]]:
+        """One `link` metrics record per peer: what the probe measured and the streams kept."""
+        return [{"peer": peer, **probe.record()} for peer, probe in sorted(self.links.items())]
 
     def next_call(self) -> int:
         """Number of this sealed collective: every member calls the group in the same order."""
@@ -68,8 +94,10 @@ class GlobalGroup:
     def watched(self, fn: Callable[[], T], what: str) -> T:
         return self.watch.run(fn, what)
 
-    def wait(self, work: Work, peer: int | str, phase: str) -> None:
-        self.watch.wait(work, peer, phase)
+    def wait(self, work: Work, peer: int | str, phase: str, nbytes: float | None = None) -> None:
+        """Wait for `work` with `peer`; `nbytes`: what the peer's uplink carries before it completes
+        (the wait is then bounded by the measured link, `bound`)."""
+        self.watch.wait(work, peer, phase, self.bound(peer, nbytes))
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> None:
         opts = dist.AllreduceOptions()
@@ -111,16 +139,18 @@ class GlobalGroup:
         every site sending to site 0 first."""
         return [(self.rank + k) % self.size for k in range(1, self.size)]
 
-    def gather_scalars(self, values: list[float]) -> torch.Tensor:
+    def gather_scalars(self, values: list[float], nbytes: float | None = None) -> torch.Tensor:
         """Every site's `values` as a [size, len(values)] float64 table, identical on all sites."""
-        return self.post_scalars(values)()
+        return self.post_scalars(values, nbytes)()
 
-    def post_scalars(self, values: list[float]) -> Callable[[], torch.Tensor]:
+    def post_scalars(self, values: list[float], nbytes: float | None = None) -> Callable[[], torch.Tensor]:
         """Start `gather_scalars`; the returned function waits for and returns the table.
 
         Each site sends its row straight to every peer: one round trip (gloo sends after the
         receiver announced its buffer), where gloo's all-reduce of even a few bytes takes two
         (0.2 s at 100 ms RTT, measured). Work done before waiting hides that round trip.
+        `nbytes`: bound the waits by the link as for that payload (None: by the timeout only, where
+        a peer may still be computing, e.g. the first exchange of a round).
         """
         table = torch.zeros(self.size, len(values), dtype=torch.float64)
         table[self.rank] = torch.tensor(values, dtype=torch.float64)
@@ -132,7 +162,7 @@ class GlobalGroup:
 
         def wait() -> torch.Tensor:
             for work, peer in works:
-                self.wait(work, peer, "statistics")
+                self.wait(work, peer, "statistics", nbytes)
             outbox.clear()  # gloo reads a send buffer until the send completes: kept alive until here
             for src, buf in inbox.items():
                 table[src].view(torch.uint8).copy_(self.auth.open(buf, self.context, (call, STATS_TAG, src, self.rank)))
@@ -158,10 +188,14 @@ def checksum_table(tensors: list[torch.Tensor], group: GlobalGroup) -> list[str]
 def new_global_group(
     store: dist.Store, prefix: str, site_rank: int, site_count: int, timeout: timedelta, backend: str = "gloo",
     watch: Watch | None = None, mark: str = OPEN, auth: WireAuth = NO_AUTH, streams: int = 1,
+    policy: LinkPolicy | None = None,
 ) -> GlobalGroup:
     """The group of rank i of every site, after a named, logged, bounded rendezvous (`rendezvous`).
     On CPU it runs on zeroband's own transport (comm/transport.py: authenticated, bounded against
-    strangers, `streams` connections per peer), never on gloo's listener."""
+    strangers, `streams` connections per peer), never on gloo's listener. `policy` (from [sites],
+    in place of `streams`): the streams ("auto": chosen per peer), and the probe of each peer's link
+    at connect whose measurement bounds the group's waits (comm/link.py)."""
+    policy = policy or LinkPolicy(streams)
     watch = watch or Watch(timeout.total_seconds())
     rendezvous(store, prefix, site_rank, site_count, timeout.total_seconds(), mark, auth.subkey("arrive"))
     # With a secret, the addresses are signed: no process without it can take a site's slot.
@@ -174,20 +208,23 @@ def new_global_group(
             # torch's stub: Backend (so ProcessGroupNCCL) lacks the send/recv/allreduce/broadcast it has
             return dist.ProcessGroupNCCL(dist.PrefixStore(prefix, sealed), site_rank, site_count, opts)  # type: ignore[return-value]
         return connect_transport(store, sealed, prefix, site_rank, site_count, timeout.total_seconds(),
-                                 auth.subkey("transport"), streams)
+                                 auth.subkey("transport"), policy)
 
     watch.current = "every site (connecting the group)"
-    pg = seams.current().pg(watch.run(build, "rendezvous"), site_rank)  # as built, unless a test wraps it (zeroband/seams.py)
-    group = GlobalGroup(pg, site_rank, site_count, store, watch, prefix, auth)
+    built = watch.run(build, "rendezvous")
+    links = built.links if isinstance(built, Transport) else {}
+    pg = seams.current().pg(built, site_rank)  # as built, unless a test wraps it (zeroband/seams.py)
+    group = GlobalGroup(pg, site_rank, site_count, store, watch, prefix, auth, links, policy)
     group.rendezvous = sealed  # a Python store must outlive the C++ group that may call it (nccl)
     return group
 
 
 def connect_transport(store: dist.Store, sealed: dist.Store, prefix: str, rank: int, size: int, timeout_s: float,
-                      subkey: bytes | None, streams: int) -> Transport:
+                      subkey: bytes | None, policy: LinkPolicy) -> Transport:
     """Listen, publish this member's address (signed through `sealed`), read every member's and
-    connect. A forged address fails `sealed.get` with ForgedValue before any connection is made."""
-    transport = Transport(rank, size, prefix, subkey, timeout_s, streams)
+    connect (probing each link, `policy.probe_s`). A forged address fails `sealed.get` with
+    ForgedValue before any connection is made."""
+    transport = Transport(rank, size, prefix, subkey, timeout_s, policy.streams, probe_s=policy.probe_s)
     try:
         keys = {s: f"{prefix}zeroband-transport/{s}" for s in range(size)}
         sealed.set(keys[rank], transport.address)

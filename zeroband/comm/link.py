@@ -32,8 +32,8 @@ import statistics
 import struct
 import threading
 import time
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -43,6 +43,8 @@ LINUX_RMEM_MAX = 6 << 20  # Linux's default tcp_rmem maximum
 SNDBUF_IN_FLIGHT_NUM, SNDBUF_IN_FLIGHT_DEN = 2, 3  # the part of the send buffer in flight (kernel_window)
 DEFAULT_WINDOW = LINUX_WMEM_MAX * SNDBUF_IN_FLIGHT_NUM // SNDBUF_IN_FLIGHT_DEN  # kernel_window on Linux's defaults
 WAIT_RTTS = 4  # round trips every wait adds to its transfer time (see wait_bound)
+AUTO = "auto"  # sites.streams: chosen per peer from the probe (choose_streams)
+MIN_PROBE_S, PROBE_RTTS = 0.2, 15  # the timed transfer: 15 round trips (slow start, then steady), at least 0.2 s
 
 
 @dataclass(frozen=True)
@@ -126,6 +128,60 @@ def wait_bound(payload_bytes: float, link: Link, factor: float = 3.0, floor_s: f
     return min(ceiling_s, max(floor_s, bound))
 
 
+@dataclass(frozen=True)
+class LinkPolicy:
+    """What a cross-site group does with its link (from [sites]): `streams` per peer (a number, or
+    "auto": chosen from the probe), `probe_s` the longest timed transfer of the probe (0: no probe,
+    and waits keep the group's timeout), and the wait bounds' `factor` and `floor_s`."""
+
+    streams: int | str = 1
+    probe_s: float = 0.0
+    factor: float = 3.0
+    floor_s: float = 10.0
+
+    @classmethod
+    def of(cls, sites: Any) -> LinkPolicy:
+        """From a SitesConfig (config.py sits below this layer's callers, not below this module)."""
+        return cls(sites.streams, sites.probe_s, sites.wait_factor, sites.timeout_floor_s)
+
+
+def dial_streams(streams: int | str, probe_s: float) -> int:
+    """Connections to dial per peer: the given number; for "auto", MAX_STREAMS to probe on (the
+    probe then keeps those that cover the link, `choose_streams`), or 1 when nothing is probed."""
+    if streams != AUTO:
+        return int(streams)
+    return MAX_STREAMS if probe_s > 0 else 1
+
+
+def probe_seconds(rtt_s: float, cap_s: float) -> float:
+    """Length of the probe's timed transfer: PROBE_RTTS round trips (TCP's slow start reaches a
+    4 MB window in about 8 from 14 kB, and `steady` reads the second half), at least MIN_PROBE_S
+    (a loopback or LAN link), at most `cap_s` (sites.probe_s)."""
+    return min(cap_s, max(MIN_PROBE_S, PROBE_RTTS * rtt_s))
+
+
+def choose_streams(streams: int | str, measured: LinkProbe) -> int:
+    """Streams kept per peer after a probe on `measured.streams` connections: the given number, or
+    for "auto" those whose windows cover the measured bandwidth-delay product (never more than
+    were probed). The initiator decides and tells the responder (`probe`), so both use the same."""
+    if streams != AUTO:
+        return int(streams)
+    rate = measured.steady_bps or measured.throughput_bps
+    if rate <= 0:
+        return measured.streams
+    # the least RTT: the link's own, where the median may include queues of other pairs' probes
+    return min(measured.streams, streams_for(rate, measured.rtt_min_s, measured.window_bytes))
+
+
+def bound_note(payload_bytes: float, link: Link, factor: float, floor_s: float, ceiling_s: float) -> str:
+    """`wait_bound`'s arithmetic in words, for the line that declares a peer stalled."""
+    bound = wait_bound(payload_bytes, link, factor, floor_s, ceiling_s)
+    clamp = (", raised to sites.timeout_floor_s" if bound == floor_s else
+             ", cut to sites.timeout_s" if bound == ceiling_s else "")
+    return (f"{factor:g} x {transfer_s(payload_bytes, link):.2f} s for {payload_bytes / 1e6:.2f} MB at "
+            f"{throughput(link) / 1e6:.0f} Mbit/s + {WAIT_RTTS} x {1e3 * link.rtt_s:.0f} ms RTT{clamp}")
+
+
 # ------------------------------------------------------------------------------------ the probe
 
 
@@ -148,6 +204,8 @@ PING = struct.Struct("!cQ16s")  # kind, sequence, session nonce
 REPORT = struct.Struct("!cQddd16s")  # kind, bytes, seconds, median RTT, steady bits/s, session nonce
 TIMES = struct.Struct("!dd")  # the initiator's median and minimum RTT, told to the responder
 FRAME = struct.Struct("!I")  # length of a transfer piece; 0 ends the stream's transfer
+SEND_AHEAD = 64 << 10  # bytes per piece sent, and unsent bytes a stream may hold (_send_for)
+NOTSENT_LOWAT = getattr(socket, "TCP_NOTSENT_LOWAT", 25)  # Linux's value where Python lacks the name
 
 
 @dataclass(frozen=True)
@@ -163,11 +221,13 @@ class LinkProbe:
     seconds: float  # its first byte to last byte, at the receiver
     throughput_bps: float  # bytes / seconds (includes slow start)
     steady_bps: float  # over the transfer's second half, once TCP has ramped up
+    chosen: int = 0  # streams kept afterwards (choose_streams; 0: no choice was made)
 
     def link(self) -> Link:
         """The measured link: its rate is the steady throughput (a lower bound of the link's rate
-        when streams x window / RTT is what limited it; then more streams would get more)."""
-        return Link(self.rtt_s, self.steady_bps, self.streams, self.window_bytes)
+        when streams x window / RTT is what limited it; then more streams would get more), on the
+        streams kept after it (`chosen`) where a choice was made."""
+        return Link(self.rtt_s, self.steady_bps, self.chosen or self.streams, self.window_bytes)
 
     def record(self, payload_bytes: float | None = None, factor: float = 3.0, floor_s: float = 10.0,
                ceiling_s: float = 600.0) -> dict[str, Any]:
@@ -181,6 +241,8 @@ class LinkProbe:
             "probe_s": self.seconds, "throughput_mbit": self.throughput_bps / 1e6, "steady_mbit": self.steady_bps / 1e6,
             "streams_needed": streams_for(self.steady_bps, self.rtt_s, self.window_bytes),
         }
+        if self.chosen:
+            rec["streams_used"] = self.chosen
         if payload_bytes is not None:
             rec["payload_bytes"] = payload_bytes
             rec["wait_bound_s"] = wait_bound(payload_bytes, self.link(), factor, floor_s, ceiling_s)
@@ -235,14 +297,28 @@ def _pings(stream: Stream, key: bytes | None, nonce: bytes, count: int, initiato
 
 
 def _send_for(stream: Stream, seconds: float, errors: list[BaseException]) -> None:
-    """Framed pieces until `seconds` have passed, then the end frame."""
-    piece, header = bytes(CHUNK), FRAME.pack(CHUNK)
+    """Framed pieces until `seconds` have passed, then the end frame.
+
+    The bytes written but not yet sent are held to SEND_AHEAD (TCP_NOTSENT_LOWAT, restored after):
+    what is in flight stays the kernel's choice (the window being measured), but the tail left
+    in the send buffer at the deadline stays small. Without it 16 streams on a 5 Mbit/s link
+    queued megabytes each and the transfer outlived its deadline by tens of seconds."""
+    piece, header = bytes(SEND_AHEAD), FRAME.pack(SEND_AHEAD)
     deadline = time.perf_counter() + seconds
+    setsockopt = getattr(stream, "setsockopt", None)
+    try:
+        before = stream.getsockopt(socket.IPPROTO_TCP, NOTSENT_LOWAT) if setsockopt else None  # type: ignore[attr-defined]
+        if setsockopt:
+            setsockopt(socket.IPPROTO_TCP, NOTSENT_LOWAT, SEND_AHEAD)
+    except OSError:  # not TCP (a socketpair in tests)
+        setsockopt = before = None
     try:
         while time.perf_counter() < deadline:
             stream.sendall(header)
             stream.sendall(piece)
         stream.sendall(FRAME.pack(0))
+        if setsockopt:
+            setsockopt(socket.IPPROTO_TCP, NOTSENT_LOWAT, before)
     except BaseException as e:  # reported by the caller's thread
         errors.append(e)
 
@@ -286,14 +362,19 @@ def transfer_rates(events: list[tuple[float, int]]) -> tuple[int, float, float]:
 
 
 def probe(streams: Sequence[Stream], key: bytes | None, initiator: bool, seconds: float = 2.0, pings: int = 5,
-          window_bytes: int | None = None) -> LinkProbe:
+          window_bytes: int | None = None, cap_s: float | None = None,
+          choose: Callable[[LinkProbe], int] | None = None) -> LinkProbe:
     """Measure the link to one peer; both peers call it at once on the same connected `streams`.
 
     The initiator pings `pings` times on the first stream (RTT), then sends framed pieces on every
     stream for `seconds`; the responder answers the pings, receives, and returns the transfer's
     timing in a tagged report, so both sides return the same measurement. `key` authenticates
     every control message (HMAC-SHA256 under a fresh session nonce; None: sites.insecure). The
-    caller bounds each stream's blocking with its socket timeout."""
+    caller bounds each stream's blocking with its socket timeout.
+
+    `cap_s`: the initiator sends for `probe_seconds(RTT, cap_s)` instead of `seconds`. `choose`
+    (both sides pass one, or neither): the initiator's choice of streams from the measurement,
+    sent to the responder in a last tagged message; both return it as `chosen`."""
     first, window = streams[0], window_bytes or kernel_window()
     if initiator:
         nonce = secrets.token_bytes(NONCE_BYTES)
@@ -305,6 +386,7 @@ def probe(streams: Sequence[Stream], key: bytes | None, initiator: bool, seconds
     rtts = _pings(first, key, nonce, pings, initiator)
     if initiator:
         rtt, rtt_min = statistics.median(rtts), min(rtts)
+        seconds = seconds if cap_s is None else probe_seconds(rtt, cap_s)
         _send(first, key, PING.pack(b"T", pings, nonce) + TIMES.pack(rtt, rtt_min))
         errors: list[BaseException] = []
         _in_threads(_send_for, [(s, seconds, errors) for s in streams])
@@ -323,7 +405,17 @@ def probe(streams: Sequence[Stream], key: bytes | None, initiator: bool, seconds
         nbytes, secs, steady = transfer_rates(events)
         _send(first, key, REPORT.pack(b"R", nbytes, secs, rtt, steady, nonce))
     mean = nbytes * 8 / secs if secs else 0.0
-    return LinkProbe(rtt, rtt_min, pings, len(streams), window, nbytes, secs, mean, steady)
+    result = LinkProbe(rtt, rtt_min, pings, len(streams), window, nbytes, secs, mean, steady)
+    if choose is None:
+        return result
+    if initiator:
+        chosen = choose(result)
+        _send(first, key, PING.pack(b"C", chosen, nonce))
+    else:
+        kind, chosen, got_nonce = PING.unpack(_recv(first, key, PING.size, b"C"))
+        if got_nonce != nonce or not 1 <= chosen <= len(streams):
+            raise ProbeError(f"link probe: the peer chose {chosen} of {len(streams)} streams, or answered another probe")
+    return replace(result, chosen=chosen)
 
 
 # ------------------------------------------------------------------ command line (inside a namespace)

@@ -122,6 +122,7 @@ class ReduceResult:
     timings: dict[str, float] = field(default_factory=dict)  # seconds per part (comm/timing.py)
     sumsq: float | None = None  # sum of squares of this rank's averaged values (None: not measured)
     exclusions: dict[int, str] = field(default_factory=dict)  # excluded site -> what it did, in words
+    wait_bound_s: float = 0.0  # longest link-derived bound of the exchange's waits (0: the link was not measured)
 
 
 def _norm(sumsq: float) -> float:
@@ -254,7 +255,9 @@ class SentReview:
     def decide(self, seen: torch.Tensor, sent: torch.Tensor) -> tuple[list[bool], float | None]:
         size = self.group.size
         with self.parts("network_wait"):
-            table = self.group.gather_scalars(torch.cat([seen.reshape(-1), sent.reshape(-1)]).tolist())
+            # a peer may still be receiving this site's scatter: bound as for all of it at fp32 (the most it can be)
+            table = self.group.gather_scalars(torch.cat([seen.reshape(-1), sent.reshape(-1)]).tolist(),
+                                              nbytes=4 * self.values)
         owners, senders = table[:, : 2 * size].view(size, size, 2), table[:, 2 * size :].view(size, size, 2)
         if bad := disputes(owners, senders, self.values):
             raise PeerMisbehaved("; ".join(f"site {c} says site {s} sent it other values than site {s} says it sent"
@@ -336,4 +339,5 @@ def _reduce(grads: list[torch.Tensor], stats: SiteStats, group: GlobalGroup, cod
         timings=parts.seconds,
         sumsq=exchange.sumsq,
         exclusions=declared_exclusions(table, outlier_factor) | review.exclusions,
+        wait_bound_s=group.take_bound(),
     )

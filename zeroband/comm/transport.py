@@ -51,6 +51,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
+from zeroband.comm.link import AUTO, LinkProbe, ProbeError, choose_streams, dial_streams, probe
 from zeroband.watchdog import PeerTimeout, TransportError, TransportTimeout
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,7 @@ HELLO_DEADLINE_S = 3.0  # an unauthenticated connection's whole handshake
 MAX_PENDING = 64  # unauthenticated connections held at once
 MIN_SLICE = 1 << 16  # smaller messages use fewer streams
 BROADCAST_TAG, ALLREDUCE_TAG = 1 << 40, (1 << 40) + 1  # above every tag of comm/group.py
+PROBE_LIMIT_S = 30.0  # a probe's step may block this long, plus twice sites.probe_s (the transfer's tail)
 INSECURE_KEY = b"zeroband-transport-insecure"  # sites.insecure: anyone can compute it (bounds still hold)
 
 
@@ -477,18 +479,21 @@ class Transport:
     work whose `wait()` is bounded by `timeout_s` and raises TransportError when a peer is lost."""
 
     def __init__(self, rank: int, size: int, prefix: str, subkey: bytes | None, timeout_s: float,
-                 streams: int = 1, host: str | None = None) -> None:
-        if streams < 1:
-            raise ValueError(f"sites.streams={streams}: must be at least 1")
-        self.rank, self.size, self.streams, self.timeout_s = rank, size, streams, timeout_s
+                 streams: int | str = 1, host: str | None = None, probe_s: float = 0.0) -> None:
+        if streams != AUTO and int(streams) < 1:
+            raise ValueError(f"sites.streams={streams}: must be at least 1, or \"auto\"")
+        self.rank, self.size, self.timeout_s = rank, size, timeout_s
+        self.want, self.probe_s = streams, probe_s  # what the config asked for; the probe's longest transfer
+        self.streams = dial_streams(streams, probe_s)  # connections dialed per peer (those kept: `links`)
         self.key = group_key(subkey, prefix)
+        self.links: dict[int, LinkProbe] = {}  # peer -> what the probe at `connect` measured
         self.peers: dict[int, _Peer] = {}
         self.accepted: dict[int, dict[int, socket.socket]] = {}
         self.cond = threading.Condition()
         # The acceptor holds this object weakly, so a group nobody uses any more is collected and its
         # sockets and threads end (as a c10d group's are when it is dropped, e.g. an old generation's).
         admit = weakref.WeakMethod(self._admit)
-        self.acceptor = _Acceptor(host or listen_host(), self.key, rank, size, streams,
+        self.acceptor = _Acceptor(host or listen_host(), self.key, rank, size, self.streams,
                                   lambda *a: (admit() or _refuse)(*a))
         self.address = "{}:{}".format(*self.acceptor.address)
         self.close = weakref.finalize(self, _close_all, self.acceptor, self.peers, self.accepted)
@@ -506,18 +511,68 @@ class Transport:
         """Dial every lower rank (`streams` connections each) and wait for every higher one to dial us;
         raises PeerTimeout naming the sites still missing after `timeout_s`."""
         deadline = time.monotonic() + self.timeout_s
-        for dst in range(self.rank):
-            host, port = addresses[dst].rsplit(":", 1)
-            socks = [self._dial((host, int(port)), dst, k, deadline) for k in range(self.streams)]
-            self.peers[dst] = _Peer(dst, socks)
-        with self.cond:
-            while missing := [s for s in range(self.rank + 1, self.size) if len(self.accepted.get(s, {})) < self.streams]:
-                if time.monotonic() > deadline:
-                    raise PeerTimeout(f"connecting the group: {_names(missing)} did not connect within "
-                                      f"{self.timeout_s:g} s (sites.timeout_s)")
-                self.cond.wait(0.1)
-            for src, slots in self.accepted.items():
-                self.peers[src] = _Peer(src, [slots[k] for k in range(self.streams)])
+        socks: dict[int, list[socket.socket]] = {}
+        try:
+            for dst in range(self.rank):
+                host, port = addresses[dst].rsplit(":", 1)
+                socks[dst] = []
+                for k in range(self.streams):
+                    socks[dst].append(self._dial((host, int(port)), dst, k, deadline))
+            with self.cond:
+                while missing := [s for s in range(self.rank + 1, self.size)
+                                  if len(self.accepted.get(s, {})) < self.streams]:
+                    if time.monotonic() > deadline:
+                        raise PeerTimeout(f"connecting the group: {_names(missing)} did not connect within "
+                                          f"{self.timeout_s:g} s (sites.timeout_s)")
+                    self.cond.wait(0.1)
+                for src, slots in self.accepted.items():
+                    socks[src] = [slots.pop(k) for k in range(self.streams)]
+            self._measure(socks)
+        except BaseException:
+            for conns in socks.values():
+                for sock in conns:
+                    sock.close()
+            raise
+        for peer, conns in socks.items():
+            self.peers[peer] = _Peer(peer, conns)
+
+    def _measure(self, socks: dict[int, list[socket.socket]]) -> None:
+        """Probe every peer's link at once (comm/link.py `probe`: the higher rank initiates, on every
+        dialed stream, authenticated with the group's key) and keep the streams it chose; the rest
+        are closed. Without a probe (probe_s 0) every dialed stream is kept."""
+        if self.probe_s <= 0 or not socks:
+            return
+        results: dict[int, LinkProbe] = {}
+        errors: dict[int, BaseException] = {}
+        limit = min(self.timeout_s, PROBE_LIMIT_S + 2 * self.probe_s)  # each blocking step of the probe
+
+        def one(peer: int, conns: list[socket.socket]) -> None:
+            try:
+                for sock in conns:
+                    sock.settimeout(limit)
+                results[peer] = probe(conns, self.key, self.rank > peer, cap_s=self.probe_s,
+                                      choose=lambda r: choose_streams(self.want, r))
+                for sock in conns:
+                    sock.settimeout(None)
+            except (OSError, ProbeError) as e:
+                errors[peer] = e
+
+        threads = [threading.Thread(target=one, args=item, name=f"zeroband-probe-{item[0]}", daemon=True)
+                   for item in socks.items()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            peer, e = min(errors.items())
+            kind = PeerTimeout if isinstance(e, TimeoutError) else TransportError
+            raise kind(f"measuring the link to {_names(sorted(errors))}: {e or type(e).__name__} "
+                       f"(each step bounded by {limit:g} s)")
+        for peer, result in results.items():
+            self.links[peer] = result
+            for sock in socks[peer][result.chosen:]:  # dialed for the probe, not needed for the exchange
+                sock.close()
+            del socks[peer][result.chosen:]
 
     def _dial(self, address: tuple[str, int], dst: int, stream: int, deadline: float) -> socket.socket:
         """Retried until the deadline: a listener under a flood may drop our handshake once."""
@@ -533,12 +588,12 @@ class Transport:
 
     # ---- the process-group calls
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Work:
-        work = Work(self.streams, self.timeout_s, f"send to site {dst}")
+        work = Work(self.peers[dst].streams, self.timeout_s, f"send to site {dst}")
         self.peers[dst].send(tag, as_bytes(tensors[0]), work)
         return work
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Work:
-        work = Work(self.streams, self.timeout_s, f"receive from site {src}")
+        work = Work(self.peers[src].streams, self.timeout_s, f"receive from site {src}")
         self.peers[src].recv(tag, as_bytes(tensors[0]), work)
         return work
 

@@ -155,7 +155,9 @@ class FixedMembership:
         pass  # nobody joins a fixed run: nothing is ever handed over
 
     def attach(self, sink: Callable[[Event], None]) -> None:
-        pass
+        """The one group's link, as its probe measured it at start (a "link" record per peer)."""
+        for record in self.group.link_records():
+            sink({"event": "link", "site": self.topology.world.site_rank, **record})
 
     def state_dict(self) -> dict[str, Any]:
         return {}

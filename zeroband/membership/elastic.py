@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from zeroband.comm.group import OPEN, SECRET, GlobalGroup, checksum_table, new_global_group, rendezvous
+from zeroband.comm.link import LinkPolicy
 from zeroband.config import DilocoConfig, SitesConfig
 from zeroband.membership.base import Event, EventLog
 from zeroband.membership.heartbeat import Heartbeat, Liveness, heartbeat_key, leave_key
@@ -294,8 +295,10 @@ class ElasticMembership:
                              self.fingerprint, timeout)
         auth = self.auth.for_session(prefix.encode(), admitted.nonces)  # this generation's key only
         self.group = new_global_group(self.store, prefix, index, len(decision.members), timeout,
-                                      self.sites.backend, self.watch, mark, auth, self.sites.streams)
+                                      self.sites.backend, self.watch, mark, auth, policy=LinkPolicy.of(self.sites))
         self.generation, self.members = decision.generation, decision.members
+        for record in self.group.link_records():  # the link measured for this generation
+            self.emit("link", generation=decision.generation, members=decision.members, **record)
         return self.group
 
     def _watched(self, decision: Decision, attempt: int, work: Callable[[], Any]) -> Any:

@@ -34,6 +34,7 @@ class OuterStats:
     excluded_sites: list[int] = field(default_factory=list)
     overlapped: bool = False
     outer_crc: int | None = None  # 48 bits of the keyed digest of this rank's outer state (diloco.log_checksum)
+    wait_bound_s: float = 0.0  # longest link-derived bound of the round's cross-site waits (comm/link.py; 0: none)
     # seconds per part of the step on the main thread (d2h, pseudo_grad, stats, encode, mac,
     # network_wait, decode, review, optimizer, h2d; zeroband/comm/timing.py)
     timings: dict[str, float] = field(default_factory=dict)

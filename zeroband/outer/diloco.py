@@ -149,6 +149,7 @@ def outer_stats(diloco: DiLoCo, result: ReduceResult, stats: SiteStats, grads: l
     return OuterStats(
         outer_step=diloco.outer_step,
         allreduce_s=comm_s,
+        wait_bound_s=result.wait_bound_s,
         outer_step_s=total_s,
         payload_bytes=result.payload_bytes,
         wire_bytes=result.wire_bytes,

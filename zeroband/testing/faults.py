@@ -17,6 +17,9 @@ trainer calls the same public interfaces on them:
   boundary's all-reduce starts after the call returns: the fault waits for it); `nan` makes
   this site's pseudo-gradient NaN instead: one value of the local model is NaN while the outer
   step takes pseudo-gradient = outer copy - local model (it is put back if no round ended);
+- `pieces`: in the middle of that all-reduce: at this site's first all-gather send (comm/direct.py),
+  when it has sent its reduce-scatter pieces, received its peers' and agreed on the review, so its
+  peers wait on the pieces it never sends (a wait bounded by the measured link, comm/link.py);
 - `checkpoint`: inside the save (`FaultyCheckpointer`), once this rank's shards are written and
   before the step is sealed (when the extras' state is read);
 - `seal`: at the rename that seals the step (`seams.replace`), after a copy saved earlier of the
@@ -36,8 +39,9 @@ import torch
 
 from zeroband import seams
 from zeroband.checkpoint import step_dir
+from zeroband.comm.group import AG_TAG, STATS_TAG
 
-POINTS = ("inner", "allreduce", "checkpoint", "seal")
+POINTS = ("inner", "allreduce", "pieces", "checkpoint", "seal")
 ACTIONS = {"kill": signal.SIGKILL, "term": signal.SIGTERM, "stop": signal.SIGSTOP}
 OTHER_ACTIONS = ("raise", "hang", "nan")
 
@@ -78,6 +82,7 @@ class Injector:
     site: int
     rank: int
     armed: int | None = None  # step whose `allreduce` faults fire at the next cross-site call
+    armed_pieces: int | None = None  # step whose `pieces` faults fire at the next all-gather send
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def due(self, point: str, step: int | None) -> list[Fault]:
@@ -101,6 +106,14 @@ class Injector:
             step, self.armed = self.armed, None
         if step is not None:
             self.fire("allreduce", step)
+
+    def piece_send(self, tag: int) -> None:
+        if not AG_TAG <= tag < STATS_TAG:
+            return
+        with self.lock:
+            step, self.armed_pieces = self.armed_pieces, None
+        if step is not None:
+            self.fire("pieces", step)
 
     def replace(self, src: Any, dst: Any) -> None:
         """`os.replace`, firing a `seal` fault just before the step's new copy is renamed into place."""
@@ -143,9 +156,10 @@ class FaultyPG(Wrapper):
         self.inj.group_call()
         return self.inner.broadcast(*args, **kwargs)
 
-    def send(self, *args: Any, **kwargs: Any) -> Any:
+    def send(self, tensors: Any, dst: int, tag: int) -> Any:
         self.inj.group_call()
-        return self.inner.send(*args, **kwargs)
+        self.inj.piece_send(tag)
+        return self.inner.send(tensors, dst, tag)
 
     def recv(self, *args: Any, **kwargs: Any) -> Any:
         self.inj.group_call()
@@ -163,6 +177,7 @@ class FaultyOuter(Wrapper):
         done = step  # the inner steps done, 1-based
         self.inj.fire("inner", done)
         self.inj.armed = done if self.inj.due("allreduce", done) else None
+        self.inj.armed_pieces = done if self.inj.due("pieces", done) else self.inj.armed_pieces
         rounds = self._rounds()
         with _poisoned(self.model, self.inj.poisons(done)) as poison:
             try:

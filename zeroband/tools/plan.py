@@ -381,8 +381,11 @@ def plan_from_config(path: str, args: argparse.Namespace) -> ConfigPlan:
         source = f"assumed: (6N + attention) x tokens / ({gpus} GPUs x H100 989 TFLOP/s x {TABLE_MFU:.0%} MFU)"
     params = num_params(cfg.model)
     s = cfg.sites
+    link = link_args(args)
+    if link["streams"] is None and s.streams != "auto":  # the config's given streams; "auto": those the probe keeps
+        link["streams"] = int(s.streams)
     plan = PlanInput(float(params), step, args.sites, args.gbps, args.latency_ms, d.inner_steps, d.comm_dtype,
-                     d.overlap or args.overlap, not args.no_tcp_ramp, args.mtu, **link_args(args), piece_mb=d.piece_mb,
+                     d.overlap or args.overlap, not args.no_tcp_ramp, args.mtu, **link, piece_mb=d.piece_mb,
                      wait_factor=s.wait_factor, timeout_floor_s=s.timeout_floor_s, timeout_s=s.timeout_s)
     pieces = max(1, math.ceil(params * 4 / (d.piece_mb * 2**20)))
     return ConfigPlan(plan, cfg.model.preset or f"{params / 1e6:.0f}M", d.piece_mb, pieces, tokens, source, tuple(notes))
