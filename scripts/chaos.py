@@ -470,7 +470,7 @@ def analyse(s: Settings, c: Controller, out: Path, baseline: dict[str, Any] | No
         "crc_mismatch_steps": chaos.crc_mismatches(table),
         "sites_finished": sorted(c.finished), "hangs": stranded(c) + c.stuck, "lost_slots": sorted(c.lost_slots),
         "incarnations": incarnation_table(c), "skipped_handover": skipped_handover(c, decisions),
-        **ckpts, **goodput(s, records, baseline),
+        **ckpts, **goodput(s, records, baseline), "data": chaos.data_audit(c.metrics),
         "faults": [asdict(f) for f in c.faults], "joins": [asdict(j) for j in c.joins], "events": c.events,
     }
     result["replicas_not_identical"] = len(result["crc_mismatch_steps"]) + ckpts["final_weights_differ"]
@@ -624,6 +624,7 @@ def render(r: dict[str, Any], command: str) -> str:
         ("restarted sites that adopted a pre-crash decision (no hand-over)", len(r["skipped_handover"])),
         ("replicas not bitwise identical", f"{r['replicas_not_identical']} (crc steps {r['crc_mismatch_steps']}, "
                                            f"final weights differing {r['final_weights_differ']})"),
+        ("documents committed exactly once / committed (data ledger)", data_line(r.get("data", {}))),
         ("checkpoints verified / unloadable", f"{r['checkpoints_verified']} / {r['checkpoints_unloadable']}"),
         ("final checkpoints loaded with load_for_export", f"{r['final_checkpoints_loaded']} "
                                                           f"(sites {r['final_checkpoint_sites']})"),
@@ -637,6 +638,14 @@ def render(r: dict[str, Any], command: str) -> str:
     lines += [f"- site {i['site']} #{i['incarnation']}: rc {i['returncode']}, {i['seconds']} s, "
               f"{i['faults'] or '-'}" for i in r["incarnations"]]
     return "\n".join(lines) + "\n"
+
+
+def data_line(d: dict[str, Any]) -> str:
+    if not d.get("ledger_rounds"):
+        return "-"
+    return (f"{d['committed_once']} / {d['committed']} (twice {len(d['twice'])}, lost {len(d['missing'])}, "
+            f"token chains broken {len(d['broken_chains'])}; {d['ledger_rounds']} rounds, unlogged "
+            f"{d['ledger_rounds_missing']}, ledgers differing {d['ledger_rounds_differing']})")
 
 
 # ---------------------------------------------------------------------------------- main
