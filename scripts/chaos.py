@@ -44,6 +44,7 @@ from bench_common import add_out_argument, output_dir, say_written  # noqa: E402
 
 from zeroband.testing import chaos  # noqa: E402
 from zeroband.tools.launch import WanLink, free_port, store_process  # noqa: E402
+from zeroband.tools.report import data_audit, data_line  # noqa: E402
 
 ENV_KINDS = {"kill_inner": "inner", "kill_allreduce": "allreduce", "kill_checkpoint": "checkpoint"}
 SITE_KINDS = ["kill_inner", "kill_allreduce", "kill_checkpoint", "kill_external", "term", "hang", "partition"]
@@ -470,7 +471,7 @@ def analyse(s: Settings, c: Controller, out: Path, baseline: dict[str, Any] | No
         "crc_mismatch_steps": chaos.crc_mismatches(table),
         "sites_finished": sorted(c.finished), "hangs": stranded(c) + c.stuck, "lost_slots": sorted(c.lost_slots),
         "incarnations": incarnation_table(c), "skipped_handover": skipped_handover(c, decisions),
-        **ckpts, **goodput(s, records, baseline), "data": chaos.data_audit(c.metrics),
+        **ckpts, **goodput(s, records, baseline), "data": data_audit(c.metrics),
         "faults": [asdict(f) for f in c.faults], "joins": [asdict(j) for j in c.joins], "events": c.events,
     }
     result["replicas_not_identical"] = len(result["crc_mismatch_steps"]) + ckpts["final_weights_differ"]
@@ -638,14 +639,6 @@ def render(r: dict[str, Any], command: str) -> str:
     lines += [f"- site {i['site']} #{i['incarnation']}: rc {i['returncode']}, {i['seconds']} s, "
               f"{i['faults'] or '-'}" for i in r["incarnations"]]
     return "\n".join(lines) + "\n"
-
-
-def data_line(d: dict[str, Any]) -> str:
-    if not d.get("ledger_rounds"):
-        return "-"
-    return (f"{d['committed_once']} / {d['committed']} (twice {len(d['twice'])}, lost {len(d['missing'])}, "
-            f"token chains broken {len(d['broken_chains'])}; {d['ledger_rounds']} rounds, unlogged "
-            f"{d['ledger_rounds_missing']}, ledgers differing {d['ledger_rounds_differing']})")
 
 
 # ---------------------------------------------------------------------------------- main

@@ -15,7 +15,7 @@ from tests.helpers import _train, elastic_tree, final_params
 from tests.multiproc import run_sites
 from zeroband.data.ledger import audit
 from zeroband.store.client import open_store
-from zeroband.testing.chaos import ledger_rounds
+from zeroband.tools.report import ledger_rounds
 
 STEPS, SITES = 20, 4
 # site 0's pseudo-gradient is NaN at step 8 (excluded from that average), site 1 leaves for good on

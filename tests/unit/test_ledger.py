@@ -99,3 +99,20 @@ def test_given_back_pieces_are_dealt_before_new_spans() -> None:
 def test_load_refuses_a_ledger_of_other_spans() -> None:
     with pytest.raises(ValueError, match="span_docs=4 but this run has 8"):
         Ledger(8, 100, 1, 8).load_state_dict(Ledger(4, 100, 1, 8).state_dict())
+
+
+def test_the_report_proves_a_run_s_data_and_names_a_ledger_that_differs(tmp_path, capsys) -> None:
+    from zeroband.tools.report import main
+
+    ledger = Ledger(span_docs=4, epoch_docs=100, ranks=1, target=4)
+    records = [ledger.commit(0, [0, 1], {}), ledger.commit(1, [0, 1], {0: [(2, 5)], 1: [(1, 0)]}),
+               ledger.commit(2, [0], {0: [(1, 3)]})]  # site 1 died in round 2
+    for site, mine in ((0, records), (1, records[:2])):
+        (tmp_path / f"site{site}").mkdir()
+        lines = [json.dumps({"kind": "data", **r}) for r in mine]
+        (tmp_path / f"site{site}" / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    assert main(["data", str(tmp_path)]) == 0
+    assert "committed: 4 / 4 (twice 0, lost 0, token chains broken 0; 3 rounds" in capsys.readouterr().out
+    forged = {"kind": "data", **records[1], "digest": "0" * 16}
+    (tmp_path / "site1" / "metrics.jsonl").write_text(json.dumps(forged) + "\n")
+    assert main(["data", str(tmp_path)]) == 1 and "ledgers differing [1]" in capsys.readouterr().out

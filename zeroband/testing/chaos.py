@@ -344,31 +344,6 @@ def outer_records(metrics_path: Path) -> list[dict[str, Any]]:
     return read_records(metrics_path, "outer")
 
 
-def ledger_rounds(metrics_paths: Iterable[Path]) -> tuple[list[dict[str, Any]], list[int]]:
-    """The data ledger's record of each round (zeroband/data/ledger.py) from every site's metrics,
-    in round order, and the rounds where two sites logged different ledgers (by digest)."""
-    by_round: dict[int, dict[str, Any]] = {}
-    differ = set()
-    for path in metrics_paths:
-        for r in read_records(path, "data"):
-            if by_round.setdefault(r["round"], r)["digest"] != r["digest"]:
-                differ.add(r["round"])
-    return [by_round[k] for k in sorted(by_round)], sorted(differ)
-
-
-def data_audit(metrics_paths: Iterable[Path]) -> dict[str, Any]:
-    """`ledger.audit` of a run's merged ledger records, with the rounds nobody logged and the
-    rounds whose ledgers differ between sites (both should be empty)."""
-    from zeroband.data.ledger import audit
-
-    rounds, differ = ledger_rounds(metrics_paths)
-    if not rounds:
-        return {"ledger_rounds": 0}
-    numbers = [r["round"] for r in rounds]
-    return {**audit(rounds), "ledger_rounds": len(rounds), "ledger_rounds_missing": sorted(set(range(numbers[-1] + 1)) - set(numbers)),
-            "ledger_rounds_differing": differ}
-
-
 def last_step(metrics_path: Path) -> int:
     """The last inner step a site logged (0 if none); cheap enough to poll."""
     if not metrics_path.is_file():
