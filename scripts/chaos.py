@@ -44,6 +44,7 @@ from bench_common import add_out_argument, output_dir, say_written  # noqa: E402
 
 from zeroband.testing import chaos  # noqa: E402
 from zeroband.tools.launch import WanLink, free_port, store_process  # noqa: E402
+from zeroband.tools.report import data_audit, data_line  # noqa: E402
 
 ENV_KINDS = {"kill_inner": "inner", "kill_allreduce": "allreduce", "kill_checkpoint": "checkpoint"}
 SITE_KINDS = ["kill_inner", "kill_allreduce", "kill_checkpoint", "kill_external", "term", "hang", "partition"]
@@ -470,7 +471,7 @@ def analyse(s: Settings, c: Controller, out: Path, baseline: dict[str, Any] | No
         "crc_mismatch_steps": chaos.crc_mismatches(table),
         "sites_finished": sorted(c.finished), "hangs": stranded(c) + c.stuck, "lost_slots": sorted(c.lost_slots),
         "incarnations": incarnation_table(c), "skipped_handover": skipped_handover(c, decisions),
-        **ckpts, **goodput(s, records, baseline),
+        **ckpts, **goodput(s, records, baseline), "data": data_audit(c.metrics),
         "faults": [asdict(f) for f in c.faults], "joins": [asdict(j) for j in c.joins], "events": c.events,
     }
     result["replicas_not_identical"] = len(result["crc_mismatch_steps"]) + ckpts["final_weights_differ"]
@@ -624,6 +625,7 @@ def render(r: dict[str, Any], command: str) -> str:
         ("restarted sites that adopted a pre-crash decision (no hand-over)", len(r["skipped_handover"])),
         ("replicas not bitwise identical", f"{r['replicas_not_identical']} (crc steps {r['crc_mismatch_steps']}, "
                                            f"final weights differing {r['final_weights_differ']})"),
+        ("documents committed exactly once / committed (data ledger)", data_line(r.get("data", {}))),
         ("checkpoints verified / unloadable", f"{r['checkpoints_verified']} / {r['checkpoints_unloadable']}"),
         ("final checkpoints loaded with load_for_export", f"{r['final_checkpoints_loaded']} "
                                                           f"(sites {r['final_checkpoint_sites']})"),

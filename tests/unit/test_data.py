@@ -381,3 +381,34 @@ def test_a_lease_resumes_exactly_and_its_end_is_one_line(corpus: dict) -> None:
         _take(short, 20)
     with pytest.raises(DataError, match="data.streaming = true cannot be used with an elastic run"):
         PackedBatches(_cfg(corpus, streaming=True), tok, 0, 1).set_lease([(0, 2)])
+
+
+def test_a_round_end_inside_a_document_is_neither_lost_nor_read_twice(corpus: dict) -> None:
+    """The ledger cuts a document at a round's end (zeroband/data/ledger.py): the position counts
+    every token that entered a row once, re-leasing from it packs the very rows going on would,
+    and a second reader given the cut document starts at the first token nobody trained."""
+    cfg, tok = _cfg(corpus), corpus["tok"]
+    order = _train_order(corpus, cfg, 0)
+    lengths = [len(ids) + 1 for ids in tok.encode_batch(order[:30])]  # + EOS
+    going_on, releasing = PackedBatches(cfg, tok, 0, 1), PackedBatches(cfg, tok, 0, 1)
+    going_on.set_lease([(0, 30)])
+    releasing.set_lease([(0, 30)])
+    base = 0  # the lease's first document, in the original order
+    for rounds in range(1, 5):
+        same = [_take(pb, 3) for pb in (going_on, releasing)]
+        assert all(torch.equal(p, q) for p, q in zip(*same))
+        docs, tokens = releasing.lease_position
+        entered = sum(lengths[: base + docs]) + tokens  # the first input and every target so far
+        assert entered == 1 + rounds * 3 * 2 * SEQ_LEN and 0 < tokens < lengths[base + docs], (docs, tokens)
+        base += docs
+        releasing.set_lease([(base, 30)], {base: tokens})  # the ledger's new lease for a rank that goes on
+    cut = PackedBatches(cfg, tok, 0, 1)
+    cut.set_lease([(0, 30)])
+    last = cut.next_batch(1)[1][0, -1].item()
+    docs, tokens = cut.lease_position
+    other = PackedBatches(cfg, tok, 0, 1)  # the cut document goes to a site with an empty buffer
+    other.set_lease([(docs, docs + 3)], {docs: tokens})
+    x, y = other.next_batch(1)
+    whole = [*tok.encode_batch([order[docs]])[0], tok.eos_id]
+    n = min(len(whole) - tokens, SEQ_LEN)
+    assert whole[tokens - 1] == last and x[0, :n].tolist() == whole[tokens : tokens + n]

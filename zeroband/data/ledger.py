@@ -8,28 +8,40 @@ one that a member started and did not commit.
 
 Each member site holds a lease per data-parallel rank: the pieces that rank reads next, in order.
 At a round's commit every site applies the same `Ledger.commit` to the same inputs (the round's
-members, who contributed, and each contributor's documents read per rank), so all sites hold the
-same ledger without a leader:
-- a contributor's documents read this round are committed (a document counts when its first token
-  entered the packing buffer); the rest of its lease stays its own;
-- a member that was assigned documents and did not contribute (died, left out, excluded) gives its
-  whole unread lease back to the front of the queue, dealt out again before any new span;
+members, who contributed, who was excluded, and each contributor's position per rank), so all sites
+hold the same ledger without a leader:
+- "committed" means trained into the outer step that round: the tokens a contributor's ranks
+  trained on (were targets in a row) since the last commit. A rank reports its position as
+  (documents all of whose tokens were trained, tokens trained of the next one); whole documents
+  are committed, and a document cut by the round's end commits the tokens trained so far and is
+  noted in `skips`: whoever reads it next starts at that token. So a document packed across a
+  round boundary is neither lost nor read twice, wherever its tail goes;
+- a member that was assigned documents and did not contribute (died, left out, joined this round)
+  or was excluded from the average (zeroband/comm/reduce.py: its local progress is replaced by the
+  average, so its reads were trained into nothing) gives its whole lease back to the front of the
+  queue, dealt out again before any new span;
 - every member of the round is then topped up (`assign`) so that each of its ranks holds at least
   `target` unread documents for the next round.
 
-Why the read counts: a round trains a fixed number of tokens, and documents differ in length, so
+Why the positions: a round trains a fixed number of tokens, and documents differ in length, so
 how many documents a rank consumes in a round depends on the text; no function of the membership
-alone can know it. Each site reports one integer per rank with the round (train.py), and nothing
-else crosses sites for data. Fault-free, the order is dealt like the old fixed slots, interleaved.
+alone can know it. Each rank reports two integers with the round (train.py), and nothing else
+crosses sites for data. Fault-free, the order is dealt like the old fixed slots, interleaved.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 Piece = tuple[int, int]  # [start, end) global document indices
+Position = tuple[int, int]  # (documents wholly trained, tokens trained of the next one) of a lease
 
 
 def span_piece(span: int, span_docs: int, epoch_docs: int) -> Piece:
@@ -76,6 +88,11 @@ def docs_in(pieces: list[Piece]) -> int:
     return sum(end - start for start, end in pieces)
 
 
+def as_position(read: int | Position | list[int]) -> Position:
+    """A rank's report: a bare count of documents (whole ones only) or (documents, tokens of the next)."""
+    return (int(read), 0) if isinstance(read, int) else (int(read[0]), int(read[1]))
+
+
 @dataclass
 class Ledger:
     """The run's data position, identical on every site: the next span never handed out, pieces
@@ -88,29 +105,60 @@ class Ledger:
     next_span: int = 0
     returned: list[Piece] = field(default_factory=list)
     leases: dict[int, list[list[Piece]]] = field(default_factory=dict)  # site -> per rank
+    skips: dict[int, int] = field(default_factory=dict)  # document -> its tokens already committed
 
     # ------------------------------------------------------------------ the round's update
-    def commit(self, round: int, members: list[int], reads: dict[int, list[int]]) -> dict[str, Any]:
-        """Apply round `round`: `reads` maps each member that contributed to its documents read per
-        rank; every other lease holder gives its lease back. Then top up `members`. Returns the
-        record of what happened (committed pieces per site, pieces given back, the new leases)."""
+    def commit(self, round: int, members: list[int], reads: dict[int, list[Any]],
+               excluded: list[int] | tuple[int, ...] = ()) -> dict[str, Any]:
+        """Apply round `round`: `reads` maps each member that contributed to its position per rank
+        (`as_position`); every other lease holder, and every site in `excluded`, gives its lease
+        back. Then top up `members`. Returns the record of what happened (documents committed whole
+        per site, tokens of cut documents, pieces given back, the new leases)."""
         committed: dict[int, list[Piece]] = {}
+        partial: dict[int, list[list[int]]] = {}
+        resumed: dict[int, int] = {}  # committed documents whose reading started at a token > 0
         given_back: list[Piece] = []
         for site in sorted(self.leases):
-            if site in reads:
-                done = [take_docs(lease, n) for lease, n in zip(self.leases[site], reads[site], strict=True)]
-                committed[site] = [p for taken, _ in done for p in taken]
-                self.leases[site] = [rest for _, rest in done]
+            if site in reads and site not in excluded:
+                committed[site], partial[site], rests = [], [], []
+                for lease, read in zip(self.leases[site], reads[site], strict=True):
+                    rest = self._commit_rank(lease, as_position(read), committed[site], partial[site], resumed)
+                    rests.append(rest)
+                self.leases[site] = rests
             else:
                 given_back += [p for lease in self.leases.pop(site) for p in lease]
-        self.returned = sorted(given_back) + self.returned
+        self.returned = sorted(given_back + self.returned)  # the oldest documents first
         # a rank that read r documents this round should hold 2r for the next: leases follow the text
-        most = max((n for r in reads.values() for n in r), default=0)
+        most = max((as_position(n)[0] for r in reads.values() for n in r), default=0)
         handed = self.top_up(round, members, max(self.target, 2 * most))
-        return {"round": round, "members": sorted(members), "reads": {str(s): r for s, r in sorted(reads.items())},
-                "committed": {str(s): p for s, p in committed.items()}, "given_back": sorted(given_back),
+        return {"round": round, "members": sorted(members),
+                "reads": {str(s): [list(as_position(n)) for n in r] for s, r in sorted(reads.items())},
+                "excluded": sorted(excluded), "committed": {str(s): p for s, p in committed.items()},
+                "partial": {str(s): p for s, p in partial.items() if p}, "resumed": {str(d): k for d, k in resumed.items()},
+                "skips": {str(d): k for d, k in sorted(self.skips.items())}, "given_back": sorted(given_back),
                 "handed": {str(s): p for s, p in handed.items()}, "returned": list(self.returned),
-                "leases": {str(s): ls for s, ls in self.leases.items()}, "handed_end": self.handed_end}
+                "leases": {str(s): ls for s, ls in self.leases.items()}, "handed_end": self.handed_end,
+                "digest": self.digest()}
+
+    def _commit_rank(self, lease: list[Piece], read: Position, committed: list[Piece], partial: list[list[int]],
+                     resumed: dict[int, int]) -> list[Piece]:
+        """One rank's commit: its wholly trained documents, then the trained tokens of the next one
+        (`skips`: where its next reader starts). Returns the rest of the lease."""
+        docs, tokens = read
+        taken, rest = take_docs(lease, docs)
+        committed += taken
+        for start, end in taken:
+            for d in range(start, end):
+                if (k := self.skips.pop(d, 0)) > 0:
+                    resumed[d] = k
+        if rest and tokens > (k := self.skips.get(rest[0][0], 0)):
+            partial.append([rest[0][0], k, tokens])
+            self.skips[rest[0][0]] = tokens
+        return rest
+
+    def digest(self) -> str:
+        """16 hex digits of the ledger's state: equal on every site that applied the same commits."""
+        return hashlib.sha256(json.dumps(self.state_dict(), sort_keys=True).encode()).hexdigest()[:16]
 
     @property
     def handed_end(self) -> int:
@@ -142,10 +190,15 @@ class Ledger:
     def lease(self, site: int, rank: int) -> list[Piece]:
         return list(self.leases.get(site, [[]] * self.ranks)[rank])
 
+    def lease_skips(self, lease: list[Piece]) -> dict[int, int]:
+        """The documents of `lease` that an earlier reader cut at a round's end: doc -> first token to read."""
+        return {a: self.skips[a] for a, _ in lease if a in self.skips}
+
     # ------------------------------------------------------------------ checkpoints and hand-over
     def state_dict(self) -> dict[str, Any]:
         return {"span_docs": self.span_docs, "epoch_docs": self.epoch_docs, "ranks": self.ranks,
                 "next_span": self.next_span, "returned": [list(p) for p in self.returned],
+                "skips": {str(d): k for d, k in sorted(self.skips.items())},
                 "leases": {str(s): [[list(p) for p in lease] for lease in ls] for s, ls in self.leases.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -155,23 +208,61 @@ class Ledger:
                                  "its positions mean other documents")
         self.next_span = int(state["next_span"])
         self.returned = [(int(a), int(b)) for a, b in state["returned"]]
+        self.skips = {int(d): int(k) for d, k in state.get("skips", {}).items()}
         self.leases = {int(s): [[(int(a), int(b)) for a, b in lease] for lease in ls]
                        for s, ls in state["leases"].items()}
+
+
+def audit(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """What a run's "ledger" records (one per round, rounds 0..n, as `Ledger.commit` returns them)
+    prove about its data: every document handed out (before `handed_end`) is committed whole once
+    or still held (leased or given back) once, and each document's trained tokens chain without a
+    gap or an overlap: [0, k1) [k1, k2) ... up to its end (committed) or its skip (held). Pure."""
+    whole: dict[int, int] = {}
+    chains: dict[int, list[tuple[int, int]]] = {}  # doc -> token ranges trained (-1: to its end)
+    for r in records:
+        for pieces in r["committed"].values():
+            for a, b in pieces:
+                for d in range(a, b):
+                    whole[d] = whole.get(d, 0) + 1
+                    chains.setdefault(d, []).append((int(r.get("resumed", {}).get(str(d), 0)), -1))
+        for fragments in r.get("partial", {}).values():
+            for d, k0, k1 in fragments:
+                chains.setdefault(d, []).append((k0, k1))
+    last = records[-1]
+    held_pieces = list(last["returned"]) + [p for ls in last["leases"].values() for lease in ls for p in lease]
+    held = [d for a, b in held_pieces for d in range(a, b)]
+    skips = {int(d): k for d, k in last.get("skips", {}).items()}
+    end = int(last["handed_end"])
+    broken = []
+    for d, ranges in chains.items():
+        ranges.sort(key=lambda x: (x[0], x[1] == -1))
+        stop = -1 if whole.get(d) else skips.get(d, 0)
+        if [k0 for k0, _ in ranges] != [0] + [k1 for _, k1 in ranges[:-1]] or ranges[-1][1] != stop:
+            broken.append(d)
+    return {"committed": len(whole), "committed_once": sum(1 for n in whole.values() if n == 1),
+            "twice": sorted(d for d, n in whole.items() if n > 1), "held": len(held),
+            "held_twice": sorted({d for d in held if held.count(d) > 1}) if len(held) != len(set(held)) else [],
+            "committed_and_held": sorted(set(whole) & set(held)),
+            "missing": sorted(set(range(end)) - set(whole) - set(held)),
+            "broken_chains": sorted(broken), "handed_end": end}
 
 
 class SharedData:
     """One rank's side of the ledger in an elastic run: it follows the membership's events.
 
-    "decision" (every attempt, before its vote): this rank writes how many documents of its lease it
-    has read to the run's store, signed; a member's vote comes after it, so every member that
-    commits has written it. "commit": every member reads the contributors' counts, applies the same
-    `Ledger.commit`, and this rank reads its new lease. A joiner takes the ledger from a peer with
-    the rest of the run's state (`register_state_dict_fn`); checkpoints hold it too.
+    "decision" (every attempt, before its vote): this rank writes its position in its lease (two
+    integers, `Position`) to the run's store, signed; a member's vote comes after it, so every member
+    that commits has written it. "commit": every member reads the contributors' positions and who
+    the committed average excluded, applies the same `Ledger.commit`, and this rank reads its new
+    lease. A joiner takes the ledger from a peer with the rest of the run's state
+    (`register_state_dict_fn`, compared by digest like the outer state); checkpoints hold it too.
     """
 
-    def __init__(self, loader: Any, ledger: Ledger, site: int, rank: int, store: Any, prefix: str) -> None:
+    def __init__(self, loader: Any, ledger: Ledger, site: int, rank: int, store: Any, prefix: str,
+                 outer: Any = None) -> None:
         self.loader, self.ledger, self.site, self.rank = loader, ledger, site, rank
-        self.store, self.prefix = store, prefix
+        self.store, self.prefix, self.outer = store, prefix, outer
 
     @classmethod
     def for_run(cls, cfg: Any, world: Any, loader: Any, outer: Any) -> SharedData | None:
@@ -181,8 +272,8 @@ class SharedData:
             return None
         span = cfg.data.span_docs
         ledger = Ledger(span, loader.train_documents, world.ranks_per_site, target=4 * span)
-        shared = cls(loader, ledger, world.site_rank, world.rank, membership.signed, membership.prefix)
-        membership.register_state_dict_fn("ledger", shared.load_state_dict, shared.state_dict)
+        shared = cls(loader, ledger, world.site_rank, world.rank, membership.signed, membership.prefix, outer)
+        membership.register_state_dict_fn("ledger", shared.load_state_dict, shared.state_dict, shared.checksum)
         return shared
 
     def _key(self, round: int, site: int, rank: int) -> str:
@@ -191,17 +282,39 @@ class SharedData:
     def on_event(self, event: dict[str, Any]) -> dict[str, Any] | None:
         """Follow one membership event; the "ledger" record to log after a commit, else None."""
         if event["event"] == "decision":
-            self.store.set(self._key(event["round"], self.site, self.rank), str(self.loader.lease_read))
+            docs, tokens = self.loader.lease_position
+            self.store.set(self._key(event["round"], self.site, self.rank), f"{docs},{tokens}")
         elif event["event"] == "commit":
             round, members = event["round"], event["members"]
             contributors = [m for m in members if m not in event.get("joined", [])]
-            reads = {m: [int(self.store.get(self._key(round, m, k))) for k in range(self.ledger.ranks)]
-                     for m in contributors}
-            record = self.ledger.commit(round, members, reads)
+            reads = {m: [self._read(round, m, k) for k in range(self.ledger.ranks)] for m in contributors}
+            record = self.ledger.commit(round, members, reads, self._excluded(members) if contributors else [])
             if self.site in members:
-                self.loader.set_lease(self.ledger.lease(self.site, self.rank))
+                lease = self.ledger.lease(self.site, self.rank)
+                self.loader.set_lease(lease, self.ledger.lease_skips(lease))
             return {"event": "ledger", **record}
         return None
+
+    def _read(self, round: int, site: int, rank: int) -> Position:
+        docs, _, tokens = self.store.get(self._key(round, site, rank)).decode().partition(",")
+        return int(docs), int(tokens or 0)
+
+    def _excluded(self, members: list[int]) -> list[int]:
+        """Members whose pseudo-gradient the committed average left out (the last reduce, by group
+        index = position in `members`). Rank groups of a site may exclude differently (each checks
+        its own shard's bytes): the site takes their union, so every rank of every site agrees."""
+        result = getattr(self.outer, "last_reduce", None)
+        mine = set() if result is None else {members[i] for i in result.excluded_sites}
+        topology = getattr(self.outer, "topology", None)
+        if topology is not None and topology.world.ranks_per_site > 1:
+            flags = torch.tensor([1.0 if m in mine else 0.0 for m in members], device=topology.world.device)
+            topology.site_all_reduce(flags, op=dist.ReduceOp.MAX)
+            mine = {m for m, f in zip(members, flags.tolist()) if f > 0}
+        return sorted(mine)
+
+    def checksum(self) -> list[Any]:
+        """The ledger's state as bytes, for the hand-over's digest comparison across members."""
+        return [torch.frombuffer(bytearray(self.ledger.digest().encode()), dtype=torch.uint8)]
 
     def state_dict(self) -> dict[str, Any]:
         return self.ledger.state_dict()

@@ -295,6 +295,12 @@ class _Cursor:
         self.loader, self.split = loader, split
         self.epoch = self.consumed = 0
         self.buffer: list[int] = []
+        # Which documents the buffer holds, front to back: [leased document (-1: not leased), offset of
+        # its first buffered token in its tokens + EOS, tokens buffered]; and whether buffer[0] was
+        # already a row's last token (a target; the next row's first input). For `position`.
+        self.docs: deque[list[int]] = deque()
+        self.rowed = False
+        self.finished = 0  # leased documents whose every token left the buffer
         # (token ids, utf-8 bytes) of documents tokenised ahead but not yet in the buffer (not in the state).
         self.pending: deque[tuple[list[int], int]] = deque()
         self.chunks: Iterator[list[str]] | None = None
@@ -307,17 +313,42 @@ class _Cursor:
         row = self.buffer[:need]
         # Advance by seq_len, not seq_len + 1: the row's last token is the next row's first input.
         del self.buffer[: self.loader.seq_len]
+        self._drop(self.loader.seq_len)
+        self.rowed = True
         return row
+
+    def _drop(self, n: int) -> None:
+        while n > 0 and self.docs:
+            entry = self.docs[0]
+            k = min(n, entry[2])
+            entry[1], entry[2], n = entry[1] + k, entry[2] - k, n - k
+            if entry[2] == 0:
+                self.finished += self.docs.popleft()[0] >= 0
+
+    def position(self) -> tuple[int, int]:
+        """(leased documents whose every token was a target, tokens of the next one that were): a
+        row's targets are its tokens after the first, so buffer[0] counts once a row has ended on it."""
+        done = self.finished
+        for i, (doc, first, count) in enumerate(self.docs):
+            trained = first + (1 if i == 0 and self.rowed else 0)
+            if doc < 0:
+                continue
+            if trained < first + count:
+                return done, trained
+            done += 1
+        return done, 0
 
     def _append_document(self) -> None:
         if not self.pending and not self._tokenize_more():
             self._next_epoch()
             return
         ids, n_bytes = self.pending.popleft()
-        self.buffer += ids
-        self.buffer.append(self.loader.tokenizer.eos_id)
+        doc, skip = self.loader._leased_doc(self.consumed) if self.split == "train" else (-1, 0)
+        stream = [*ids, self.loader.tokenizer.eos_id][skip:]  # skip: tokens an earlier reader trained
+        self.buffer += stream
+        self.docs.append([doc, skip, len(stream)])
         self.consumed += 1
-        self.tokens += len(ids) + 1
+        self.tokens += len(stream)
         self.bytes += n_bytes
 
     def _tokenize_more(self) -> bool:
@@ -360,6 +391,8 @@ class PackedBatches:
         self._check_counts()
         self._cursor = _Cursor(self, split)
         self.leased: list[Piece] | None = None  # elastic runs: the ledger's pieces for this rank (set_lease)
+        self.skips: dict[int, int] = {}  # leased documents cut by an earlier reader: doc -> first token to read
+        self._lease_docs: list[int] = []
         self._val_cache: dict[tuple[int, int], tuple[list[tuple[torch.Tensor, torch.Tensor]], float]] = {}
         self._bytes_per_token: float | None = None
 
@@ -406,21 +439,41 @@ class PackedBatches:
                             "documents by index. Fix: set data.streaming = false")
         return n
 
-    def set_lease(self, pieces: list[Piece]) -> None:
+    def set_lease(self, pieces: list[Piece], skips: dict[int, int] | None = None) -> None:
         """Read `pieces` (the ledger's lease for this rank) from their first document on, instead of
-        a fixed slot. Tokens already in the packing buffer stay: they come before the lease's."""
+        a fixed slot; a document in `skips` from that token on (an earlier reader trained the ones
+        before it). The buffer keeps only its first token if a row already made it a target: the
+        next row's first input. A rank that trained part of the lease's first document gets it back
+        with its trained tokens in `skips`, so re-reading it packs the same rows as going on would."""
         if self.split != "train":
             raise ValueError("only the train split is leased")
         self.train_documents  # noqa: B018 -- a streaming source stops here, in one line
         self.leased = [(int(p[0]), int(p[1])) for p in pieces]
+        self.skips = dict(skips or {})
+        self._lease_docs = [d for a, b in self.leased for d in range(a, b)]
         c = self._cursor
-        c.consumed, c.chunks = 0, None
+        c.consumed, c.chunks, c.finished = 0, None, 0
         c.pending.clear()  # tokenised ahead from the old lease: the new one starts where reading stopped
+        c.buffer = c.buffer[:1] if c.rowed else []
+        c.docs = deque([[-1, 0, 1]] if c.buffer else [])
+
+    def _leased_doc(self, k: int) -> tuple[int, int]:
+        """(global index, first token to read) of the lease's `k`-th document; (-1, 0) without a lease."""
+        if self.leased is None:
+            return -1, 0
+        doc = self._lease_docs[k]
+        return doc, self.skips.get(doc, 0)
 
     @property
     def lease_read(self) -> int:
         """Documents of the current lease read so far (pulled into the packing buffer)."""
         return self._cursor.consumed
+
+    @property
+    def lease_position(self) -> tuple[int, int]:
+        """What this rank reports to the ledger (zeroband/data/ledger.py `Position`): documents of its
+        lease whose every token was a target, and the tokens of the next one that were."""
+        return self._cursor.position()
 
     # ----------------------------------------------------------------------------------------
 
@@ -470,7 +523,9 @@ class PackedBatches:
             "epoch": c.epoch,
             "docs_consumed": c.consumed,
             "buffer": list(c.buffer),
-            **({"lease": [list(p) for p in self.leased]} if self.leased is not None else {}),
+            **({"lease": [list(p) for p in self.leased], "skips": {str(d): k for d, k in self.skips.items()},
+                "docs": [list(e) for e in c.docs], "rowed": c.rowed, "finished": c.finished}
+               if self.leased is not None else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -487,4 +542,10 @@ class PackedBatches:
         cursor.epoch, cursor.consumed = int(state["epoch"]), int(state["docs_consumed"])
         cursor.buffer = [int(t) for t in state["buffer"]]
         self._cursor = cursor
-        self.leased = [(int(a), int(b)) for a, b in state["lease"]] if leased else None
+        self.leased = None
+        if leased:
+            self.set_lease([(int(a), int(b)) for a, b in state["lease"]],
+                           {int(d): int(k) for d, k in state.get("skips", {}).items()})
+            cursor.consumed, cursor.buffer = int(state["docs_consumed"]), [int(t) for t in state["buffer"]]
+            cursor.docs = deque([int(x) for x in e] for e in state.get("docs", []))
+            cursor.rowed, cursor.finished = bool(state.get("rowed", True)), int(state.get("finished", 0))

@@ -196,6 +196,7 @@ class DiLoCo:
         self.overlap = Overlap(cfg, self.local, self.copy, self.optimizer)  # its state: the average in flight
         self.clock = RoundClock(cfg, tokens_per_step)
         self.boundary_step = 0  # inner steps done at the current boundary
+        self.last_reduce: ReduceResult | None = None  # whom it excluded: the data ledger reads it (data/ledger.py)
         self.membership.register_state_dict_fn("outer", self.load_shared_state_dict, self.shared_state_dict,
                                                self.checksum_tensors)
 
@@ -334,11 +335,11 @@ class DiLoCo:
         if self.cfg.log_checksum and not stats.abstain:  # compared across sites by the reduce itself
             stats = replace(stats, crc=float(self.digest48(group)))
         piece_bytes = int(self.cfg.piece_mb * 2**20)
-        arena, self.arena = self.arena, Arena()
+        arena, self.arena, self.last_reduce = self.arena, Arena(), None
         result = reduce_across_sites(grads, stats, group or self.group, self.cfg.comm_dtype, piece_bytes,
                                      self.error_feedback, self.cfg.outlier_factor,
                                      weight_by_tokens=self.cfg.round_seconds > 0, arena=arena)
-        self.arena = arena
+        self.arena, self.last_reduce = arena, result
         if self.membership.may_retry:
             self.spare = flat_base(grads)  # the `_retry_copy` vector (None for an abstainer's zeros)
         return result

@@ -1,10 +1,15 @@
-"""Summaries of finished runs, read back from their metrics.jsonl files: a table and a loss plot."""
+"""Summaries of finished runs, read back from their metrics.jsonl files: a table and a loss plot,
+and (`python -m zeroband.tools.report data RUN_DIR`) what the data ledger's records prove."""
 
 from __future__ import annotations
 
 import json
+import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
+
+from zeroband.data.ledger import audit
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -85,3 +90,54 @@ def run_report(run_dir: Path, ckpt_dir: Path, name: str, wall_s: float) -> str:
     lines += [f"  checkpoints: {ckpt_dir}/", f"  metrics: {run_dir / 'metrics.jsonl'}",
               f"  loss plot: {plot}" if plot else "  loss plot: skipped (matplotlib is not installed: pip install matplotlib)"]
     return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ the data ledger (elastic runs)
+def ledger_rounds(metrics_paths: Iterable[Path]) -> tuple[list[dict[str, Any]], list[int]]:
+    """The data ledger's record of each round (zeroband/data/ledger.py) from every site's metrics,
+    in round order, and the rounds where two sites logged different ledgers (by digest)."""
+    by_round: dict[int, dict[str, Any]] = {}
+    differ = set()
+    for path in metrics_paths:
+        for r in (r for r in read_metrics(path) if r["kind"] == "data"):
+            if by_round.setdefault(r["round"], r)["digest"] != r["digest"]:
+                differ.add(r["round"])
+    return [by_round[k] for k in sorted(by_round)], sorted(differ)
+
+
+def data_audit(metrics_paths: Iterable[Path]) -> dict[str, Any]:
+    """`ledger.audit` of a run's merged ledger records, with the rounds nobody logged and the
+    rounds whose ledgers differ between sites (both should be empty)."""
+    rounds, differ = ledger_rounds(metrics_paths)
+    if not rounds:
+        return {"ledger_rounds": 0}
+    numbers = [r["round"] for r in rounds]
+    return {**audit(rounds), "ledger_rounds": len(rounds), "ledger_rounds_differing": differ,
+            "ledger_rounds_missing": sorted(set(range(numbers[-1] + 1)) - set(numbers))}
+
+
+def data_line(d: dict[str, Any]) -> str:
+    if not d.get("ledger_rounds"):
+        return "-"
+    return (f"{d['committed_once']} / {d['committed']} (twice {len(d['twice'])}, lost {len(d['missing'])}, "
+            f"token chains broken {len(d['broken_chains'])}; {d['ledger_rounds']} rounds, unlogged "
+            f"{d['ledger_rounds_missing']}, ledgers differing {d['ledger_rounds_differing']})")
+
+
+def main(argv: list[str]) -> int:
+    """`python -m zeroband.tools.report data RUN_DIR`: which documents an elastic run trained on."""
+    if len(argv) != 2 or argv[0] != "data" or not Path(argv[1]).is_dir():
+        print("usage: python -m zeroband.tools.report data RUN_DIR (output_dir/name of an elastic run)", file=sys.stderr)
+        return 2
+    paths = sorted(Path(argv[1]).glob("site*/metrics.jsonl"))
+    d = data_audit(paths)
+    print(f"data ledger of {len(paths)} sites: documents committed exactly once / committed: {data_line(d)}")
+    if d.get("ledger_rounds"):
+        print(f"handed out {d['handed_end']} documents of the order; still leased or given back: {d['held']}")
+    clean = not any(d.get(k) for k in ("twice", "missing", "broken_chains", "held_twice", "committed_and_held",
+                                       "ledger_rounds_differing", "ledger_rounds_missing"))
+    return 0 if clean and d.get("ledger_rounds") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
