@@ -83,12 +83,14 @@ class Watch:
     """What one cross-site worker is blocked on, and the watcher that bounds it.
 
     `interruptible`: SIGTERM ends the wait (fixed groups); elastic sites finish their round on
-    SIGTERM and leave, so their watch ignores it.
+    SIGTERM and leave, so their watch ignores it. `check`: what the group's owner checks while any
+    of its waits runs (elastic: a member seen dead, the attempt aborted), where a call names none.
     """
 
     def __init__(self, timeout_s: float, log_every_s: float = LOG_EVERY_S, interruptible: bool = True) -> None:
         self.timeout_s, self.log_every_s, self.interruptible = timeout_s, log_every_s, interruptible
         self.current = "the exchange to start"
+        self.check: Callable[[], None] | None = None
 
     def wait(self, work: Work, peer: int | str, phase: str) -> None:
         """On the worker thread: note whom we wait for, then wait (bounded by the group's timeout)."""
@@ -133,7 +135,8 @@ class Watch:
                            f"(sites.timeout_s={self.timeout_s:g}); that site is frozen, dead or unreachable")
 
     def join(self, thread: threading.Thread, what: str, check: Callable[[], None] | None = None) -> None:
-        """Wait for `thread`, logging every log_every_s; `check` may raise to give up early."""
+        """Wait for `thread`, logging every log_every_s; `check` (else `self.check`) may raise to give up early."""
+        check = check or self.check
         start = time.monotonic()
         deadline, next_log = start + self.timeout_s, start + self.log_every_s
         while thread.is_alive():
