@@ -119,8 +119,8 @@ class GlobalGroup:
         """Start `gather_scalars`; the returned function waits for and returns the table.
 
         Each site sends its row straight to every peer: one round trip (gloo sends after the
-        receiver announced its buffer), where gloo's all-reduce of even a few bytes takes two
-        (0.2 s at 100 ms RTT, measured). Work done before waiting hides that round trip.
+        receiver announced its buffer), where gloo's all-reduce of even a few bytes takes two.
+        Work done before waiting hides that round trip.
         """
         table = torch.zeros(self.size, len(values), dtype=torch.float64)
         table[self.rank] = torch.tensor(values, dtype=torch.float64)

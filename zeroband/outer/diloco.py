@@ -350,7 +350,7 @@ class DiLoCo:
     def _retry_copy(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """A copy of `grads` for one attempt to consume: a retried attempt starts again from the originals.
         Into the vector the last completed exchange gave back (fresh memory costs a page fault per
-        4 KB: it doubled the elastic outer step), else a new one."""
+        4 KB: docs/results/outer_step.md, "Elastic rounds"), else a new one."""
         spare, self.spare = self.spare, None
         numel = sum(g.numel() for g in grads)
         if spare is None or spare.numel() != numel:
