@@ -9,9 +9,9 @@ run's state over), hands out the round's group (`group()`: elastic forms it then
 run's state to members that lack it; the group's own watched calls bound every wait on it), turns
 a failure inside `with attempt:` into a failed attempt where a round may retry, and answers
 `commit()`: whether every member may apply the result. The outer loop averages on that group
-itself: no work of the algorithm is ever handed to a membership. `holds_state` is False while a site waits
-for the run's state (elastic joiners): the outer loop then takes rounds that contribute nothing
-until a peer has handed the state over.
+itself: no work of the algorithm is ever handed to a membership. `holds_state` is False while a
+site waits for the run's state (elastic joiners): the outer loop then takes rounds that
+contribute nothing until a peer has handed the state over.
 """
 
 from __future__ import annotations
