@@ -6,7 +6,7 @@ Each row times one operation on --values fp32 values (Gaussian x 1e-3) on one to
 median of --repeats runs after a warm-up, and names the code comment it stands behind:
 - nearest level: comm/quantized.py `_Nearest` (a 512-bin table and one compare) vs torch.bucketize
   on the codebook's midpoints (NF4);
-- max |x|: comm/kernels.py's torch fallback, amin + amax vs one aminmax;
+- max abs(x): comm/kernels.py's torch fallback, amin + amax vs one aminmax;
 - finite check: comm/direct.py `all_finite` (one sum) vs torch.isfinite(x).all();
 - sum of squares: comm/kernels.py `ChunkStats` (fp32 norms per chunk, summed in fp64) vs one fp64 sum.
 (Fresh memory against reused scratch, and the fp16 decode's product against a division, are not
@@ -63,7 +63,7 @@ def rows(n: int, repeats: int) -> list[dict[str, object]]:
     cases = [
         ("nearest NF4 level", "comm/quantized.py _Nearest", lambda: _NEAREST["nf4"](y),
          "torch.bucketize on the midpoints", lambda: torch.bucketize(y, mid)),
-        ("max |x|", "comm/kernels.py max_abs (torch)", lambda: torch.maximum(x.amin().neg_(), x.amax()),
+        ("max abs(x)", "comm/kernels.py max_abs (torch)", lambda: torch.maximum(x.amin().neg_(), x.amax()),
          "one aminmax", lambda: torch.aminmax(x)),
         ("finite check", "comm/direct.py all_finite (one sum)", lambda: all_finite(x),
          "torch.isfinite(x).all()", lambda: bool(torch.isfinite(x).all())),

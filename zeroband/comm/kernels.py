@@ -159,7 +159,7 @@ class Eager:
         if not x.numel():
             return 0.0
         return float(torch.maximum(x.amin().neg_(), x.amax()))  # amin + amax vs one aminmax:
-        # benchmarks/kernels.md, "max |x|"
+        # benchmarks/kernels.md, "max abs(x)"
 
     def encode_f16(self, x: torch.Tensor, factor: float, half: torch.Tensor, scratch: torch.Tensor,
                    decoded: torch.Tensor | None = None, unit: float = 1.0, stats: Row = None,
