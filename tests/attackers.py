@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -47,10 +47,14 @@ class TruncatingPG:
 @dataclass(frozen=True)
 class LyingCodec:
     """Encodes something else than it is given, in the same number of bytes: 'huge' multiplies
-    every value by 1e30, 'nan' sends NaN. Its site still declares its honest statistics."""
+    every value by 1e30, 'nan' sends NaN. Its site still declares its honest statistics.
+    `as_owner` False: only the slices it sends as a source lie, which are the ones encoded while
+    measuring what their owner will decode (`stats`, comm/direct.py `_scatter`); the sums it
+    shares for its own chunk (encoded without) stay honest."""
 
     base: Any
     how: str
+    as_owner: bool = True
 
     @property
     def block(self) -> int:
@@ -66,8 +70,9 @@ class LyingCodec:
     def encode(self, x: torch.Tensor, tail: int = 0, out: torch.Tensor | None = None,
                scratch: torch.Tensor | None = None, weight: float = 1.0, stats: Any = None,
                decoded: torch.Tensor | None = None, stream: bool = False) -> torch.Tensor:
-        lie = x * 1e30 if self.how == "huge" else torch.full_like(x, float("nan"))
-        return self.base.encode(lie, tail, out, scratch, weight, stats, decoded, stream)
+        if self.as_owner or stats is not None:
+            x = x * 1e30 if self.how == "huge" else torch.full_like(x, float("nan"))
+        return self.base.encode(x, tail, out, scratch, weight, stats, decoded, stream)
 
     def decode(self, buf: torch.Tensor, n: int, out: torch.Tensor | None = None,
                stats: torch.Tensor | None = None, stream: bool = False) -> torch.Tensor:
@@ -80,25 +85,19 @@ class LyingCodec:
 
 def lie_on_the_wire(how: str) -> None:
     """Make this (forked) process a site that lies in everything it encodes, as a source and as the
-    owner of a chunk (its shared sums): payloads are `how`, its claimed statistics stay honest."""
-    import zeroband.comm.reduce as reduce
+    owner of a chunk (its shared sums): payloads are `how`, its claimed statistics stay honest.
+    Through the codec seam (zeroband/seams.py): every all-reduce from now on encodes with it."""
+    from zeroband import seams
 
-    honest = reduce.wire_codec
-    reduce.wire_codec = lambda wire: LyingCodec(honest(wire), how)
+    seams.use(replace(seams.current(), codec=lambda codec: LyingCodec(codec, how)))
 
 
 def lie_as_source(how: str) -> None:
     """Make this (forked) process a site whose contributions are `how` ('huge': 1e30 x, or 'nan')
     while it declares the statistics of its honest pseudo-gradient; as an owner it plays fair."""
-    from zeroband.comm.direct import DirectExchange
+    from zeroband import seams
 
-    honest = DirectExchange._scatter
-
-    def scatter(self: DirectExchange, flat: torch.Tensor, loss: Any, sent: Any, weight: float | None = None) -> None:
-        # its own chunk stays honest in `flat` (the exchange weights it where it sums it)
-        honest(self, flat * 1e30 if how == "huge" else torch.full_like(flat, float("nan")), loss, sent, weight)
-
-    DirectExchange._scatter = scatter
+    seams.use(replace(seams.current(), codec=lambda codec: LyingCodec(codec, how, as_owner=False)))
 
 
 def forge_round_keys(store: dist.Store, prefix: str, rounds: int, sites: int) -> int:

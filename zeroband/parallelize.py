@@ -17,8 +17,8 @@ from zeroband.models.llama import Llama, apply_activation_checkpointing, load_fu
 
 def shards(topology: Topology) -> bool:
     """FSDP2 only when there is a degree to shard over (as torchtitan). On one rank its hooks, copies
-    and DTensor dispatch are pure host overhead: measured on an H100 they made the 150M inner step
-    host-bound (87 ms per step for 42 ms of GPU work), so a 1-rank site runs bf16 under autocast."""
+    and DTensor dispatch are pure host overhead: on an H100 they made the 150M inner step host-bound
+    (docs/results/gpu_h100.md), so a 1-rank site runs bf16 under autocast."""
     return topology.world.ranks_per_site > 1
 
 

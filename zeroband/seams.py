@@ -7,6 +7,8 @@ the process group (FakeProcessGroupWrapper) instead of patching the code they te
 - `pg`: every cross-site process group, as `comm.group.new_global_group` builds it (fixed groups,
   each elastic generation's, a simulated run's); a wrapper sees each send, recv, all-reduce and
   broadcast the global group makes, in the order it makes them;
+- `codec`: every wire codec, as `comm.reduce.wire_codec` hands it to an all-reduce; a wrapper
+  sees every slice a site encodes (as a source and as a chunk's owner) before it is sealed;
 - `outer`: the outer method as a whole (`DiLoCo`, `CrossSiteDataParallel`, `NoOuter`), with the
   model it trains, as `train.build_run` hands it to the loop;
 - `checkpointer`: the save policy's object, as `train.build_run` hands it to the loop;
@@ -15,7 +17,8 @@ the process group (FakeProcessGroupWrapper) instead of patching the code they te
 - `site_command`: the command `zeroband launch` starts a site with (zeroband/tools/launch.py), so
   the sites' processes can install the same seams.
 
-zeroband/testing/faults.py builds its seams from a fault schedule; tests/attackers.py wraps `pg`.
+zeroband/testing/faults.py builds its seams from a fault schedule; tests/attackers.py wraps `pg`
+and `codec`.
 This module imports nothing of zeroband, so every layer may read it.
 """
 
@@ -34,6 +37,7 @@ def _same(obj: Any, *context: Any) -> Any:
 @dataclass(frozen=True)
 class Seams:
     pg: Callable[[Any, int], Any] = _same  # (process group, this member's rank in it) -> process group
+    codec: Callable[[Any], Any] = _same  # (wire codec) -> wire codec
     outer: Callable[[Any, Any], Any] = _same  # (outer, model) -> outer
     checkpointer: Callable[[Any], Any] = _same  # (checkpointer) -> checkpointer
     replace: Callable[[Any, Any], None] = os.replace  # (src, dst): checkpoint seal's rename

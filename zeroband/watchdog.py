@@ -85,7 +85,8 @@ class Watch:
     """What one cross-site worker is blocked on, and the watcher that bounds it.
 
     `interruptible`: SIGTERM ends the wait (fixed groups); elastic sites finish their round on
-    SIGTERM and leave, so their watch ignores it.
+    SIGTERM and leave, so their watch ignores it. `check`: what the group's owner checks while any
+    of its waits runs (elastic: a member seen dead, the attempt aborted), where a call names none.
     """
 
     def __init__(self, timeout_s: float, log_every_s: float = LOG_EVERY_S, interruptible: bool = True) -> None:
@@ -93,6 +94,7 @@ class Watch:
         self.current = "the exchange to start"
         self.bound: tuple[float, str] | None = None  # the current wait's own bound (seconds, how it was derived)
         self.bound_end = math.inf  # when it runs out (monotonic)
+        self.check: Callable[[], None] | None = None
 
     def wait(self, work: Work, peer: int | str, phase: str, bound: tuple[float, str] | None = None) -> None:
         """On the worker thread: note whom we wait for, then wait, bounded by the group's timeout and
@@ -149,7 +151,8 @@ class Watch:
                            f"sites.timeout_s={self.timeout_s:g}); that site is frozen, dead or unreachable")
 
     def join(self, thread: threading.Thread, what: str, check: Callable[[], None] | None = None) -> None:
-        """Wait for `thread`, logging every log_every_s; `check` may raise to give up early."""
+        """Wait for `thread`, logging every log_every_s; `check` (else `self.check`) may raise to give up early."""
+        check = check or self.check
         start = time.monotonic()
         deadline, next_log = start + self.timeout_s, start + self.log_every_s
         while thread.is_alive():

@@ -28,6 +28,7 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -416,6 +417,15 @@ def shipped_default() -> dict[str, Any]:
                 outer_momentum_warmup=d.outer_momentum_warmup)
 
 
+def source_commit() -> str:
+    """The commit the rows ran on, as the report names it (noting a tree that differs from it)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout.strip()
+
+    head = git("rev-parse", "--short", "HEAD") or "unknown"
+    return head + (" plus uncommitted changes" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
 def machine() -> str:
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
     try:
@@ -527,14 +537,16 @@ def tune_report(results: list[dict[str, Any]], out: Path, argv: list[str], wall_
     (out / "convergence_tuning.json").write_text(json.dumps(results, indent=1))
 
 
-def outer_report(results: list[dict[str, Any]], scale: Scale, out: Path, argv: list[str], wall_s: float) -> None:
+def outer_report(results: list[dict[str, Any]], scale: Scale, out: Path, argv: list[str], wall_s: float,
+                 commit: str) -> None:
     rows = by_row(results)
     single = mean_std([r["val_loss"] for r in rows["single"]])[0]
     dp = mean_std([r["val_loss"] for r in rows["dp"]])[0]
     adam = {regime: outer_adam(scale, h)["diloco"] for regime, h in regimes(scale).items()}
     lines = ["# Outer optimizers: Nesterov (shipped) vs plain averaging vs Adam", "", "```bash",
              "python " + " ".join(argv), "```", "",
-             f"Machine: {machine()}. Wall time {wall_s / 60:.1f} min; load average when done {os.getloadavg()[0]:.1f}.", "",
+             f"Commit: {commit}. Machine: {machine()}. Wall time {wall_s / 60:.1f} min; load average when done "
+             f"{os.getloadavg()[0]:.1f}.", "",
              f"k = {scale.sites} sites, mean ± std over {scale.seeds} seeds (0-{scale.seeds - 1}), every row kept. "
              f"Nesterov: the shipped defaults `{json.dumps(shipped_default())}`; plain averaging: "
              f"`outer_optimizer = \"sgd\"`, lr 1, momentum 0; Adam: `{json.dumps(adam)}` per regime, fixed before "
@@ -543,7 +555,8 @@ def outer_report(results: list[dict[str, Any]], scale: Scale, out: Path, argv: l
              "Gap closed = (one site - row) / (one site - data parallel), on mean validation loss.", "",
              "## Setup", "", setup_text(scale), "", "Raw per-run numbers and curves: `convergence_outer.json`."]
     (out / "convergence_outer.md").write_text("\n".join(lines) + "\n")
-    (out / "convergence_outer.json").write_text(json.dumps({"scale": asdict(scale), "runs": results}, indent=1))
+    (out / "convergence_outer.json").write_text(json.dumps({"scale": asdict(scale), "commit": commit, "runs": results},
+                                                          indent=1))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -562,7 +575,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     args.out = output_dir(args.out, "convergence", args.quick)
     scale = QUICK if args.quick else GPU if args.gpu else OUTER if args.phase == "outer" else FULL
-    start = time.perf_counter()
+    start, commit = time.perf_counter(), source_commit()  # before the runs: what they ran on
     corpus = args.corpus or shared_corpus(args.cache, args.shared_corpus)
     tokenizer = prepare_tokenizer(corpus, scale.vocab, 0.02, args.cache)
     if args.phase == "tune":
@@ -586,7 +599,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.phase == "tune":
         tune_report(results, args.out, shown, time.perf_counter() - start)
     elif args.phase == "outer":
-        outer_report(results, scale, args.out, shown, time.perf_counter() - start)
+        outer_report(results, scale, args.out, shown, time.perf_counter() - start, commit)
     else:
         write_report(results, scale, args.out, shown, time.perf_counter() - start)
     say_written(*sorted(args.out.glob("convergence*")))

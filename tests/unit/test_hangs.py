@@ -20,8 +20,8 @@ from zeroband.tools.launch import last_error_line, progress_line
 
 
 def test_store_survives_a_flood_of_idle_connections():
-    """1,000 idle connections (127.0.0.1 only): without the guard, 300 already kept every new
-    client out, even after they closed (see store/guard.py)."""
+    """1,000 idle connections (127.0.0.1 only): without the guard, a few hundred hold a new client
+    past its timeout (docs/results/store.md)."""
     from zeroband.store.client import connect_tcp_store, host_tcp_store
 
     port = free_port()

@@ -63,7 +63,8 @@ class DenseCodec:
         """The bytes of `weight` x the chunk (bit for bit those of encoding the fp32 product), followed
         by `tail` spare bytes (room for a message tag); written into `out` (uint8, exactly that long)
         when given. `scratch` (fp32, at least as long as x) holds values on their way to the wire:
-        fresh memory costs a page fault per 4 KB, which made the product ~6x slower than the arithmetic.
+        fresh memory costs a page fault per 4 KB (docs/results/outer_step.md, "the fp16 codec without
+        fresh memory").
         In the same pass, what a receiver will decode goes into `decoded` (past the cache with `stream`,
         comm/kernels.py) and its statistics into `stats`."""
         out = torch.empty(self.nbytes(x.numel()) + tail, dtype=torch.uint8) if out is None else out
@@ -91,7 +92,8 @@ class DenseCodec:
         values = buf[self.header :].view(self.dtype)[:n]
         out = torch.empty(n, dtype=torch.float32) if out is None else out
         if self.wire == "fp16":  # x unit, not / scale: bit for bit the same (a power of two and its
-            kernels().decode_f16(values, self._unit(buf), out, stats, stream)  # inverse are exact), ~3x faster
+            kernels().decode_f16(values, self._unit(buf), out, stats, stream)  # inverse are exact), and
+            # faster than a division (docs/results/outer_step.md, "the fp16 codec without fresh memory")
             return out
         out.copy_(values)
         if stats is not None:

@@ -1,8 +1,8 @@
 """The all-reduce schedule every wire format uses: direct reduce-scatter + all-gather, pipelined.
 
 Why not gloo's all-reduce: over a long link its ring sends a segment and waits for the next one,
-so the pipe sits idle for a round trip between segments: a 50 MB all-reduce reached 58% of a
-100 Mbit/s link at 100 ms RTT (benchmarks/allreduce.md). Here every message of the whole
+so the pipe sits idle for a round trip between segments (how much of a long link it reaches, and
+how much this schedule does: benchmarks/allreduce.md). Here every message of the whole
 exchange is posted at once, so the link never waits on a round trip:
 
 1. every receive of the call is posted first (so no message ever waits for its buffer);
@@ -88,7 +88,7 @@ def piece_chunks(n: int, sites: int, block: int, piece_bytes: int) -> list[list[
 class Arena:
     """Memory that every exchange of one caller reuses: messages, sums and scratch. Fresh memory
     costs a page fault per 4 KB on first touch: at 100M parameters that was most of the outer step's
-    local work. Each exchange takes what it needs in order; what did not fit is allocated fresh and
+    local work (docs/results/outer_step.md). Each exchange takes what it needs in order; what did not fit is allocated fresh and
     the arena grows to it for the next exchange. One exchange at a time, and only after the last
     one completed: a failed or abandoned exchange's receives could still land (DiLoCo.reduce lends
     its arena to one exchange and takes it back only from one that completed)."""
@@ -367,8 +367,9 @@ def flat_base(tensors: list[torch.Tensor]) -> torch.Tensor | None:
 
 
 def all_finite(flat: torch.Tensor) -> bool:
-    """No NaN/inf in `flat`. The sum is ~20x cheaper than an elementwise test and is finite whenever
-    every value is; only a non-finite sum (NaN/inf, or finite values overflowing) needs the full test."""
+    """No NaN/inf in `flat`. The sum is much cheaper than an elementwise test (benchmarks/kernels.md,
+    "finite check") and is finite whenever every value is; only a non-finite sum (NaN/inf, or finite
+    values overflowing) needs the full test."""
     return bool(torch.isfinite(flat.sum())) or bool(torch.isfinite(flat).all())
 
 

@@ -147,8 +147,8 @@ class GlobalGroup:
         """Start `gather_scalars`; the returned function waits for and returns the table.
 
         Each site sends its row straight to every peer: one round trip (gloo sends after the
-        receiver announced its buffer), where gloo's all-reduce of even a few bytes takes two
-        (0.2 s at 100 ms RTT, measured). Work done before waiting hides that round trip.
+        receiver announced its buffer), where gloo's all-reduce of even a few bytes takes two.
+        Work done before waiting hides that round trip.
         `nbytes`: bound the waits by the link as for that payload (None: by the timeout only, where
         a peer may still be computing, e.g. the first exchange of a round).
         """

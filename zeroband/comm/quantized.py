@@ -21,9 +21,9 @@ from zeroband.comm.kernels import Row, accumulate, add_stats
 
 SCALE_DTYPE = torch.bfloat16  # fp32's exponent range in 2 bytes: no overflow/underflow of scales
 SCALE_BYTES = 2
-# Smaller blocks track heavy tails better; measured one-pass error on Student-t (3 dof) data:
-# int8 0.014 at 128 vs 0.017 at 256; NF4 0.124 at 64 vs 0.152 at 128. Scales then cost
-# 2/128 and 2/64 bytes per value, inside the 1.05 / 0.55 byte budgets.
+# Smaller blocks track heavy tails better: the one-pass error on Student-t (3 dof) data at these
+# blocks and at twice them is in benchmarks/quantized.md (scripts/bench_quantized.py). Scales then
+# cost 2/128 and 2/64 bytes per value, inside the 1.05 / 0.55 byte budgets.
 DEFAULT_BLOCK = {8: 128, 4: 64}
 
 # 4-bit codebooks on [-1, 1] (the block's absmax maps to 1). All contain 0 exactly so zeros (an
@@ -58,7 +58,8 @@ def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
 
 
 class _Nearest:
-    """Index of the nearest codebook level, equal to torch.bucketize on the midpoints but ~8x faster.
+    """Index of the nearest codebook level, equal to torch.bucketize on the midpoints but faster
+    (benchmarks/kernels.md, from scripts/bench_kernels.py).
 
     A 2**k-bin table maps y to the level at its bin's start; one compare with the next midpoint
     finishes the job. Bin edges are multiples of a power of two, so the bin index is exact.

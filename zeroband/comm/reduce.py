@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from zeroband import seams
 from zeroband.comm.dense import FP32_MAX, DenseCodec
 from zeroband.comm.direct import Arena, DirectExchange, WireCodec, flatten
 from zeroband.comm.group import GlobalGroup
@@ -287,10 +288,10 @@ def describe_exclusions(exclusions: dict[int, str]) -> str:
 
 
 def wire_codec(wire: str) -> WireCodec:
-    if wire in QUANTIZED_BITS:
-        bits = QUANTIZED_BITS[wire]
-        return Codec(bits, DEFAULT_BLOCK[bits])
-    return DenseCodec(wire)
+    """The codec of wire format `wire`, through the `codec` seam (zeroband/seams.py: a test may wrap it)."""
+    bits = QUANTIZED_BITS.get(wire)
+    codec: WireCodec = DenseCodec(wire) if bits is None else Codec(bits, DEFAULT_BLOCK[bits])
+    return seams.current().codec(codec)
 
 
 def reduce_across_sites(

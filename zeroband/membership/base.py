@@ -5,11 +5,13 @@ calls it back. `attempts()` yields the attempts of one round (fixed: exactly one
 generation until a verdict commits, at most `max_retries` + 1, then the round is skipped and the
 iteration simply ends). Each `Attempt` says whether this site brings a pseudo-gradient
 (`contributes`) and whether anything is averaged (`averages`: False when the round only hands the
-run's state over), runs the cross-site work on the round's group (`exchange`, on a watched thread),
-turns a failure inside `with attempt:` into a failed attempt where a round may retry, and answers
-`commit()`: whether every member may apply the result. `holds_state` is False while a site waits
-for the run's state (elastic joiners): the outer loop then takes rounds that contribute nothing
-until a peer has handed the state over.
+run's state over), hands out the round's group (`group()`: elastic forms it then, and hands the
+run's state to members that lack it; the group's own watched calls bound every wait on it), turns
+a failure inside `with attempt:` into a failed attempt where a round may retry, and answers
+`commit()`: whether every member may apply the result. The outer loop averages on that group
+itself: no work of the algorithm is ever handed to a membership. `holds_state` is False while a
+site waits for the run's state (elastic joiners): the outer loop then takes rounds that
+contribute nothing until a peer has handed the state over.
 """
 
 from __future__ import annotations
@@ -84,8 +86,8 @@ class Attempt(Protocol):
                  tb: TracebackType | None) -> bool:
         """True (the error is swallowed) where a failed attempt is voted on and retried."""
 
-    def exchange(self, work: Callable[[GlobalGroup], Any]) -> Any:
-        """`work(group)` on the round's group, on a watched thread; its result."""
+    def group(self) -> GlobalGroup:
+        """The round's group, ready for the outer loop's collectives (call it inside `with attempt:`)."""
 
     def commit(self) -> bool:
         """Whether every member may apply this attempt's result (elastic: a vote)."""
@@ -96,7 +98,7 @@ class Membership(Protocol):
     def group(self) -> GlobalGroup | None:
         """The group of the current round (fixed: the whole run's)."""
 
-    may_retry: bool  # an attempt may fail and be retried: `exchange`'s work must keep its inputs
+    may_retry: bool  # an attempt may fail and be retried: the outer loop must keep its inputs
 
     def start(self, resumed: bool) -> None:
         """Admission and the first round's number, before anything else crosses sites."""
@@ -172,7 +174,7 @@ class FixedAttempt:
     contributes = averages = True
 
     def __init__(self, group: GlobalGroup) -> None:
-        self.group = group
+        self.round_group = group
 
     def __enter__(self) -> FixedAttempt:
         return self
@@ -181,8 +183,8 @@ class FixedAttempt:
                  tb: TracebackType | None) -> Literal[False]:  # never swallows: a fixed round is not retried
         return False
 
-    def exchange(self, work: Callable[[GlobalGroup], Any]) -> Any:
-        return self.group.watched(lambda: work(self.group), "outer all-reduce")
+    def group(self) -> GlobalGroup:
+        return self.round_group
 
     def commit(self) -> bool:
         return True

@@ -32,6 +32,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
+from functools import partial
 from types import TracebackType
 from typing import Any
 
@@ -64,7 +65,7 @@ class StateDiffers(RuntimeError):
 
 class ElasticAttempt:
     """One attempt of an elastic round: groups of this generation, the state handed to members that
-    lack it, the outer loop's work, and a vote; any failure inside `with` is the attempt's."""
+    lack it, the outer loop's collectives on them, and a vote; any failure inside `with` is the attempt's."""
 
     def __init__(self, member: ElasticMembership, decision: Decision, number: int) -> None:
         self.member, self.decision, self.number = member, decision, number
@@ -91,17 +92,24 @@ class ElasticAttempt:
         self.failed, m.group = True, None  # a group that saw a failure is not trusted again
         return True
 
-    def exchange(self, work: Callable[[GlobalGroup], Any]) -> Any:
-        """Site-group collectives happen only on the main thread, before and after the watched one: an
-        abandoned thread must never hold a site collective that the others would match with another."""
-        m = self.member
-        crcs, result = m._watched(self.decision, self.number, lambda: m._exchange(self.decision, work))
+    def group(self) -> GlobalGroup:
+        """This generation's group, formed on a watched thread (rendezvous, admission, the run's state
+        handed to members that lack it). From here on every watched call on it (the outer loop's
+        all-reduce) also gives up as soon as a member is seen dead or another member aborted this
+        attempt (`ElasticMembership.check`). Site-group collectives happen only on the main thread,
+        outside the watched ones: an abandoned thread must never hold a site collective that the
+        others would match with another."""
+        m, check = self.member, partial(self.member.check, self.decision, self.number)
+        m.watch.check, m.watch.current = None, "the members (forming the group)"  # one thread polls the store
+        group, crcs = m.watch.run(partial(m._form, self.decision), f"round {m.round}: forming the group", check)
         if crcs is not None and len(set(crcs)) > 1:
             raise StateDiffers(f"outer state differs between members after hand-over: {crcs}")
-        return result
+        m.watch.check = check
+        return group
 
     def commit(self) -> bool:
         m, decision = self.member, self.decision
+        m.watch.check = None  # this attempt's waits are over
         with store_failures_named(m.sites.store):
             verdict = m.rounds.vote_and_verdict(m.round, self.number, decision, m._site_ok(not self.failed),
                                                 m.sites.timeout_s)
@@ -271,11 +279,10 @@ class ElasticMembership:
             return self.generation
         return fresh_generation(self.store, self.prefix + "generation", self.generation)
 
-    def _exchange(self, decision: Decision, work: Callable[[GlobalGroup], Any]) -> tuple[list[str] | None, Any]:
-        """Everything that crosses sites in one attempt (global groups and the store only)."""
+    def _form(self, decision: Decision) -> tuple[GlobalGroup, list[str] | None]:
+        """The attempt's group, and the members' digests after a hand-over (global groups and the store only)."""
         group = self._ensure_group(decision)
-        crcs = self._hand_over(decision, group) if decision.fresh else None
-        return crcs, work(group)
+        return group, self._hand_over(decision, group) if decision.fresh else None
 
     def _site_ok(self, ok: bool) -> bool:
         flag = torch.tensor([1.0 if ok else 0.0], device=self.world.device)
@@ -301,24 +308,20 @@ class ElasticMembership:
             self.emit("link", generation=decision.generation, members=decision.members, **record)
         return self.group
 
-    def _watched(self, decision: Decision, attempt: int, work: Callable[[], Any]) -> Any:
-        """Run `work` on a thread; give up as soon as a member is seen dead, another member has
-        already aborted the attempt, or the timeout passes.
+    def check(self, decision: Decision, attempt: int) -> None:
+        """While a watched call of the attempt waits (the watcher polls this): give up as soon as a
+        member is seen dead or another member has already aborted the attempt (the timeout bounds the rest).
 
         The abort matters when a member died mid all-reduce: the sites next to it get an error at
         once and vote fail, but a site waiting on one of *them* hears nothing until the dead site's
         heartbeat expires (dead_after_s). Left waiting, it would reach the retry after the others'
         grace window and be left out of a round it was ready for."""
-        def check() -> None:
-            self.rounds.guard(self.round)  # our deleted values back, while the peers may still read them
-            dead = self.liveness.dead_among(decision.members)
-            if dead:
-                raise MemberLost(f"sites {sorted(dead)} stopped responding")
-            if self.rounds.verdict(self.round, attempt) == "abort":
-                raise MemberLost("another member aborted this attempt")
-
-        self.watch.current = "the members (forming the group)"
-        return self.watch.run(work, f"round {self.round} exchange", check)
+        self.rounds.guard(self.round)  # our deleted values back, while the peers may still read them
+        dead = self.liveness.dead_among(decision.members)
+        if dead:
+            raise MemberLost(f"sites {sorted(dead)} stopped responding")
+        if self.rounds.verdict(self.round, attempt) == "abort":
+            raise MemberLost("another member aborted this attempt")
 
     def _commit(self, decision: Decision, attempt: int) -> None:
         self.fresh, self.members = False, decision.members

@@ -15,7 +15,8 @@ over the sites on this rank's global group (comm/reduce.py), applied by the oute
 copy, which is copied back into the local shard. Every site receives the same all-reduce bytes and
 runs the same CPU arithmetic, so all end identical. `sync` asks the membership for the round's
 attempts (fixed: one; elastic: retried in new generations, or the round skipped) and applies the
-average of the attempt that commits; it hands the membership nothing but the work of the exchange.
+average of the attempt that commits: it asks each attempt for the round's group and averages on
+it itself (`reduce`, watched by the group), handing the membership no work of its own.
 
 The overlapped outer step (`diloco.overlap = true`): a one-step-delayed outer update, as in
 Streaming DiLoCo's overlapped communication (Douillard et al. 2025, arXiv 2501.18512, Sec. 2.3,
@@ -274,14 +275,16 @@ class DiLoCo:
             mine, stats = self.contribution(grads if attempt.contributes else None, tokens, attempt.averages)
             preparing += time.perf_counter() - t2
             with attempt:  # where a round may retry, a failure in here fails this attempt only
-                result = attempt.exchange(partial(self.reduce, mine, stats) if attempt.averages else lambda group: None)
+                group = attempt.group()  # elastic: formed now, the run's state handed to members lacking it
+                result = self.reduce(mine, stats, group) if attempt.averages else None
             if not attempt.commit():
                 continue
             comm_s = waited + time.perf_counter() - t1 - preparing
-            if result is None:  # the round handed the run's state over: the local shard takes it
+            if not attempt.averages:  # the round handed the run's state over: the local shard takes it
                 with self.parts("h2d"):
                     self.copy.to_local()
                 return None
+            assert result is not None, "an attempt that averages commits only once its average is in"
             for part, seconds in result.timings.items():
                 self.parts.add(part, seconds)
             self._apply(mine, result, into_local=True)
@@ -329,16 +332,18 @@ class DiLoCo:
         return self.copy.pseudo_gradient(self.parts, fresh=self.cfg.overlap)
 
     def reduce(self, grads: list[torch.Tensor], stats: SiteStats, group: GlobalGroup | None = None) -> ReduceResult:
-        """The average of `grads` over the sites, in place. Its memory is lent: an exchange that raises
-        or is abandoned by its watcher keeps it (a posted receive or the abandoned thread may still
-        write into it), and the next one starts from fresh memory; one that completes gives it back."""
+        """The average of `grads` over the sites, in place, on a helper thread the group watches (its
+        timeout, the peer it waits for named; elastic: also a member seen dead or the attempt
+        aborted). Its memory is lent: an exchange that raises or is abandoned by its watcher keeps it
+        (a posted receive or the abandoned thread may still write into it), and the next one starts
+        from fresh memory; one that completes gives it back."""
+        group = group or self.group
         if self.cfg.log_checksum and not stats.abstain:  # compared across sites by the reduce itself
             stats = replace(stats, crc=float(self.digest48(group)))
-        piece_bytes = int(self.cfg.piece_mb * 2**20)
         arena, self.arena, self.last_reduce = self.arena, Arena(), None
-        result = reduce_across_sites(grads, stats, group or self.group, self.cfg.comm_dtype, piece_bytes,
-                                     self.error_feedback, self.cfg.outlier_factor,
-                                     weight_by_tokens=self.cfg.round_seconds > 0, arena=arena)
+        result = group.watched(partial(reduce_across_sites, grads, stats, group, self.cfg.comm_dtype,
+                                       int(self.cfg.piece_mb * 2**20), self.error_feedback, self.cfg.outlier_factor,
+                                       weight_by_tokens=self.cfg.round_seconds > 0, arena=arena), "outer all-reduce")
         self.arena, self.last_reduce = arena, result
         if self.membership.may_retry:
             self.spare = flat_base(grads)  # the `_retry_copy` vector (None for an abstainer's zeros)
@@ -347,7 +352,7 @@ class DiLoCo:
     def _retry_copy(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """A copy of `grads` for one attempt to consume: a retried attempt starts again from the originals.
         Into the vector the last completed exchange gave back (fresh memory costs a page fault per
-        4 KB: it doubled the elastic outer step), else a new one."""
+        4 KB: docs/results/outer_step.md, "Elastic rounds"), else a new one."""
         spare, self.spare = self.spare, None
         numel = sum(g.numel() for g in grads)
         if spare is None or spare.numel() != numel:

@@ -125,7 +125,7 @@ class Overlap:
     def _move_to_estimate(self, fresh: list[torch.Tensor], weight: float) -> None:
         """Eager rules, step 5: local <- the outer step previewed on weight x this site's d_k. In reused
         scratch memory (or straight into a host fp32 shard): a fresh temporary per operation was a page
-        fault per 4 KB, most of the overlapped boundary's time."""
+        fault per 4 KB, most of the overlapped boundary's time (docs/results/outer_step.md)."""
         for t, o, d in zip(self.local, self.copy.tensors, fresh):
             est = torch.mul(d, weight, out=self.scratch.take(0, o)) if weight != 1.0 else d
             out = t if in_place_ok(t, o) else self.scratch.take(1, o)

@@ -127,7 +127,7 @@ class EtcdStore(dist.Store):
         retry_s: float = 30.0,
     ) -> None:
         # request_timeout bounds one HTTP request. While raft has no leader a live follower holds
-        # requests, so after the leader dies the first write takes about this long (measured 1.0 s);
+        # requests, so after the leader dies the first write takes about this long (docs/results/store.md);
         # much lower would retry spuriously over slow WAN links. retry_s: how long to keep failing
         # over before declaring the cluster down (a majority lost).
         super().__init__()  # required by the pybind trampoline

@@ -1,9 +1,10 @@
 """The store's public port: nothing reaches the c10d TCPStore before it proves it holds the run's secret.
 
-Measured on torch 2.13 (libuv server, tests/integration/test_hangs.py): 100 idle TCP connections delay a new
-client by ~9 s, and 300 or more keep every new client out (its connect/validate hangs past its own
-timeout), even after the idle connections are closed. The server has no setting for this, so the
-real store listens on an ephemeral loopback port and this guard owns the public one.
+Idle TCP connections to c10d's TCPStore server (libuv) hold up every new client, for longer the
+more there are, until they close: a stranger who opens a few hundred can keep a site's client
+past its own timeout (docs/results/store.md, from scripts/bench_store.py). The server has no
+setting for this, so the real store listens on an ephemeral loopback port and this guard owns the
+public one.
 
 With a run secret (`--auth`, the key on stdin; zeroband/store/client.py derives it):
 

@@ -9,8 +9,8 @@ runs over the store, under the generation's own (fresh) prefix P:
        HMAC-SHA256(K, "zeroband-admit-v1" | P | i | j | N_i | N_j | sha256(F_i)),
    with K = scrypt(secret, salt = label | P). The secret never leaves the process; the proofs are
    bound to both nonces and the prefix, so proofs recorded in an earlier generation (or copied from
-   another site's slot) do not verify. scrypt makes each offline guess at the secret cost ~50 ms
-   and 16 MiB, and a secret shorter than 16 bytes is refused (trust/secret.py);
+   another site's slot) do not verify. scrypt makes each offline guess at the secret cost 16 MiB
+   and its time (benchmarks/kernels.md), and a secret shorter than 16 bytes is refused (trust/secret.py);
 3. every site reads all proofs, which are public, and checks every pair. Since all honest sites
    hold the same key and read the same write-once values, they reach the same verdict (`decide`);
 4. the admitted members key this group's messages for this incarnation only: K_s from every

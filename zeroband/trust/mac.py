@@ -199,8 +199,8 @@ def replica_digest(tensors: list[torch.Tensor], key: bytes | None) -> bytes:
     Sites compare it to prove they hold the same bytes. Unlike CRC32 nobody without the key can
     choose a change that keeps it, and unlike GMAC it has no nonce, so the same key may digest every
     replica check of the run (it stays stable across incarnations, like the `outer_crc` metric
-    that chaos runs compare). SHA-256 runs ~1.6 GB/s on one core with SHA extensions: these checks
-    run at the start, at hand-overs, and per step only with `diloco.log_checksum`."""
+    that chaos runs compare). It reads every byte once (its rate on one core: benchmarks/kernels.md),
+    so these checks run at the start, at hand-overs, and per step only with `diloco.log_checksum`."""
     h = hmac.new(key or PUBLIC_DIGEST_KEY, DIGEST_LABEL, hashlib.sha256)
     for t in tensors:
         view = t.detach().to("cpu").contiguous().view(torch.uint8).reshape(-1).numpy()

@@ -10,8 +10,8 @@ trust/signed.py), checkpoint signatures (checkpoint.py).
 
 A `RunSecret` never shows its value: its repr and str say only where it came from, it refuses to be
 pickled (so it cannot reach a config dump, a metrics file or a child's argv by accident), and
-`derive(label)` is the only way to use it: scrypt with the label as salt (~50 ms and 16 MiB per
-guess at the secret), computed once per label and process.
+`derive(label)` is the only way to use it: scrypt with the label as salt (n = 2^14, r = 8: 16 MiB
+per guess at the secret; its time: benchmarks/kernels.md), computed once per label and process.
 """
 
 from __future__ import annotations

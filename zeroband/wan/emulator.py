@@ -16,9 +16,8 @@ Packet paths, by backend (`backend="auto"` picks the first that can emulate the 
   file descriptor in one forwarder process (`zeroband.wan.forwarder`): site A's stack -> tbf on
   A's `wan0` (rate cap of A's uplink) -> forwarder (loss, then a heap releasing packets at
   now + D +- J, order kept per link) -> write into B's TUN -> B's stack. The forwarder is
-  user-space Python, one packet per system call: measured 4-6 Gbit/s at MTU 9000 on this 2-core
-  machine, 1.6 Gbit/s through 200 ms of delay on 16 streams (benchmarks/wan.md, "Emulator
-  ceiling"); at MTU 1500 six times the packets per byte, so keep the MTU large for fast links.
+  user-space Python, one packet per system call, so it has a ceiling of its own (benchmarks/wan.md,
+  "Emulator ceiling"); at MTU 1500 six times the packets per byte, so keep the MTU large for fast links.
 
 In all cases the rate limit is per site egress: each site's uplink is capped at `rate_mbit`.
 Teardown (normal exit, exception, SIGINT, SIGTERM) stops the forwarder, which destroys the TUN
