@@ -291,7 +291,8 @@ def agreed_checkpoint(run: Run, found: ckpt.CheckpointInfo | None) -> ckpt.Check
     offer = verified_steps(run, found)
     # its prefix is this start's own (mesh.py): old offers are never read. Sites of different shapes:
     # every lane's group agrees (each rank talks on all of its lanes, in the run's lane order)
-    for group in [g for _, g in run.topology.lanes] or [run.group]:
+    groups: list[GlobalGroup | None] = [g for _, g in run.topology.lanes] or [run.group]
+    for group in groups:
         prefix = group.prefix if group else f"zeroband/{run.cfg.name}/shard{world.rank}/"
         step = agree_resume(store, prefix, world.site_rank, world.site_count, offer, run.cfg.sites.timeout_s,
                             group.auth.subkey("resume") if group else None)
