@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ from zeroband.optim import build_optimizer, build_scheduler, hyperparameters_kep
 from zeroband.outer.base import NoOuter, Outer
 from zeroband.outer.data_parallel import CrossSiteDataParallel
 from zeroband.outer.diloco import DiLoCo
+from zeroband.outer.lanes import reshard_rank_state
 from zeroband.parallelize import build_model
 from zeroband.resume_rules import ConfigChange, config_changes, refusal
 from zeroband.rundir import retire_previous_run, run_dir_lock
@@ -230,7 +232,7 @@ def resume_or_start(run: Run) -> ckpt.CheckpointInfo | None:
                                                           run.topology.secret, run.cfg.checkpoint.allow_unsigned))
     if found is not None:
         run.changes = resume_changes(run, found)
-        ckpt.check_compatible(found, checkpoint_meta(run.cfg), run.world.ranks_per_site)
+        ckpt.check_compatible(found, checkpoint_meta(run.cfg), run.world.ranks_per_site, reshardable(run.cfg))
         load_state(run, found, run.stateful)
         log.info("resumed from %s (step %d)", found.path, run.progress.step)
     run.run_id = (found and found.manifest.get("run_id")) or site_agreed(ckpt.new_run_id())
@@ -255,8 +257,14 @@ def resume_changes(run: Run, found: ckpt.CheckpointInfo) -> list[ConfigChange]:
 
 def load_state(run: Run, found: ckpt.CheckpointInfo, stateful: dict[str, Any]) -> None:
     """A checkpoint's state under this run's optimizer settings and schedule (optim.hyperparameters_kept)."""
+    reshard = partial(reshard_rank_state, ranks=run.world.ranks_per_site, rank=run.world.rank)
     with hyperparameters_kept(run.optimizer, run.scheduler):
-        ckpt.load_checkpoint(found, run.model, run.optimizer, stateful)
+        ckpt.load_checkpoint(found, run.model, run.optimizer, stateful, reshard if reshardable(run.cfg) else None)
+
+
+def reshardable(cfg: Config) -> bool:
+    """A fixed DiLoCo run may resume with another rank count per site (sites of different shapes)."""
+    return cfg.diloco is not None and not cfg.diloco.elastic and cfg.diloco.mode == "diloco"
 
 
 def record_start(run: Run, fresh: bool) -> None:

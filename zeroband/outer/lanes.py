@@ -14,11 +14,12 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 import torch
 
 from zeroband.comm.group import GlobalGroup, digest48
-from zeroband.comm.layout import Lane, lanes, local_slices, shard_range
+from zeroband.comm.layout import Lane, lanes, local_slices, rows_of, shard_range
 from zeroband.comm.reduce import ReduceResult, SiteStats
 from zeroband.mesh import Topology
 from zeroband.trust.mac import NO_AUTH
@@ -108,3 +109,36 @@ def combine(results: list[ReduceResult]) -> ReduceResult:
         sumsq=None if any(s is None for s in sumsqs) else sum(s for s in sumsqs if s is not None),
         exclusions=exclusions)
 
+
+
+# ---------------------------------------------------------------------------------- a site changes shape
+def reshard_rows(parts: list[torch.Tensor], ranks: int, rank: int) -> torch.Tensor:
+    """The rows `rank` of `ranks` holds (FSDP2's dim-0 chunk) of the tensor whose row blocks, in rank
+    order, are `parts` (a 0-d tensor is whole on every rank)."""
+    if parts[0].dim() == 0:
+        return parts[0]
+    full = torch.cat(parts)
+    start, stop = rows_of(full.shape[0], ranks, rank)
+    return full[start:stop].clone()
+
+
+def reshard_outer_state(states: list[dict[str, Any]], ranks: int, rank: int) -> dict[str, Any]:
+    """DiLoCo's state (outer copy, outer optimizer state) for `rank` of `ranks`, from the states every
+    rank of a site of len(states) ranks saved: the same rows, cut where the new sharding cuts. The
+    quantisation residual is per piece of the old layout: it starts again empty."""
+    first = dict(states[0])
+    first["outer"] = [reshard_rows([s["outer"][i] for s in states], ranks, rank) for i in range(len(first["outer"]))]
+    optimizer = first["optimizer"]
+    new = {key: {k: reshard_rows([s["optimizer"]["state"][key][k] for s in states], ranks, rank)
+                 if isinstance(v, torch.Tensor) else v for k, v in per.items()}
+           for key, per in optimizer["state"].items()}
+    first["optimizer"] = {**optimizer, "state": new}
+    first["error_feedback"] = {} if first.get("error_feedback") is not None else None
+    return first
+
+
+def reshard_rank_state(name: str, states: list[Any], ranks: int, rank: int) -> Any:
+    """A per-rank checkpoint entry for `rank` of `ranks` from every saved rank's (checkpoint.load_checkpoint's
+    `reshard`): the outer state resharded; the rest is the site's own, alike on every rank of a run of
+    sites of different shapes (data: the site's stream, data/loader.py SiteShare), so rank 0's."""
+    return reshard_outer_state(states, ranks, rank) if name == "outer" else states[0]
