@@ -91,3 +91,30 @@ def test_pieces_cut_only_where_some_site_cuts() -> None:
     cuts = {(p.param, p.start) for p in pieces([(6, 2)], [2, 3])}
     assert cuts == {(0, 0), (0, 4), (0, 6), (0, 8)}  # 2 ranks cut at row 3, 3 ranks at rows 2 and 4
     assert list(itertools.chain.from_iterable(p.owners for p in pieces([(6, 2)], [2, 3]))) == [0, 0, 0, 1, 1, 1, 1, 2]
+
+
+@pytest.mark.parametrize("old, new", [(2, 1), (1, 2), (2, 3), (3, 2)])
+def test_outer_state_reshards_to_another_rank_count(old: int, new: int) -> None:
+    """A site that comes back with another rank count: each new rank holds exactly its FSDP2 rows of
+    the outer copy and momentum the old ranks saved; step counts and plain values stay as they were."""
+    from zeroband.outer.lanes import reshard_outer_state, reshard_rank_state
+
+    full = [torch.randn(s) for s in SHAPES]
+    moms = [torch.randn(s) for s in SHAPES]
+
+    def rows(t: torch.Tensor, ranks: int, r: int) -> torch.Tensor:
+        return t.reshape(-1)[slice(*shard_range(tuple(t.shape), ranks, r))].view(-1, *t.shape[1:])
+
+    def saved(r: int) -> dict:
+        state = {i: {"momentum_buffer": rows(m, old, r), "step": torch.tensor(3.0)} for i, m in enumerate(moms)}
+        return {"outer": [rows(f, old, r) for f in full], "outer_step": 3, "error_feedback": {0: torch.ones(2)},
+                "optimizer": {"state": state, "param_groups": [{"lr": 0.7}]}, "clock": {"rounds": 3}}
+
+    states = [saved(r) for r in range(old)]
+    for r in range(new):
+        got = reshard_outer_state(states, new, r)
+        assert all(torch.equal(g, rows(f, new, r)) for g, f in zip(got["outer"], full))
+        assert all(torch.equal(got["optimizer"]["state"][i]["momentum_buffer"], rows(m, new, r)) for i, m in enumerate(moms))
+        assert got["optimizer"]["state"][0]["step"].item() == 3.0 and got["optimizer"]["param_groups"] == [{"lr": 0.7}]
+        assert got["outer_step"] == 3 and got["clock"] == {"rounds": 3} and got["error_feedback"] == {}
+        assert reshard_rank_state("data", [{"epoch": 1}] * old, new, r) == {"epoch": 1}
