@@ -2,7 +2,8 @@
 
     zeroband data                                  fetch the demo corpus, train its tokenizer
     zeroband train CONFIG [--nproc N] [--k v ...]  one site (torchrun when N > 1)
-    zeroband launch CONFIG --sites S --nproc W     S sites x W ranks on this machine (DiLoCo)
+    zeroband launch CONFIG --sites S --nproc W     S sites x W ranks on this machine (DiLoCo;
+                                                   --nproc 2,1,1: a rank count per site)
     zeroband export CONFIG [--checkpoint P] [--out DIR]   Hugging Face Llama directory
     zeroband plan [CONFIG | --params N ...] [--table]    predict WAN sync cost and utilisation
 """
