@@ -48,10 +48,11 @@ def _child(fn: Callable, env: dict[str, str], queue: Any, key: tuple[int, int], 
 
 
 def run_sites(
-    fn: Callable, sites: int, ranks: int, args: tuple = (), timeout: float = 120, env: dict | None = None,
+    fn: Callable, sites: int, ranks: int | list[int], args: tuple = (), timeout: float = 120, env: dict | None = None,
     allow_death: bool = False, site_env: dict[int, dict] | None = None, faults: str = "",
 ) -> dict:
-    """fn(*args) on `sites` x `ranks` forked processes; returns {(site, rank): result or Died}.
+    """fn(*args) on `sites` x `ranks` forked processes (`ranks`: one count, or one per site); returns
+    {(site, rank): result or Died}.
     `faults`: a zeroband.testing.faults schedule armed in every child (each keeps its own entries).
 
     Raises if a rank raised, hung past `timeout`, or (unless allow_death) died without reporting.
@@ -62,9 +63,10 @@ def run_sites(
     procs = []
     for site in range(sites):
         master_port = free_port()
-        for rank in range(ranks):
+        site_ranks = ranks if isinstance(ranks, int) else ranks[site]
+        for rank in range(site_ranks):
             child_env = {
-                "RANK": str(rank), "WORLD_SIZE": str(ranks), "LOCAL_RANK": str(rank),
+                "RANK": str(rank), "WORLD_SIZE": str(site_ranks), "LOCAL_RANK": str(rank),
                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port),
                 "ZEROBAND_SITE_RANK": str(site), "ZEROBAND_SITE_COUNT": str(sites),
                 "ZEROBAND_TEST_STORE": f"tcp://127.0.0.1:{store_port}", "OMP_NUM_THREADS": "1",

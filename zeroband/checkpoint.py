@@ -44,6 +44,7 @@ import shutil
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, cast
@@ -373,8 +374,9 @@ def _into_old(root: Path, paths: list[Path]) -> Path:
     return dest
 
 
-def check_compatible(info: CheckpointInfo, meta: dict[str, Any], world_size: int) -> None:
-    """Refuse a checkpoint of another model shape or batch geometry, saying what differs."""
+def check_compatible(info: CheckpointInfo, meta: dict[str, Any], world_size: int, reshardable: bool = False) -> None:
+    """Refuse a checkpoint of another model shape or batch geometry, saying what differs.
+    `reshardable`: the run can take another rank count's per-rank state (`load_checkpoint`'s `reshard`)."""
     theirs, ours = info.manifest.get("model", {}), meta.get("model", {})
     diffs = [f"model.{k}: checkpoint {theirs.get(k)!r} vs config {ours.get(k)!r}" for k in ours if theirs.get(k) != ours.get(k)]
     if diffs:
@@ -382,7 +384,7 @@ def check_compatible(info: CheckpointInfo, meta: dict[str, Any], world_size: int
             f"{info.path} was written for a different model ({'; '.join(diffs)}). Fix: use the config it was "
             "trained with, or start fresh with --checkpoint.resume none"
         )
-    if info.manifest["world_size"] != world_size:
+    if info.manifest["world_size"] != world_size and not reshardable:
         raise CheckpointError(
             f"{info.path} was written by {info.manifest['world_size']} ranks per site, this run has {world_size}; "
             "per-rank data positions and outer states need the same rank count. Restart with "
@@ -462,6 +464,14 @@ def _first_failure(e: CheckpointException, path: Path) -> CheckpointError:
     return CheckpointError(f"{path}: DCP could not read it ({type(exc).__name__}: {first})")
 
 
+def _rank_state(rank_file: Path) -> dict[str, Any]:
+    try:  # numpy arrays: the RNG state of checkpoints written before it was stored as tensors
+        with torch.serialization.safe_globals(_NUMPY_ARRAYS):
+            return torch.load(rank_file, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(f"{rank_file} {_not_plain_data(e)}") from None
+
+
 def dcp_load(state: dict[str, Any], path: Path, no_dist: bool = False) -> None:
     """dcp.load without pickle's power (see the module doc); whatever fails is one CheckpointError line."""
     with open(path / ".metadata", "rb") as f:  # checked here too: inside dcp.load the error loses its message
@@ -483,18 +493,23 @@ _NUMPY_ARRAYS = [np._core.multiarray._reconstruct,  # type: ignore[attr-defined]
 
 
 def load_checkpoint(
-    info: CheckpointInfo, model: torch.nn.Module, optimizer: torch.optim.Optimizer, extras: dict[str, Stateful]
+    info: CheckpointInfo, model: torch.nn.Module, optimizer: torch.optim.Optimizer, extras: dict[str, Stateful],
+    reshard: Callable[[str, list[Any]], Any] | None = None,
 ) -> None:
+    """DCP reshards the model and inner optimizer by itself. The per-rank files of a checkpoint written
+    by another rank count go through `reshard(name, [every saved rank's state of name])` (sites of
+    different shapes whose shape changed: check_compatible(reshardable=True))."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
     dcp_load(state, info.path / "dcp")
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    rank_file = info.path / f"rank_{dist.get_rank():05d}.pt"
-    try:  # numpy arrays: the RNG state of checkpoints written before it was stored as tensors
-        with torch.serialization.safe_globals(_NUMPY_ARRAYS):
-            own = torch.load(rank_file, weights_only=True)
-    except pickle.UnpicklingError as e:
-        raise CheckpointError(f"{rank_file} {_not_plain_data(e)}") from None
+    saved, rank = info.manifest["world_size"], dist.get_rank()
+    if saved == dist.get_world_size() or reshard is None:
+        own = _rank_state(info.path / f"rank_{rank:05d}.pt")
+    else:
+        states = [_rank_state(info.path / f"rank_{r:05d}.pt") for r in range(saved)]
+        own = {name: reshard(name, [s[name] for s in states]) for name in states[0] if name != "rng"}
+        own["rng"] = states[min(rank, saved - 1)]["rng"]
     for name, obj in extras.items():
         obj.load_state_dict(own[name])
     set_rng_state(own["rng"])

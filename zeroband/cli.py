@@ -2,7 +2,8 @@
 
     zeroband data                                  fetch the demo corpus, train its tokenizer
     zeroband train CONFIG [--nproc N] [--k v ...]  one site (torchrun when N > 1)
-    zeroband launch CONFIG --sites S --nproc W     S sites x W ranks on this machine (DiLoCo)
+    zeroband launch CONFIG --sites S --nproc W     S sites x W ranks on this machine (DiLoCo;
+                                                   --nproc 2,1,1: a rank count per site)
     zeroband export CONFIG [--checkpoint P] [--out DIR]   Hugging Face Llama directory
     zeroband plan [CONFIG | --params N ...] [--table]    predict WAN sync cost and utilisation
 """
@@ -58,9 +59,20 @@ def _cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
     return train_main([args.config, *rest])
 
 
+def _rank_counts(text: str) -> int | list[int]:
+    """`--nproc`: one rank count (every site), or one per site as `2,1,1`."""
+    try:
+        counts = [int(c) for c in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a rank count or comma-separated counts (e.g. 2 or 2,1,1)") from None
+    return counts[0] if len(counts) == 1 else counts
+
+
 def _cmd_launch(args: argparse.Namespace, rest: list[str]) -> int:
     from zeroband.rundir import run_dir_lock
-    from zeroband.tools.launch import site_identity
+    from zeroband.tools.launch import ranks_of, site_identity
+
+    ranks_of(args.nproc, args.sites)  # a count per site that does not fit: one line, before anything starts
 
     cfg = load_config(args.config, rest + site_identity(0, args.sites))
     if cfg.diloco is None:
@@ -92,7 +104,8 @@ def _launch_locked(args: argparse.Namespace, rest: list[str], cfg: Config, log_d
         print("zeroband launch: WARNING: sites.insecure = true: cross-site messages are NOT authenticated; anyone "
               "who can reach the store or the sites' ports can join the run or forge its messages", file=sys.stderr)
     policy = SupervisePolicy.from_config(cfg)
-    print(f"starting {args.sites} sites x {args.nproc} ranks; logs in {log_dir}/"
+    shape = f"x {args.nproc}" if isinstance(args.nproc, int) else f"of {','.join(map(str, args.nproc))}"
+    print(f"starting {args.sites} sites {shape} ranks; logs in {log_dir}/"
           + (f"; secret: this run's own, in {secret_file} (mode 0600)" if secret_file else ""), flush=True)
     wan = WanLink.parse(args.wan) if args.wan else None
     try:
@@ -112,7 +125,7 @@ def _launch_locked(args: argparse.Namespace, rest: list[str], cfg: Config, log_d
     print(json.dumps(summary, indent=1))
     s0 = summary["site0"]
     print(
-        f"\nDiLoCo {args.sites} sites x {args.nproc} ranks: val ppl {s0.get('val_ppl', float('nan')):.2f} "
+        f"\nDiLoCo {args.sites} sites {shape} ranks: val ppl {s0.get('val_ppl', float('nan')):.2f} "
         f"(bpb {s0.get('val_bpb', float('nan')):.3f}), {s0.get('outer_steps', 0)} outer steps, "
         f"{s0.get('payload_bytes_per_outer_step', 0) / 1e6:.2f} MB payload per outer step per rank, "
         f"compute utilisation {s0.get('compute_utilisation', 0):.1%}" + (f"; loss plot {plot}" if plot else "")
@@ -202,7 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("launch", help="run S DiLoCo sites x W ranks on this machine, one torchrun per site")
     p.add_argument("config")
     p.add_argument("--sites", type=int, default=2)
-    p.add_argument("--nproc", type=int, default=1)
+    p.add_argument("--nproc", type=_rank_counts, default=1, metavar="W or W0,W1,...",
+                   help="ranks per site: one count for all, or one per site (sites of different shapes)")
     p.add_argument("--timeout", type=float, default=None, help="seconds before the sites are stopped")
     p.add_argument("--wan", default=None, metavar="rate=100,delay=50,loss=0",
                    help="put each site in its own network namespace behind an emulated link (root)")

@@ -21,10 +21,12 @@ SHARED_SITES_KEYS = {"site_count", "backend", "streams", "probe_s"}  # probe_s: 
 def run_fingerprint(cfg: Config, tokenizer: TextTokenizer, ranks_per_site: int) -> dict[str, str]:
     """Every setting that must match across sites, as flat `key -> value` (a mismatch names the key).
     Batch sizes may differ (a slower site trains on less); model, optimiser, schedule, outer
-    settings, wire format, rank count, tokenizer and data may not."""
+    settings, wire format, tokenizer and data may not. The rank count may differ in a fixed DiLoCo run
+    (sites of different shapes exchange per lane: comm/layout.py), not in an elastic or data-parallel one."""
+    shapes_may_differ = cfg.diloco is not None and not cfg.diloco.elastic and cfg.diloco.mode == "diloco"
     return flatten_fingerprint({
         "model": cfg.model.model_dump(exclude={"init_from", "preset"}), "optim": cfg.optim.model_dump(),
-        "ranks_per_site": ranks_per_site,
+        "ranks_per_site": "any" if shapes_may_differ else ranks_per_site,
         "train": cfg.train.model_dump(include={"steps", "seed", "mixed_precision"}),
         "tokenizer": {"vocab": tokenizer.vocab_size, "sha256": tree_sha256(cfg.data.tokenizer)},
         "data": cfg.data.model_dump(include={"hub_name", "text_field", "seq_len", "shuffle_seed", "val_fraction"})

@@ -6,11 +6,14 @@
 - the **global group** (zeroband/comm/group.py): rank i of every site, built from the
   coordination store; only these groups cross the WAN. A fixed run has one for the whole run
   (`fixed_global_group`), handed to its outer method; an elastic membership builds one per generation.
+  Sites of different shapes (issue 26) have one group per lane instead (zeroband/comm/layout.py):
+  `Topology.lanes`, the first of which is the group handed on.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -27,11 +30,12 @@ from zeroband.comm.group import (
     new_global_group,
     rendezvous,
 )
+from zeroband.comm.layout import Lane, my_lanes, uniform
 from zeroband.comm.link import LinkPolicy
 from zeroband.store.client import open_store
 from zeroband.trust.mac import WireAuth
 from zeroband.trust.secret import RunSecret
-from zeroband.trust.signed import KeepingStore, Ledger, Republisher
+from zeroband.trust.signed import KeepingStore, Ledger, Republisher, SignedStore, exchange
 from zeroband.world import World
 
 __all__ = ["OPEN", "SECRET", "GlobalGroup", "Topology", "admission_mark", "fixed_global_group", "init_site_group",
@@ -46,6 +50,9 @@ class Topology:
     secret: RunSecret | None = None  # the run's shared secret, resolved once (None: one site, or sites.insecure)
     timeout_s: float = 600.0  # sites.timeout_s: how long a cross-site wait may take
     fingerprint: dict[str, str] = field(default_factory=dict)  # settings every site must share (train.py)
+    site_ranks: list[int] = field(default_factory=list)  # every site's rank count, once shared (fixed runs)
+    # sites of different shapes: this rank's lanes and their groups, in the run's lane order (comm/layout.py)
+    lanes: list[tuple[Lane, GlobalGroup]] = field(default_factory=list)
 
     def site_all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> None:
         """Reduce over this site's ranks (a no-op with one rank)."""
@@ -88,16 +95,49 @@ def init_topology(
 
 
 def fixed_global_group(topology: Topology, run_name: str, backend: str = "gloo", mark: str = OPEN,
-                       policy: LinkPolicy | None = None) -> GlobalGroup:
-    """Rank i of every site for the whole run (fixed DiLoCo, cross-site data parallel), over the store."""
+                       policy: LinkPolicy | None = None, shapes: Callable[[], list[tuple[int, ...]]] | None = None) -> GlobalGroup:
+    """Rank i of every site for the whole run (fixed DiLoCo, cross-site data parallel), over the store.
+    With `shapes` (the model's parameter shapes), the sites first share their rank counts: where they
+    differ, this rank's lane groups go to `topology.lanes` and the first of them is returned."""
+    if shapes is not None:
+        topology.site_ranks = share_site_ranks(topology, run_name)
+        if not uniform(topology.site_ranks):
+            world = topology.world
+            for lane in my_lanes(shapes(), topology.site_ranks, world.site_rank, world.rank):
+                topology.lanes.append((lane, _lane_group(topology, run_name, lane.name(), backend, mark, policy)))
+            return topology.lanes[0][1]
+    return _lane_group(topology, run_name, f"shard{topology.world.rank}", backend, mark, policy)
+
+
+def _lane_group(topology: Topology, run_name: str, name: str, backend: str, mark: str, policy: LinkPolicy | None) -> GlobalGroup:
+    """The group `name` (`shard{r}`: rank r of every site) of every site, over the store."""
     world, timeout_s, store = topology.world, topology.timeout_s, topology.store
     assert store is not None, "a global group needs the coordination store (sites.store)"
     auth = WireAuth.from_secret(topology.secret, run_name)
     # a fresh prefix per start: a persistent store's keys of earlier starts are never read
-    prefix = incarnation_prefix(store, f"zeroband/{run_name}/shard{world.rank}/start/", world.site_rank,
+    prefix = incarnation_prefix(store, f"zeroband/{run_name}/{name}/start/", world.site_rank,
                                 world.site_count, timeout_s, auth.subkey("arrive"))
     return new_global_group(store, prefix, world.site_rank, world.site_count, timedelta(seconds=timeout_s),
                             backend, mark=mark, auth=auth, policy=policy)
+
+
+def share_site_ranks(topology: Topology, run_name: str) -> list[int]:
+    """Every site's rank count, in site order: rank 0 of each site publishes its own under this start's
+    fresh prefix (signed with the run's secret), reads the others' and hands the list to its site."""
+    world, timeout_s, store = topology.world, topology.timeout_s, topology.store
+    assert store is not None, "sharing site shapes needs the coordination store (sites.store)"
+    counts = torch.zeros(world.site_count, dtype=torch.int64, device=world.device)
+    if world.rank == 0:
+        auth = WireAuth.from_secret(topology.secret, run_name)
+        prefix = incarnation_prefix(store, f"zeroband/{run_name}/shapes/start/", world.site_rank, world.site_count,
+                                    timeout_s, auth.subkey("arrive"))
+        keys = {s: f"{prefix}ranks/{s}" for s in range(world.site_count)}
+        values = exchange(SignedStore(store, auth.subkey("shapes")), keys, world.site_rank, str(world.ranks_per_site),
+                          "sharing every site's rank count", timeout_s)
+        counts = torch.tensor([int(values[s] or b"0") for s in range(world.site_count)], device=world.device)
+    if world.ranks_per_site > 1:
+        dist.broadcast(counts, src=0)
+    return [int(c) for c in counts.tolist()]
 
 
 _republishers: list[Republisher] = []  # stopped at shutdown: no store call may outlive the store

@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from zeroband.checkpointer import Checkpointer, checkpoint_meta, sync_due
 from zeroband.comm.link import LinkPolicy
 from zeroband.config import Config, ConfigError, dump_config, load_config, warn_allow_unsigned
 from zeroband.data.ledger import SharedData
-from zeroband.data.loader import PackedBatches
+from zeroband.data.loader import PackedBatches, SiteShare
 from zeroband.data.tokenizer import TextTokenizer
 from zeroband.fingerprint import run_fingerprint
 from zeroband.membership.elastic import ElasticMembership
@@ -35,6 +36,7 @@ from zeroband.optim import build_optimizer, build_scheduler, hyperparameters_kep
 from zeroband.outer.base import NoOuter, Outer
 from zeroband.outer.data_parallel import CrossSiteDataParallel
 from zeroband.outer.diloco import DiLoCo
+from zeroband.outer.lanes import reshard_rank_state
 from zeroband.parallelize import build_model
 from zeroband.resume_rules import ConfigChange, config_changes, refusal
 from zeroband.rundir import retire_previous_run, run_dir_lock
@@ -104,6 +106,9 @@ def build_outer(cfg: Config, model: torch.nn.Module, topology: Topology, group: 
     if cfg.diloco is None:
         return NoOuter()
     if cfg.diloco.mode == "data_parallel":
+        if topology.lanes:
+            raise ConfigError(f"diloco.mode='data_parallel' needs every site to start the same number of ranks "
+                              f"(they have {topology.site_ranks}); use diloco.mode='diloco' to mix site shapes")
         assert group is not None, "cross-site data parallel runs on the fixed global group (open_topology)"
         return CrossSiteDataParallel(model, cfg.diloco, topology, group)
 
@@ -148,7 +153,14 @@ def open_topology(cfg: Config, world: World, secret: RunSecret | None) -> tuple[
                              keep_start_keys=False)  # see issue 23: the start Republisher can abort a launched site at exit
     if cfg.diloco.elastic:
         return topology, None
-    return topology, fixed_global_group(topology, cfg.name, s.backend, admission_mark(secret), LinkPolicy.of(s))
+    return topology, fixed_global_group(topology, cfg.name, s.backend, admission_mark(secret), LinkPolicy.of(s),
+                                        shapes=lambda: param_shapes(cfg))
+
+
+def param_shapes(cfg: Config) -> list[tuple[int, ...]]:
+    """The model's parameter shapes, in `parameters()` order (built on meta: no memory, no init)."""
+    with torch.device("meta"):
+        return [tuple(p.shape) for p in Llama(cfg.model).parameters()]
 
 
 @dataclass
@@ -194,7 +206,8 @@ def build_run(cfg: Config, world: World, topology: Topology, group: GlobalGroup 
     tokenizer = TextTokenizer.load(cfg.data.tokenizer)
     check_vocab(cfg, tokenizer)
     topology.fingerprint = run_fingerprint(cfg, tokenizer, world.ranks_per_site)
-    train_data = PackedBatches(cfg.data, tokenizer, world.dp_rank, world.dp_size, "train")
+    train_data = (SiteShare(cfg.data, tokenizer, world.site_rank, world.site_count, world.ranks_per_site, world.rank)
+                  if topology.lanes else PackedBatches(cfg.data, tokenizer, world.dp_rank, world.dp_size, "train"))
     # Validation is sharded over the site's ranks only, so every site scores the same documents.
     val_data = PackedBatches(cfg.data, tokenizer, world.rank, world.ranks_per_site, "val")
     eval_set = val_data.val_batches(cfg.eval.batches, cfg.train.micro_batch)
@@ -220,7 +233,7 @@ def resume_or_start(run: Run) -> ckpt.CheckpointInfo | None:
                                                           run.topology.secret, run.cfg.checkpoint.allow_unsigned))
     if found is not None:
         run.changes = resume_changes(run, found)
-        ckpt.check_compatible(found, checkpoint_meta(run.cfg), run.world.ranks_per_site)
+        ckpt.check_compatible(found, checkpoint_meta(run.cfg), run.world.ranks_per_site, reshardable(run.cfg))
         load_state(run, found, run.stateful)
         log.info("resumed from %s (step %d)", found.path, run.progress.step)
     run.run_id = (found and found.manifest.get("run_id")) or site_agreed(ckpt.new_run_id())
@@ -245,8 +258,14 @@ def resume_changes(run: Run, found: ckpt.CheckpointInfo) -> list[ConfigChange]:
 
 def load_state(run: Run, found: ckpt.CheckpointInfo, stateful: dict[str, Any]) -> None:
     """A checkpoint's state under this run's optimizer settings and schedule (optim.hyperparameters_kept)."""
+    reshard = partial(reshard_rank_state, ranks=run.world.ranks_per_site, rank=run.world.rank)
     with hyperparameters_kept(run.optimizer, run.scheduler):
-        ckpt.load_checkpoint(found, run.model, run.optimizer, stateful)
+        ckpt.load_checkpoint(found, run.model, run.optimizer, stateful, reshard if reshardable(run.cfg) else None)
+
+
+def reshardable(cfg: Config) -> bool:
+    """A fixed DiLoCo run may resume with another rank count per site (sites of different shapes)."""
+    return cfg.diloco is not None and not cfg.diloco.elastic and cfg.diloco.mode == "diloco"
 
 
 def record_start(run: Run, fresh: bool) -> None:
@@ -279,10 +298,13 @@ def agreed_checkpoint(run: Run, found: ckpt.CheckpointInfo | None) -> ckpt.Check
     if d is None or d.elastic or store is None:
         return found
     offer = verified_steps(run, found)
-    group = run.group  # its prefix is this start's own (mesh.py): old offers are never read
-    prefix = group.prefix if group else f"zeroband/{run.cfg.name}/shard{world.rank}/"
-    step = agree_resume(store, prefix, world.site_rank, world.site_count, offer, run.cfg.sites.timeout_s,
-                        group.auth.subkey("resume") if group else None)
+    # its prefix is this start's own (mesh.py): old offers are never read. Sites of different shapes:
+    # every lane's group agrees (each rank talks on all of its lanes, in the run's lane order)
+    groups: list[GlobalGroup | None] = [g for _, g in run.topology.lanes] or [run.group]
+    for group in groups:
+        prefix = group.prefix if group else f"zeroband/{run.cfg.name}/shard{world.rank}/"
+        step = agree_resume(store, prefix, world.site_rank, world.site_count, offer, run.cfg.sites.timeout_s,
+                            group.auth.subkey("resume") if group else None)
     if step is None or (found is not None and found.step == step):
         return found if step is not None else None
     path = next(p for p, s in ckpt.step_dirs(run.ckpt_root) if s == step)  # step_N, or step_N.old after a crash

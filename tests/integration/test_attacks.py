@@ -319,8 +319,6 @@ def _variant(corpus: dict, tmp: Path, what: str) -> tuple[dict, int]:
     if what in changes:
         section, key, value = changes[what]
         tree[section][key] = value
-    elif what == "ranks_per_site":
-        ranks = 2
     elif what == "tokenizer.sha256":  # same vocabulary size, another file
         copy = shutil.copytree(corpus["tokenizer"], tmp / "tok")
         (Path(copy) / "tokenizer_config.json").write_text((Path(copy) / "tokenizer_config.json").read_text() + "\n")
@@ -333,7 +331,7 @@ def _variant(corpus: dict, tmp: Path, what: str) -> tuple[dict, int]:
 
 
 MISMATCHES = ["model.n_layers", "model.rope_theta", "optim.lr", "optim.schedule", "diloco.outer_lr",
-              "diloco.inner_steps", "diloco.comm_dtype", "diloco.piece_mb", "ranks_per_site", "tokenizer.sha256",
+              "diloco.inner_steps", "diloco.comm_dtype", "diloco.piece_mb", "tokenizer.sha256",
               "data.files", "train.steps", "train.seed", "sites.backend"]
 
 

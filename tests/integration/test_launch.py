@@ -232,3 +232,25 @@ def test_a_second_launch_of_a_running_run_stops_before_touching_its_logs(corpus,
     [line] = [x for x in out.stderr.splitlines() if x.strip()]
     assert line.startswith(f"zeroband: {logs} is in use by another run: PID {os.getpid()} ("), line
     assert (logs / "site0.log").read_text() == "the running launch's log\n" and not (logs / "site1.log").exists()
+
+
+@pytest.mark.slow
+def test_launch_three_sites_of_different_shapes(corpus, tmp_path):
+    """`--nproc 2,1,1`: site 0 runs torchrun with 2 ranks, the others 1 (issue 26). Before: --nproc took
+    one integer. The sites' keyed digests agree after every outer step."""
+    tree = tiny_overrides(corpus, tmp_path, train={"steps": 4})
+    tree["diloco"] = {"inner_steps": 2, "log_checksum": True}
+    tree["sites"] = {"timeout_s": 60, "insecure": True}
+    config = _write(tree, tmp_path / "run.toml")
+    out = _zeroband("launch", config, "--sites", "3", "--nproc", "2,1,1", "--timeout", "100")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "DiLoCo 3 sites of 2,1,1 ranks: val ppl" in out.stdout
+    crcs = []
+    for site in range(3):
+        records = map(json.loads, (tmp_path / "t" / f"site{site}" / "metrics.jsonl").read_text().splitlines())
+        crcs.append([(r["step"], r["outer_crc"]) for r in records if r["kind"] == "outer"])
+    assert len(crcs[0]) == 2 and crcs[0] == crcs[1] == crcs[2]
+    bad = _zeroband("launch", config, "--sites", "3", "--nproc", "2,1")
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1] == (
+        "zeroband: --nproc 2,1 does not fit --sites 3: give one rank count for every site or 3 "
+        "comma-separated counts >= 1 (e.g. --nproc 1,1,1)")

@@ -96,3 +96,16 @@ def test_the_launcher_shows_the_settings_a_resume_changed():
            "changed": {"optim.lr": [0.0003, 0.0001]}}
     assert progress_line(json.dumps(rec)) == ("site 0 resumed at step 20 from runs/t/site0/checkpoints/step_000000020 "
                                               "(optim.lr: 0.0003 -> 0.0001 from here on)")
+
+
+def test_nproc_takes_one_count_or_one_per_site():
+    """`zeroband launch --nproc 2,1,1` (issue 26): a count per site; one count keeps meaning every site."""
+    from zeroband.cli import _rank_counts
+    from zeroband.config import ConfigError
+    from zeroband.tools.launch import ranks_of
+
+    assert _rank_counts("2") == 2 and _rank_counts("2,1,1") == [2, 1, 1]
+    assert ranks_of(2, 3) == [2, 2, 2] and ranks_of([2, 1, 1], 3) == [2, 1, 1]
+    for bad, sites in (([2, 1], 3), ([2, 0], 2), (0, 2)):
+        with pytest.raises(ConfigError, match=r"^--nproc .* does not fit --sites \d: give one rank count"):
+            ranks_of(bad, sites)

@@ -549,3 +549,19 @@ class PackedBatches:
             cursor.consumed, cursor.buffer = int(state["docs_consumed"]), [int(t) for t in state["buffer"]]
             cursor.docs = deque([int(x) for x in e] for e in state.get("docs", []))
             cursor.rowed, cursor.finished = bool(state.get("rowed", True)), int(state.get("finished", 0))
+
+
+class SiteShare(PackedBatches):
+    """One rank's share of its site's stream, for sites of different shapes (issue 26): every rank of
+    the site reads the stream a one-rank site `site_rank` of `site_count` reads, and keeps micro-batch
+    j of each group of `ranks` when j == rank. So the site trains on the same rows whatever its rank
+    count (a resume may change it), at the price of each rank tokenising the whole site's stream."""
+
+    def __init__(self, cfg: DataConfig, tokenizer: TextTokenizer, site_rank: int, site_count: int, ranks: int,
+                 rank: int) -> None:
+        super().__init__(cfg, tokenizer, site_rank, site_count, "train")
+        self.ranks, self.rank = ranks, rank
+
+    def next_batch(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        batches = [PackedBatches.next_batch(self, batch_size) for _ in range(self.ranks)]
+        return batches[self.rank]

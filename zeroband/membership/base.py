@@ -137,7 +137,9 @@ class FixedMembership:
         self.may_retry = False
 
     def start(self, resumed: bool) -> None:
-        agree_on_run(self.group, self.topology, self.timeout_s)
+        # sites of different shapes: every lane's group is admitted (its own session key), in the run's lane order
+        for group in [g for _, g in self.topology.lanes] or [self.group]:
+            agree_on_run(group, self.topology, self.timeout_s)
 
     @property
     def holds_state(self) -> bool:

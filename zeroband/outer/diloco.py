@@ -73,6 +73,7 @@ from zeroband.config import DilocoConfig
 from zeroband.membership.base import FixedMembership, Membership
 from zeroband.mesh import Topology
 from zeroband.outer.base import OuterStats, RoundClock
+from zeroband.outer.lanes import LaneSet
 from zeroband.outer.optimizer import OptimizerFactory, OuterSchedule, build_outer_optimizer
 from zeroband.outer.overlap import InFlight, Overlap
 from zeroband.outer.placement import OuterCopy, _views, outer_thread_count, torch_threads
@@ -89,10 +90,24 @@ def local_shard(param: torch.Tensor) -> torch.Tensor:
     return data.to_local() if isinstance(data, DTensor) else data
 
 
-def broadcast_from_site0(tensors: list[torch.Tensor], group: GlobalGroup, topology: Topology) -> None:
+def broadcast_from_site0(tensors: list[torch.Tensor], group: GlobalGroup, topology: Topology,
+                         lanes: LaneSet | None = None) -> None:
     """Every site takes site 0's tensors: one sealed message (trust/mac.py, under this incarnation's
     session key), opened before any value is used. A site that received it altered applies nothing,
-    and every site then stops with the same line (`refuse_if_any`), not just the one that saw it."""
+    and every site then stops with the same line (`refuse_if_any`), not just the one that saw it.
+    `lanes` (sites of different shapes): one message per lane, of the lane's pieces of `tensors`."""
+    parts = [(group, tensors)] if lanes is None else [(g, lanes.views(k, tensors)) for k, g in enumerate(lanes.groups)]
+    received = [_receive_from_site0(ts, g) for g, ts in parts]
+    refuse_if_any(not all(ok for _, ok in received), [g for g, _ in parts], topology, "initial broadcast", lambda sites: (
+        f"the parameters that sites {sites} received from site 0 failed authentication (altered on the way: "
+        "an on-path attacker or a corrupting link); no site applied them. Check the network path between the sites"))
+    for (_, ts), (flat, _) in zip(parts, received):
+        for t, v in zip(ts, _split(flat, ts)):
+            t.copy_(v.view_as(t))
+
+
+def _receive_from_site0(tensors: list[torch.Tensor], group: GlobalGroup) -> tuple[torch.Tensor, bool]:
+    """Site 0's `tensors` as one fp32 vector, and whether its seal verified (nothing applied yet)."""
     numel = sum(t.numel() for t in tensors)
     buf = torch.empty(4 * numel + group.auth.tag_bytes, dtype=torch.uint8)
     flat = buf[: 4 * numel].view(torch.float32)
@@ -107,12 +122,7 @@ def broadcast_from_site0(tensors: list[torch.Tensor], group: GlobalGroup, topolo
         except WireAuthError:
             return False
 
-    verified = group.watched(send, "initial broadcast")
-    refuse_if_any(not verified, group, topology, "initial broadcast", lambda sites: (
-        f"the parameters that sites {sites} received from site 0 failed authentication (altered on the way: "
-        "an on-path attacker or a corrupting link); no site applied them. Check the network path between the sites"))
-    for t, v in zip(tensors, _split(flat, tensors)):
-        t.copy_(v.view_as(t))
+    return flat, group.watched(send, "initial broadcast")
 
 
 def _split(flat: torch.Tensor, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -120,27 +130,33 @@ def _split(flat: torch.Tensor, tensors: list[torch.Tensor]) -> list[torch.Tensor
     return list(flat.split([t.numel() for t in tensors]))
 
 
-def refuse_if_any(bad: bool, group: GlobalGroup, topology: Topology, when: str,
+def refuse_if_any(bad: bool, group: GlobalGroup | list[GlobalGroup], topology: Topology, when: str,
                   why: Callable[[list[int]], str]) -> None:
-    """Every site says whether `bad` holds for it (on every shard's group); if it does anywhere,
-    every rank of every site raises the same TrustError, naming those sites."""
-    table = group.watched(lambda: group.gather_scalars([float(bad)]), f"agreeing on the {when}")[:, 0]
-    flags = table.to(topology.world.device)
+    """Every site says whether `bad` holds for it (on every shard's group, or every lane's); if it does
+    anywhere, every rank of every site raises the same TrustError, naming those sites."""
+    groups = group if isinstance(group, list) else [group]
+    tables = [g.watched(partial(g.gather_scalars, [float(bad)]), f"agreeing on the {when}")[:, 0] for g in groups]
+    flags = torch.stack(tables).amax(dim=0).to(topology.world.device)
     topology.site_all_reduce(flags, op=dist.ReduceOp.MAX)  # another rank's shard may be the one altered
     sites = [s for s, f in enumerate(flags.tolist()) if f]
     if sites:
         raise TrustError(f"{when}: {why(sites)}")
 
 
-def verify_identical(tensors: list[torch.Tensor], group: GlobalGroup, topology: Topology, when: str) -> None:
+def verify_identical(tensors: list[torch.Tensor], group: GlobalGroup, topology: Topology, when: str,
+                     per_lane: list[tuple[GlobalGroup, list[torch.Tensor]]] | None = None) -> None:
     """The keyed digest (trust/mac.py `replica_digest`, not CRC32: a linear checksum lets an attacker
-    choose a change that keeps it) of this rank's tensors must agree on every site and shard."""
-    table = group.watched(lambda: checksum_table(tensors, group), f"checksum after {when}")
-    mismatch = torch.tensor([float(len(set(table)) > 1)], device=topology.world.device)
+    choose a change that keeps it) of this rank's tensors must agree on every site and shard (or, for
+    sites of different shapes, `per_lane`: each lane's group and its pieces of the tensors)."""
+    tables = [g.watched(partial(checksum_table, ts, g), f"checksum after {when}")
+              for g, ts in per_lane or [(group, tensors)]]
+    differ = [t for t in tables if len(set(t)) > 1]
+    mismatch = torch.tensor([float(bool(differ))], device=topology.world.device)
     topology.site_all_reduce(mismatch, op=dist.ReduceOp.MAX)
     if mismatch.item():
         raise TrustError(
-            f"sites disagree after {when}: keyed digests of shard {topology.world.rank} per site are {table}"
+            f"sites disagree after {when}: keyed digests of shard {topology.world.rank} per site are "
+            f"{differ[0] if differ else tables[0]}"
         )
 
 
@@ -180,6 +196,9 @@ class DiLoCo:
             membership = FixedMembership(group, topology, topology.timeout_s)
         self.membership = membership
         self.local = [local_shard(p) for p in model.parameters()]
+        # sites of different shapes: the exchange runs per lane (zeroband/outer/lanes.py), else per shard
+        self.lanes = LaneSet(topology, self.local, [tuple(p.shape) for p in model.parameters()]) if topology.lanes else None
+        self.lane_arenas = [Arena() for _ in topology.lanes]
         self.copy = OuterCopy(self.local, cfg)
         self.outer, self.outer_device = self.copy.tensors, self.copy.device
         self.optimizer = build_outer_optimizer(self.copy, cfg, optimizer)  # zeroband/outer/optimizer.py
@@ -225,12 +244,13 @@ class DiLoCo:
             self.join()
             return
         if resumed:
-            verify_identical(self.checksum_tensors(), self.group, self.topology, "resume")
+            verify_identical(self.checksum_tensors(), self.group, self.topology, "resume", self._per_lane())
             return
-        broadcast_from_site0(self.local, self.group, self.topology)
+        broadcast_from_site0(self.local, self.group, self.topology, self.lanes)
         for o, t in zip(self.outer, self.local):
             o.copy_(t.detach())
-        verify_identical(self.outer, self.group, self.topology, "initial broadcast")
+        verify_identical(self.outer, self.group, self.topology, "initial broadcast",
+                         self._per_lane([[o] for o in self.outer]))
 
     def leave(self) -> None:
         self.membership.leave()
@@ -239,9 +259,24 @@ class DiLoCo:
         pass
 
     def digest48(self, group: GlobalGroup | None = None) -> int:
-        """48 bits of the keyed digest of the outer state (comm/group.py): the per-step replica check."""
+        """48 bits of the keyed digest of the outer state (comm/group.py): the per-step replica check.
+        Sites of different shapes: of the whole site's state (every lane's digest; a site collective)."""
+        if self.lanes is not None:
+            return self.lanes.site_digest(self.lanes.digests(self.per_param_state()), self.topology)
         group = group or self.membership.group  # none yet (elastic): unkeyed
         return digest48(self.checksum_tensors(), group.auth if group is not None else NO_AUTH)
+
+    def per_param_state(self) -> list[list[torch.Tensor]]:
+        """Each parameter's outer copy and outer optimizer state (what `checksum_tensors` holds, by parameter)."""
+        state = self.optimizer.optimizer.state
+        return [[o, *(v for v in state.get(o, {}).values() if isinstance(v, torch.Tensor))] for o in self.outer]
+
+    def _per_lane(self, per_param: list[list[torch.Tensor]] | None = None) -> list[tuple[GlobalGroup, list[torch.Tensor]]] | None:
+        """Each lane's group and its pieces of `per_param` (default: the whole outer state); None: equal shapes."""
+        if self.lanes is None:
+            return None
+        per_param = per_param or self.per_param_state()
+        return [(g, self.lanes.state_views(k, per_param)) for k, g in enumerate(self.lanes.groups)]
 
     def checksum_tensors(self) -> list[torch.Tensor]:
         return self.outer + self.optimizer.state_tensors()
@@ -338,6 +373,10 @@ class DiLoCo:
         (a posted receive or the abandoned thread may still write into it), and the next one starts
         from fresh memory; one that completes gives it back."""
         group = group or self.group
+        if self.lanes is not None:
+            crcs = self.lanes.digests(self.per_param_state()) if self.cfg.log_checksum and not stats.abstain else None
+            self.last_reduce = self.lanes.reduce(grads, stats, crcs, self._reduce_lane)
+            return self.last_reduce
         if self.cfg.log_checksum and not stats.abstain:  # compared across sites by the reduce itself
             stats = replace(stats, crc=float(self.digest48(group)))
         arena, self.arena, self.last_reduce = self.arena, Arena(), None
@@ -348,6 +387,14 @@ class DiLoCo:
         if self.membership.may_retry:
             self.spare = flat_base(grads)  # the `_retry_copy` vector (None for an abstainer's zeros)
         return result
+
+    def _reduce_lane(self, grads: list[torch.Tensor], stats: SiteStats, group: GlobalGroup,
+                     feedback: dict[int, torch.Tensor], k: int) -> ReduceResult:
+        """One lane's exchange: the equal-shape reduce of the lane's vector on its group (fixed runs only)."""
+        return group.watched(partial(reduce_across_sites, grads, stats, group, self.cfg.comm_dtype,
+                                     int(self.cfg.piece_mb * 2**20), feedback if self.error_feedback is not None else None,
+                                     self.cfg.outlier_factor, weight_by_tokens=self.cfg.round_seconds > 0,
+                                     arena=self.lane_arenas[k]), f"outer all-reduce, lane {k}")
 
     def _retry_copy(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """A copy of `grads` for one attempt to consume: a retried attempt starts again from the originals.

@@ -24,13 +24,23 @@ from pathlib import Path
 from typing import Any
 
 from zeroband import seams, torchrun
-from zeroband.config import Config, load_config
+from zeroband.config import Config, ConfigError, load_config
 
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def ranks_of(nproc: int | list[int], sites: int) -> list[int]:
+    """Each site's rank count from `--nproc`: one count for every site, or one per site (sites of
+    different shapes, issue 26). ConfigError naming the fix otherwise."""
+    counts = [nproc] * sites if isinstance(nproc, int) else list(nproc)
+    if len(counts) != sites or min(counts, default=0) < 1:
+        raise ConfigError(f"--nproc {','.join(map(str, counts))} does not fit --sites {sites}: give one rank count "
+                          f"for every site or {sites} comma-separated counts >= 1 (e.g. --nproc {','.join(['1'] * sites)})")
+    return counts
 
 
 def site_command(config: str, site: int, sites: int, nproc: int, store: str, overrides: list[str]) -> list[str]:
@@ -140,14 +150,14 @@ class Stopped(RuntimeError):
 
 
 def launch_sites(
-    config: str, sites: int, nproc: int, overrides: list[str], log_dir: Path, timeout_s: float | None = None,
+    config: str, sites: int, nproc: int | list[int], overrides: list[str], log_dir: Path, timeout_s: float | None = None,
     wan: WanLink | None = None, on_started: Callable[[list[subprocess.Popen]], None] | None = None,
     pin_cpus: bool = False, progress: Path | None = None, grace_s: float = 40.0,
     policy: SupervisePolicy | None = None, site_env: dict[str, str] | None = None,
     store_env: dict[str, str] | None = None,
 ) -> Outcome:
     """Run every site to completion; returns their exit codes. Site logs go to log_dir/site{s}.log.
-    `pin_cpus` gives each site its own share of the CPUs (`site_cpus`). `progress`: a metrics.jsonl
+    `nproc`: ranks per site, one count or one per site (`ranks_of`). `pin_cpus` gives each site its own share of the CPUs (`site_cpus`). `progress`: a metrics.jsonl
     (site 0's) printed as it grows. A site that fails (or freezes) ends the others as `policy` says
     (default: `SupervisePolicy.from_config` of this config). `site_env`: extra environment of every
     site (the run-local secret: never on argv); `store_env` the store's (default: `site_env`).
@@ -163,7 +173,7 @@ def launch_sites(
         def env(site: int) -> dict:
             return {**(site_env or {}), **net_env(site)}
 
-        procs = _start_sites(config, sites, nproc, overrides, log_dir, store, pinned, env)
+        procs = _start_sites(config, sites, ranks_of(nproc, sites), overrides, log_dir, store, pinned, env)
         if on_started is not None:
             on_started(procs)
         return Supervisor(procs, log_dir, progress, grace_s, policy).run(timeout_s)
@@ -180,7 +190,8 @@ def _start_sites(config, sites, nproc, overrides, log_dir, store, wrap, site_env
     procs = []
     for site in range(sites):
         with open(log_dir / f"site{site}.log", "w") as log_file:  # the child keeps its own descriptor
-            cmd = wrap(site, seams.current().site_command(site_command(config, site, sites, nproc, store, overrides), site))
+            command = site_command(config, site, sites, nproc[site], store, overrides)
+            cmd = wrap(site, seams.current().site_command(command, site))
             procs.append(subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT,
                                           env={**env, **site_env(site)}, start_new_session=True))
     return procs

@@ -1,0 +1,144 @@
+"""DiLoCo's cross-site work when sites have different shapes (issue 26): per lane, not per shard.
+
+A lane (zeroband/comm/layout.py) is a set of pieces of the flat parameter space that one rank per
+site holds; this rank's lanes come with their groups in `Topology.lanes`. Each lane's pieces are
+copied, in the lane's order, into one vector that every member of the lane builds alike, and that
+vector goes through the same exchange as an equal-shape shard (comm/reduce.py): same wire format,
+same summation order, so every site receives the same bytes for every parameter. Lanes run one
+after the other in the run's lane order (no cycle of waits). Nothing here calls the site group
+(it may run on the exchange thread); the callers reduce over the site where they must.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from zeroband.comm.group import GlobalGroup, digest48
+from zeroband.comm.layout import Lane, lanes, local_slices, rows_of, shard_range
+from zeroband.comm.reduce import ReduceResult, SiteStats
+from zeroband.mesh import Topology
+from zeroband.trust.mac import NO_AUTH
+
+
+class LaneSet:
+    """This rank's lanes: which elements of its local shard each one contributes and receives."""
+
+    def __init__(self, topology: Topology, local: list[torch.Tensor], shapes: list[tuple[int, ...]]) -> None:
+        """`shapes`: every parameter's full shape (a DTensor parameter's own `shape`)."""
+        world = topology.world
+        for i, (t, shape) in enumerate(zip(local, shapes)):
+            start, stop = shard_range(shape, world.ranks_per_site, world.rank)
+            if t.numel() != stop - start:  # the layout must be FSDP2's: else the lanes would mix up elements
+                raise RuntimeError(f"parameter {i}: local shard of {t.numel()} elements, the lane layout expects "
+                                   f"{stop - start} (FSDP2 dim-0 sharding over {world.ranks_per_site} ranks)")
+        self.lanes: list[tuple[Lane, GlobalGroup]] = topology.lanes
+        self.slices = [local_slices(lane, shapes, world.ranks_per_site, world.rank) for lane, _ in self.lanes]
+        self.feedback: list[dict[int, torch.Tensor]] = [{} for _ in self.lanes]  # per lane (error feedback)
+        run = [lane.owners for lane in lanes(shapes, topology.site_ranks)]  # every lane: each is one rank's per site
+        self.index, self.run_lanes = [run.index(lane.owners) for lane, _ in self.lanes], len(run)
+
+    @property
+    def groups(self) -> list[GlobalGroup]:
+        return [g for _, g in self.lanes]
+
+    def views(self, k: int, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Lane k's pieces of `tensors` (one per parameter, shaped like the local shard), as 1-D views."""
+        return [tensors[i].reshape(-1)[a:b] for i, a, b in self.slices[k]]
+
+    def gather(self, k: int, tensors: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(self.views(k, tensors)) if self.slices[k] else torch.empty(0)
+
+    def scatter(self, k: int, flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+        for view, part in zip(self.views(k, tensors), flat.split([v.numel() for v in self.views(k, tensors)])):
+            view.copy_(part)
+
+    def state_views(self, k: int, per_param: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+        """Lane k's pieces of every tensor of each parameter's state (outer copy, optimizer state); a
+        tensor not shaped like the shard (a step count) is taken whole: it is the same on every rank."""
+        out = []
+        for i, a, b in self.slices[k]:
+            numel = per_param[i][0].numel()
+            out += [t.reshape(-1)[a:b] if t.numel() == numel else t.reshape(-1) for t in per_param[i]]
+        return out
+
+    def digests(self, per_param: list[list[torch.Tensor]]) -> list[int]:
+        """48 bits of the keyed digest of each lane's state, under its group's key."""
+        return [digest48(self.state_views(k, per_param), g.auth if g is not None else NO_AUTH)
+                for k, (_, g) in enumerate(self.lanes)]
+
+    def site_digest(self, digests: list[int], topology: Topology) -> int:
+        """48 bits naming the whole site's state, the same on every site whatever its shape: every lane's
+        digest (each held by one rank of the site; float64 carries 48 bits exactly), hashed in lane order.
+        A site collective: every rank of the site calls it."""
+        table = torch.zeros(self.run_lanes, dtype=torch.float64, device=topology.world.device)
+        table[self.index] = torch.tensor(digests, dtype=torch.float64, device=table.device)
+        topology.site_all_reduce(table)
+        return int.from_bytes(hashlib.sha256(table.cpu().numpy().tobytes()).digest()[:6], "big")
+
+    def reduce(self, grads: list[torch.Tensor], stats: SiteStats, crcs: list[int] | None,
+               one: Callable[[list[torch.Tensor], SiteStats, GlobalGroup, dict[int, torch.Tensor], int], ReduceResult],
+               ) -> ReduceResult:
+        """In place: `grads` <- the sites' average, lane by lane; `one(vector, stats, group, feedback, k)`
+        runs one lane's exchange (the equal-shape one). `crcs`: each lane's digest, for the replica check."""
+        results = []
+        for k, (_, group) in enumerate(self.lanes):
+            flat = self.gather(k, grads)
+            lane_stats = replace(stats, crc=float(crcs[k])) if crcs is not None else stats
+            results.append(one([flat], lane_stats, group, self.feedback[k], k))
+            self.scatter(k, flat, grads)
+        return combine(results)
+
+
+def combine(results: list[ReduceResult]) -> ReduceResult:
+    """One rank's result over its lanes: bytes and seconds added, every exclusion kept."""
+    timings: dict[str, float] = {}
+    for r in results:
+        for part, seconds in r.timings.items():
+            timings[part] = timings.get(part, 0.0) + seconds
+    sumsqs = [r.sumsq for r in results]
+    exclusions = {s: why for r in results for s, why in r.exclusions.items()}
+    return ReduceResult(
+        payload_bytes=sum(r.payload_bytes for r in results), wire_bytes=sum(r.wire_bytes for r in results),
+        sites_used=min(r.sites_used for r in results),
+        excluded_sites=sorted({s for r in results for s in r.excluded_sites}), timings=timings,
+        sumsq=None if any(s is None for s in sumsqs) else sum(s for s in sumsqs if s is not None),
+        exclusions=exclusions)
+
+
+
+# ---------------------------------------------------------------------------------- a site changes shape
+def reshard_rows(parts: list[torch.Tensor], ranks: int, rank: int) -> torch.Tensor:
+    """The rows `rank` of `ranks` holds (FSDP2's dim-0 chunk) of the tensor whose row blocks, in rank
+    order, are `parts` (a 0-d tensor is whole on every rank)."""
+    if parts[0].dim() == 0:
+        return parts[0]
+    full = torch.cat(parts)
+    start, stop = rows_of(full.shape[0], ranks, rank)
+    return full[start:stop].clone()
+
+
+def reshard_outer_state(states: list[dict[str, Any]], ranks: int, rank: int) -> dict[str, Any]:
+    """DiLoCo's state (outer copy, outer optimizer state) for `rank` of `ranks`, from the states every
+    rank of a site of len(states) ranks saved: the same rows, cut where the new sharding cuts. The
+    quantisation residual is per piece of the old layout: it starts again empty."""
+    first = dict(states[0])
+    first["outer"] = [reshard_rows([s["outer"][i] for s in states], ranks, rank) for i in range(len(first["outer"]))]
+    optimizer = first["optimizer"]
+    new = {key: {k: reshard_rows([s["optimizer"]["state"][key][k] for s in states], ranks, rank)
+                 if isinstance(v, torch.Tensor) else v for k, v in per.items()}
+           for key, per in optimizer["state"].items()}
+    first["optimizer"] = {**optimizer, "state": new}
+    first["error_feedback"] = {} if first.get("error_feedback") is not None else None
+    return first
+
+
+def reshard_rank_state(name: str, states: list[Any], ranks: int, rank: int) -> Any:
+    """A per-rank checkpoint entry for `rank` of `ranks` from every saved rank's (checkpoint.load_checkpoint's
+    `reshard`): the outer state resharded; the rest is the site's own, alike on every rank of a run of
+    sites of different shapes (data: the site's stream, data/loader.py SiteShare), so rank 0's."""
+    return reshard_outer_state(states, ranks, rank) if name == "outer" else states[0]
