@@ -110,6 +110,24 @@ def test_a_deleted_heartbeat_is_no_death_and_generations_are_never_reused():
     assert fresh_generation(server, "p/generation", 7) == 8 and fresh_generation(server, "p/generation", 8) == 9
 
 
+def test_a_generation_whose_group_never_formed_is_not_handed_out_again():
+    """Unit (issue 23, the etcd storm's refusal): under a deletion storm the forming of generation 1
+    failed, its counter was deleted, and the retry was handed generation 1 again, whose prefix still
+    held the first try's admission values (signed, so they verify): a site read its peer's old nonce
+    and every proof failed, "wrong or missing shared secret". A decision's generation counts as
+    seen when it is read, not only once its group is formed."""
+    from zeroband.membership.elastic import ElasticMembership
+
+    server, _ = _tcp_store()
+    member = ElasticMembership.__new__(ElasticMembership)  # only the generation bookkeeping runs
+    member.store, member.prefix, member.group, member.members, member.generation = server, "p/", None, [], -1
+    member.newest_generation = -1
+    member.newest_generation = max(member.newest_generation, member._next_generation([0, 1]))  # as _decide does
+    assert member.newest_generation == 1  # its group never formed: member.generation stays -1
+    server.delete_key("p/generation")
+    assert member._next_generation([0, 1]) == 2
+
+
 def test_a_value_deleted_after_its_writer_moved_on_comes_back():
     """Unit: site 1 read site 0's value and moved on; an outsider then deletes site 1's value before
     site 0 read it. Site 0 used to wait until sites.timeout_s and blame site 1. Now site 1's

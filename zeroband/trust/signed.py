@@ -79,11 +79,16 @@ class SignedStore:
         self.store.set(key, self.seal(key, value))  # type: ignore[arg-type]  # torch's Store stub says str; c10d stores take bytes
 
     def read(self, key: str) -> bytes | None:
-        """The verified value, or None if the key is absent or its value is refused. One compare_set
-        that never writes (no sealed value equals ABSENT), so one non-blocking round trip: a check then
-        a get would block in the get, up to the store's timeout, when the key is deleted in between."""
+        """The verified value, or None if the key is absent or its value is refused."""
+        return self.lookup(key)[0]
+
+    def lookup(self, key: str) -> tuple[bytes | None, bool]:
+        """(the verified value or None, whether the key holds any value), from one compare_set that
+        never writes (no sealed value equals ABSENT): one non-blocking round trip. A check then a get
+        would block in the get when the key is deleted in between, and a read then a check would take
+        a value deleted and written back in between for a refused one."""
         raw = self.store.compare_set(key, ABSENT, NEVER)  # type: ignore[arg-type]  # the stub says str; c10d takes bytes
-        return None if raw == ABSENT else self.open(key, raw)
+        return (None, False) if raw == ABSENT else (self.open(key, raw), True)
 
     def check(self, keys: list[str]) -> bool:
         return all(self.read(k) is not None for k in keys)
@@ -187,13 +192,13 @@ def exchange(store: SignedStore, keys: Mapping[int, str], me: int, value: str | 
                 raise StoreInterference(f"{what}: store key {keys[me]!r} was deleted or overwritten {REWRITE_LIMIT} "
                                         "times by a writer without the shared secret; the store is under attack")
             store.set(keys[me], raw)
-        values = {s: store.read(k) for s, k in keys.items() if s != me}
+        read = {s: store.lookup(k) for s, k in keys.items() if s != me}
+        values = {s: v for s, (v, _) in read.items()}
         missing, now = {s for s, v in values.items() if v is None}, time.monotonic()
-        for s in values.keys() - missing:  # refused only while it keeps failing: a value that verified resets it
-            bad_since.pop(s, None)
-        for s in missing:  # present but refused: since when (deleted: only "not yet"; a deletion racing its
-            # re-publication can make one poll read "missing" then "present": it must keep failing to count)
-            if store.store.check([keys[s]]):
+        for s, (value, present) in read.items():
+            # refused since when: present yet failing, in one and the same read (a deleted value is only
+            # "not yet", never a refusal); a value that verifies, or a deleted one, starts it over
+            if value is None and present:
                 bad_since.setdefault(s, now)
             else:
                 bad_since.pop(s, None)
