@@ -147,3 +147,48 @@ def test_a_value_deleted_after_its_writer_moved_on_comes_back():
         assert time.monotonic() - began < 1.0 and ledger.restored >= 1
     finally:
         republisher.stop()
+
+
+def test_an_arrival_deleted_at_each_read_is_never_taken_for_a_foreign_one():
+    """Unit (comm/group.py incarnation_prefix): site 1's honest arrival is deleted just before each
+    of site 0's reads and written back by its owner just after, the interleaving a deletion storm hits
+    by chance. Site 0 used to read it missing, then check the key, find it present and count it as
+    failing authentication: after ADMIT_REFUSE_S it stopped with "written without the shared secret",
+    blaming site 1. One read now gives value and presence together: a deletion is only "not yet"."""
+    import torch.distributed as dist
+
+    from zeroband.comm.group import incarnation_prefix
+    from zeroband.trust.auth import ADMIT_REFUSE_S
+    from zeroband.trust.signed import SignedStore
+    from zeroband.watchdog import PeerTimeout
+
+    class DeletedAtEachRead(dist.Store):
+        def __init__(self, inner: dist.Store, key: str) -> None:
+            super().__init__()
+            self.inner, self.key = inner, key
+
+        def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+            if key != self.key:
+                return self.inner.compare_set(key, expected, desired)
+            owner_wrote = self.inner.get(key)
+            self.inner.delete_key(key)  # the outsider, just before our read
+            try:
+                return self.inner.compare_set(key, expected, desired)
+            finally:
+                self.inner.set(key, owner_wrote)  # the owner's re-publication, just after
+
+        def set(self, key: str, value: str | bytes) -> None:
+            self.inner.set(key, value)
+
+        def get(self, key: str) -> bytes:
+            return self.inner.get(key)
+
+        def check(self, keys: list[str]) -> bool:
+            return self.inner.check(keys)
+
+    server, client = _tcp_store()
+    key = b"k" * 32
+    SignedStore(client(), key).set("run/arrive/1", "site 1's nonce")  # honest: signed with the run's key
+    store = DeletedAtEachRead(client(), "run/arrive/1")
+    with pytest.raises(PeerTimeout, match="site 1 did not arrive"):
+        incarnation_prefix(store, "run/", 0, 2, timeout_s=ADMIT_REFUSE_S + 2, key=key)

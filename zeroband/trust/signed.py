@@ -170,6 +170,19 @@ class StoreInterference(TrustError):
 REWRITE_LIMIT = 200  # own values re-written in one exchange before the interference is an error
 
 
+def track_refusals(read: Mapping[int, tuple[bytes | None, bool]], bad_since: dict[int, float], now: float) -> None:
+    """Since when each site's value (`read`: SignedStore.lookup per site) has failed authentication:
+    present yet failing in one and the same read. A deleted value is only "not yet", never a refusal,
+    and a value that verifies, or a deleted one, starts it over. Never a second look (a check after
+    the read): a value deleted before the read and written back by its owner before the check read as
+    a refused one, and an honest site was blamed for a deletion storm."""
+    for s, (value, present) in read.items():
+        if value is None and present:
+            bad_since.setdefault(s, now)
+        else:
+            bad_since.pop(s, None)
+
+
 def exchange(store: SignedStore, keys: Mapping[int, str], me: int, value: str | bytes, what: str,
              timeout_s: float, refuse_after_s: float | None = None) -> dict[int, bytes | None]:
     """Every site's signed value under `keys` (this site's is `value`, as written, never as read
@@ -195,13 +208,7 @@ def exchange(store: SignedStore, keys: Mapping[int, str], me: int, value: str | 
         read = {s: store.lookup(k) for s, k in keys.items() if s != me}
         values = {s: v for s, (v, _) in read.items()}
         missing, now = {s for s, v in values.items() if v is None}, time.monotonic()
-        for s, (value, present) in read.items():
-            # refused since when: present yet failing, in one and the same read (a deleted value is only
-            # "not yet", never a refusal); a value that verifies, or a deleted one, starts it over
-            if value is None and present:
-                bad_since.setdefault(s, now)
-            else:
-                bad_since.pop(s, None)
+        track_refusals(read, bad_since, now)
         if not missing or (refuse_after_s is not None and all(now - bad_since.get(s, now) >= refuse_after_s > 0
                                                                for s in missing)):
             return {**values, me: raw}
