@@ -345,33 +345,46 @@ class Republisher:
     for as long as a peer may still read them: until `keep_s` (sites.timeout_s, after which a peer
     waiting for them has given up anyway) after the newest value was kept. The fixed mode's start
     (incarnation nonces, arrival marks, admission values, gloo addresses, resume offers) uses it; the
-    elastic mode restores from its heartbeat thread and its polls instead."""
+    elastic mode restores from its heartbeat thread and its polls instead.
+
+    Exit is deterministic: the connection is opened by the caller (`start`), so the thread never
+    connects (a c10d connect retries in C++ for up to the store's timeout); the thread makes only
+    non-blocking store calls; `stop` joins it, then drops the connection in the caller's thread. A
+    daemon thread still inside a c10d call when the interpreter finalizes aborts the process
+    ("terminate called without an active exception", issue 23)."""
 
     def __init__(self, open_client: Callable[[], dist.Store], ledger: Ledger, keep_s: float,
                  interval_s: float = 0.1) -> None:
         self.open_client, self.ledger, self.keep_s, self.interval_s = open_client, ledger, keep_s, interval_s
         self.stopped = threading.Event()
+        self.store: dist.Store | None = None
         self.thread = threading.Thread(target=self._run, name="zeroband-republish", daemon=True)
 
     def start(self) -> Republisher:
+        self.store = self.open_client()
         self.thread.start()
         return self
 
     def _run(self) -> None:
-        store = None
+        store = self.store
+        assert store is not None  # opened by start
         while not self.stopped.wait(self.interval_s):
             if time.monotonic() - self.ledger.kept_at > self.keep_s:
                 continue  # nobody still waits for these values: no store traffic
             try:
-                store = store or self.open_client()
                 self.ledger.restore(store)
-            except Exception as e:  # the store is gone (the run is ending): never block in a reconnect
+            except Exception as e:  # the store is gone (the run is ending): stop re-publishing
                 log.debug("re-publishing kept store values stopped: %s", e)
                 return
 
     def stop(self) -> None:
-        """Before the store goes away (a site hosting it exits): a daemon thread inside a store call
-        at interpreter exit aborts the process."""
+        """Before the process exits (and before a site hosting the store drops it): join the thread,
+        then close its connection here. Its calls never block (check, compare_set), and a store that
+        does not answer fails them within the store's timeout, `keep_s` (sites.timeout_s)."""
         self.stopped.set()
         if self.thread.is_alive():
-            self.thread.join(timeout=5 * self.interval_s + 5)
+            self.thread.join(timeout=self.keep_s + 5)
+        if self.thread.is_alive():  # a store frozen mid-call: never destroy a connection under a call
+            log.warning("store re-publisher still inside a store call after %.0f s; leaving it", self.keep_s + 5)
+            return
+        self.store = None  # the last reference: the connection closes now, in this thread
