@@ -192,3 +192,33 @@ def test_an_arrival_deleted_at_each_read_is_never_taken_for_a_foreign_one():
     store = DeletedAtEachRead(client(), "run/arrive/1")
     with pytest.raises(PeerTimeout, match="site 1 did not arrive"):
         incarnation_prefix(store, "run/", 0, 2, timeout_s=ADMIT_REFUSE_S + 2, key=key)
+
+
+def test_the_republisher_connects_in_the_caller_and_stop_leaves_nothing_in_flight():
+    """Unit (issue 23, a launched fixed site aborted at exit: "terminate called without an active
+    exception"): the start's Republisher used to connect from its daemon thread, where a c10d connect
+    can retry in C++ past stop()'s join, and the process then finalized under it. Now start() opens
+    the connection in the caller's thread, the thread restores deleted values over it, and stop()
+    joins the thread and drops the connection."""
+    import threading
+
+    from zeroband.trust.signed import KeepingStore, Ledger, Republisher
+
+    server, client = _tcp_store()
+    opened_in: list[str] = []
+
+    def open_client():
+        opened_in.append(threading.current_thread().name)
+        return client()
+
+    ledger = Ledger()
+    KeepingStore(client(), ledger, "p/").set("p/start", "kept")
+    rep = Republisher(open_client, ledger, keep_s=10.0, interval_s=0.02).start()
+    assert opened_in == [threading.current_thread().name] and rep.store is not None
+    server.delete_key("p/start")
+    deadline = time.monotonic() + 5
+    while not server.check(["p/start"]) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert server.get("p/start") == b"kept"  # written back over the caller's connection
+    rep.stop()
+    assert not rep.thread.is_alive() and rep.store is None
