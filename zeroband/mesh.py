@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -144,7 +145,12 @@ _republishers: list[Republisher] = []  # stopped at shutdown: no store call may 
 
 
 def shutdown() -> None:
+    """Deterministic exit: no store call in flight in a thread, no gloo work left to finalization."""
     while _republishers:
         _republishers.pop().stop()
+    # Collected now, while the process group exists: a finished run's model, optimizer and FSDP state
+    # form reference cycles holding gloo Work objects and their tensors; destroyed by the interpreter's
+    # finalization instead, gloo's AsyncWork aborted a rank at exit (pytorch PR 179291, issue 23)
+    gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()

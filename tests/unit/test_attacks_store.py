@@ -110,6 +110,24 @@ def test_a_deleted_heartbeat_is_no_death_and_generations_are_never_reused():
     assert fresh_generation(server, "p/generation", 7) == 8 and fresh_generation(server, "p/generation", 8) == 9
 
 
+def test_a_generation_whose_group_never_formed_is_not_handed_out_again():
+    """Unit (issue 23, the etcd storm's refusal): under a deletion storm the forming of generation 1
+    failed, its counter was deleted, and the retry was handed generation 1 again, whose prefix still
+    held the first try's admission values (signed, so they verify): a site read its peer's old nonce
+    and every proof failed, "wrong or missing shared secret". A decision's generation counts as
+    seen when it is read, not only once its group is formed."""
+    from zeroband.membership.elastic import ElasticMembership
+
+    server, _ = _tcp_store()
+    member = ElasticMembership.__new__(ElasticMembership)  # only the generation bookkeeping runs
+    member.store, member.prefix, member.group, member.members, member.generation = server, "p/", None, [], -1
+    member.newest_generation = -1
+    member.newest_generation = max(member.newest_generation, member._next_generation([0, 1]))  # as _decide does
+    assert member.newest_generation == 1  # its group never formed: member.generation stays -1
+    server.delete_key("p/generation")
+    assert member._next_generation([0, 1]) == 2
+
+
 def test_a_value_deleted_after_its_writer_moved_on_comes_back():
     """Unit: site 1 read site 0's value and moved on; an outsider then deletes site 1's value before
     site 0 read it. Site 0 used to wait until sites.timeout_s and blame site 1. Now site 1's
@@ -129,3 +147,78 @@ def test_a_value_deleted_after_its_writer_moved_on_comes_back():
         assert time.monotonic() - began < 1.0 and ledger.restored >= 1
     finally:
         republisher.stop()
+
+
+def test_an_arrival_deleted_at_each_read_is_never_taken_for_a_foreign_one():
+    """Unit (comm/group.py incarnation_prefix): site 1's honest arrival is deleted just before each
+    of site 0's reads and written back by its owner just after, the interleaving a deletion storm hits
+    by chance. Site 0 used to read it missing, then check the key, find it present and count it as
+    failing authentication: after ADMIT_REFUSE_S it stopped with "written without the shared secret",
+    blaming site 1. One read now gives value and presence together: a deletion is only "not yet"."""
+    import torch.distributed as dist
+
+    from zeroband.comm.group import incarnation_prefix
+    from zeroband.trust.auth import ADMIT_REFUSE_S
+    from zeroband.trust.signed import SignedStore
+    from zeroband.watchdog import PeerTimeout
+
+    class DeletedAtEachRead(dist.Store):
+        def __init__(self, inner: dist.Store, key: str) -> None:
+            super().__init__()
+            self.inner, self.key = inner, key
+
+        def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+            if key != self.key:
+                return self.inner.compare_set(key, expected, desired)
+            owner_wrote = self.inner.get(key)
+            self.inner.delete_key(key)  # the outsider, just before our read
+            try:
+                return self.inner.compare_set(key, expected, desired)
+            finally:
+                self.inner.set(key, owner_wrote)  # the owner's re-publication, just after
+
+        def set(self, key: str, value: str | bytes) -> None:
+            self.inner.set(key, value)
+
+        def get(self, key: str) -> bytes:
+            return self.inner.get(key)
+
+        def check(self, keys: list[str]) -> bool:
+            return self.inner.check(keys)
+
+    server, client = _tcp_store()
+    key = b"k" * 32
+    SignedStore(client(), key).set("run/arrive/1", "site 1's nonce")  # honest: signed with the run's key
+    store = DeletedAtEachRead(client(), "run/arrive/1")
+    with pytest.raises(PeerTimeout, match="site 1 did not arrive"):
+        incarnation_prefix(store, "run/", 0, 2, timeout_s=ADMIT_REFUSE_S + 2, key=key)
+
+
+def test_the_republisher_connects_in_the_caller_and_stop_leaves_nothing_in_flight():
+    """Unit (issue 23, a launched fixed site aborted at exit: "terminate called without an active
+    exception"): the start's Republisher used to connect from its daemon thread, where a c10d connect
+    can retry in C++ past stop()'s join, and the process then finalized under it. Now start() opens
+    the connection in the caller's thread, the thread restores deleted values over it, and stop()
+    joins the thread and drops the connection."""
+    import threading
+
+    from zeroband.trust.signed import KeepingStore, Ledger, Republisher
+
+    server, client = _tcp_store()
+    opened_in: list[str] = []
+
+    def open_client():
+        opened_in.append(threading.current_thread().name)
+        return client()
+
+    ledger = Ledger()
+    KeepingStore(client(), ledger, "p/").set("p/start", "kept")
+    rep = Republisher(open_client, ledger, keep_s=10.0, interval_s=0.02).start()
+    assert opened_in == [threading.current_thread().name] and rep.store is not None
+    server.delete_key("p/start")
+    deadline = time.monotonic() + 5
+    while not server.check(["p/start"]) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert server.get("p/start") == b"kept"  # written back over the caller's connection
+    rep.stop()
+    assert not rep.thread.is_alive() and rep.store is None

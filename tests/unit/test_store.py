@@ -6,6 +6,10 @@ skipped, with the install command, when the `etcd` binary or the etcd3gw client 
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
+import subprocess
 import threading
 import time
 import uuid
@@ -118,3 +122,51 @@ def test_missing_key_times_out_clearly(make_store):
     assert 0.4 < time.monotonic() - t0 < 3
     with pytest.raises(dist.DistStoreError, match="other-key"):
         store.wait(["other-key"], timedelta(seconds=0.3))
+
+
+def _hosted_guard(secret: bytes | None) -> tuple[dist.TCPStore, int, subprocess.Popen]:
+    from zeroband.store import client
+
+    port = free_port()
+    host = client.host_tcp_store("127.0.0.1", port, timedelta(seconds=30), secret)
+    return host, port, client._GUARDS[-1]
+
+
+def test_what_listens_is_told_by_its_answer_never_by_its_silence():
+    from zeroband.store.guard import challenges
+
+    keyed, keyed_port, keyed_guard = _hosted_guard(b"s" * 32)
+    plain, plain_port, plain_guard = _hosted_guard(None)
+    bare = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=True)
+    silent = socket.create_server(("127.0.0.1", 0))
+    try:
+        assert challenges(("127.0.0.1", keyed_port)) is True  # its challenge
+        assert challenges(("127.0.0.1", plain_port)) is False  # the store behind it echoes the ping
+        assert challenges(("127.0.0.1", bare.port)) is False
+        assert challenges(("127.0.0.1", silent.getsockname()[1]), timeout_s=0.5) is None  # unknown, not "no"
+        os.kill(keyed_guard.pid, signal.SIGSTOP)  # a guard on a loaded machine: silent for a while
+        assert challenges(("127.0.0.1", keyed_port), timeout_s=0.5) is None
+    finally:
+        os.kill(keyed_guard.pid, signal.SIGCONT)
+        silent.close()
+        for guard in (keyed_guard, plain_guard):
+            guard.kill()
+            guard.wait()
+
+
+def test_a_site_with_the_secret_waits_out_a_guard_slow_to_challenge():
+    """A guard frozen past the 3 s of silence that used to mean "this store asks for no secret" (CI,
+    under load): the site's c10d client then went plainly into the guard and the store was
+    unreachable (the elastic heartbeat thread died of it, and its site hung). Now it waits for the
+    answer and goes through its forwarder."""
+    host, port, guard = _hosted_guard(b"s" * 32)
+    try:
+        os.kill(guard.pid, signal.SIGSTOP)
+        threading.Timer(4.0, os.kill, (guard.pid, signal.SIGCONT)).start()
+        site = open_store(f"tcp://127.0.0.1:{port}", False, timedelta(seconds=15), b"s" * 32)
+        site.set("from the site", "v")
+        assert host.get("from the site") == b"v"
+    finally:
+        os.kill(guard.pid, signal.SIGCONT)
+        guard.kill()
+        guard.wait()

@@ -24,7 +24,7 @@ from zeroband.comm.work import ProcessGroupLike, Work
 from zeroband.trust.auth import ADMIT_REFUSE_S, PeerRefused, Verdict, frame
 from zeroband.trust.mac import NO_AUTH, WireAuth
 from zeroband.trust.secret import RunSecret
-from zeroband.trust.signed import ForgedValue, SealedStore, SignedStore, exchange
+from zeroband.trust.signed import ForgedValue, SealedStore, SignedStore, exchange, track_refusals
 from zeroband.watchdog import PeerTimeout, Ticker, Watch, _sites, read_by_all, wait_keys
 
 T = TypeVar("T")
@@ -282,12 +282,15 @@ def incarnation_prefix(store: dist.Store, base: str, site_rank: int, site_count:
     done = {s: f"{base}nonces/{s}" for s in range(site_count)}
     deadline, bad_since = time.monotonic() + timeout_s, dict[int, float]()
     while True:
-        nonces = {s: signed.read(k) for s, k in arrive.items()}
+        read = {s: signed.lookup(k) for s, k in arrive.items()}  # one read per key: value and presence
+        nonces = {s: v for s, (v, _) in read.items()}
         if nonces[site_rank] != own.encode():  # not written yet, or deleted / overwritten since
             signed.set(arrive[site_rank], own)
         nonces[site_rank] = own.encode()
         missing = {s for s, v in nonces.items() if v is None} | _mixed(signed, arrive, key, site_rank)
-        _foreign(signed, arrive, missing, bad_since)
+        now = time.monotonic()
+        track_refusals({s: r for s, r in read.items() if s != site_rank}, bad_since, now)
+        _foreign(missing, bad_since, now)
         if not missing:
             agreed = hashlib.sha256(frame(*(cast(bytes, nonces[s]) for s in range(site_count)))).hexdigest()[:32]  # none missing
             if signed.read(done[site_rank]) != agreed.encode():
@@ -304,16 +307,11 @@ def incarnation_prefix(store: dist.Store, base: str, site_rank: int, site_count:
         time.sleep(0.02)
 
 
-def _foreign(signed: SignedStore, keys: dict[int, str], missing: set[int], bad_since: dict[int, float]) -> None:
-    """Sites whose arrival has failed authentication for ADMIT_REFUSE_S while their owners would have
-    re-written it: another secret (or an outsider overwriting it all along). One forged write only
-    delays; this stops the start with one line naming both causes."""
-    now = time.monotonic()
-    for s in missing:
-        if signed.store.check([keys[s]]):
-            bad_since.setdefault(s, now)
-    for s in set(bad_since) - missing:
-        del bad_since[s]
+def _foreign(missing: set[int], bad_since: dict[int, float], now: float) -> None:
+    """Stop the start once every missing site's arrival has failed authentication for ADMIT_REFUSE_S
+    (`bad_since`, signed.track_refusals: present and refused in one read) while its owner would have
+    re-written it: another secret, or an outsider overwriting it all along. One forged write, or any
+    number of deletions, only delays; this stops the start with one line naming both causes."""
     if missing and missing == set(bad_since) and all(now - t >= ADMIT_REFUSE_S for t in bad_since.values()):
         raise ForgedValue(f"start of the run: the arrival of {_sites(missing)} was written without the shared "
                           f"secret for {ADMIT_REFUSE_S:g} s (it holds another secret, or an outsider keeps overwriting "

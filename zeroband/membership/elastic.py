@@ -151,6 +151,7 @@ class ElasticMembership:
         self.watch = Watch(sites.timeout_s, interruptible=False)  # SIGTERM here means: finish the round, then leave
         self.members: list[int] = []
         self.generation = -1
+        self.newest_generation = -1  # of every decision read, formed or not: never handed out again
         self.group: GlobalGroup | None = None
         self.fresh = True  # until this site holds the run's current outer state
         self.round = 0
@@ -270,14 +271,18 @@ class ElasticMembership:
         expected = set(range(self.world.site_count)) if self.round == 0 else set(self.members)
         grace = self.cfg.start_grace_s if self.round == 0 else self.cfg.grace_s
         timeout = self.cfg.join_timeout_s if self.fresh else self.sites.timeout_s
-        return self.rounds.rendezvous(self.round, attempt, expected, self.cfg.min_sites, grace, self.fresh, timeout,
-                                      self._next_generation)
+        decision = self.rounds.rendezvous(self.round, attempt, expected, self.cfg.min_sites, grace, self.fresh,
+                                          timeout, self._next_generation)
+        self.newest_generation = max(self.newest_generation, decision.generation)
+        return decision
 
     def _next_generation(self, members: list[int]) -> int:
         """Keep the groups while the members are the same and healthy; else a fresh generation."""
         if self.group is not None and members == self.members:
             return self.generation
-        return fresh_generation(self.store, self.prefix + "generation", self.generation)
+        # Above every generation seen, not only the newest formed: one whose forming failed (under
+        # deletions, say) holds admission values that would be read as this attempt's.
+        return fresh_generation(self.store, self.prefix + "generation", self.newest_generation)
 
     def _form(self, decision: Decision) -> tuple[GlobalGroup, list[str] | None]:
         """The attempt's group, and the members' digests after a hand-over (global groups and the store only)."""
@@ -343,7 +348,9 @@ def fresh_generation(store: dist.Store, counter: str, newest_seen: int) -> int:
     has seen, since anyone with access to the store can delete the counter and restart it at 1 (a
     reused generation prefix would hold the old groups' admission values)."""
     generation = store.add(counter, 1)
-    return generation if generation > newest_seen else store.add(counter, newest_seen + 1 - generation)
+    if generation <= newest_seen:  # deleted and restarted: raise it for every site
+        generation = store.add(counter, newest_seen + 1 - generation)
+    return max(generation, newest_seen + 1)  # deleted again between the two adds: still never a seen one
 
 
 def hand_over(group: GlobalGroup, src: int, handed: dict[str, tuple[Callable[[Any], None], Callable[[], Any]]]) -> None:

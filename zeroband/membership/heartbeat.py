@@ -64,10 +64,13 @@ class Heartbeat:
         return self
 
     def _run(self) -> None:
-        store, nonce, stamp = SignedStore(self.open_client(), self.sign_key), secrets.token_hex(8), 0
+        store: SignedStore | None = None
+        nonce, stamp = secrets.token_hex(8), 0
         while not self.stopped.is_set():
             stamp = max(stamp + 1, time.time_ns())
             try:
+                if store is None:  # opened here, in the try: a failed open is retried at the next beat,
+                    store = SignedStore(self.open_client(), self.sign_key)  # never a dead thread (no beats)
                 store.set(self.key, f"{nonce}:{stamp}")
                 if self.ledger is not None:
                     self.ledger.restore(store.store)

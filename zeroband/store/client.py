@@ -25,7 +25,7 @@ from urllib.parse import urlparse
 import torch.distributed as dist
 
 from zeroband.store.etcd import EtcdStore, StoreUnavailable, parse_endpoints
-from zeroband.store.guard import Refused, authenticated, challenges
+from zeroband.store.guard import RETRY_S, Refused, authenticated, challenges
 from zeroband.trust.secret import SECRET_ENV, RunSecret, as_secret, resolve_secret
 
 log = logging.getLogger(__name__)
@@ -232,23 +232,31 @@ _UNGUARDED: set[str] = set()  # stores already reported as asking for no secret
 
 
 def check_guard(host: str, port: int, key: bytes, timeout_s: float, address: str) -> bool:
-    """One authenticated connection to the guard (retried while nothing listens yet or a flood drops
-    it): True, or False when nothing challenges us (no secret at the store), or StoreUnreachable
-    naming why the guard refused."""
-    try:
-        authenticated((host, port), key, timeout_s).close()
+    """Whether the store at host:port demands the secret, from what it answers (guard.challenges),
+    never from its silence: False for a store started without one; True once one authenticated
+    connection got through (retried while a flood drops it); else StoreUnreachable naming why the
+    guard refused, or that nothing answered as a store within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    asks = challenges((host, port), timeout_s)
+    while asks is None and time.monotonic() + RETRY_S < deadline:  # not up yet, or a dropped connection
+        time.sleep(RETRY_S)
+        asks = challenges((host, port), deadline - time.monotonic())
+    if asks is None:
+        raise StoreUnreachable(f"store {address}: nothing answered as a c10d store within {timeout_s:g} s; check "
+                               "sites.store (zeroband launch's store, or site 0 with sites.host_store = true)")
+    if not asks:
+        return False
+    try:  # at least a second: the probe may have used most of the time on a loaded machine
+        authenticated((host, port), key, max(1.0, deadline - time.monotonic())).close()
         return True
     except Refused as e:
-        if e.silent:
-            return False
         if not e.final:
             raise StoreUnreachable(f"store {address}: {e} (for {timeout_s:g} s)") from None
         raise StoreUnreachable(f"store {address}: {e}. Fix: the same {SECRET_ENV} on every site and on the "
                                "store, or sites.insecure = true on all of them") from None
     except OSError as e:
-        raise StoreUnreachable(f"store {address}: no store answered within {timeout_s:g} s ({e}); check "
-                               "sites.store (zeroband launch's store, or site 0 with sites.host_store = true)"
-                               ) from None
+        raise StoreUnreachable(f"store {address}: the guard stopped answering ({e}); check sites.store "
+                               "(zeroband launch's store, or site 0 with sites.host_store = true)") from None
 
 
 def listen_socket(host: str, port: int, backlog: int = 4096) -> socket.socket:

@@ -188,9 +188,9 @@ def admission(store: dist.Store, prefix: str, site_rank: int, site_count: int, s
     are compared."""
     scoped = dist.PrefixStore(f"{prefix.rstrip('/')}/admit", store)  # PrefixStore adds the "/"
     fp = {str(k): str(v) for k, v in fingerprint.items()}
-    scoped.set(f"fingerprint/{site_rank}", _canonical(fp))  # type: ignore[arg-type]  # torch's Store stub says str; c10d stores take bytes
     sites = range(site_count)
     if secret is None:
+        scoped.set(f"fingerprint/{site_rank}", _canonical(fp))  # type: ignore[arg-type]  # torch's Store stub says str; c10d stores take bytes
         fps = {s: json.loads(v) for s, v in _read_all(scoped, "fingerprint", sites, timeout).items()}
         verdict = decide(site_count, site_rank, sites, fps)
         if verdict.refused:

@@ -79,11 +79,16 @@ class SignedStore:
         self.store.set(key, self.seal(key, value))  # type: ignore[arg-type]  # torch's Store stub says str; c10d stores take bytes
 
     def read(self, key: str) -> bytes | None:
-        """The verified value, or None if the key is absent or its value is refused. One compare_set
-        that never writes (no sealed value equals ABSENT), so one non-blocking round trip: a check then
-        a get would block in the get, up to the store's timeout, when the key is deleted in between."""
+        """The verified value, or None if the key is absent or its value is refused."""
+        return self.lookup(key)[0]
+
+    def lookup(self, key: str) -> tuple[bytes | None, bool]:
+        """(the verified value or None, whether the key holds any value), from one compare_set that
+        never writes (no sealed value equals ABSENT): one non-blocking round trip. A check then a get
+        would block in the get when the key is deleted in between, and a read then a check would take
+        a value deleted and written back in between for a refused one."""
         raw = self.store.compare_set(key, ABSENT, NEVER)  # type: ignore[arg-type]  # the stub says str; c10d takes bytes
-        return None if raw == ABSENT else self.open(key, raw)
+        return (None, False) if raw == ABSENT else (self.open(key, raw), True)
 
     def check(self, keys: list[str]) -> bool:
         return all(self.read(k) is not None for k in keys)
@@ -165,6 +170,19 @@ class StoreInterference(TrustError):
 REWRITE_LIMIT = 200  # own values re-written in one exchange before the interference is an error
 
 
+def track_refusals(read: Mapping[int, tuple[bytes | None, bool]], bad_since: dict[int, float], now: float) -> None:
+    """Since when each site's value (`read`: SignedStore.lookup per site) has failed authentication:
+    present yet failing in one and the same read. A deleted value is only "not yet", never a refusal,
+    and a value that verifies, or a deleted one, starts it over. Never a second look (a check after
+    the read): a value deleted before the read and written back by its owner before the check read as
+    a refused one, and an honest site was blamed for a deletion storm."""
+    for s, (value, present) in read.items():
+        if value is None and present:
+            bad_since.setdefault(s, now)
+        else:
+            bad_since.pop(s, None)
+
+
 def exchange(store: SignedStore, keys: Mapping[int, str], me: int, value: str | bytes, what: str,
              timeout_s: float, refuse_after_s: float | None = None) -> dict[int, bytes | None]:
     """Every site's signed value under `keys` (this site's is `value`, as written, never as read
@@ -187,16 +205,10 @@ def exchange(store: SignedStore, keys: Mapping[int, str], me: int, value: str | 
                 raise StoreInterference(f"{what}: store key {keys[me]!r} was deleted or overwritten {REWRITE_LIMIT} "
                                         "times by a writer without the shared secret; the store is under attack")
             store.set(keys[me], raw)
-        values = {s: store.read(k) for s, k in keys.items() if s != me}
+        read = {s: store.lookup(k) for s, k in keys.items() if s != me}
+        values = {s: v for s, (v, _) in read.items()}
         missing, now = {s for s, v in values.items() if v is None}, time.monotonic()
-        for s in values.keys() - missing:  # refused only while it keeps failing: a value that verified resets it
-            bad_since.pop(s, None)
-        for s in missing:  # present but refused: since when (deleted: only "not yet"; a deletion racing its
-            # re-publication can make one poll read "missing" then "present": it must keep failing to count)
-            if store.store.check([keys[s]]):
-                bad_since.setdefault(s, now)
-            else:
-                bad_since.pop(s, None)
+        track_refusals(read, bad_since, now)
         if not missing or (refuse_after_s is not None and all(now - bad_since.get(s, now) >= refuse_after_s > 0
                                                                for s in missing)):
             return {**values, me: raw}
@@ -333,33 +345,46 @@ class Republisher:
     for as long as a peer may still read them: until `keep_s` (sites.timeout_s, after which a peer
     waiting for them has given up anyway) after the newest value was kept. The fixed mode's start
     (incarnation nonces, arrival marks, admission values, gloo addresses, resume offers) uses it; the
-    elastic mode restores from its heartbeat thread and its polls instead."""
+    elastic mode restores from its heartbeat thread and its polls instead.
+
+    Exit is deterministic: the connection is opened by the caller (`start`), so the thread never
+    connects (a c10d connect retries in C++ for up to the store's timeout); the thread makes only
+    non-blocking store calls; `stop` joins it, then drops the connection in the caller's thread. A
+    daemon thread still inside a c10d call when the interpreter finalizes aborts the process
+    ("terminate called without an active exception", issue 23)."""
 
     def __init__(self, open_client: Callable[[], dist.Store], ledger: Ledger, keep_s: float,
                  interval_s: float = 0.1) -> None:
         self.open_client, self.ledger, self.keep_s, self.interval_s = open_client, ledger, keep_s, interval_s
         self.stopped = threading.Event()
+        self.store: dist.Store | None = None
         self.thread = threading.Thread(target=self._run, name="zeroband-republish", daemon=True)
 
     def start(self) -> Republisher:
+        self.store = self.open_client()
         self.thread.start()
         return self
 
     def _run(self) -> None:
-        store = None
+        store = self.store
+        assert store is not None  # opened by start
         while not self.stopped.wait(self.interval_s):
             if time.monotonic() - self.ledger.kept_at > self.keep_s:
                 continue  # nobody still waits for these values: no store traffic
             try:
-                store = store or self.open_client()
                 self.ledger.restore(store)
-            except Exception as e:  # the store is gone (the run is ending): never block in a reconnect
+            except Exception as e:  # the store is gone (the run is ending): stop re-publishing
                 log.debug("re-publishing kept store values stopped: %s", e)
                 return
 
     def stop(self) -> None:
-        """Before the store goes away (a site hosting it exits): a daemon thread inside a store call
-        at interpreter exit aborts the process."""
+        """Before the process exits (and before a site hosting the store drops it): join the thread,
+        then close its connection here. Its calls never block (check, compare_set), and a store that
+        does not answer fails them within the store's timeout, `keep_s` (sites.timeout_s)."""
         self.stopped.set()
         if self.thread.is_alive():
-            self.thread.join(timeout=5 * self.interval_s + 5)
+            self.thread.join(timeout=self.keep_s + 5)
+        if self.thread.is_alive():  # a store frozen mid-call: never destroy a connection under a call
+            log.warning("store re-publisher still inside a store call after %.0f s; leaving it", self.keep_s + 5)
+            return
+        self.store = None  # the last reference: the connection closes now, in this thread
