@@ -92,10 +92,8 @@ def kernel_window(proc: Path = PROC_IPV4) -> int:
 
     Two thirds, not all of the send buffer: it holds the bytes not yet sent beside those in
     flight, charged at their buffer size rather than their payload, and a writer is woken only once
-    a third of it is free. Measured through the WAN emulator at 200 ms RTT with tcp_wmem max 4 MB:
-    102-113 Mbit/s on one stream (2.6-2.8 MB in flight), 405-427 on four, 1623-1676 on sixteen
-    (benchmarks/wan.md, "Emulator ceiling"). Half of tcp_rmem: the receiver keeps the rest for its own overhead
-    (tcp_adv_win_scale = 1)."""
+    a third of it is free; the emulator's rates per stream count agree (benchmarks/wan.md, "Emulator
+    ceiling"). Half of tcp_rmem: the receiver keeps the rest for its own overhead (tcp_adv_win_scale = 1)."""
     wmem, rmem = _proc_max(proc, "tcp_wmem", LINUX_WMEM_MAX), _proc_max(proc, "tcp_rmem", LINUX_RMEM_MAX)
     return min(wmem * SNDBUF_IN_FLIGHT_NUM // SNDBUF_IN_FLIGHT_DEN, rmem // 2)
 
