@@ -46,7 +46,7 @@ def _resume_gpu_checkpoint_on_host(root: str) -> tuple[list[dict], bool]:
         _step(model, writer, seed=1)
         path = ckpt.save_checkpoint(Path(root), 1, model, writer, {}, {}, keep_last=2)
         reader = build_optimizer(params, cfg)
-        ckpt.load_checkpoint(ckpt.CheckpointInfo(path, 1, {}), model, reader, {})
+        ckpt.load_checkpoint(ckpt.CheckpointInfo(path, 1, ckpt.verify_checkpoint(path)), model, reader, {})
         _step(model, reader, seed=2)
         return _kernels(reader), all(bool(torch.isfinite(p).all()) for p in model.parameters())
     finally:
