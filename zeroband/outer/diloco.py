@@ -380,9 +380,7 @@ class DiLoCo:
         if self.cfg.log_checksum and not stats.abstain:  # compared across sites by the reduce itself
             stats = replace(stats, crc=float(self.digest48(group)))
         arena, self.arena, self.last_reduce = self.arena, Arena(), None
-        result = group.watched(partial(reduce_across_sites, grads, stats, group, self.cfg.comm_dtype,
-                                       int(self.cfg.piece_mb * 2**20), self.error_feedback, self.cfg.outlier_factor,
-                                       weight_by_tokens=self.cfg.round_seconds > 0, arena=arena), "outer all-reduce")
+        result = self._exchange(grads, stats, group, self.error_feedback, arena, "outer all-reduce")
         self.arena, self.last_reduce = arena, result
         if self.membership.may_retry:
             self.spare = flat_base(grads)  # the `_retry_copy` vector (None for an abstainer's zeros)
@@ -391,10 +389,15 @@ class DiLoCo:
     def _reduce_lane(self, grads: list[torch.Tensor], stats: SiteStats, group: GlobalGroup,
                      feedback: dict[int, torch.Tensor], k: int) -> ReduceResult:
         """One lane's exchange: the equal-shape reduce of the lane's vector on its group (fixed runs only)."""
+        return self._exchange(grads, stats, group, feedback if self.error_feedback is not None else None,
+                              self.lane_arenas[k], f"outer all-reduce, lane {k}")
+
+    def _exchange(self, grads: list[torch.Tensor], stats: SiteStats, group: GlobalGroup,
+                  feedback: dict[int, torch.Tensor] | None, arena: Arena, what: str) -> ReduceResult:
+        """The equal-shape reduce of `grads` on `group`, on a helper thread the group watches."""
         return group.watched(partial(reduce_across_sites, grads, stats, group, self.cfg.comm_dtype,
-                                     int(self.cfg.piece_mb * 2**20), feedback if self.error_feedback is not None else None,
-                                     self.cfg.outlier_factor, weight_by_tokens=self.cfg.round_seconds > 0,
-                                     arena=self.lane_arenas[k]), f"outer all-reduce, lane {k}")
+                                     int(self.cfg.piece_mb * 2**20), feedback, self.cfg.outlier_factor,
+                                     weight_by_tokens=self.cfg.round_seconds > 0, arena=arena), what)
 
     def _retry_copy(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """A copy of `grads` for one attempt to consume: a retried attempt starts again from the originals.
