@@ -17,6 +17,7 @@ from zeroband.membership.rounds import (
     decide_members,
     decide_verdict,
     orphaned,
+    run_over,
 )
 from zeroband.store.client import open_store
 
@@ -78,3 +79,30 @@ def test_joiner_with_nobody_to_join_gives_up():
     with pytest.raises(RoundTimeout, match="nothing to join"):
         rounds.rendezvous(5, 0, set(), 1, 1.0, fresh=True, timeout_s=30, new_generation=lambda m: 1)
     assert time.monotonic() - t0 < 5
+
+
+def test_run_over_stops_late_sites_and_never_forms_a_round_past_the_end():
+    assert not run_over(3, 10, None)  # the run goes on: join it
+    assert not run_over(10, 10, None)  # its last round is still open: join it (and finish with it)
+    assert run_over(10, 10, 10)  # the finishing members published it committed: stop before arriving
+    assert run_over(3, 10, 10)  # a stale committed counter does not matter once the end is published
+    assert run_over(11, 10, None)  # past the end (left out of the last round, or admitted as it ended):
+    # never a group of its own, even while the key is missing (deleted, or not written yet)
+    assert not run_over(11, 20, 10)  # an earlier, shorter run of this name: train.steps was raised since
+    assert run_over(21, 20, 10)
+    assert not run_over(50, None, 10)  # no end known (a membership built without one)
+
+
+def test_run_complete_published_signed_missing_or_forged_reads_as_not_yet():
+    address = f"tcp://127.0.0.1:{free_port()}"
+    store = open_store(address, True, timedelta(seconds=10))
+    liveness = Liveness(store, "p/", range(2), dead_after_s=0.5)
+    key = b"k" * 32
+    member, reader = (RoundCoordinator(store, "p/", site, site == 0, liveness, key) for site in (0, 1))
+    assert reader.completed() is None  # missing: not yet
+    store.set("p/complete", "10")  # unsigned (anyone with store access): not the members' word
+    assert reader.completed() is None
+    member.mark_complete(10)
+    assert reader.completed() == 10
+    RoundCoordinator(store, "p/", 1, False, liveness, key).mark_complete(12)  # only a site's rank 0 writes
+    assert reader.completed() == 10

@@ -16,6 +16,10 @@ in a new generation with the same pseudo-gradients, never applying a partial res
   (`site_rank` < `site_count`), and a slot's documents belong to it alone, so no shard is read by
   two sites; a re-joining slot continues from the data position it last published.
 - Leave (SIGTERM): the site writes `leave/<site>`, so nobody waits for its heartbeat to time out.
+- End: the run ends after round `last_round`; its members publish `complete` (signed) when they
+  commit it. A site that starts after that, or reaches a round beyond the end (left out of the last
+  one, or admitted just as the last members finished), stops with `RunComplete` (exit 0, event
+  "run_complete") before it arrives anywhere: it never forms a group of its own past the end.
 - Quorum: a round proceeds with at least `min_sites` members once every expected live site has
   arrived or `grace_s` has passed; a late site's pseudo-gradient is dropped and it re-syncs from a
   peer at the next boundary (its local progress of that round is discarded).
@@ -44,7 +48,7 @@ from zeroband.comm.link import LinkPolicy
 from zeroband.config import DilocoConfig, SitesConfig
 from zeroband.membership.base import Event, EventLog
 from zeroband.membership.heartbeat import Heartbeat, Liveness, heartbeat_key, leave_key
-from zeroband.membership.rounds import POLL_S, Decision, RoundCoordinator
+from zeroband.membership.rounds import POLL_S, Decision, RoundCoordinator, RunComplete, run_over
 from zeroband.mesh import Topology
 from zeroband.store.client import open_store, store_failures_named
 from zeroband.trust.auth import SECRET_FIX, PeerRefused, Verdict, admission
@@ -125,7 +129,8 @@ class ElasticAttempt:
 
 class ElasticMembership:
     def __init__(self, cfg: DilocoConfig, sites: SitesConfig, topology: Topology, run_name: str,
-                 fingerprint: dict[str, str]) -> None:
+                 fingerprint: dict[str, str], last_round: int | None = None) -> None:
+        self.last_round = last_round  # the run's end: train.steps // inner_steps (None: unbounded)
         self.cfg, self.sites, self.topology, self.world, self.fingerprint = cfg, sites, topology, topology.world, fingerprint
         self.checksums: list[Callable[[], list[torch.Tensor]]] = []  # what must agree after a hand-over
         self.prefix = f"zeroband/{run_name}/elastic/"
@@ -176,8 +181,8 @@ class ElasticMembership:
     def attach(self, sink: Callable[[Event], None]) -> None:
         self.events.attach(sink)
 
-    def emit(self, event: str, **fields: Any) -> None:
-        self.events.emit(event, round=self.round, **fields)
+    def emit(self, event: str, **fields: Any) -> Event:
+        return self.events.emit(event, round=self.round, **fields)
 
     def state_dict(self) -> dict[str, Any]:
         return {"round": self.round}
@@ -192,7 +197,25 @@ class ElasticMembership:
         state, so sites restarted from different checkpoints cannot diverge."""
         with store_failures_named(self.sites.store):
             self.liveness.poll()
-            self.round = self.rounds.committed_round() + 1
+            next_round, completed = self.rounds.committed_round() + 1, self.rounds.completed()
+        # the site's ranks read the store apart: they act on the newest any of them saw
+        self.round, completed = self._site_max([next_round, -1 if completed is None else completed])
+        self._stop_if_over(None if completed < 0 else completed)
+
+    def _site_max(self, values: list[int]) -> list[int]:
+        found = torch.tensor(values, dtype=torch.int64, device=self.world.device)
+        self.topology.site_all_reduce(found, op=dist.ReduceOp.MAX)
+        return [int(v) for v in found.tolist()]
+
+    def _stop_if_over(self, completed: int | None = None) -> None:
+        """Act on `run_over` before this site arrives at its round: record it, leave, raise RunComplete."""
+        if not run_over(self.round, self.last_round, completed):
+            return
+        assert self.last_round is not None  # run_over says so
+        step = None if self.cfg.round_seconds else self.last_round * self.cfg.inner_steps
+        event = self.emit("run_complete", last_round=self.last_round, step=step)
+        self.leave()
+        raise RunComplete(event)
 
     def leave(self) -> None:
         """Announce the departure, stop the heartbeat thread and drop the group (clean exit)."""
@@ -224,6 +247,7 @@ class ElasticMembership:
         boundary as a joiner (its own progress of this round is dropped) and goes on in that round."""
         number = 0
         while True:
+            self._stop_if_over()  # a round beyond the end never forms (left out of the last one, say)
             with store_failures_named(self.sites.store):
                 decision = self._decide(number)
                 left_out = self._left_out(decision, number)
@@ -332,6 +356,8 @@ class ElasticMembership:
         self.fresh, self.members = False, decision.members
         if self.world.site_rank == decision.donor and self.world.rank == 0:
             self.rounds.mark_committed(self.round)
+        if self.round == self.last_round:  # every member publishes it: any one of them suffices
+            self.rounds.mark_complete(self.round)
         self.emit("commit", attempt=attempt, members=decision.members, generation=decision.generation,
                   joined=decision.fresh)
         self.round += 1

@@ -26,6 +26,7 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch.distributed as dist
 
@@ -38,6 +39,17 @@ POLL_S = 0.05
 
 class RoundTimeout(TimeoutError):
     pass
+
+
+class RunComplete(Exception):
+    """This site came after the run's last round: it stops (exit 0) without training. `event`: the
+    structured record of it (membership event "run_complete")."""
+
+    def __init__(self, event: dict[str, Any]) -> None:
+        at = f"step {event['step']}" if event.get("step") is not None else f"round {event['last_round']}"
+        super().__init__(f"run already complete at {at} (its last round, {event['last_round']}, was committed "
+                         f"before this site could take part in it); nothing to train: this site stops")
+        self.event = event
 
 
 @dataclass(frozen=True)
@@ -103,6 +115,18 @@ def orphaned(arrivals: dict[int, str], alive: set[int], me: int) -> bool:
     the lowest one's state (its checkpoint) goes to the others, as after a full restart. A site
     alone is not orphaned: the run finished or every other site is gone (`_alone` says so)."""
     return bool(alive - {me}) and alive <= set(arrivals) and all(arrivals[s] == "fresh" for s in alive)
+
+
+def run_over(round: int, last_round: int | None, completed: int | None) -> bool:
+    """Whether a site about to take part in `round` must stop instead: the run ends after round
+    `last_round` (train.steps // inner_steps; None: no end known), and `completed` is the last round
+    its finishing members published as committed (None: not yet, or forged). A round beyond the end
+    never forms, whatever the store says (late joiners must not start a run of their own); a
+    published round below `last_round` is an earlier, shorter run of this name (train.steps raised
+    since a resume), not this run's end."""
+    if last_round is None:
+        return False
+    return round > last_round or (completed is not None and completed >= last_round)
 
 
 def decide_verdict(members: list[int], votes: dict[int, str], gone: set[int]) -> str | None:
@@ -260,6 +284,17 @@ class RoundCoordinator:
                 votes[m] = vote.decode()
         verdict = decide_verdict(decision.members, votes, self.liveness.dead_among(decision.members))
         return "gone" if verdict == "abort" and all(v == "ok" for v in votes.values()) else verdict
+
+    def completed(self) -> int | None:
+        """The run's last round, once its finishing members published it committed (`mark_complete`);
+        None before (a missing, forged or malformed value reads as "not yet")."""
+        raw = self.store.read(self.prefix + "complete")
+        return int(raw) if raw is not None and raw.isdigit() else None
+
+    def mark_complete(self, r: int) -> None:
+        """Publish that round r, the run's last, was committed: a site that comes later stops (`run_over`)."""
+        if self.is_leader:
+            self.store.set(self.prefix + "complete", str(r))
 
     def mark_committed(self, r: int) -> None:
         """Advance the committed-round counter to r (once per round: the donor writes it)."""
