@@ -98,8 +98,9 @@ def test_sites_that_come_after_the_end_stop_as_run_complete(corpus, tmp_path, st
     last round stops at once, exit 0, with one line and a "run_complete" record; it trains nothing
     and writes nothing to the ledger."""
     tree = elastic_tree(corpus, tmp_path, store_address, steps=4, start_grace_s=1.0)
-    out = run_sites(_after_the_end, 3, 1, (tree,), timeout=90)
+    out = run_sites(_after_the_end, 3, [1, 2, 1], (tree,), timeout=90)  # site 1's ranks agree on the end
     assert out[(0, 0)][0] == 0 and "run already complete" not in out[(0, 0)][1]
+    assert out[(1, 1)] == (0, "")  # the site's one line comes from its rank 0
     for site in (1, 2):
         code, printed = out[(site, 0)]
         assert code == 0 and "run already complete at step 4" in printed, printed[-2000:]
@@ -114,7 +115,12 @@ def test_sites_that_come_after_the_end_stop_as_run_complete(corpus, tmp_path, st
 
 
 def test_churn_commits_every_document_once(corpus, tmp_path, store_address):
-    tree = elastic_tree(corpus, tmp_path, store_address, steps=STEPS, start_grace_s=3.0)
+    # A quorum of 3 makes the joins part of the schedule: once site 1 has left (step 13) no round can
+    # proceed without both the restarted site 2 and the new site 3, so under load the others wait for
+    # them (up to sites.timeout_s) instead of finishing the run first; late sites would then stop as
+    # "run complete" (test above) and the churn would not be exercised.
+    tree = elastic_tree(corpus, tmp_path, store_address, steps=STEPS, start_grace_s=3.0, min_sites=3,
+                        sites={"timeout_s": 60})
     tree["data"]["span_docs"] = 2
     out = run_sites(_churn, SITES, 1, (tree,), faults=CHURN, timeout=150)
     assert out[(2, 0)]["killed"] and out[(1, 0)]["steps"] == 13  # left on SIGTERM, for good
