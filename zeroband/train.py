@@ -121,12 +121,16 @@ def build_outer(cfg: Config, model: torch.nn.Module, topology: Topology, group: 
     # A joiner takes the outer state, progress and schedule from a peer, in the round it applies:
     # the run's step is then `progress`, which every member of a round holds alike (rounds of
     # diloco.round_seconds refuse outer_lr_schedule = "inner"), so they take the same outer lr.
+    def run_end() -> int | None:  # after a commit: the step the run ended at (the loop's own rule), or None
+        return progress.step if outer.finished(progress.step, cfg.train.steps) else None
+
     membership = ElasticMembership(cfg.diloco, cfg.sites, topology, cfg.name, topology.fingerprint,
-                                   last_round=cfg.train.steps // cfg.diloco.inner_steps)
+                                   cfg.train.steps, run_end)
     for key, state in (("progress", progress), ("scheduler", Schedule(scheduler))):
         membership.register_state_dict_fn(key, state.load_state_dict, state.state_dict)
-    return DiLoCo(model, cfg.diloco, topology, tokens_per_step, membership=membership,
-                  lr_factor=lambda _: factor(progress.step - 1))
+    outer = DiLoCo(model, cfg.diloco, topology, tokens_per_step, membership=membership,
+                   lr_factor=lambda _: factor(progress.step - 1))
+    return outer
 
 
 # ---------------------------------------------------------------------------------- the loop

@@ -16,10 +16,11 @@ in a new generation with the same pseudo-gradients, never applying a partial res
   (`site_rank` < `site_count`), and a slot's documents belong to it alone, so no shard is read by
   two sites; a re-joining slot continues from the data position it last published.
 - Leave (SIGTERM): the site writes `leave/<site>`, so nobody waits for its heartbeat to time out.
-- End: the run ends after round `last_round`; its members publish `complete` (signed) when they
-  commit it. A site that starts after that, or reaches a round beyond the end (left out of the last
-  one, or admitted just as the last members finished), stops with `RunComplete` (exit 0, event
-  "run_complete") before it arrives anywhere: it never forms a group of its own past the end.
+- End: the members that commit the round after which the run is over (`run_end`, the outer loop's
+  rule) publish it (`complete`, signed). A site without the run's state (starting, restarted, or
+  left out of the last round) that reads it, at its start, before each attempt or while it waits
+  for a decision, stops with `RunComplete` (exit 0, event "run_complete"): it never forms a group of
+  its own after the end, even when the last members finish while it waits to be admitted.
 - Quorum: a round proceeds with at least `min_sites` members once every expected live site has
   arrived or `grace_s` has passed; a late site's pseudo-gradient is dropped and it re-syncs from a
   peer at the next boundary (its local progress of that round is discarded).
@@ -129,8 +130,11 @@ class ElasticAttempt:
 
 class ElasticMembership:
     def __init__(self, cfg: DilocoConfig, sites: SitesConfig, topology: Topology, run_name: str,
-                 fingerprint: dict[str, str], last_round: int | None = None) -> None:
-        self.last_round = last_round  # the run's end: train.steps // inner_steps (None: unbounded)
+                 fingerprint: dict[str, str], total_steps: int = 0,
+                 run_end: Callable[[], int | None] = lambda: None) -> None:
+        # the run's end: train.steps, and the step at which the run is over once a round committed
+        # (the outer loop's rule; None while it goes on)
+        self.total_steps, self.run_end = total_steps, run_end
         self.cfg, self.sites, self.topology, self.world, self.fingerprint = cfg, sites, topology, topology.world, fingerprint
         self.checksums: list[Callable[[], list[torch.Tensor]]] = []  # what must agree after a hand-over
         self.prefix = f"zeroband/{run_name}/elastic/"
@@ -197,23 +201,19 @@ class ElasticMembership:
         state, so sites restarted from different checkpoints cannot diverge."""
         with store_failures_named(self.sites.store):
             self.liveness.poll()
-            next_round, completed = self.rounds.committed_round() + 1, self.rounds.completed()
-        # the site's ranks read the store apart: they act on the newest any of them saw
-        self.round, completed = self._site_max([next_round, -1 if completed is None else completed])
-        self._stop_if_over(None if completed < 0 else completed)
+            self.round = self.rounds.committed_round() + 1
+            self._stop_if_over()
 
-    def _site_max(self, values: list[int]) -> list[int]:
-        found = torch.tensor(values, dtype=torch.int64, device=self.world.device)
-        self.topology.site_all_reduce(found, op=dist.ReduceOp.MAX)
-        return [int(v) for v in found.tolist()]
-
-    def _stop_if_over(self, completed: int | None = None) -> None:
-        """Act on `run_over` before this site arrives at its round: record it, leave, raise RunComplete."""
-        if not run_over(self.round, self.last_round, completed):
+    def _stop_if_over(self) -> None:
+        """Act on `run_over` (a site without the state: one store read): record it, leave, raise
+        RunComplete. Each rank reads on its own; the key stays, so all of them stop."""
+        if not self.fresh or not self.total_steps:
             return
-        assert self.last_round is not None  # run_over says so
-        step = None if self.cfg.round_seconds else self.last_round * self.cfg.inner_steps
-        event = self.emit("run_complete", last_round=self.last_round, step=step)
+        end = self.rounds.completed()
+        if not run_over(end, self.total_steps, self.fresh):
+            return
+        assert end is not None  # run_over says so
+        event = self.emit("run_complete", last_round=end["round"], step=end["step"])
         self.leave()
         raise RunComplete(event)
 
@@ -247,8 +247,8 @@ class ElasticMembership:
         boundary as a joiner (its own progress of this round is dropped) and goes on in that round."""
         number = 0
         while True:
-            self._stop_if_over()  # a round beyond the end never forms (left out of the last one, say)
             with store_failures_named(self.sites.store):
+                self._stop_if_over()  # left out of the run's last round, say
                 decision = self._decide(number)
                 left_out = self._left_out(decision, number)
             if left_out:
@@ -296,7 +296,7 @@ class ElasticMembership:
         grace = self.cfg.start_grace_s if self.round == 0 else self.cfg.grace_s
         timeout = self.cfg.join_timeout_s if self.fresh else self.sites.timeout_s
         decision = self.rounds.rendezvous(self.round, attempt, expected, self.cfg.min_sites, grace, self.fresh,
-                                          timeout, self._next_generation)
+                                          timeout, self._next_generation, self._stop_if_over)
         self.newest_generation = max(self.newest_generation, decision.generation)
         return decision
 
@@ -356,11 +356,11 @@ class ElasticMembership:
         self.fresh, self.members = False, decision.members
         if self.world.site_rank == decision.donor and self.world.rank == 0:
             self.rounds.mark_committed(self.round)
-        if self.round == self.last_round:  # every member publishes it: any one of them suffices
-            self.rounds.mark_complete(self.round)
         self.emit("commit", attempt=attempt, members=decision.members, generation=decision.generation,
                   joined=decision.fresh)
         self.round += 1
+        if (step := self.run_end()) is not None:  # every member publishes it: any one of them suffices
+            self.rounds.mark_complete(self.round - 1, step, self.total_steps)
 
     # ------------------------------------------------------------------ state hand-over
     def _hand_over(self, decision: Decision, group: GlobalGroup) -> list[str]:
