@@ -16,6 +16,7 @@ from zeroband.comm.link import (
     MAX_STREAMS,
     PROC_IPV4,
     Link,
+    LinkPolicy,
     LinkProbe,
     ProbeError,
     bound_note,
@@ -183,6 +184,21 @@ def test_bound_note_spells_out_the_arithmetic() -> None:
     assert note == "3 x 0.80 s for 50.00 MB at 500 Mbit/s + 4 x 200 ms RTT"  # 3.2 s
     assert bound_note(1e3, link, 3.0, 10.0, 600.0).endswith("RTT, raised to sites.timeout_floor_s")
     assert bound_note(1e12, link, 3.0, 10.0, 600.0).endswith("RTT, cut to sites.timeout_s")
+
+
+def test_the_vote_wait_is_the_bound_of_the_largest_payload_over_the_slowest_link() -> None:
+    from zeroband.comm.group import GlobalGroup
+    from zeroband.watchdog import Watch
+
+    fast = LinkProbe(0.01, 0.01, 5, 1, 2_796_202, 10**8, 1.0, 1e9, 1e9)
+    slow = replace(fast, rtt_s=0.1, steady_bps=1e8)
+    policy = LinkPolicy("auto", 3.0, 3.0, 1.0)
+    group = GlobalGroup(None, 0, 3, watch=Watch(600.0), links={1: fast, 2: slow}, policy=policy)  # type: ignore[arg-type]
+    assert group.settle_bound() == 1.0  # nothing waited for yet: the floor
+    group.bound(1, 4e6)
+    group.bound(1, 50e6)  # an all-reduce's "sends to drain": its whole uplink
+    assert group.settle_bound() == wait_bound(50e6, slow.link(), 3.0, 1.0, 600.0) == pytest.approx(12.4)
+    assert GlobalGroup(None, 0, 2, watch=Watch(600.0)).settle_bound() is None  # type: ignore[arg-type]  # not measured
 
 
 def test_probe_agrees_on_the_streams_the_initiator_chose() -> None:

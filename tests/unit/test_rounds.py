@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from datetime import timedelta
 
@@ -9,8 +10,9 @@ import pytest
 
 from tests.multiproc import free_port
 from zeroband.comm.reduce import contributing_sites, site_weight
-from zeroband.membership.heartbeat import Liveness
+from zeroband.membership.heartbeat import Heartbeat, Liveness
 from zeroband.membership.rounds import (
+    Decision,
     RoundCoordinator,
     RoundTimeout,
     RunComplete,
@@ -18,6 +20,7 @@ from zeroband.membership.rounds import (
     decide_members,
     decide_verdict,
     orphaned,
+    overdue,
     run_over,
 )
 from zeroband.store.client import open_store
@@ -56,6 +59,45 @@ def test_verdict():
     assert decide_verdict([0, 1], {0: "ok", 1: "ok"}, gone=set()) == "commit"
     assert decide_verdict([0, 1], {0: "ok", 1: "fail"}, gone=set()) == "abort"
     assert decide_verdict([0, 1], {0: "ok"}, gone={1}) == "abort"
+
+
+def test_a_missing_vote_is_overdue_only_past_the_link_bound():
+    assert overdue([0, 1], {0: "ok"}, since_vote_s=0.9, bound_s=1.0) == set()
+    assert overdue([0, 1], {0: "ok"}, since_vote_s=1.0, bound_s=1.0) == {1}
+    assert overdue([0, 1, 2], {0: "ok", 2: "ok"}, 5.0, 1.0) == {1} and overdue([0, 1], {0: "ok", 1: "ok"}, 5.0, 1.0) == set()
+    assert overdue([0, 1], {0: "ok"}, 1e6, None) == set()  # no measured link: only dead_after_s and timeout_s
+    assert decide_verdict([0, 1], {0: "ok"}, gone=overdue([0, 1], {0: "ok"}, 2.0, 1.0)) == "abort"
+
+
+def _voting_pair(address: str) -> tuple[list[Heartbeat], list[RoundCoordinator], Decision]:
+    """Sites 0 and 1 of a round on a real TCPStore, both beating (alive for dead_after_s = 60 s)."""
+    beats = [Heartbeat(lambda: open_store(address, False, timedelta(seconds=10)), "p/", s, 0.1).start() for s in (0, 1)]
+    coords = []
+    for s in (0, 1):
+        store = open_store(address, False, timedelta(seconds=10))
+        coords.append(RoundCoordinator(store, "p/", s, True, Liveness(store, "p/", range(2), dead_after_s=60.0)))
+    time.sleep(0.3)  # the first beats are in
+    return beats, coords, Decision([0, 1], [], 1)
+
+
+def test_a_live_member_that_never_votes_is_aborted_at_the_link_bound_not_the_timeout():
+    """Site 1 beats (alive) but froze after its last message of the exchange: its vote never comes.
+    Site 0 voted ok; it aborts at the bound (0.5 s), not at timeout_s (30 s); a vote 0.2 s late commits."""
+    address = f"tcp://127.0.0.1:{free_port()}"
+    server = open_store(address, True, timedelta(seconds=10))
+    beats, (site0, site1), decision = _voting_pair(address)
+    try:
+        t0 = time.monotonic()
+        assert site0.vote_and_verdict(1, 0, decision, True, timeout_s=30.0, bound_s=0.5) == "abort"
+        assert time.monotonic() - t0 < 3.0
+        late = threading.Timer(0.2, site1.vote_and_verdict, (1, 1, decision, True, 30.0, 2.0))
+        late.start()
+        assert site0.vote_and_verdict(1, 1, decision, True, timeout_s=30.0, bound_s=2.0) == "commit"
+        late.join()
+    finally:
+        for beat in beats:
+            beat.stop()
+    del server
 
 
 def test_contributors_nan_outlier_abstain_and_token_weights():
@@ -110,8 +152,6 @@ def test_a_waiting_joiner_stops_once_the_run_ends_instead_of_forming_it_again():
     """Two fresh sites wait at round 11, which nobody holding the state will decide: the last members
     committed the run's end (round 10) and left. Before, the two live joiners were `orphaned` and
     formed round 11 from their own state: the run again. Now the published end stops the waiting one."""
-    from zeroband.membership.heartbeat import Heartbeat
-
     address = f"tcp://127.0.0.1:{free_port()}"
     store = open_store(address, True, timedelta(seconds=10))
     beats = [Heartbeat(lambda: open_store(address, False, timedelta(seconds=10)), "p/", s, 0.05).start()

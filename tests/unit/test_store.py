@@ -170,3 +170,18 @@ def test_a_site_with_the_secret_waits_out_a_guard_slow_to_challenge():
         os.kill(guard.pid, signal.SIGCONT)
         guard.kill()
         guard.wait()
+
+
+def test_a_hosted_stores_guard_ends_with_the_store():
+    """A long-lived process (a test runner, a tool) that hosts and drops stores keeps no guards."""
+    import gc
+
+    host, port, guard = _hosted_guard(b"s" * 32)
+    assert guard.poll() is None
+    with socket.create_connection(("127.0.0.1", port), timeout=5):
+        pass  # the guard listens while the store lives
+    del host
+    gc.collect()
+    assert guard.wait(timeout=10) is not None
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()

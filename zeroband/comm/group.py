@@ -65,6 +65,7 @@ class GlobalGroup:
         # a wait for a payload from that peer is bounded by wait_bound (`bound`), not only the timeout.
         self.links, self.policy = links or {}, policy or LinkPolicy()
         self.bound_s = 0.0  # the longest bound chosen since `take_bound` (the round's, in the outer record)
+        self.largest_bytes = 0.0  # the largest payload any wait of this group was bounded for (`settle_bound`)
 
     def bound(self, peer: int | str, nbytes: float | None) -> tuple[float, str] | None:
         """The bound of a wait for `nbytes` from `peer`: wait_bound of the measured link, clamped to
@@ -74,8 +75,19 @@ class GlobalGroup:
             return None
         p, ceiling = self.policy, self.watch.timeout_s
         seconds = wait_bound(nbytes, probe.link(), p.factor, p.floor_s, ceiling)
-        self.bound_s = max(self.bound_s, seconds)
+        self.bound_s, self.largest_bytes = max(self.bound_s, seconds), max(self.largest_bytes, nbytes)
         return seconds, bound_note(nbytes, probe.link(), p.factor, p.floor_s, ceiling)
+
+    def settle_bound(self) -> float | None:
+        """How long the other members may take to finish once this one completed its exchanges (the
+        vote wait, membership/rounds.py `overdue`): the bound of the largest payload this group's
+        waits carried (an all-reduce's whole uplink: its "sends to drain"), over the slowest measured
+        link, so at least sites.timeout_floor_s; None where no link was measured."""
+        if not self.links:
+            return None
+        p, ceiling = self.policy, self.watch.timeout_s
+        return max(wait_bound(self.largest_bytes, probe.link(), p.factor, p.floor_s, ceiling)
+                   for probe in self.links.values())
 
     def take_bound(self) -> float:
         """The longest wait bound since the last call (0: none derived from the link)."""

@@ -115,9 +115,10 @@ class ElasticAttempt:
     def commit(self) -> bool:
         m, decision = self.member, self.decision
         m.watch.check = None  # this attempt's waits are over
+        bound = None if m.group is None else m.group.settle_bound()  # None: it failed, its vote aborts
         with store_failures_named(m.sites.store):
             verdict = m.rounds.vote_and_verdict(m.round, self.number, decision, m._site_ok(not self.failed),
-                                                m.sites.timeout_s)
+                                                m.sites.timeout_s, bound)
         if verdict == "commit":
             m._commit(decision, self.number)
             self.committed = True

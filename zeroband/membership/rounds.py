@@ -23,6 +23,7 @@ list, vote or verdict reads as absent, and an honest site takes a forged write-o
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -32,9 +33,10 @@ import torch.distributed as dist
 
 from zeroband.membership.heartbeat import Liveness
 from zeroband.trust.signed import STORM, Ledger, SignedStore, StoreInterference
-from zeroband.watchdog import Ticker
+from zeroband.watchdog import Ticker, _sites
 
 POLL_S = 0.05
+log = logging.getLogger(__name__)
 
 
 class RoundTimeout(TimeoutError):
@@ -127,12 +129,24 @@ def run_over(end: dict[str, int] | None, total_steps: int, fresh: bool) -> bool:
 
 
 def decide_verdict(members: list[int], votes: dict[int, str], gone: set[int]) -> str | None:
-    """'commit', 'abort', or None to keep waiting for votes."""
+    """'commit', 'abort', or None to keep waiting for votes (`gone`: members dead, left or `overdue`)."""
     if any(v != "ok" for v in votes.values()) or gone & set(members) - set(votes):
         return "abort"
     if set(votes) >= set(members):
         return "commit"
     return None
+
+
+def overdue(members: list[int], votes: dict[int, str], since_vote_s: float, bound_s: float | None) -> set[int]:
+    """Members whose vote is overdue, `since_vote_s` after this site voted. A site votes once all its
+    ranks completed the attempt's exchanges, so every other member then holds all but what this
+    site's uplink still carried and only has its own CPU work left: its vote is due within `bound_s`
+    (GlobalGroup.settle_bound: the link bound of the largest payload of the attempt). One that
+    froze after its last message (before voting) is treated like a dead one, instead of stalling the
+    others until sites.timeout_s. None: no measured link; dead_after_s and timeout_s end the wait."""
+    if bound_s is None or since_vote_s < bound_s:
+        return set()
+    return set(members) - set(votes)
 
 
 class RoundCoordinator:
@@ -243,16 +257,20 @@ class RoundCoordinator:
         proposal = Decision(members, fresh, new_generation(members)).to_json()
         self.store.compare_set(self._key(r, a, "members"), "", proposal)
 
-    def vote_and_verdict(self, r: int, a: int, decision: Decision, site_ok: bool, timeout_s: float) -> str:
+    def vote_and_verdict(self, r: int, a: int, decision: Decision, site_ok: bool, timeout_s: float,
+                         bound_s: float | None = None) -> str:
+        """Vote, and wait for the verdict; the leader proposes it once the votes call for one, or a
+        member is dead or `overdue` (its vote not in `bound_s` after ours), or at timeout_s."""
         if self.is_leader:
             self.store.set(self._key(r, a, "vote", self.site), "ok" if site_ok else "fail")
-        key, deadline, restored = self._key(r, a, "verdict"), time.monotonic() + timeout_s, self.ledger.restored
+        voted = time.monotonic()
+        key, deadline, restored = self._key(r, a, "verdict"), voted + timeout_s, self.ledger.restored
         gone_since: float | None = None
         ticker = Ticker(f"round {r} attempt {a}: votes")
         while (verdict := self.verdict(r, a)) is None:
             ticker.tick(f"the votes of sites {decision.members}")
             self.guard(r)
-            proposal = self._tally(r, a, decision) if self.is_leader else None
+            proposal = self._tally(r, a, decision, time.monotonic() - voted, bound_s) if self.is_leader else None
             if proposal == "gone" and self.ledger.restored > restored:
                 # under deletions its vote may just be gone for now: a leaver writes it back for up to
                 # dead_after_s (ElasticMembership._linger); past that we cannot tell, so we stop
@@ -277,14 +295,19 @@ class RoundCoordinator:
         raw = self.store.read(self._key(r, a, "verdict"))
         return None if raw is None else raw.decode()
 
-    def _tally(self, r: int, a: int, decision: Decision) -> str | None:
-        """The verdict the votes call for; "gone" for an abort only because a member left or died
-        without a vote that can be read (under deletions, it may have voted and committed)."""
+    def _tally(self, r: int, a: int, decision: Decision, since_vote_s: float = 0.0,
+               bound_s: float | None = None) -> str | None:
+        """The verdict the votes call for; "gone" for an abort only because a member left, died or is
+        overdue without a vote that can be read (under deletions, it may have voted and committed)."""
         votes = {}
         for m in decision.members:
             if (vote := self.store.read(self._key(r, a, "vote", m))) is not None:
                 votes[m] = vote.decode()
-        verdict = decide_verdict(decision.members, votes, self.liveness.dead_among(decision.members))
+        late = overdue(decision.members, votes, since_vote_s, bound_s)
+        verdict = decide_verdict(decision.members, votes, self.liveness.dead_among(decision.members) | late)
+        if late and verdict == "abort":
+            log.warning("round %d attempt %d: no vote from %s within %.1f s of this site's vote (the link bound of "
+                        "the attempt's largest payload): frozen or stalled, aborting", r, a, _sites(late), bound_s)
         return "gone" if verdict == "abort" and all(v == "ok" for v in votes.values()) else verdict
 
     def completed(self) -> dict[str, int] | None:

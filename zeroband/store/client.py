@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -31,7 +32,7 @@ from zeroband.trust.secret import SECRET_ENV, RunSecret, as_secret, resolve_secr
 log = logging.getLogger(__name__)
 
 DEFAULT_ETCD_PREFIX = "zeroband"
-_GUARDS: list[subprocess.Popen] = []  # a hosted store's guard lives as long as the process
+_GUARDS: list[subprocess.Popen] = []  # the guards of this process's live hosted stores, newest last
 
 
 class StoreUnreachable(ConnectionError):
@@ -111,8 +112,8 @@ def _run_secret(secret: RunSecret | bytes | None) -> RunSecret | None:
 def host_tcp_store(host: str, port: int, timeout: timedelta, secret: RunSecret | bytes | None = None) -> dist.TCPStore:
     """A TCPStore server on an ephemeral loopback port, reached through a StoreGuard on host:port
     (store/guard.py: with a secret only authenticated connections reach the server; without,
-    idle and stalled ones cannot lock it up). Returns the server's client. Call it from a thread that
-    lives as long as the store: the guard dies with it (PR_SET_PDEATHSIG)."""
+    idle and stalled ones cannot lock it up). Returns the server's client. The guard ends with that
+    object, or with this process (PR_SET_PDEATHSIG: call this from a thread that lives as long)."""
     secret = _run_secret(secret)
     # BoundTCPStore: c10d's own server would listen on every interface, bypassing the guard.
     server = BoundTCPStore("127.0.0.1", 0, is_master=True, timeout=timeout, wait_for_workers=False, use_libuv=True)
@@ -122,7 +123,18 @@ def host_tcp_store(host: str, port: int, timeout: timedelta, secret: RunSecret |
     if guard is None:
         raise StoreUnreachable(f"cannot host the store on {host}:{port}: {lines[-1] if lines else 'guard exited'}")
     _GUARDS.append(guard)
+    # the guard fronts this server only: when the server goes (garbage, or a test that hosted it
+    # ends), so does the guard, rather than living on as long as a long-lived host process
+    weakref.finalize(server, _stop_guard, guard)
     return server
+
+
+def _stop_guard(guard: subprocess.Popen) -> None:
+    if guard.poll() is None:
+        guard.kill()
+        guard.wait()
+    if guard in _GUARDS:
+        _GUARDS.remove(guard)
 
 
 def _helper(args: list[str], key: bytes | None, ready: str) -> tuple[subprocess.Popen | None, list[str]]:

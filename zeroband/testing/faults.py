@@ -96,7 +96,10 @@ class Injector:
             if f.action == "hang":
                 threading.Event().wait()  # a watched thread: the watcher abandons it, the process goes on
             if f.action in ACTIONS:  # nan is applied to the pseudo-gradient, not here
-                os.kill(os.getpid(), ACTIONS[f.action])
+                # To this thread, not the process: a process-wide signal is taken by the main thread
+                # (then the process stops); under CPU load that takes ms, while this thread (a watched
+                # exchange) sent the very message the fault must withhold, and the peers went on.
+                signal.pthread_kill(threading.get_ident(), ACTIONS[f.action])
 
     def poisons(self, step: int) -> bool:
         return any(f.action == "nan" for f in self.due("allreduce", step))
