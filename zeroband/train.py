@@ -29,6 +29,7 @@ from zeroband.data.tokenizer import TextTokenizer
 from zeroband.fingerprint import run_fingerprint
 from zeroband.membership.elastic import ElasticMembership
 from zeroband.membership.resume import ResumeMismatch, agree_resume
+from zeroband.membership.rounds import RunComplete
 from zeroband.mesh import GlobalGroup, Topology, admission_mark, fixed_global_group, init_topology, shutdown
 from zeroband.metrics import ComputeClock, MetricsLogger, insecure_choices, peak_flops, peak_memory_mb
 from zeroband.models.llama import Llama, flops_per_token, num_params
@@ -120,11 +121,16 @@ def build_outer(cfg: Config, model: torch.nn.Module, topology: Topology, group: 
     # A joiner takes the outer state, progress and schedule from a peer, in the round it applies:
     # the run's step is then `progress`, which every member of a round holds alike (rounds of
     # diloco.round_seconds refuse outer_lr_schedule = "inner"), so they take the same outer lr.
-    membership = ElasticMembership(cfg.diloco, cfg.sites, topology, cfg.name, topology.fingerprint)
+    def run_end() -> int | None:  # after a commit: the step the run ended at (the loop's own rule), or None
+        return progress.step if outer.finished(progress.step, cfg.train.steps) else None
+
+    membership = ElasticMembership(cfg.diloco, cfg.sites, topology, cfg.name, topology.fingerprint,
+                                   cfg.train.steps, run_end)
     for key, state in (("progress", progress), ("scheduler", Schedule(scheduler))):
         membership.register_state_dict_fn(key, state.load_state_dict, state.state_dict)
-    return DiLoCo(model, cfg.diloco, topology, tokens_per_step, membership=membership,
-                  lr_factor=lambda _: factor(progress.step - 1))
+    outer = DiLoCo(model, cfg.diloco, topology, tokens_per_step, membership=membership,
+                   lr_factor=lambda _: factor(progress.step - 1))
+    return outer
 
 
 # ---------------------------------------------------------------------------------- the loop
@@ -422,24 +428,46 @@ def train_loop(run: Run, metrics: MetricsLogger) -> dict[str, Any]:
 def run_training(run: Run, report: bool = True) -> dict[str, Any]:
     """Resume or start, then train to the end; `report`: rank 0 prints the summary afterwards."""
     cfg, world = run.cfg, run.world
-    found = resume_or_start(run)
+    try:
+        found = resume_or_start(run)
+    except RunComplete as done:  # elastic: this site came after the run's last round
+        return joined_after_the_end(run, done, None)
     if found is not None and run_complete(run):
         if world.rank == 0:
             print(f"run complete: {found.path} is step {run.progress.step} of {cfg.train.steps}; nothing to train "
                   "(raise train.steps to go on, or start a new run with --checkpoint.resume none)", flush=True)
-        return {"losses": [], "val": {}, "steps": run.progress.step, "tokens": run.progress.tokens,
-                "complete": True, "run_dir": str(run.run_dir)}
+        return nothing_trained(run)
     keep = run.progress.step if found is not None or run.progress.step else -1
     if world.rank == 0:
         record_start(run, fresh=keep == -1)
     metrics = open_metrics(run, found, keep)
     try:
         result = train_loop(run, metrics)
+    except RunComplete as done:  # left out of the run's last round: the event is in metrics.jsonl already
+        return joined_after_the_end(run, done, metrics)
     finally:
         metrics.close()
     if report and world.rank == 0:
         print_summary(run)
     return result
+
+
+def nothing_trained(run: Run) -> dict[str, Any]:
+    return {"losses": [], "val": {}, "steps": run.progress.step, "tokens": run.progress.tokens,
+            "complete": True, "run_dir": str(run.run_dir)}
+
+
+def joined_after_the_end(run: Run, done: RunComplete, metrics: MetricsLogger | None) -> dict[str, Any]:
+    """An elastic site that came after the run's last round: one line, and its "run_complete" record in
+    metrics.jsonl (kept as it is: nothing of this site is rewound or moved aside, nor given to the ledger)."""
+    if metrics is None:
+        metrics = MetricsLogger(run.cfg, run.run_dir, run.world.rank == 0, run.cfg.train.steps, run.progress.step,
+                                tag=f"site{run.world.site_rank}", keep_through=None)
+        metrics.log(run.progress.step, done.event, "membership")
+        metrics.close()
+    if run.world.rank == 0:
+        print(done, flush=True)
+    return nothing_trained(run)
 
 
 def open_metrics(run: Run, found: ckpt.CheckpointInfo | None, keep: int) -> MetricsLogger:

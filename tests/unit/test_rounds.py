@@ -15,11 +15,13 @@ from zeroband.membership.rounds import (
     Decision,
     RoundCoordinator,
     RoundTimeout,
+    RunComplete,
     WaitState,
     decide_members,
     decide_verdict,
     orphaned,
     overdue,
+    run_over,
 )
 from zeroband.store.client import open_store
 
@@ -120,3 +122,59 @@ def test_joiner_with_nobody_to_join_gives_up():
     with pytest.raises(RoundTimeout, match="nothing to join"):
         rounds.rendezvous(5, 0, set(), 1, 1.0, fresh=True, timeout_s=30, new_generation=lambda m: 1)
     assert time.monotonic() - t0 < 5
+
+
+def test_run_over_stops_only_sites_without_the_state_and_only_at_this_runs_end():
+    end = {"steps": 20, "step": 20, "round": 10}
+    assert not run_over(None, 20, fresh=True)  # no end published: the run goes on, join it
+    assert run_over(end, 20, fresh=True)  # its finishing members published it: stop, never re-form it
+    assert run_over(end, 12, fresh=True)  # a run that went past this site's own end
+    assert not run_over(end, 40, fresh=True)  # an earlier, shorter run of this name (train.steps raised since)
+    assert not run_over(end, 20, fresh=False)  # a site holding the state is the run: its own loop ends it
+
+
+def test_run_complete_published_signed_missing_or_forged_reads_as_not_yet():
+    address = f"tcp://127.0.0.1:{free_port()}"
+    store = open_store(address, True, timedelta(seconds=10))
+    liveness = Liveness(store, "p/", range(2), dead_after_s=0.5)
+    key = b"k" * 32
+    member, reader = (RoundCoordinator(store, "p/", site, site == 0, liveness, key) for site in (0, 1))
+    assert reader.completed() is None  # missing: not yet
+    store.set("p/complete", '{"steps": 20, "step": 20, "round": 10}')  # unsigned: not the members' word
+    assert reader.completed() is None
+    member.mark_complete(10, 20, 20)
+    assert reader.completed() == {"steps": 20, "step": 20, "round": 10}
+    RoundCoordinator(store, "p/", 1, False, liveness, key).mark_complete(11, 22, 22)  # only a site's rank 0 writes
+    assert reader.completed() == {"steps": 20, "step": 20, "round": 10}
+
+
+def test_a_waiting_joiner_stops_once_the_run_ends_instead_of_forming_it_again():
+    """Two fresh sites wait at round 11, which nobody holding the state will decide: the last members
+    committed the run's end (round 10) and left. Before, the two live joiners were `orphaned` and
+    formed round 11 from their own state: the run again. Now the published end stops the waiting one."""
+    address = f"tcp://127.0.0.1:{free_port()}"
+    store = open_store(address, True, timedelta(seconds=10))
+    beats = [Heartbeat(lambda: open_store(address, False, timedelta(seconds=10)), "p/", s, 0.05).start()
+             for s in (1, 2)]
+    liveness = Liveness(store, "p/", range(3), dead_after_s=2.0)
+    rounds = RoundCoordinator(store, "p/", 2, True, liveness)
+    store.set("p/r11/a0/arrive/1", "fresh")  # the other joiner, alive and waiting too
+    deadline = time.monotonic() + 5
+    while liveness.alive_after_poll() != {1, 2} and time.monotonic() < deadline:
+        time.sleep(0.05)
+    rounds.mark_complete(10, 20, 20)  # site 0 committed the end and left
+
+    def stop_if_over() -> None:  # ElasticMembership._stop_if_over, less the leave
+        if (end := rounds.completed()) is not None and run_over(end, 20, fresh=True):
+            raise RunComplete({"step": end["step"], "last_round": end["round"]})
+
+    try:
+        with pytest.raises(RunComplete, match="run already complete at step 20"):
+            rounds.rendezvous(11, 0, set(), 1, 1.0, fresh=True, timeout_s=30, new_generation=lambda m: 1,
+                              stop_if_over=stop_if_over)
+        assert not store.check(["p/r11/a0/members"])  # no round past the end was formed
+        rounds.rendezvous(11, 0, set(), 1, 1.0, fresh=True, timeout_s=30, new_generation=lambda m: 1)
+        assert store.check(["p/r11/a0/members"])  # (what the same wait does without the check)
+    finally:
+        for beat in beats:
+            beat.stop()

@@ -47,12 +47,13 @@ class EventLog:
             sink(event)
         self.pending.clear()
 
-    def emit(self, event: str, **fields: Any) -> None:
+    def emit(self, event: str, **fields: Any) -> Event:
         record = {"event": event, "site": self.site, **fields}
         if self.sink is None:
             self.pending.append(record)
         else:
             self.sink(record)
+        return record
 
 
 def agree_on_run(group: GlobalGroup, topology: Topology, timeout_s: float) -> None:

@@ -16,6 +16,11 @@ in a new generation with the same pseudo-gradients, never applying a partial res
   (`site_rank` < `site_count`), and a slot's documents belong to it alone, so no shard is read by
   two sites; a re-joining slot continues from the data position it last published.
 - Leave (SIGTERM): the site writes `leave/<site>`, so nobody waits for its heartbeat to time out.
+- End: the members that commit the round after which the run is over (`run_end`, the outer loop's
+  rule) publish it (`complete`, signed). A site without the run's state (starting, restarted, or
+  left out of the last round) that reads it, at its start, before each attempt or while it waits
+  for a decision, stops with `RunComplete` (exit 0, event "run_complete"): it never forms a group of
+  its own after the end, even when the last members finish while it waits to be admitted.
 - Quorum: a round proceeds with at least `min_sites` members once every expected live site has
   arrived or `grace_s` has passed; a late site's pseudo-gradient is dropped and it re-syncs from a
   peer at the next boundary (its local progress of that round is discarded).
@@ -44,7 +49,7 @@ from zeroband.comm.link import LinkPolicy
 from zeroband.config import DilocoConfig, SitesConfig
 from zeroband.membership.base import Event, EventLog
 from zeroband.membership.heartbeat import Heartbeat, Liveness, heartbeat_key, leave_key
-from zeroband.membership.rounds import POLL_S, Decision, RoundCoordinator
+from zeroband.membership.rounds import POLL_S, Decision, RoundCoordinator, RunComplete, run_over
 from zeroband.mesh import Topology
 from zeroband.store.client import open_store, store_failures_named
 from zeroband.trust.auth import SECRET_FIX, PeerRefused, Verdict, admission
@@ -126,7 +131,11 @@ class ElasticAttempt:
 
 class ElasticMembership:
     def __init__(self, cfg: DilocoConfig, sites: SitesConfig, topology: Topology, run_name: str,
-                 fingerprint: dict[str, str]) -> None:
+                 fingerprint: dict[str, str], total_steps: int = 0,
+                 run_end: Callable[[], int | None] = lambda: None) -> None:
+        # the run's end: train.steps, and the step at which the run is over once a round committed
+        # (the outer loop's rule; None while it goes on)
+        self.total_steps, self.run_end = total_steps, run_end
         self.cfg, self.sites, self.topology, self.world, self.fingerprint = cfg, sites, topology, topology.world, fingerprint
         self.checksums: list[Callable[[], list[torch.Tensor]]] = []  # what must agree after a hand-over
         self.prefix = f"zeroband/{run_name}/elastic/"
@@ -177,8 +186,8 @@ class ElasticMembership:
     def attach(self, sink: Callable[[Event], None]) -> None:
         self.events.attach(sink)
 
-    def emit(self, event: str, **fields: Any) -> None:
-        self.events.emit(event, round=self.round, **fields)
+    def emit(self, event: str, **fields: Any) -> Event:
+        return self.events.emit(event, round=self.round, **fields)
 
     def state_dict(self) -> dict[str, Any]:
         return {"round": self.round}
@@ -194,6 +203,20 @@ class ElasticMembership:
         with store_failures_named(self.sites.store):
             self.liveness.poll()
             self.round = self.rounds.committed_round() + 1
+            self._stop_if_over()
+
+    def _stop_if_over(self) -> None:
+        """Act on `run_over` (a site without the state: one store read): record it, leave, raise
+        RunComplete. Each rank reads on its own; the key stays, so all of them stop."""
+        if not self.fresh or not self.total_steps:
+            return
+        end = self.rounds.completed()
+        if not run_over(end, self.total_steps, self.fresh):
+            return
+        assert end is not None  # run_over says so
+        event = self.emit("run_complete", last_round=end["round"], step=end["step"])
+        self.leave()
+        raise RunComplete(event)
 
     def leave(self) -> None:
         """Announce the departure, stop the heartbeat thread and drop the group (clean exit)."""
@@ -226,6 +249,7 @@ class ElasticMembership:
         number = 0
         while True:
             with store_failures_named(self.sites.store):
+                self._stop_if_over()  # left out of the run's last round, say
                 decision = self._decide(number)
                 left_out = self._left_out(decision, number)
             if left_out:
@@ -273,7 +297,7 @@ class ElasticMembership:
         grace = self.cfg.start_grace_s if self.round == 0 else self.cfg.grace_s
         timeout = self.cfg.join_timeout_s if self.fresh else self.sites.timeout_s
         decision = self.rounds.rendezvous(self.round, attempt, expected, self.cfg.min_sites, grace, self.fresh,
-                                          timeout, self._next_generation)
+                                          timeout, self._next_generation, self._stop_if_over)
         self.newest_generation = max(self.newest_generation, decision.generation)
         return decision
 
@@ -336,6 +360,8 @@ class ElasticMembership:
         self.emit("commit", attempt=attempt, members=decision.members, generation=decision.generation,
                   joined=decision.fresh)
         self.round += 1
+        if (step := self.run_end()) is not None:  # every member publishes it: any one of them suffices
+            self.rounds.mark_complete(self.round - 1, step, self.total_steps)
 
     # ------------------------------------------------------------------ state hand-over
     def _hand_over(self, decision: Decision, group: GlobalGroup) -> list[str]:

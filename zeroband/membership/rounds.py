@@ -27,6 +27,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch.distributed as dist
 
@@ -40,6 +41,16 @@ log = logging.getLogger(__name__)
 
 class RoundTimeout(TimeoutError):
     pass
+
+
+class RunComplete(Exception):
+    """This site came after the run's last round: it stops (exit 0) without training. `event`: the
+    structured record of it (membership event "run_complete")."""
+
+    def __init__(self, event: dict[str, Any]) -> None:
+        super().__init__(f"run already complete at step {event['step']} (its last round, {event['last_round']}, was "
+                         "committed before this site could take part in it); nothing to train: this site stops")
+        self.event = event
 
 
 @dataclass(frozen=True)
@@ -107,6 +118,16 @@ def orphaned(arrivals: dict[int, str], alive: set[int], me: int) -> bool:
     return bool(alive - {me}) and alive <= set(arrivals) and all(arrivals[s] == "fresh" for s in alive)
 
 
+def run_over(end: dict[str, int] | None, total_steps: int, fresh: bool) -> bool:
+    """Whether this site must stop instead of joining: the run's finishing members published its
+    `end` ({"steps": their train.steps, "step", "round"}; None: not yet, or forged) and this site
+    does not hold the run's state (`fresh`: a joiner, a restarted site, or one left out of the last
+    round), so there is no round left for it. An end of fewer train.steps than this site's is an
+    earlier, shorter run of this name (train.steps raised on a resume): not this run's end. A site
+    holding the state is the run itself: its own loop ends it."""
+    return fresh and end is not None and end["steps"] >= total_steps
+
+
 def decide_verdict(members: list[int], votes: dict[int, str], gone: set[int]) -> str | None:
     """'commit', 'abort', or None to keep waiting for votes (`gone`: members dead, left or `overdue`)."""
     if any(v != "ok" for v in votes.values()) or gone & set(members) - set(votes):
@@ -157,10 +178,13 @@ class RoundCoordinator:
         return int(self.store.read(self.prefix + "committed") or 0) - 1
 
     def rendezvous(self, r: int, a: int, expected: set[int], min_sites: int, grace_s: float, fresh: bool,
-                   timeout_s: float, new_generation: Callable[[list[int]], int]) -> Decision:
+                   timeout_s: float, new_generation: Callable[[list[int]], int],
+                   stop_if_over: Callable[[], None] = lambda: None) -> Decision:
         """Arrive, and (holders of the state, or anyone at launch) propose once it is time.
 
-        A fresh site joining a running run never proposes: it cannot know whom to expect.
+        A fresh site joining a running run never proposes: it cannot know whom to expect. While it
+        waits, `stop_if_over` (at every poll) stops it once the run has ended: the last members may
+        finish while it waits, and joiners alone would otherwise form the run again (`orphaned`).
         """
         key = self._key(r, a, "members")
         if self.is_leader:
@@ -175,6 +199,8 @@ class RoundCoordinator:
                 if self.ledger.restored > restored:
                     raise StoreInterference(self._storm(r, f"within {timeout_s:.0f} s"))
                 raise RoundTimeout(f"round {r} attempt {a}: no member decision within {timeout_s:.0f} s")
+            if not may_propose:
+                stop_if_over()  # before a fresh site would ever propose, or give up as alone
             if may_propose:
                 self._maybe_propose(r, a, expected, min_sites, grace_s, wait, new_generation)
             elif self.is_leader and self._propose_if_orphaned(r, a, min_sites, new_generation):
@@ -283,6 +309,22 @@ class RoundCoordinator:
             log.warning("round %d attempt %d: no vote from %s within %.1f s of this site's vote (the link bound of "
                         "the attempt's largest payload): frozen or stalled, aborting", r, a, _sites(late), bound_s)
         return "gone" if verdict == "abort" and all(v == "ok" for v in votes.values()) else verdict
+
+    def completed(self) -> dict[str, int] | None:
+        """The run's end, once its finishing members published it (`mark_complete`); None before (a
+        missing, forged or malformed value reads as "not yet")."""
+        raw = self.store.read(self.prefix + "complete")
+        try:
+            end = json.loads(raw) if raw is not None else None
+            return {k: int(end[k]) for k in ("steps", "step", "round")} if end is not None else None
+        except (ValueError, TypeError, KeyError):
+            return None
+
+    def mark_complete(self, r: int, step: int, total_steps: int) -> None:
+        """Publish that round r committed the run's end (step `step` of train.steps = `total_steps`):
+        a site that comes later stops instead of joining (`run_over`)."""
+        if self.is_leader:
+            self.store.set(self.prefix + "complete", json.dumps({"steps": total_steps, "step": step, "round": r}))
 
     def mark_committed(self, r: int) -> None:
         """Advance the committed-round counter to r (once per round: the donor writes it)."""
