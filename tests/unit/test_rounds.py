@@ -78,3 +78,13 @@ def test_joiner_with_nobody_to_join_gives_up():
     with pytest.raises(RoundTimeout, match="nothing to join"):
         rounds.rendezvous(5, 0, set(), 1, 1.0, fresh=True, timeout_s=30, new_generation=lambda m: 1)
     assert time.monotonic() - t0 < 5
+
+
+def test_one_proposer_per_attempt():
+    from zeroband.membership.rounds import proposer
+
+    assert proposer({0: "ready", 1: "ready"}, alive={0, 1}, r=3) == 0
+    assert proposer({0: "fresh", 1: "ready"}, alive={0, 1}, r=3) == 1  # a joiner never proposes
+    assert proposer({0: "ready", 1: "ready"}, alive={1}, r=3) == 1  # site 0 is dead: the next one takes over
+    assert proposer({0: "fresh", 1: "fresh"}, alive={0, 1}, r=0) == 0  # at launch anyone may
+    assert proposer({1: "fresh"}, alive={0, 1}, r=2) is None
