@@ -113,13 +113,13 @@ class ElasticAttempt:
     def commit(self) -> bool:
         m, decision = self.member, self.decision
         m.watch.check = None  # this attempt's waits are over
-        with store_failures_named(m.sites.store):
+        with store_failures_named(m.sites.store):  # the commit reads the store too (the data positions)
             verdict = m.rounds.vote_and_verdict(m.round, self.number, decision, m._site_ok(not self.failed),
                                                 m.sites.timeout_s)
-        if verdict == "commit":
-            m._commit(decision, self.number)
-            self.committed = True
-            return True
+            if verdict == "commit":
+                m._commit(decision, self.number)
+                self.committed = True
+                return True
         log.warning("round %d attempt %d aborted (members %s); retrying", m.round, self.number, decision.members)
         m.emit("aborted", attempt=self.number, members=decision.members, generation=decision.generation)
         m.group = None  # a group that saw a failure is not trusted again
