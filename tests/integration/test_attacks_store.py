@@ -175,12 +175,11 @@ def _elastic_site(tree: dict) -> dict:
         return {"error": f"{type(e).__name__}: {e}"}
 
 
-# Known gap (issue 23): on etcd, under a storm that deletes every key every 0.1 s. The "wrong or
-# missing shared secret" refusal (a reused generation's old admission values) is fixed (stormfix);
-# 4 runs of 5 now pass, and the fifth ended with site 1 stopped by the storm's line and site 0
-# reporting 6 steps while its last outer record was step 4 (the last round's record missing).
-# Kept as a non-strict xfail so it stays visible.
-ETCD_STORM_GAP = pytest.mark.xfail(strict=False, reason="etcd storm: a finished site may miss its last outer record")
+# Under the storm plus heavy CPU load (two busy loops on 2 cores), 1 run in 4 had each site's beats
+# unread past dead_after_s (2 s here); with min_sites 1 each committed round 3 alone, and the two
+# replicas diverged. Deletions can erase the record that a round was committed, so the store alone
+# cannot stop it; a fix needs a rule such as no single-site round while deletions are seen.
+ETCD_STORM_GAP = pytest.mark.xfail(strict=False, reason="etcd storm under CPU starvation: split rounds (issue 23)")
 
 
 @pytest.mark.parametrize("backend", ["tcp", pytest.param("etcd", marks=ETCD_STORM_GAP)])
@@ -189,7 +188,14 @@ def test_elastic_run_goes_on_through_a_deletion_storm(corpus, tmp_path, backend)
     elastic sites at round 0 until join_timeout_s (3600 s). Now a missing key reads as "not yet" and
     every site re-writes the signed values it wrote or decided (idempotent: the same bytes) as soon
     as they go missing: both sites finish every round with identical replicas. Were the storm to
-    stall a round for sites.timeout_s, they would stop with one line naming it, never hang."""
+    stall a round for sites.timeout_s, they would stop with one line naming it, never hang.
+    On etcd (slower requests, so beats and member lists were often deleted before a read) two sites
+    used to decide different member lists for one attempt, each then left out or alone: a site
+    finished 6 steps with its last outer record at step 4, or was refused as having the wrong secret
+    (a generation's prefix reused), or both sites committed a round apart and ended with different
+    replicas. Now one site proposes, readers write the list back, a beat never read is no death, a
+    live site is never dropped as late under deletions, a committed round is never proposed again,
+    a finished site writes back while any site lives, and a group's prefix is its attempt's."""
     from tests.attackers import StoreDeleter
     from tests.helpers import elastic_tree, outer_records
     from tests.multiproc import free_port

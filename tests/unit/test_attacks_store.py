@@ -222,3 +222,97 @@ def test_the_republisher_connects_in_the_caller_and_stop_leaves_nothing_in_fligh
     assert server.get("p/start") == b"kept"  # written back over the caller's connection
     rep.stop()
     assert not rep.thread.is_alive() and rep.store is None
+
+
+def test_a_member_whose_beat_was_never_read_is_not_dead_yet():
+    """Unit: under a storm a site's beat can be deleted before every read; it was dead at once (an
+    attempt failed with "sites [1] stopped responding", even naming the observing site itself, and a
+    proposer left it out as dead). Now a beat never read gives dead_after_s from when it was found
+    missing, and the observer is always alive."""
+    from zeroband.membership.heartbeat import Liveness
+
+    _, client = _tcp_store()
+    seen = Liveness(client(), "p/", [1], dead_after_s=0.5, sign_key=b"k" * 32)
+    assert seen.dead_among([1]) == set()  # every beat of site 1 deleted before a read, so far
+    time.sleep(0.6)  # still no beat of site 1 after dead_after_s: now it is dead
+    assert seen.dead_among([1]) == {1}
+    observer = Liveness(client(), "p/", [0, 1], dead_after_s=0.5, sign_key=b"k" * 32, me=0)
+    observer.poll()
+    time.sleep(0.6)
+    assert observer.dead_among([0, 1]) == {1} and observer.alive() == {0}  # its own beat deleted: still alive
+
+
+def test_one_site_proposes_and_every_reader_keeps_the_member_list():
+    """Unit: a deleted member list left its write-once slot empty for a second proposer, and the
+    two sites decided different lists (different members or generations) for the same attempt. Now
+    only the lowest live site that arrived holding the state proposes, and every site that read
+    the list writes it back when it is deleted."""
+    import threading
+
+    from zeroband.membership.heartbeat import Liveness
+    from zeroband.membership.rounds import RoundCoordinator, RoundTimeout
+    from zeroband.trust.signed import KeepingStore, Ledger
+
+    server, client = _tcp_store()
+    key = b"k" * 32
+
+    def site(s: int) -> RoundCoordinator:
+        ledger = Ledger()
+        store = KeepingStore(client(), ledger, "p/")
+        liveness = Liveness(store, "p/", [0, 1], dead_after_s=60.0, sign_key=key)
+        liveness.seen.update({0: (1, time.monotonic()), 1: (1, time.monotonic())})  # both sites alive
+        return RoundCoordinator(store, "p/", s, True, liveness, key, ledger)
+
+    first, second = site(0), site(1)
+    first.store.set("p/r1/a0/arrive/0", "ready")  # site 0 arrived, then went quiet
+    with pytest.raises(RoundTimeout):  # site 1 sees both arrived, yet leaves the proposal to site 0
+        second.rendezvous(1, 0, {0, 1}, 1, 0.0, False, 1.0, lambda members: 9)
+    out: dict = {}
+    reader = threading.Thread(target=lambda: out.update(second=second.rendezvous(1, 0, {0, 1}, 1, 0.0, False, 10.0,
+                                                                                 lambda members: 9)))
+    reader.start()
+    decided = first.rendezvous(1, 0, {0, 1}, 1, 0.0, False, 10.0, lambda members: 7)
+    reader.join()
+    assert decided == out["second"] and decided.members == [0, 1] and decided.generation == 7
+    server.delete_key("p/r1/a0/members")
+    assert second.ledger.restore(server) >= 1 and second.store.read("p/r1/a0/members") is not None
+
+
+def test_a_site_that_missed_a_committed_round_proposes_nothing_for_it():
+    """Unit: site 1 decided and committed round 2 alone, its member list deleted before site 0 read
+    it; site 0 then proposed itself alone for the same round, and the two sites went on with
+    different replicas (both exited 0). Now a round already committed is never proposed again: the
+    site is left behind, and joins the next boundary."""
+    from zeroband.membership.heartbeat import Liveness
+    from zeroband.membership.rounds import RoundCoordinator
+    from zeroband.trust.signed import SignedStore
+
+    _, client = _tcp_store()
+    key = b"k" * 32
+    SignedStore(client(), key).set("p/committed", "3")  # round 2 is committed (without site 0)
+    liveness = Liveness(client(), "p/", [0, 1], dead_after_s=60.0, sign_key=key)
+    liveness.seen[0] = (1, time.monotonic())
+    rounds = RoundCoordinator(client(), "p/", 0, True, liveness, key)
+    with pytest.raises(Exception, match="round 2 was committed without this site"):
+        rounds.rendezvous(2, 1, {0}, 1, 0.0, False, 2.0, lambda members: 5)
+    assert rounds.store.read("p/r2/a1/members") is None
+
+
+def test_under_deletions_a_live_site_is_never_dropped_as_late():
+    """Unit: site 0 waited grace_s for site 1, whose arrival (and member list) had been deleted before
+    site 0 read them, and proposed itself alone while site 1 decided with itself: two sites committed
+    the round apart, with different replicas. Once values were deleted, a live expected site is
+    waited for until it arrives or dies (or the storm is named), never dropped for being late."""
+    from zeroband.membership.heartbeat import Liveness
+    from zeroband.membership.rounds import RoundCoordinator, RoundTimeout
+    from zeroband.trust.signed import Ledger
+
+    _, client = _tcp_store()
+    key, ledger = b"k" * 32, Ledger()
+    ledger.restored = 1  # a value of this site was deleted and written back: the store is under attack
+    liveness = Liveness(client(), "p/", [0, 1], dead_after_s=60.0, sign_key=key)
+    liveness.seen.update({0: (1, time.monotonic()), 1: (1, time.monotonic())})  # site 1 alive, not arrived
+    rounds = RoundCoordinator(client(), "p/", 0, True, liveness, key, ledger)
+    with pytest.raises(RoundTimeout):
+        rounds.rendezvous(2, 0, {0, 1}, 1, 0.0, False, 1.0, lambda members: 5)
+    assert rounds.store.read("p/r2/a0/members") is None

@@ -157,8 +157,8 @@ def test_a_waiting_joiner_stops_once_the_run_ends_instead_of_forming_it_again():
     beats = [Heartbeat(lambda: open_store(address, False, timedelta(seconds=10)), "p/", s, 0.05).start()
              for s in (1, 2)]
     liveness = Liveness(store, "p/", range(3), dead_after_s=2.0)
-    rounds = RoundCoordinator(store, "p/", 2, True, liveness)
-    store.set("p/r11/a0/arrive/1", "fresh")  # the other joiner, alive and waiting too
+    rounds = RoundCoordinator(store, "p/", 1, True, liveness)  # the lowest live joiner: it would propose
+    store.set("p/r11/a0/arrive/2", "fresh")  # the other joiner, alive and waiting too
     deadline = time.monotonic() + 5
     while liveness.alive_after_poll() != {1, 2} and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -178,3 +178,13 @@ def test_a_waiting_joiner_stops_once_the_run_ends_instead_of_forming_it_again():
     finally:
         for beat in beats:
             beat.stop()
+
+
+def test_one_proposer_per_attempt():
+    from zeroband.membership.rounds import proposer
+
+    assert proposer({0: "ready", 1: "ready"}, alive={0, 1}, r=3) == 0
+    assert proposer({0: "fresh", 1: "ready"}, alive={0, 1}, r=3) == 1  # a joiner never proposes
+    assert proposer({0: "ready", 1: "ready"}, alive={1}, r=3) == 1  # site 0 is dead: the next one takes over
+    assert proposer({0: "fresh", 1: "fresh"}, alive={0, 1}, r=0) == 0  # at launch anyone may
+    assert proposer({1: "fresh"}, alive={0, 1}, r=2) is None

@@ -49,7 +49,7 @@ from zeroband.comm.link import LinkPolicy
 from zeroband.config import DilocoConfig, SitesConfig
 from zeroband.membership.base import Event, EventLog
 from zeroband.membership.heartbeat import Heartbeat, Liveness, heartbeat_key, leave_key
-from zeroband.membership.rounds import POLL_S, Decision, RoundCoordinator, RunComplete, run_over
+from zeroband.membership.rounds import POLL_S, Decision, LeftBehind, RoundCoordinator, RunComplete, run_over
 from zeroband.mesh import Topology
 from zeroband.store.client import open_store, store_failures_named
 from zeroband.trust.auth import SECRET_FIX, PeerRefused, Verdict, admission
@@ -106,7 +106,10 @@ class ElasticAttempt:
         others would match with another."""
         m, check = self.member, partial(self.member.check, self.decision, self.number)
         m.watch.check, m.watch.current = None, "the members (forming the group)"  # one thread polls the store
-        group, crcs = m.watch.run(partial(m._form, self.decision), f"round {m.round}: forming the group", check)
+        group, crcs = m.watch.run(partial(m._form, self.decision, self.number), f"round {m.round}: forming the group", check)
+        # kept only here, on the main thread: a forming thread abandoned by an aborted attempt must never
+        # install its group afterwards (its generation would be proposed again, with stale admission values)
+        m.group, m.generation, m.members = group, self.decision.generation, self.decision.members
         if crcs is not None and len(set(crcs)) > 1:
             raise StateDiffers(f"outer state differs between members after hand-over: {crcs}")
         m.watch.check = check
@@ -116,13 +119,13 @@ class ElasticAttempt:
         m, decision = self.member, self.decision
         m.watch.check = None  # this attempt's waits are over
         bound = None if m.group is None else m.group.settle_bound()  # None: it failed, its vote aborts
-        with store_failures_named(m.sites.store):
+        with store_failures_named(m.sites.store):  # the commit reads the store too (the data positions)
             verdict = m.rounds.vote_and_verdict(m.round, self.number, decision, m._site_ok(not self.failed),
                                                 m.sites.timeout_s, bound)
-        if verdict == "commit":
-            m._commit(decision, self.number)
-            self.committed = True
-            return True
+            if verdict == "commit":
+                m._commit(decision, self.number)
+                self.committed = True
+                return True
         log.warning("round %d attempt %d aborted (members %s); retrying", m.round, self.number, decision.members)
         m.emit("aborted", attempt=self.number, members=decision.members, generation=decision.generation)
         m.group = None  # a group that saw a failure is not trusted again
@@ -144,12 +147,14 @@ class ElasticMembership:
         self.auth = WireAuth.from_secret(self.secret, run_name)  # seals all-reduce messages
         sign_key = self.auth.subkey("store")  # and, independently keyed, the protocol's store values
         # what we write is kept and written back if deleted (by the polls and the heartbeat thread)
-        self.ledger = Ledger()
+        # room for a round's values and its group's (admission, gloo addresses) beside the data
+        # positions a commit reads back: an evicted position is never written back once deleted
+        self.ledger = Ledger(limit=128)
         assert topology.store is not None, "elastic membership needs the coordination store (sites.store)"
         self.raw_store: dist.Store = topology.store
         self.store: dist.Store = KeepingStore(topology.store, self.ledger, self.prefix)
         self.signed = SignedStore(self.store, sign_key)
-        self.liveness = Liveness(self.store, self.prefix, slots, cfg.dead_after_s, sign_key)
+        self.liveness = Liveness(self.store, self.prefix, slots, cfg.dead_after_s, sign_key, self.world.site_rank)
         self.rounds = RoundCoordinator(self.store, self.prefix, self.world.site_rank, self.world.rank == 0,
                                        self.liveness, sign_key, self.ledger, sites.timeout_s)
         self.heartbeat = None
@@ -220,25 +225,28 @@ class ElasticMembership:
 
     def leave(self) -> None:
         """Announce the departure, stop the heartbeat thread and drop the group (clean exit)."""
+        beat, self.heartbeat = self.heartbeat, None
+        if beat is not None:  # first: a lingering site whose leave key is deleted still dies to the others
+            beat.stop()
         if self.world.rank == 0:
             with store_failures_named(self.sites.store):
                 self.signed.set(leave_key(self.prefix, self.world.site_rank), str(self.round))
                 self._linger()
-        if self.heartbeat is not None:
-            self.heartbeat.stop()
-            self.heartbeat = None
         self.group = None
 
     def _linger(self) -> None:
         """Under deletions, a peer may not have read our last round's vote and verdict yet, and once
         we exit nobody writes them back (it would then see a member gone without a vote): keep
-        restoring them until every other member has left or died, for at most dead_after_s."""
+        restoring them until every other live site has left or died, for at most sites.timeout_s.
+        Every live site, not only our last round's members: a site left out of it must still read
+        that the round was committed (`committed`, its data positions), or it would commit the
+        round again alone and end with another replica."""
         if self.ledger.restored == 0:
             return  # nothing was ever deleted: no attack, no wait
-        others, deadline = set(self.members) - {self.world.site_rank}, time.monotonic() + self.cfg.dead_after_s
+        deadline = time.monotonic() + self.sites.timeout_s
         while time.monotonic() < deadline:
             self.ledger.restore(self.raw_store)
-            if not others & self.liveness.alive_after_poll():
+            if not self.liveness.alive_after_poll() - {self.world.site_rank}:
                 return
             time.sleep(POLL_S)
 
@@ -250,10 +258,15 @@ class ElasticMembership:
         while True:
             with store_failures_named(self.sites.store):
                 self._stop_if_over()  # left out of the run's last round, say
-                decision = self._decide(number)
-                left_out = self._left_out(decision, number)
-            if left_out:
-                self.fresh, self.round, number = True, self.round + 1, 0
+                try:
+                    decision = self._decide(number)
+                    left_out = self._left_out(decision, number)
+                except LeftBehind as e:  # never propose for a round the others already committed
+                    log.warning("round %d: %s; joining the next boundary", self.round, e)
+                    self.emit("left_out", attempt=number, members=[], fresh=[], generation=-1)
+                    left_out = True
+            if left_out:  # the others went on without us: our group is stale, never to be reused
+                self.fresh, self.round, number, self.group = True, self.round + 1, 0, None
                 continue
             attempt = ElasticAttempt(self, decision, number)
             yield attempt
@@ -309,9 +322,9 @@ class ElasticMembership:
         # deletions, say) holds admission values that would be read as this attempt's.
         return fresh_generation(self.store, self.prefix + "generation", self.newest_generation)
 
-    def _form(self, decision: Decision) -> tuple[GlobalGroup, list[str] | None]:
+    def _form(self, decision: Decision, attempt: int) -> tuple[GlobalGroup, list[str] | None]:
         """The attempt's group, and the members' digests after a hand-over (global groups and the store only)."""
-        group = self._ensure_group(decision)
+        group = self._ensure_group(decision, attempt)
         return group, self._hand_over(decision, group) if decision.fresh else None
 
     def _site_ok(self, ok: bool) -> bool:
@@ -319,11 +332,14 @@ class ElasticMembership:
         self.topology.site_all_reduce(flag, op=dist.ReduceOp.MIN)
         return bool(flag.item())
 
-    def _ensure_group(self, decision: Decision) -> GlobalGroup:
+    def _ensure_group(self, decision: Decision, attempt: int) -> GlobalGroup:
         if self.group is not None and decision.generation == self.generation:
             return self.group
         index = decision.members.index(self.world.site_rank)
-        prefix = f"{self.prefix}gen{decision.generation}/shard{self.world.rank}/"
+        # Formed under a prefix of its own attempt: a generation number can be handed out twice (its
+        # counter deleted while another site, whose number we never saw, used it), and the first
+        # group's admission values (signed: they verify) would be read as this one's.
+        prefix = f"{self.prefix}r{self.round}/a{attempt}/gen{decision.generation}/shard{self.world.rank}/"
         timeout = timedelta(seconds=self.sites.timeout_s)
         mark = OPEN if self.secret is None else SECRET
         rendezvous(self.store, prefix, index, len(decision.members), self.sites.timeout_s, mark,
@@ -331,12 +347,11 @@ class ElasticMembership:
         admitted = admission(self.store, prefix, index, len(decision.members), self.secret,
                              self.fingerprint, timeout)
         auth = self.auth.for_session(prefix.encode(), admitted.nonces)  # this generation's key only
-        self.group = new_global_group(self.store, prefix, index, len(decision.members), timeout,
-                                      self.sites.backend, self.watch, mark, auth, policy=LinkPolicy.of(self.sites))
-        self.generation, self.members = decision.generation, decision.members
-        for record in self.group.link_records():  # the link measured for this generation
+        group = new_global_group(self.store, prefix, index, len(decision.members), timeout,
+                                 self.sites.backend, self.watch, mark, auth, policy=LinkPolicy.of(self.sites))
+        for record in group.link_records():  # the link measured for this generation
             self.emit("link", generation=decision.generation, members=decision.members, **record)
-        return self.group
+        return group
 
     def check(self, decision: Decision, attempt: int) -> None:
         """While a watched call of the attempt waits (the watcher polls this): give up as soon as a

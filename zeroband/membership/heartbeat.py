@@ -72,8 +72,11 @@ class Heartbeat:
                 if store is None:  # opened here, in the try: a failed open is retried at the next beat,
                     store = SignedStore(self.open_client(), self.sign_key)  # never a dead thread (no beats)
                 store.set(self.key, f"{nonce}:{stamp}")
-                if self.ledger is not None:
-                    self.ledger.restore(store.store)
+                if self.ledger is not None and self.ledger.restore(store.store):
+                    # writing back many deleted values takes a request each: beat again after them,
+                    # or a storm would stretch the interval between beats toward dead_after_s
+                    stamp = max(stamp + 1, time.time_ns())
+                    store.set(self.key, f"{nonce}:{stamp}")
             except Exception as e:  # a store hiccup must not kill the thread: the next beat retries
                 log.warning("heartbeat %s failed: %s", self.key, e)
             self.stopped.wait(self.interval_s)
@@ -88,9 +91,9 @@ class Liveness:
     """Which sites are alive, as seen from here."""
 
     def __init__(self, store: dist.Store, prefix: str, sites: Iterable[int], dead_after_s: float,
-                 sign_key: bytes | None = None) -> None:
+                 sign_key: bytes | None = None, me: int | None = None) -> None:
         self.store, self.prefix, self.dead_after_s = SignedStore(store, sign_key), prefix, dead_after_s
-        self.sites = list(sites)
+        self.sites, self.me = list(sites), me  # `me`: the observing site, alive whatever its key says
         self.seen: dict[int, tuple[int, float]] = {}  # site -> (newest stamp, local time it was accepted)
         self.absent: dict[int, float] = {}  # site -> local time its beat was first found missing
         self.left: set[int] = set()
@@ -103,8 +106,11 @@ class Liveness:
                 self.left.add(site)
                 continue
             self.left.discard(site)
-            stamp = beat_stamp(self.store.read(heartbeat_key(self.prefix, site)))
+            value, present = self.store.lookup(heartbeat_key(self.prefix, site))
+            stamp = beat_stamp(value)
             if stamp is None:
+                if present and site not in self.seen:
+                    continue  # a refused beat of a site never seen: no sign that it exists at all
                 self.absent.setdefault(site, now)  # deleted (or refused): no news until it is re-written
                 continue
             self.absent.pop(site, None)
@@ -112,9 +118,16 @@ class Liveness:
                 self.seen[site] = (stamp, now)  # only a newer beat: a replayed older one is no sign of life
 
     def alive(self) -> set[int]:
-        now = time.monotonic()
-        return {s for s, (_, t) in self.seen.items()
-                if s not in self.left and now - max(t, self.absent.get(s, t)) < self.dead_after_s}
+        """Sites with news within dead_after_s: a newer beat, or their key found missing (no news is
+        no death). A site whose beat was never read counts from when it was first found missing: under
+        a storm every beat may be deleted before a read. This site itself is always alive."""
+        now, me = time.monotonic(), {self.me} - self.left if self.me is not None else set()
+        return me | {s for s in self.sites if s not in self.left and now - self.last_news(s) < self.dead_after_s}
+
+    def last_news(self, site: int) -> float:
+        """When `site` last gave news, on this site's clock (-inf: never polled)."""
+        times = [self.seen[site][1]] if site in self.seen else []
+        return max(times + ([self.absent[site]] if site in self.absent else []), default=float("-inf"))
 
     def alive_after_poll(self) -> set[int]:
         self.poll()

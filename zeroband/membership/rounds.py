@@ -3,10 +3,11 @@
 Every outer round r (round 0 is the start) may take several attempts a. For each attempt:
 
 1. **arrive**: each site's rank 0 writes `r<r>/a<a>/arrive/<site>`;
-2. **decide who**: any site may propose the member list once `decide_members` (a pure function
-   of who arrived, who is alive, who took part last time, the quorum and the grace window) says
-   so; the proposal is written with compare-and-set, so the first proposal wins and every site
-   reads the same `r<r>/a<a>/members`. Sites that arrive after it are not in this attempt;
+2. **decide who**: one site (`proposer`: the lowest live one that arrived holding the state)
+   proposes the member list once `decide_members` (a pure function of who arrived, who is alive,
+   who took part last time, the quorum and the grace window) says so; the proposal is written
+   with compare-and-set and every site reads the same `r<r>/a<a>/members` (and writes it back if
+   deleted). Sites that arrive after it are not in this attempt;
 3. the members form the attempt's groups, transfer state to fresh members, all-reduce;
 4. **vote**: each member site writes ok/fail (ok only if every one of its ranks succeeded);
 5. **verdict**: any site may write `commit` (all members voted ok) or `abort` (a fail vote, a
@@ -53,6 +54,11 @@ class RunComplete(Exception):
         self.event = event
 
 
+class LeftBehind(RuntimeError):
+    """The round was committed without this site: its member list was deleted before this site read
+    it (or it came late). Proposing one now would commit the round twice, by disjoint sites."""
+
+
 @dataclass(frozen=True)
 class Decision:
     members: list[int]
@@ -83,6 +89,7 @@ class WaitState:
     """When the quorum was first seen during this attempt (for the grace window)."""
 
     quorum_since: float | None = None
+    arrived: dict[int, str] = field(default_factory=dict)  # every arrival read so far (a deletion takes none back)
     extra: dict = field(default_factory=dict)
 
 
@@ -126,6 +133,16 @@ def run_over(end: dict[str, int] | None, total_steps: int, fresh: bool) -> bool:
     earlier, shorter run of this name (train.steps raised on a resume): not this run's end. A site
     holding the state is the run itself: its own loop ends it."""
     return fresh and end is not None and end["steps"] >= total_steps
+
+
+def proposer(arrivals: dict[int, str], alive: set[int], r: int) -> int | None:
+    """The one site that writes an attempt's member list: the lowest live site that has arrived and
+    may propose (holds the state, or anyone at launch); None if there is none yet. One writer, since
+    under deletions a write-once slot is not write-once: a deleted proposal leaves it empty, and two
+    proposers (different views, or fresh generation numbers drawn by each) would each decide their
+    own list. Should that site die or leave, the next one takes over once it is seen dead."""
+    able = {s for s, v in arrivals.items() if s in alive and (r == 0 or v == "ready")}
+    return min(able) if able else None
 
 
 def decide_verdict(members: list[int], votes: dict[int, str], gone: set[int]) -> str | None:
@@ -195,6 +212,8 @@ class RoundCoordinator:
         while (raw := self.store.read(key)) is None:  # read once: a key deleted after a check reads as absent
             ticker.tick("the other sites to arrive" if may_propose else "a site holding the state to decide")
             self.guard(r)
+            if self.committed_round() >= r:
+                raise LeftBehind(f"round {r} was committed without this site")
             if time.monotonic() > deadline:
                 if self.ledger.restored > restored:
                     raise StoreInterference(self._storm(r, f"within {timeout_s:.0f} s"))
@@ -202,15 +221,19 @@ class RoundCoordinator:
             if not may_propose:
                 stop_if_over()  # before a fresh site would ever propose, or give up as alone
             if may_propose:
-                self._maybe_propose(r, a, expected, min_sites, grace_s, wait, new_generation)
-            elif self.is_leader and self._propose_if_orphaned(r, a, min_sites, new_generation):
-                continue
-            elif self._alone(wait):
+                raw = self._maybe_propose(r, a, expected, min_sites, grace_s, fresh, wait, new_generation)
+            elif self.is_leader:
+                raw = self._propose_if_orphaned(r, a, min_sites, new_generation)
+            if raw is not None:  # what the slot holds now: decided, never proposed again (it may be deleted)
+                break
+            if not may_propose and self._alone(wait):
                 if self.ledger.restored > 0:  # left out while keys vanished: the deletions, not the run's end
                     raise StoreInterference(self._storm(r, "and no other site seen alive"))
                 raise RoundTimeout(f"round {r}: no other site has been alive for {self.liveness.dead_after_s:.0f} s; "
                                    "the run has finished or every other site is gone, so there is nothing to join")
             time.sleep(POLL_S)
+        if self.is_leader:  # every member list read is written back by its reader too, should it be deleted
+            self.ledger.keep(key, self.store.seal(key, raw))
         return Decision.from_json(raw)
 
     def _alone(self, wait: WaitState) -> bool:
@@ -231,31 +254,42 @@ class RoundCoordinator:
                 out[s] = raw.decode()
         return out
 
-    def _propose_if_orphaned(self, r: int, a: int, min_sites: int, new_generation: Callable[[list[int]], int]) -> bool:
-        """A fresh site proposes only when no live site holds the state (`orphaned`)."""
+    def _propose_if_orphaned(self, r: int, a: int, min_sites: int,
+                             new_generation: Callable[[list[int]], int]) -> bytes | None:
+        """A fresh site proposes only when no live site holds the state (`orphaned`), and only the
+        lowest live one (one writer: `proposer`). Returns the member list the slot holds, if it wrote."""
         self.liveness.poll()
         arrivals, alive = self._arrivals(r, a), self.liveness.alive()
-        if not orphaned(arrivals, alive, self.site) or len(alive) < min_sites:
-            return False
+        if not orphaned(arrivals, alive, self.site) or len(alive) < min_sites or self.site != min(alive):
+            return None
         members = sorted(alive)
         proposal = Decision(members, members, new_generation(members)).to_json()
-        self.store.compare_set(self._key(r, a, "members"), "", proposal)
-        return True
+        return self.store.compare_set(self._key(r, a, "members"), "", proposal)
 
-    def _maybe_propose(self, r: int, a: int, expected: set[int], min_sites: int, grace_s: float, wait: WaitState,
-                       new_generation: Callable[[list[int]], int]) -> None:
+    def _maybe_propose(self, r: int, a: int, expected: set[int], min_sites: int, grace_s: float, fresh: bool,
+                       wait: WaitState, new_generation: Callable[[list[int]], int]) -> bytes | None:
+        """Propose once `decide_members` says so, if this site is the attempt's `proposer`; returns the
+        member list the slot holds then (ours, or one written just before), or None to keep waiting.
+        Arrivals count once read (a deletion takes none back), and this site's own without a read."""
         self.liveness.poll()
-        sites = self.liveness.sites
-        arrivals = {s: self.store.read(self._key(r, a, "arrive", s)) for s in sites}
-        arrived = {s for s, v in arrivals.items() if v is not None}
+        for s in self.liveness.sites:
+            if s not in wait.arrived and (raw := self.store.read(self._key(r, a, "arrive", s))) is not None:
+                wait.arrived[s] = raw.decode()
+        wait.arrived[self.site] = "fresh" if fresh else "ready"
+        alive = self.liveness.alive()
         expected = expected - self.liveness.left  # a site that said goodbye is never waited for
-        members = decide_members(arrived, self.liveness.alive(), expected, min_sites, grace_s, time.monotonic(), wait,
+        # Under deletions a live site is never dropped as late: its arrival (or the list its own
+        # proposal put in the slot) may have been deleted before we read it, and the two sites would
+        # each commit the round alone, with different replicas. It is waited for until it arrives
+        # or dies, or the storm is named (`guard`).
+        grace_s = grace_s if self.ledger.restored == 0 else float("inf")
+        members = decide_members(set(wait.arrived), alive, expected, min_sites, grace_s, time.monotonic(), wait,
                                  wait_for_unseen=r == 0)
-        if members is None:
-            return
-        fresh = [s for s in members if arrivals[s] == b"fresh"]
-        proposal = Decision(members, fresh, new_generation(members)).to_json()
-        self.store.compare_set(self._key(r, a, "members"), "", proposal)
+        if members is None or proposer(wait.arrived, alive, r) != self.site:
+            return None
+        fresh_members = [s for s in members if wait.arrived[s] == "fresh"]
+        proposal = Decision(members, fresh_members, new_generation(members)).to_json()
+        return self.store.compare_set(self._key(r, a, "members"), "", proposal)
 
     def vote_and_verdict(self, r: int, a: int, decision: Decision, site_ok: bool, timeout_s: float,
                          bound_s: float | None = None) -> str:
@@ -286,6 +320,8 @@ class RoundCoordinator:
             if proposal is not None:
                 self.store.compare_set(key, "", proposal)
             time.sleep(POLL_S)
+        if self.is_leader:  # written back by every reader too, should it be deleted
+            self.ledger.keep(key, self.store.seal(key, verdict))
         if verdict == "commit":
             self.ledger.progress()
         return verdict
