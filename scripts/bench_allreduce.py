@@ -116,7 +116,11 @@ def worker(args: argparse.Namespace) -> None:
             tx1, rx1 = wan_bytes()
             results.append({"wire": wire, "repeat": rep, "seconds": seconds, "tx": tx1 - tx0, "rx": rx1 - rx0,
                             "payload": res.payload_bytes})
-    group.gather_scalars([0.0])
+    group.gather_scalars([0.0])  # every site is done with the group and the store (site 0 hosts it)
+    # In order, before returning: the transport's threads joined, then the store dropped here, not by
+    # the interpreter's finalization (a thread left then can abort the process, issue 23; mesh.shutdown)
+    group.close()
+    del group, store
     print(json.dumps(results), flush=True)
 
 

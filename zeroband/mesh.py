@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 from collections.abc import Callable
@@ -40,7 +41,7 @@ from zeroband.trust.signed import KeepingStore, Ledger, Republisher, SignedStore
 from zeroband.world import World
 
 __all__ = ["OPEN", "SECRET", "GlobalGroup", "Topology", "admission_mark", "fixed_global_group", "init_site_group",
-           "init_topology", "new_global_group", "rendezvous", "shutdown"]
+           "gloo_threads", "init_topology", "new_global_group", "rendezvous", "shutdown"]
 
 
 @dataclass
@@ -143,14 +144,76 @@ def share_site_ranks(topology: Topology, run_name: str) -> list[int]:
 
 _republishers: list[Republisher] = []  # stopped at shutdown: no store call may outlive the store
 
+# Native threads of a ProcessGroupGloo: its work loops and gloo's transport loop (/proc comm names)
+GLOO_THREADS = ("pt_gloo_runloop", "gloo_tcp_loop")
 
-def shutdown() -> None:
-    """Deterministic exit: no store call in flight in a thread, no gloo work left to finalization."""
+
+def shutdown(topology: Topology | None = None, *groups: GlobalGroup | None) -> None:
+    """Deterministic exit: every thread that may call into torch is ended here, in this order, while
+    the interpreter is fully alive, never left to its finalization.
+
+    Why (issue 23): at finalization CPython 3.11 ends any other thread that next takes the GIL with
+    pthread_exit; inside a C++ frame (a c10d store call or torch op returning, a gloo worker dropping
+    the last reference to a tensor that Python created) that unwinding meets a noexcept destructor and
+    the process dies with "terminate called without an active exception" (SIGABRT) after its run.
+    ProcessGroupGloo's destructor releases the GIL while it joins its workers, so a site group
+    destroyed by finalization (module teardown) is one such case. `destroy_process_group` only
+    unregisters it: the object, its two work loops and gloo's transport loop live on for as long as
+    the site mesh references it. Hence:
+
+    1. the store re-publishers stop (their thread makes store calls);
+    2. the cross-site groups `groups` and the topology's lane groups close (transport threads joined);
+    3. garbage is collected while the process group exists: a finished run's model, optimizer and
+       FSDP state form reference cycles holding gloo works and their tensors;
+    4. the process group is destroyed and the topology's site mesh, its last owner, dropped: the
+       C++ group is freed now, on this thread, joining its threads (`gloo_threads` is then empty,
+       unless the caller still holds the model or the mesh).
+    """
     while _republishers:
         _republishers.pop().stop()
-    # Collected now, while the process group exists: a finished run's model, optimizer and FSDP state
-    # form reference cycles holding gloo Work objects and their tensors; destroyed by the interpreter's
-    # finalization instead, gloo's AsyncWork aborted a rank at exit (pytorch PR 179291, issue 23)
+    lanes = [g for _, g in topology.lanes] if topology is not None else []
+    for group in [*groups, *lanes]:
+        if group is not None:
+            group.close()
     gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
+    if topology is not None:
+        topology.site_mesh = None
+        topology.lanes.clear()
+        _forget_dtensor_caches()
+        gc.collect()
+
+
+def _forget_dtensor_caches() -> None:
+    """DTensor keeps every mesh it saw in caches (sharding propagation in Python and C++, redistribution
+    planners, mesh topology, transform plans: lru_caches keyed by specs that hold the mesh), so the site
+    mesh and its process group would live as long as the process. They are only caches: emptied here,
+    every torch.distributed lru_cache found among the live objects included, so the group can be freed
+    at shutdown. tests/integration/test_exit.py fails should a torch upgrade keep the mesh elsewhere."""
+    from torch.distributed.tensor import _redistribute, debug
+
+    debug._clear_sharding_prop_cache()
+    getattr(_redistribute, "clear_redistribute_planner_cache", lambda: None)()
+    for obj in gc.get_objects():
+        if isinstance(obj, functools._lru_cache_wrapper) and str(getattr(obj, "__module__", "")).startswith(
+                "torch.distributed"):
+            obj.cache_clear()
+
+
+def gloo_threads() -> list[str]:
+    """The live native threads of gloo process groups in this process (Linux; [] elsewhere)."""
+    names = []
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return []
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                name = f.read().strip()
+        except OSError:  # ended while listed
+            continue
+        if name in GLOO_THREADS:
+            names.append(name)
+    return sorted(names)

@@ -147,7 +147,7 @@ def train(cfg: Config) -> dict[str, Any]:
         try:
             return run_training(build_run(cfg, world, topology, group))
         finally:
-            shutdown()
+            shutdown(topology, group)  # in order, while the interpreter is alive (mesh.py)
 
 
 def open_topology(cfg: Config, world: World, secret: RunSecret | None) -> tuple[Topology, GlobalGroup | None]:

@@ -234,14 +234,6 @@ def test_a_second_launch_of_a_running_run_stops_before_touching_its_logs(corpus,
     assert (logs / "site0.log").read_text() == "the running launch's log\n" and not (logs / "site1.log").exists()
 
 
-# Issue 23, open: a launched site sometimes dies with "terminate called without an active exception"
-# (signal 6) a few seconds after its run finished and printed its summary (seen here in CI on a
-# 2-rank site of a 3-site run); shutdown()'s gc.collect() did not remove it. Suspects: a daemon
-# thread still inside a c10d store call at interpreter exit (store/client.py's connect thread).
-EXIT_ABORT_GAP = "a launched site can abort at interpreter exit after finishing (issue 23)"
-
-
-@pytest.mark.xfail(strict=False, reason=EXIT_ABORT_GAP)
 @pytest.mark.slow
 def test_launch_three_sites_of_different_shapes(corpus, tmp_path):
     """`--nproc 2,1,1`: site 0 runs torchrun with 2 ranks, the others 1 (issue 26). Before: --nproc took

@@ -66,6 +66,13 @@ class GlobalGroup:
         self.links, self.policy = links or {}, policy or LinkPolicy()
         self.bound_s = 0.0  # the longest bound chosen since `take_bound` (the round's, in the outer record)
         self.largest_bytes = 0.0  # the largest payload any wait of this group was bounded for (`settle_bound`)
+        self.closer: Callable[[], Any] | None = None  # ends the transport's sockets and threads (new_global_group)
+
+    def close(self) -> None:
+        """End the group's connections and join its threads, now (mesh.shutdown; idempotent). Without it
+        they end when the group is collected, which at exit may be during the interpreter's finalization."""
+        if self.closer is not None:
+            self.closer()
 
     def bound(self, peer: int | str, nbytes: float | None) -> tuple[float, str] | None:
         """The bound of a wait for `nbytes` from `peer`: wait_bound of the measured link, clamped to
@@ -228,6 +235,8 @@ def new_global_group(
     pg = seams.current().pg(built, site_rank)  # as built, unless a test wraps it (zeroband/seams.py)
     group = GlobalGroup(pg, site_rank, site_count, store, watch, prefix, auth, links, policy)
     group.rendezvous = sealed  # a Python store must outlive the C++ group that may call it (nccl)
+    if isinstance(built, Transport):
+        group.closer = built.close  # the transport's weakref.finalize: runs once
     return group
 
 

@@ -66,6 +66,7 @@ MAX_PENDING = 64  # unauthenticated connections held at once
 MIN_SLICE = 1 << 16  # smaller messages use fewer streams
 BROADCAST_TAG, ALLREDUCE_TAG = 1 << 40, (1 << 40) + 1  # above every tag of comm/group.py
 PROBE_LIMIT_S = 30.0  # a probe's step may block this long, plus twice sites.probe_s (the transfer's tail)
+JOIN_S = 5.0  # how long closing waits for each of a peer's threads (woken by the shutdown, they end at once)
 INSECURE_KEY = b"zeroband-transport-insecure"  # sites.insecure: anyone can compute it (bounds still hold)
 
 
@@ -303,7 +304,7 @@ class _Acceptor:
     def close(self) -> None:
         self.closed = True
         if threading.current_thread() is not self.thread:  # a finalizer may run on any thread
-            self.thread.join(1.0)
+            self.thread.join(JOIN_S)
         for conn in list(self.pending):
             self._close(conn)
         self.selector.close()
@@ -365,10 +366,13 @@ class _Peer:
         self.seen = [dict[int, int]() for _ in socks]  # headers read per tag, per stream
         self.cond = threading.Condition()
         self.error: TransportError | None = None
+        self.threads: list[threading.Thread] = []  # joined by `close`: none outlives the group
         for k, sock in enumerate(socks):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             for fn, name in ((self._send_loop, "send"), (self._recv_loop, "recv")):
-                threading.Thread(target=fn, args=(k,), name=f"zeroband-transport-{name}-{rank}.{k}", daemon=True).start()
+                self.threads.append(threading.Thread(target=fn, args=(k,), name=f"zeroband-transport-{name}-{rank}.{k}",
+                                                     daemon=True))
+                self.threads[-1].start()
 
     def send(self, tag: int, view: memoryview, work: Work) -> None:
         for k, (offset, length) in enumerate(slices(len(view), self.streams)):
@@ -457,7 +461,14 @@ class _Peer:
                 pass
 
     def close(self) -> None:
+        """Fail what is pending, wake and join this peer's threads (the sockets are shut down, the
+        senders get their end marker), then close the sockets: a thread still running at interpreter
+        exit is killed wherever it stands (issue 23), so none is left to run then."""
         self.fail(TransportError("the group was closed"))
+        me = threading.current_thread()
+        for thread in self.threads:
+            if thread is not me:  # a finalizer may run on any thread, this peer's own included
+                thread.join(JOIN_S)
         for sock in self.socks:
             sock.close()
 
