@@ -269,14 +269,18 @@ class StoreForger:
         self.thread = threading.Thread(target=self._run, daemon=True)
 
     def start(self) -> StoreForger:
+        # imports here, in the caller's thread: a thread importing while the test forks its sites
+        # leaves the child holding that module's import lock with no owner, and the site hangs
+        from zeroband.store.client import connect_tcp_store
+
+        self.connect = connect_tcp_store
         self.thread.start()
         return self
 
     def _run(self) -> None:
         from datetime import timedelta
 
-        from zeroband.store.client import connect_tcp_store
-
+        connect_tcp_store = self.connect
         store = None
         while not self.stopped.wait(self.period_s):
             try:
@@ -309,11 +313,13 @@ class StoreDeleter:
         self.thread = threading.Thread(target=self._run, daemon=True)
 
     def start(self) -> StoreDeleter:
+        # built (and imported) in the caller's thread: StoreForger.start says why
+        self.delete = self._etcd() if self.url.startswith("etcd://") else self._tcp()
         self.thread.start()
         return self
 
     def _run(self) -> None:
-        delete = self._etcd() if self.url.startswith("etcd://") else self._tcp()
+        delete = self.delete
         while not self.stopped.wait(self.period_s):
             try:
                 self.deleted += delete()
