@@ -169,6 +169,7 @@ class ElasticMembership:
         self.newest_generation = -1  # of every decision read, formed or not: never handed out again
         self.group: GlobalGroup | None = None
         self.fresh = True  # until this site holds the run's current outer state
+        self.had_peer = False  # a decision named another site: it shares our secret (`refuse_if_foreign`)
         self.round = 0
         self.may_retry = True
         self.handed: dict[str, tuple[Callable[[Any], None], Callable[[], Any]]] = {}
@@ -410,16 +411,36 @@ def hand_over(group: GlobalGroup, src: int, handed: dict[str, tuple[Callable[[An
             load(state[key])
 
 
+def foreign_alone(refused: int, slots: int, fresh: bool, had_peer: bool) -> bool:
+    """Whether a site that decided a round alone holds another secret than the run: `refused` of
+    the other `slots - 1` slots hold heartbeats that fail its key. A failing beat alone does not say
+    which side is foreign (each side sees the other's fail), so the failing slots are counted
+    against the rest: this site, the slots whose beats verify, and the silent ones, which may be
+    honest peers not started yet (issue 23: an honest site alone with one foreign beat and its late
+    peer refused itself). `had_peer`: a decision once named another site, which signed its arrival
+    with our key: never the foreign one. A tie refuses a `fresh` site (starting or joining: two
+    slots, each sees the other fail, both stop naming the mismatch) but not one that has trained
+    alone, so a foreign newcomer never stops a running site. It is checked again at each round
+    until it has a peer: a foreign site that started beside one honest site goes on alone until
+    the others' beats show."""
+    if had_peer or refused == 0:
+        return False
+    rest = slots - refused
+    return refused >= rest if fresh else refused > rest
+
+
 def refuse_if_foreign(member: ElasticMembership, decision: Decision) -> None:
-    """Alone, while other slots' heartbeats are there but fail our key: we hold another secret.
-    Stop with the admission error rather than train alone (the others do not see us either)."""
+    """Alone, while most other slots' heartbeats are there but fail our key (`foreign_alone`): we
+    hold another secret. Stop with the admission error rather than train alone (the others do not
+    see us either)."""
     me = member.world.site_rank
-    if decision.members != [me] or not member.fresh:
+    member.had_peer = member.had_peer or any(m != me for m in decision.members)
+    if decision.members != [me]:
         return
     refused = member.liveness.store.refused
     why = {s: refused[heartbeat_key(member.prefix, s)] for s in range(member.world.site_count)
            if s != me and heartbeat_key(member.prefix, s) in refused}
-    if not why:
+    if not foreign_alone(len(why), member.world.site_count, member.fresh, member.had_peer):
         return
     if member.ledger.restored > 0:  # refused reads amid deletions prove no other secret: name the attack
         raise StoreInterference(member.rounds._storm(member.round, "and this site left alone"))
