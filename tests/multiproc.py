@@ -11,6 +11,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue as queue_module
+import signal
 import socket
 import time
 import traceback
@@ -23,6 +24,22 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def fork_event() -> Any:
+    """An event the children of run_sites inherit (they are forked: their args are not pickled)."""
+    return mp.get_context("fork").Event()
+
+
+def freeze_self(done: Any, at_most_s: float) -> None:
+    """SIGSTOP this process for good (a frozen peer that never comes back). A forked helper SIGKILLs
+    it once `done` is set (whoever waited on it has seen what it needed), or after at_most_s."""
+    me = os.getpid()
+    if os.fork() == 0:
+        done.wait(at_most_s)
+        os.kill(me, signal.SIGKILL)
+        os._exit(0)
+    os.kill(me, signal.SIGSTOP)
 
 
 def _child(fn: Callable, env: dict[str, str], queue: Any, key: tuple[int, int], args: tuple, faults: str) -> None:

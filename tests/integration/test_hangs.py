@@ -8,7 +8,6 @@ checkpoint directories. Timeouts are a few seconds, so each case takes well unde
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
 import shutil
 import signal
@@ -24,7 +23,7 @@ from typing import Any
 import pytest
 
 from tests.helpers import tiny_overrides
-from tests.multiproc import Died, free_port, run_sites
+from tests.multiproc import Died, fork_event, free_port, freeze_self, run_sites
 from zeroband.config import validate_config
 
 TIMEOUT_S = 4.0
@@ -51,17 +50,6 @@ def _group(store_port: int, timeout_s: float, log_every_s: float = 1.0):
     return new_global_group(store, "hang/", site, 2, timeout, watch=Watch(timeout_s, log_every_s)), site
 
 
-def _freeze_self(kill_after_s: float, done: Any) -> None:
-    """SIGSTOP this process; a forked helper SIGKILLs it later (a frozen peer that never comes back):
-    once `done` is set (site 0's wait is over, nothing left to prove), or after kill_after_s at most."""
-    me = os.getpid()
-    if os.fork() == 0:
-        done.wait(kill_after_s)
-        os.kill(me, signal.SIGKILL)
-        os._exit(0)
-    os.kill(me, signal.SIGSTOP)
-
-
 def _frozen_peer(store_port: int, timeout_s: float, sigterm_after_s: float | None, done: Any) -> dict:
     """Site 1 freezes after the statistics exchange, mid all-reduce; site 0 reports how it ended and
     then sets `done` (a fork-inherited event), which ends the frozen peer."""
@@ -76,7 +64,7 @@ def _frozen_peer(store_port: int, timeout_s: float, sigterm_after_s: float | Non
     if site == 1:
         DirectExchange(300_000, group, wire_codec("fp16"), 4 << 16)  # receives posted, as the real one does
         group.post_scalars(SiteStats(1.0, 0.0).as_list())()
-        _freeze_self(kill_after_s=min(timeout_s, 10) + 10, done=done)
+        freeze_self(done, at_most_s=min(timeout_s, 10) + 10)
         return {}
     lines = _Lines()
     logging.getLogger("zeroband.watchdog").addHandler(lines)
@@ -94,14 +82,10 @@ def _frozen_peer(store_port: int, timeout_s: float, sigterm_after_s: float | Non
     return {"error": None, "elapsed": time.monotonic() - t0, "log": lines.lines}
 
 
-def _done() -> Any:
-    """An event the forked sites inherit (run_sites forks: its args are not pickled)."""
-    return multiprocessing.get_context("fork").Event()
-
 
 @pytest.mark.timeout(90)
 def test_frozen_peer_mid_allreduce_ends_within_timeout_naming_site_and_phase():
-    out = run_sites(_frozen_peer, 2, 1, (free_port(), TIMEOUT_S, None, _done()), timeout=60, allow_death=True)
+    out = run_sites(_frozen_peer, 2, 1, (free_port(), TIMEOUT_S, None, fork_event()), timeout=60, allow_death=True)
     assert isinstance(out[(1, 0)], Died)
     result = out[(0, 0)]
     assert result["error"] is not None and result["error"].startswith("PeerTimeout")
@@ -117,7 +101,7 @@ def test_frozen_peer_mid_allreduce_ends_within_timeout_naming_site_and_phase():
 def test_sigterm_interrupts_a_wait_on_a_frozen_peer():
     """With a 60 s timeout, SIGTERM (handled by train.py's GracefulStop) ends the wait within the
     watchdog's grace (5 s), where before it waited the whole timeout inside gloo."""
-    out = run_sites(_frozen_peer, 2, 1, (free_port(), 60.0, 1.0, _done()), timeout=60, allow_death=True)
+    out = run_sites(_frozen_peer, 2, 1, (free_port(), 60.0, 1.0, fork_event()), timeout=60, allow_death=True)
     result = out[(0, 0)]
     assert result["error"].startswith("Interrupted") and "SIGTERM" in result["error"], result
     assert "site 1 (reduce-scatter piece 0)" in result["error"]
