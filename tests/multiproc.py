@@ -7,6 +7,8 @@ so the code under test runs unchanged. A child that hangs fails the test at `tim
 
 from __future__ import annotations
 
+import functools
+import importlib
 import multiprocessing as mp
 import os
 import pickle
@@ -24,6 +26,21 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# Imported lazily by the first run in a process (data loading, the loss plot, nn.init under a device
+# context), ~2 s per fresh process: imported here once, before forking, every forked rank inherits them,
+# as it inherits torch. The code under test runs unchanged (its own imports are then no-ops).
+PRELOADED = ("datasets", "matplotlib.pyplot", "torch._dynamo")
+
+
+@functools.cache
+def preload() -> None:
+    for name in PRELOADED:
+        try:
+            importlib.import_module(name)
+        except ImportError:  # optional (matplotlib): the run imports it, or does without, as before
+            pass
 
 
 def fork_event() -> Any:
@@ -74,6 +91,7 @@ def run_sites(
 
     Raises if a rank raised, hung past `timeout`, or (unless allow_death) died without reporting.
     """
+    preload()
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
     store_port = free_port()
