@@ -29,7 +29,7 @@ def free_port() -> int:
 
 
 # Imported lazily by the first run in a process (data loading, the loss plot, nn.init under a device
-# context), ~2 s per fresh process: imported here once, before forking, every forked rank inherits them,
+# context), seconds per fresh process: imported here once, before forking, every forked rank inherits them,
 # as it inherits torch. The code under test runs unchanged (its own imports are then no-ops).
 PRELOADED = ("datasets", "matplotlib.pyplot", "torch._dynamo")
 
