@@ -7,10 +7,13 @@ so the code under test runs unchanged. A child that hangs fails the test at `tim
 
 from __future__ import annotations
 
+import functools
+import importlib
 import multiprocessing as mp
 import os
 import pickle
 import queue as queue_module
+import signal
 import socket
 import time
 import traceback
@@ -23,6 +26,37 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# Imported lazily by the first run in a process (data loading, the loss plot, nn.init under a device
+# context), seconds per fresh process: imported here once, before forking, every forked rank inherits them,
+# as it inherits torch. The code under test runs unchanged (its own imports are then no-ops).
+PRELOADED = ("datasets", "matplotlib.pyplot", "torch._dynamo")
+
+
+@functools.cache
+def preload() -> None:
+    for name in PRELOADED:
+        try:
+            importlib.import_module(name)
+        except ImportError:  # optional (matplotlib): the run imports it, or does without, as before
+            pass
+
+
+def fork_event() -> Any:
+    """An event the children of run_sites inherit (they are forked: their args are not pickled)."""
+    return mp.get_context("fork").Event()
+
+
+def freeze_self(done: Any, at_most_s: float) -> None:
+    """SIGSTOP this process for good (a frozen peer that never comes back). A forked helper SIGKILLs
+    it once `done` is set (whoever waited on it has seen what it needed), or after at_most_s."""
+    me = os.getpid()
+    if os.fork() == 0:
+        done.wait(at_most_s)
+        os.kill(me, signal.SIGKILL)
+        os._exit(0)
+    os.kill(me, signal.SIGSTOP)
 
 
 def _child(fn: Callable, env: dict[str, str], queue: Any, key: tuple[int, int], args: tuple, faults: str) -> None:
@@ -57,6 +91,7 @@ def run_sites(
 
     Raises if a rank raised, hung past `timeout`, or (unless allow_death) died without reporting.
     """
+    preload()
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
     store_port = free_port()

@@ -264,6 +264,9 @@ def _expect_refusal(tree_by_site: dict) -> str:
 
 def test_foreign_site_cannot_join_a_fixed_run(corpus, tmp_path):
     tree = fixed_tree(corpus, tmp_path)
+    # Site 0 waits sites.timeout_s for site 1, which is refused at its first connection: a short wait
+    # proves the same (the test's time is that wait).
+    tree["sites"]["timeout_s"] = 6
     out = run_sites(_expect_refusal, 2, 1, ({0: tree, 1: tree},), timeout=55,
                     site_env={0: {"ZEROBAND_SECRET": SECRET}, 1: {"ZEROBAND_SECRET": WRONG}})
     # The store's guard (site 0 hosts it) keeps the foreign site out before it reads or writes a key,

@@ -18,11 +18,12 @@ import threading
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tests.helpers import tiny_overrides
-from tests.multiproc import Died, free_port, run_sites
+from tests.multiproc import Died, fork_event, free_port, freeze_self, run_sites
 from zeroband.config import validate_config
 
 TIMEOUT_S = 4.0
@@ -49,18 +50,9 @@ def _group(store_port: int, timeout_s: float, log_every_s: float = 1.0):
     return new_global_group(store, "hang/", site, 2, timeout, watch=Watch(timeout_s, log_every_s)), site
 
 
-def _freeze_self(kill_after_s: float) -> None:
-    """SIGSTOP this process; a forked helper SIGKILLs it later (a frozen peer that never comes back)."""
-    me = os.getpid()
-    if os.fork() == 0:
-        time.sleep(kill_after_s)
-        os.kill(me, signal.SIGKILL)
-        os._exit(0)
-    os.kill(me, signal.SIGSTOP)
-
-
-def _frozen_peer(store_port: int, timeout_s: float, sigterm_after_s: float | None) -> dict:
-    """Site 1 freezes after the statistics exchange, mid all-reduce; site 0 reports how it ended."""
+def _frozen_peer(store_port: int, timeout_s: float, sigterm_after_s: float | None, done: Any) -> dict:
+    """Site 1 freezes after the statistics exchange, mid all-reduce; site 0 reports how it ended and
+    then sets `done` (a fork-inherited event), which ends the frozen peer."""
     import torch
 
     from zeroband.comm.direct import DirectExchange
@@ -72,7 +64,7 @@ def _frozen_peer(store_port: int, timeout_s: float, sigterm_after_s: float | Non
     if site == 1:
         DirectExchange(300_000, group, wire_codec("fp16"), 4 << 16)  # receives posted, as the real one does
         group.post_scalars(SiteStats(1.0, 0.0).as_list())()
-        _freeze_self(kill_after_s=min(timeout_s, 10) + 10)
+        freeze_self(done, at_most_s=min(timeout_s, 10) + 10)
         return {}
     lines = _Lines()
     logging.getLogger("zeroband.watchdog").addHandler(lines)
@@ -85,12 +77,15 @@ def _frozen_peer(store_port: int, timeout_s: float, sigterm_after_s: float | Non
                       "outer all-reduce")
     except Exception as e:
         return {"error": f"{type(e).__name__}: {e}", "elapsed": time.monotonic() - t0, "log": lines.lines}
+    finally:
+        done.set()
     return {"error": None, "elapsed": time.monotonic() - t0, "log": lines.lines}
+
 
 
 @pytest.mark.timeout(90)
 def test_frozen_peer_mid_allreduce_ends_within_timeout_naming_site_and_phase():
-    out = run_sites(_frozen_peer, 2, 1, (free_port(), TIMEOUT_S, None), timeout=60, allow_death=True)
+    out = run_sites(_frozen_peer, 2, 1, (free_port(), TIMEOUT_S, None, fork_event()), timeout=60, allow_death=True)
     assert isinstance(out[(1, 0)], Died)
     result = out[(0, 0)]
     assert result["error"] is not None and result["error"].startswith("PeerTimeout")
@@ -106,7 +101,7 @@ def test_frozen_peer_mid_allreduce_ends_within_timeout_naming_site_and_phase():
 def test_sigterm_interrupts_a_wait_on_a_frozen_peer():
     """With a 60 s timeout, SIGTERM (handled by train.py's GracefulStop) ends the wait within the
     watchdog's grace (5 s), where before it waited the whole timeout inside gloo."""
-    out = run_sites(_frozen_peer, 2, 1, (free_port(), 60.0, 1.0), timeout=60, allow_death=True)
+    out = run_sites(_frozen_peer, 2, 1, (free_port(), 60.0, 1.0, fork_event()), timeout=60, allow_death=True)
     result = out[(0, 0)]
     assert result["error"].startswith("Interrupted") and "SIGTERM" in result["error"], result
     assert "site 1 (reduce-scatter piece 0)" in result["error"]
@@ -154,7 +149,9 @@ def _diloco(corpus: dict, out: Path, sites: dict | None = None, **diloco) -> dic
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("elastic", [True, False])
 def test_a_site_without_the_secret_is_kept_out_of_the_store_and_told_why(corpus, tmp_path, elastic):
-    extra = {"start_grace_s": 30, "heartbeat_s": 0.5, "dead_after_s": 5} if elastic else {}
+    # start_grace_s: site 0 waits for site 1 twice as long as site 1 may take to open the store
+    # (sites.timeout_s), so a site 1 let in by mistake would join at launch and fail the test.
+    extra = {"start_grace_s": 2 * TIMEOUT_S, "heartbeat_s": 0.5, "dead_after_s": 5} if elastic else {}
     tree = _diloco(corpus, tmp_path, elastic=elastic, **extra)
     secret = {"ZEROBAND_SECRET": "s" * 32}
     t0 = time.monotonic()

@@ -16,11 +16,12 @@ import signal
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tests.helpers import _train, elastic_tree, outer_records, site_records
-from tests.multiproc import Died, free_port, run_sites
+from tests.multiproc import Died, fork_event, free_port, freeze_self, run_sites
 
 FLOOR_S, TIMEOUT_S = 1.0, 60.0
 SLACK_S = 2.0  # the watcher polls every 0.1 s; forked processes on 2 shared cores
@@ -40,9 +41,9 @@ def _group(store_port: int):
     return group, site
 
 
-def _frozen_mid_allreduce(store_port: int) -> dict:
+def _frozen_mid_allreduce(store_port: int, done: Any) -> dict:
     """Site 1 posts its receives and exchanges statistics, then freezes (SIGSTOP) for good; a forked
-    helper SIGKILLs it once site 0 had time to report."""
+    helper SIGKILLs it once site 0 has reported (`done`), or had time to."""
     import torch
 
     from zeroband.comm.direct import DirectExchange
@@ -53,12 +54,7 @@ def _frozen_mid_allreduce(store_port: int) -> dict:
     if site == 1:
         DirectExchange(300_000, group, wire_codec("fp16"), 1 << 18)  # receives posted, as the real one does
         group.post_scalars(SiteStats(1.0, 0.0).as_list())()
-        me = os.getpid()
-        if os.fork() == 0:
-            time.sleep(FLOOR_S + 6)
-            os.kill(me, signal.SIGKILL)
-            os._exit(0)
-        os.kill(me, signal.SIGSTOP)
+        freeze_self(done, at_most_s=FLOOR_S + 6)
         return {}
     t0 = time.monotonic()
     try:
@@ -67,12 +63,14 @@ def _frozen_mid_allreduce(store_port: int) -> dict:
     except Exception as e:
         return {"error": f"{type(e).__name__}: {e}", "elapsed": time.monotonic() - t0, "rtt_s": link.rtt_s,
                 "mbit": link.steady_bps / 1e6, "streams": link.chosen}
+    finally:
+        done.set()
     return {"error": None, "elapsed": time.monotonic() - t0}
 
 
 @pytest.mark.timeout(60)
 def test_fixed_a_peer_frozen_mid_allreduce_is_declared_within_the_link_bound():
-    out = run_sites(_frozen_mid_allreduce, 2, 1, (free_port(),), timeout=45, allow_death=True)
+    out = run_sites(_frozen_mid_allreduce, 2, 1, (free_port(), fork_event()), timeout=45, allow_death=True)
     assert isinstance(out[(1, 0)], Died)
     result = out[(0, 0)]
     error = result["error"]
