@@ -154,7 +154,9 @@ class ElasticMembership:
         self.raw_store: dist.Store = topology.store
         self.store: dist.Store = KeepingStore(topology.store, self.ledger, self.prefix)
         self.signed = SignedStore(self.store, sign_key)
-        self.liveness = Liveness(self.store, self.prefix, slots, cfg.dead_after_s, sign_key, self.world.site_rank)
+        # no beat is a death while deletions were seen within sites.timeout_s (every wait's bound)
+        self.liveness = Liveness(self.store, self.prefix, slots, cfg.dead_after_s, sign_key, self.world.site_rank,
+                                 self.ledger, sites.timeout_s)
         self.rounds = RoundCoordinator(self.store, self.prefix, self.world.site_rank, self.world.rank == 0,
                                        self.liveness, sign_key, self.ledger, sites.timeout_s)
         self.heartbeat = None
