@@ -242,13 +242,19 @@ class ElasticMembership:
         restoring them until every other live site has left or died, for at most sites.timeout_s.
         Every live site, not only our last round's members: a site left out of it must still read
         that the round was committed (`committed`, its data positions), or it would commit the
-        round again alone and end with another replica."""
+        round again alone and end with another replica. Then dead_after_s more: our own leave
+        notice is restored too, and a peer that has not read it yet would (no beat being a death
+        under deletions) linger for sites.timeout_s after we exit."""
         if self.ledger.restored == 0:
             return  # nothing was ever deleted: no attack, no wait
-        deadline = time.monotonic() + self.sites.timeout_s
-        while time.monotonic() < deadline:
+        deadline, alone_since = time.monotonic() + self.sites.timeout_s, None
+        while (now := time.monotonic()) < deadline:
             self.ledger.restore(self.raw_store)
-            if not self.liveness.alive_after_poll() - {self.world.site_rank}:
+            if self.liveness.alive_after_poll() - {self.world.site_rank}:
+                alone_since = None
+            elif alone_since is None:
+                alone_since = now
+            elif now - alone_since >= self.cfg.dead_after_s:
                 return
             time.sleep(POLL_S)
 
