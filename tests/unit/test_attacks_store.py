@@ -384,3 +384,13 @@ def test_under_deletions_neither_site_of_a_pair_decides_a_round_alone():
         with pytest.raises(RoundTimeout):
             site(1, by_storm).rendezvous(round_, 0, {0, 1}, 1, 0.0, False, 1.0, lambda members: 6)
         assert server.check([f"p/r{round_}/a0/members"]) is False
+
+
+def test_a_lone_site_keeps_its_leave_notice_up_for_three_of_its_polls():
+    """Unit: under deletions the first site to exit had read its peer's notice, but the peer had not
+    read its own (deleted between the peer's slow polls, under load): the peer, no beat being a
+    death, lingered sites.timeout_s (20 s of a 6-step test). Now a site alone keeps its notice up
+    for dead_after_s, or three of its slowest polls if longer."""
+    from zeroband.membership.elastic import linger_tail_s
+
+    assert linger_tail_s(2.0, 0.1) == 2.0 and linger_tail_s(2.0, 2.4) == pytest.approx(7.2)

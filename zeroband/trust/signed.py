@@ -261,10 +261,10 @@ class Ledger:
         with self.lock:
             self.values.pop(key, None)
 
-    def restore(self, store: dist.Store) -> int:
-        """Write back every kept value whose key is missing; the number restored."""
+    def restore(self, store: dist.Store, only: str | None = None) -> int:
+        """Write back every kept value (or the one of key `only`) whose key is missing; the number restored."""
         with self.lock:
-            kept = list(self.values.items())
+            kept = [(k, v) for k, v in self.values.items() if only is None or k == only]
         if not kept or store.check([k for k, _ in kept]):
             return 0  # one round trip in the common case: nothing is missing
         n = 0
