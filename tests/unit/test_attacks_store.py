@@ -316,3 +316,81 @@ def test_under_deletions_a_live_site_is_never_dropped_as_late():
     with pytest.raises(RoundTimeout):
         rounds.rendezvous(2, 0, {0, 1}, 1, 0.0, False, 1.0, lambda members: 5)
     assert rounds.store.read("p/r2/a0/members") is None
+
+
+def test_under_deletions_no_beat_is_a_death_and_a_deleted_leave_notice_holds():
+    """Unit (issue 23 item 4, the etcd storm on a starved CPU): a live site's beats went unread past
+    dead_after_s (deleted, or its heartbeat thread starved) and it was taken for dead. Now a beat of
+    a site already seen that goes missing is a deletion seen (nobody honest deletes one), and while
+    deletions are seen no beat, missing or stale, is a death: only a leave notice is, and a deleted
+    notice does not bring the site back until it beats again. Once the storm window has passed,
+    beats decide again."""
+    from zeroband.membership.heartbeat import Liveness, heartbeat_key, leave_key
+    from zeroband.trust.signed import Ledger, SignedStore
+
+    server, client = _tcp_store()
+    key, ledger = b"k" * 32, Ledger()
+    beats, beat = SignedStore(client(), key), heartbeat_key("p/", 1)
+    seen = Liveness(client(), "p/", [1], dead_after_s=0.3, sign_key=key, ledger=ledger, storm_window_s=60.0)
+    beats.set(beat, "n:1")
+    seen.poll()
+    assert not ledger.deleting(60.0)
+    server.delete_key(beat)
+    seen.poll()
+    assert ledger.deleting(60.0)  # a beat read before is gone: the store is under attack
+    time.sleep(0.4)
+    assert seen.dead_among([1]) == set()  # missing past dead_after_s: no death under deletions
+    beats.set(beat, "n:1")
+    assert seen.dead_among([1]) == set()  # back, but stale (never a newer beat): no death either
+    beats.set(leave_key("p/", 1), "3")
+    assert seen.dead_among([1]) == {1}  # it said goodbye: gone at once
+    server.delete_key(leave_key("p/", 1))
+    assert seen.dead_among([1]) == {1}  # its notice deleted: still gone
+    beats.set(beat, "n:2")
+    assert seen.dead_among([1]) == set()  # it beats again (restarted): back
+    ledger.deleted_at = time.monotonic() - 61.0  # the storm window has passed
+    time.sleep(0.4)
+    assert seen.dead_among([1]) == {1}  # a stale beat is a death again
+
+
+def test_under_deletions_neither_site_of_a_pair_decides_a_round_alone():
+    """Unit (issue 23 item 4): under an etcd storm and two busy loops, each site's beats went unread
+    past dead_after_s; each took the other for dead, proposed itself alone for round 3 (the other's
+    list deleted before it read it), committed it, and the two replicas diverged (both exited 0).
+    Now, while deletions are seen, a site seen before is never dead by its beats, and (should a
+    site still look dead) a member list must hold a majority of the last round's members that have
+    not left (`storm_quorum`): both sites wait, bounded by the timeout, instead of going on alone."""
+    from zeroband.membership.heartbeat import Liveness
+    from zeroband.membership.rounds import RoundCoordinator, RoundTimeout
+    from zeroband.trust.signed import KeepingStore, Ledger
+
+    server, client = _tcp_store()
+    key = b"k" * 32
+
+    def site(s: int, beats_judged_by_storm: bool) -> RoundCoordinator:
+        ledger = Ledger()
+        ledger.noticed()  # deletions were seen
+        store = KeepingStore(client(), ledger, "p/")
+        liveness = Liveness(store, "p/", [0, 1], dead_after_s=0.2, sign_key=key, me=s,
+                            ledger=ledger if beats_judged_by_storm else None, storm_window_s=60.0)
+        liveness.seen.update({0: (1, time.monotonic() - 10), 1: (1, time.monotonic() - 10)})  # no beat read for 10 s
+        return RoundCoordinator(store, "p/", s, True, liveness, key, ledger, storm_after_s=60.0)
+
+    for round_, by_storm in ((3, True), (4, False)):  # the liveness rule, then the quorum rule alone
+        with pytest.raises(RoundTimeout):
+            site(0, by_storm).rendezvous(round_, 0, {0, 1}, 1, 0.0, False, 1.0, lambda members: 5)
+        server.delete_key(f"p/r{round_}/a0/members")  # a list [0] would be deleted before site 1 read it
+        server.delete_key(f"p/r{round_}/a0/arrive/0")  # and site 0's arrival
+        with pytest.raises(RoundTimeout):
+            site(1, by_storm).rendezvous(round_, 0, {0, 1}, 1, 0.0, False, 1.0, lambda members: 6)
+        assert server.check([f"p/r{round_}/a0/members"]) is False
+
+
+def test_a_lone_site_keeps_its_leave_notice_up_for_three_of_its_polls():
+    """Unit: under deletions the first site to exit had read its peer's notice, but the peer had not
+    read its own (deleted between the peer's slow polls, under load): the peer, no beat being a
+    death, lingered sites.timeout_s (20 s of a 6-step test). Now a site alone keeps its notice up
+    for dead_after_s, or three of its slowest polls if longer."""
+    from zeroband.membership.elastic import linger_tail_s
+
+    assert linger_tail_s(2.0, 0.1) == 2.0 and linger_tail_s(2.0, 2.4) == pytest.approx(7.2)

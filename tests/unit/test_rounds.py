@@ -22,6 +22,7 @@ from zeroband.membership.rounds import (
     orphaned,
     overdue,
     run_over,
+    storm_quorum,
 )
 from zeroband.store.client import open_store
 
@@ -44,6 +45,20 @@ def test_quorum_and_launch_wait_for_unseen_sites():
     wait = WaitState()
     assert decide_members({0}, {0}, {0, 1}, 1, 3.0, now=0.0, wait=wait, wait_for_unseen=True) is None
     assert decide_members({0}, {0}, {0, 1}, 1, 3.0, now=3.0, wait=wait, wait_for_unseen=True) == [0]
+
+
+def test_under_deletions_a_round_needs_a_majority_of_the_last_members():
+    """Issue 23 item 4: deletions can erase a member list and the record that a round was committed,
+    so two sites that each saw the other dead committed one round alone each. Under deletions a
+    list must hold a majority of the last round's members that have not left; a joiner is no part of it."""
+    assert storm_quorum({0, 1}, set(), deleting=False) is None
+    pair, three = storm_quorum({0, 1}, set(), deleting=True), storm_quorum({0, 1, 2}, set(), deleting=True)
+    assert decide_members({0}, {0}, {0}, 1, 0.0, now=0.0, wait=WaitState(), majority_of=pair) is None  # never alone
+    assert decide_members({0, 1}, {0, 1}, {0, 1}, 1, 0.0, now=0.0, wait=WaitState(), majority_of=pair) == [0, 1]
+    assert decide_members({0, 1}, {0, 1}, {0, 1}, 1, 0.0, now=0.0, wait=WaitState(), majority_of=three) == [0, 1]
+    assert decide_members({2, 3}, {2, 3}, {2}, 1, 0.0, now=0.0, wait=WaitState(), majority_of=three) is None
+    left = storm_quorum({0, 1}, {1}, deleting=True)  # site 1 said goodbye (a signed notice)
+    assert decide_members({0}, {0}, {0}, 1, 0.0, now=0.0, wait=WaitState(), majority_of=left) == [0]
 
 
 def test_orphaned_only_when_every_live_site_arrived_fresh():

@@ -154,7 +154,9 @@ class ElasticMembership:
         self.raw_store: dist.Store = topology.store
         self.store: dist.Store = KeepingStore(topology.store, self.ledger, self.prefix)
         self.signed = SignedStore(self.store, sign_key)
-        self.liveness = Liveness(self.store, self.prefix, slots, cfg.dead_after_s, sign_key, self.world.site_rank)
+        # no beat is a death while deletions were seen within sites.timeout_s (every wait's bound)
+        self.liveness = Liveness(self.store, self.prefix, slots, cfg.dead_after_s, sign_key, self.world.site_rank,
+                                 self.ledger, sites.timeout_s)
         self.rounds = RoundCoordinator(self.store, self.prefix, self.world.site_rank, self.world.rank == 0,
                                        self.liveness, sign_key, self.ledger, sites.timeout_s)
         self.heartbeat = None
@@ -241,14 +243,23 @@ class ElasticMembership:
         restoring them until every other live site has left or died, for at most sites.timeout_s.
         Every live site, not only our last round's members: a site left out of it must still read
         that the round was committed (`committed`, its data positions), or it would commit the
-        round again alone and end with another replica."""
+        round again alone and end with another replica. Then, for `linger_tail_s`, only our own
+        leave notice, at every poll: a peer still lingering needs nothing else, and one that has
+        not read it yet would (no beat being a death under deletions) wait sites.timeout_s."""
         if self.ledger.restored == 0:
             return  # nothing was ever deleted: no attack, no wait
-        deadline = time.monotonic() + self.sites.timeout_s
-        while time.monotonic() < deadline:
+        deadline, slowest = time.monotonic() + self.sites.timeout_s, 0.0
+        while (began := time.monotonic()) < deadline:
             self.ledger.restore(self.raw_store)
-            if not self.liveness.alive_after_poll() - {self.world.site_rank}:
-                return
+            alone = not self.liveness.alive_after_poll() - {self.world.site_rank}
+            slowest = max(slowest, time.monotonic() - began)
+            if alone:
+                break
+            time.sleep(POLL_S)
+        notice = leave_key(self.prefix, self.world.site_rank)
+        tail_end = min(deadline, time.monotonic() + linger_tail_s(self.cfg.dead_after_s, slowest))
+        while time.monotonic() < tail_end:
+            self.ledger.restore(self.raw_store, only=notice)
             time.sleep(POLL_S)
 
     # ------------------------------------------------------------------ one round
@@ -384,6 +395,13 @@ class ElasticMembership:
         """The donor's registered state to every member; returns the members' keyed digests."""
         hand_over(group, decision.members.index(decision.donor), self.handed)
         return checksum_table([t for fn in self.checksums for t in fn()], group)
+
+
+def linger_tail_s(dead_after_s: float, slowest_poll_s: float) -> float:
+    """How long a site that is alone at its exit keeps its leave notice up: dead_after_s, and at
+    least three of its own slowest linger polls (the peers run on the same kind of load, and each
+    of their polls may miss a notice deleted just before it)."""
+    return max(dead_after_s, 3 * slowest_poll_s)
 
 
 def fresh_generation(store: dist.Store, counter: str, newest_seen: int) -> int:

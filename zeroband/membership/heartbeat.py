@@ -13,6 +13,13 @@ own thread writes a new beat within heartbeat_s), so a deletion never kills a li
 site whose key an attacker deletes is still dropped. The heartbeat thread also re-publishes this
 site's other deleted values (trust/signed.py `Ledger`) at every beat.
 
+While deletions are seen (`Ledger.deleting`: a value written back, or a beat of a site already
+seen found missing, within the storm window), no beat is a death at all, missing or stale: under
+a storm and a starved CPU each site's beats went unread past dead_after_s, each took the other
+for dead and committed a round alone, and the replicas diverged. A site is then gone only by its
+leave notice (latched until it beats again, so a deleted notice does not bring it back); a dead
+one is found by the waits' own timeouts, which end in the line naming the storm.
+
 A site's rank 0 runs `Heartbeat` on its own thread and its own store connection, so a long inner
 step never delays it, while a hung (SIGSTOP) or partitioned site stops bumping. Observers use
 `Liveness`, which remembers, on its own clock, when each counter last changed: no clock is shared
@@ -91,9 +98,12 @@ class Liveness:
     """Which sites are alive, as seen from here."""
 
     def __init__(self, store: dist.Store, prefix: str, sites: Iterable[int], dead_after_s: float,
-                 sign_key: bytes | None = None, me: int | None = None) -> None:
+                 sign_key: bytes | None = None, me: int | None = None, ledger: Ledger | None = None,
+                 storm_window_s: float = 0.0) -> None:
         self.store, self.prefix, self.dead_after_s = SignedStore(store, sign_key), prefix, dead_after_s
         self.sites, self.me = list(sites), me  # `me`: the observing site, alive whatever its key says
+        # where deletions are recorded and read back: no beat is a death while they go on
+        self.ledger, self.storm_window_s = ledger, storm_window_s
         self.seen: dict[int, tuple[int, float]] = {}  # site -> (newest stamp, local time it was accepted)
         self.absent: dict[int, float] = {}  # site -> local time its beat was first found missing
         self.left: set[int] = set()
@@ -101,28 +111,41 @@ class Liveness:
     def poll(self) -> None:
         now = time.monotonic()
         for site in self.sites:
-            # not latched: a site that left and later restarts deletes its leave key and is back
-            if self.store.check([leave_key(self.prefix, site)]):
-                self.left.add(site)
-                continue
-            self.left.discard(site)
             value, present = self.store.lookup(heartbeat_key(self.prefix, site))
             stamp = beat_stamp(value)
+            newer = stamp is not None and (site not in self.seen or stamp > self.seen[site][0])
+            if self.store.check([leave_key(self.prefix, site)]):
+                self.left.add(site)
+                if newer and stamp is not None:  # its last beat (it stops beating first): only a later one is news
+                    self.seen[site] = (stamp, now)
+                continue
+            if site in self.left and not newer and site != self.me:  # (this site knows it came back)
+                continue  # its notice deleted, or it restarts (deleting it): gone until a newer beat
+            self.left.discard(site)
             if stamp is None:
+                if not present and site in self.seen and self.ledger is not None:
+                    self.ledger.noticed()  # a beat read before is gone: nobody honest deletes one
                 if present and site not in self.seen:
                     continue  # a refused beat of a site never seen: no sign that it exists at all
                 self.absent.setdefault(site, now)  # deleted (or refused): no news until it is re-written
                 continue
             self.absent.pop(site, None)
-            if stamp is not None and (site not in self.seen or stamp > self.seen[site][0]):
-                self.seen[site] = (stamp, now)  # only a newer beat: a replayed older one is no sign of life
+            if newer:  # only a newer beat: a replayed older one is no sign of life
+                self.seen[site] = (stamp, now)
 
     def alive(self) -> set[int]:
         """Sites with news within dead_after_s: a newer beat, or their key found missing (no news is
         no death). A site whose beat was never read counts from when it was first found missing: under
-        a storm every beat may be deleted before a read. This site itself is always alive."""
+        a storm every beat may be deleted before a read. This site itself is always alive, and so is
+        every site seen before while deletions go on (`deleting`)."""
         now, me = time.monotonic(), {self.me} - self.left if self.me is not None else set()
-        return me | {s for s in self.sites if s not in self.left and now - self.last_news(s) < self.dead_after_s}
+        storm = self.deleting()
+        return me | {s for s in self.sites if s not in self.left
+                     and (now - self.last_news(s) < self.dead_after_s or storm and s in self.seen)}
+
+    def deleting(self) -> bool:
+        """Whether deletions were seen within the storm window: then no beat is a death."""
+        return self.ledger is not None and self.ledger.deleting(self.storm_window_s)
 
     def last_news(self, site: int) -> float:
         """When `site` last gave news, on this site's clock (-inf: never polled)."""

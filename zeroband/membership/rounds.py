@@ -19,6 +19,9 @@ Every outer round r (round 0 is the start) may take several attempts a. For each
 The store is linearizable (one TCPStore server, or etcd), which is all the agreement needs. Every
 value is signed with the shared secret (zeroband/trust/signed.py): a forged arrival, member
 list, vote or verdict reads as absent, and an honest site takes a forged write-once slot back.
+Deletions cannot be signed away: while they are seen (`Ledger.deleting`), a site seen before is
+never dead by its beats (heartbeat.py) and a member list must hold a majority of the last round's
+members (`storm_quorum`), so two sites that lost sight of each other never commit one round apart.
 """
 
 from __future__ import annotations
@@ -95,7 +98,7 @@ class WaitState:
 
 def decide_members(
     arrived: set[int], alive: set[int], expected: set[int], min_sites: int, grace_s: float,
-    now: float, wait: WaitState, wait_for_unseen: bool = False,
+    now: float, wait: WaitState, wait_for_unseen: bool = False, majority_of: set[int] | None = None,
 ) -> list[int] | None:
     """The members of an attempt, or None to keep waiting.
 
@@ -103,9 +106,11 @@ def decide_members(
     (`min_sites`) has been waiting for `grace_s`: late sites are then left out (their
     pseudo-gradients dropped; they re-sync from a peer at the next boundary). At launch
     (`wait_for_unseen`) sites that have not shown a heartbeat yet are waited for too.
+    With `majority_of` (under deletions: `storm_quorum`), the members must also hold more than
+    half of those sites.
     """
     ready = arrived & alive
-    if len(ready) < min_sites:
+    if len(ready) < min_sites or majority_of and 2 * len(ready & majority_of) <= len(majority_of):
         wait.quorum_since = None
         return None
     if wait.quorum_since is None:
@@ -114,6 +119,18 @@ def decide_members(
     if waiting_for <= ready or now - wait.quorum_since >= grace_s:
         return sorted(ready)
     return None
+
+
+def storm_quorum(expected: set[int], left: set[int], deleting: bool) -> set[int] | None:
+    """Whose majority a round's member list must hold (`decide_members`' `majority_of`): under
+    deletions (`deleting`), the round's expected sites (the last round's members) that have not
+    left; else nobody's (None). Deletions can erase a member list before a peer reads it, and with
+    it the record that the round was committed, so the store alone cannot keep two sites that each
+    see the other dead (beats deleted, or unread on a starved CPU) from each committing the round
+    alone, with different replicas. Two majorities of one set share a site, and a site takes part
+    in one decision per attempt: no two disjoint groups commit a round. A site that left said so
+    (a signed notice): it takes part in nothing more, so it is not counted."""
+    return expected - left if deleting else None
 
 
 def orphaned(arrivals: dict[int, str], alive: set[int], me: int) -> bool:
@@ -283,8 +300,9 @@ class RoundCoordinator:
         # each commit the round alone, with different replicas. It is waited for until it arrives
         # or dies, or the storm is named (`guard`).
         grace_s = grace_s if self.ledger.restored == 0 else float("inf")
+        majority_of = storm_quorum(expected, self.liveness.left, self.ledger.deleting(self.storm_after_s))
         members = decide_members(set(wait.arrived), alive, expected, min_sites, grace_s, time.monotonic(), wait,
-                                 wait_for_unseen=r == 0)
+                                 wait_for_unseen=r == 0, majority_of=majority_of)
         if members is None or proposer(wait.arrived, alive, r) != self.site:
             return None
         fresh_members = [s for s in members if wait.arrived[s] == "fresh"]

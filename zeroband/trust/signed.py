@@ -236,8 +236,10 @@ class Ledger:
     a timeout. Bounded to the newest `limit` keys: older rounds are read by nobody.
 
     `stalled_s` measures a storm: how long keys have kept vanishing since the site last made
-    progress (`progress()`, called at every committed round). Thread-safe: the heartbeat thread
-    restores too, on its own connection, while the main thread trains or sits in gloo's connect."""
+    progress (`progress()`, called at every committed round); `deleting(window_s)` says whether a
+    deletion was seen lately (a value written back here, or a heartbeat found missing: `noticed`).
+    Thread-safe: the heartbeat thread restores too, on its own connection, while the main thread
+    trains or sits in gloo's connect."""
 
     def __init__(self, limit: int = 32) -> None:
         self.values: OrderedDict[str, bytes] = OrderedDict()
@@ -245,6 +247,7 @@ class Ledger:
         self.restored = 0  # keys written back, ever
         self.vanishing_since: float | None = None  # first restore since the last progress
         self.kept_at = 0.0  # when a value was last kept
+        self.deleted_at: float | None = None  # when a deletion of a protocol value was last seen
 
     def keep(self, key: str, raw: bytes) -> None:
         with self.lock:
@@ -258,10 +261,10 @@ class Ledger:
         with self.lock:
             self.values.pop(key, None)
 
-    def restore(self, store: dist.Store) -> int:
-        """Write back every kept value whose key is missing; the number restored."""
+    def restore(self, store: dist.Store, only: str | None = None) -> int:
+        """Write back every kept value (or the one of key `only`) whose key is missing; the number restored."""
         with self.lock:
-            kept = list(self.values.items())
+            kept = [(k, v) for k, v in self.values.items() if only is None or k == only]
         if not kept or store.check([k for k, _ in kept]):
             return 0  # one round trip in the common case: nothing is missing
         n = 0
@@ -272,9 +275,19 @@ class Ledger:
         if n:
             with self.lock:
                 self.restored += n
+                self.deleted_at = time.monotonic()
                 if self.vanishing_since is None:
-                    self.vanishing_since = time.monotonic()
+                    self.vanishing_since = self.deleted_at
         return n
+
+    def noticed(self) -> None:
+        """A protocol value that nobody honest deletes (a heartbeat) was found missing."""
+        with self.lock:
+            self.deleted_at = time.monotonic()
+
+    def deleting(self, window_s: float) -> bool:
+        """Whether deletions were seen within the last `window_s` (`recent`)."""
+        return recent(self.deleted_at, time.monotonic(), window_s)
 
     def progress(self) -> None:
         with self.lock:
@@ -283,6 +296,11 @@ class Ledger:
     def stalled_s(self) -> float:
         since = self.vanishing_since
         return 0.0 if since is None else time.monotonic() - since
+
+
+def recent(at: float | None, now: float, window_s: float) -> bool:
+    """Whether an event seen at `at` (None: never) lies within `window_s` before `now`."""
+    return at is not None and now - at < window_s
 
 
 class KeepingStore(dist.Store):
