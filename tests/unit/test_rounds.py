@@ -17,6 +17,7 @@ from zeroband.membership.rounds import (
     RoundTimeout,
     RunComplete,
     WaitState,
+    contradicts,
     decide_members,
     decide_verdict,
     orphaned,
@@ -25,6 +26,7 @@ from zeroband.membership.rounds import (
     storm_quorum,
 )
 from zeroband.store.client import open_store
+from zeroband.trust.signed import StoreInterference
 
 
 def test_members_wait_for_every_expected_live_site():
@@ -93,6 +95,26 @@ def _voting_pair(address: str) -> tuple[list[Heartbeat], list[RoundCoordinator],
         coords.append(RoundCoordinator(store, "p/", s, True, Liveness(store, "p/", range(2), dead_after_s=60.0)))
     time.sleep(0.3)  # the first beats are in
     return beats, coords, Decision([0, 1], [], 1)
+
+
+def test_a_site_that_failed_never_applies_a_commit_of_another_member_list():
+    """Under deletions a second member list can be written for an attempt: here site 0 decided [0]
+    and committed it; site 1, holding [0, 1], failed its attempt. It must not apply that commit
+    (another replica): it stops naming the storm. On an honest store a failed site reads abort."""
+    assert contradicts("commit", site_ok=False)
+    assert not contradicts("commit", site_ok=True) and not contradicts("abort", site_ok=False)
+    address = f"tcp://127.0.0.1:{free_port()}"
+    server = open_store(address, True, timedelta(seconds=10))
+    beats, (site0, site1), _ = _voting_pair(address)
+    try:
+        assert site0.vote_and_verdict(1, 0, Decision([0], [], 1), True, timeout_s=10.0) == "commit"
+        with pytest.raises(StoreInterference, match="committed by a member list other than this site's"):
+            site1.vote_and_verdict(1, 0, Decision([0, 1], [], 2), False, timeout_s=10.0)
+        assert site0.vote_and_verdict(1, 1, Decision([0, 1], [], 3), False, timeout_s=10.0) == "abort"
+    finally:
+        for beat in beats:
+            beat.stop()
+    del server
 
 
 def test_a_live_member_that_never_votes_is_aborted_at_the_link_bound_not_the_timeout():

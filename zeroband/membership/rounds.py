@@ -133,6 +133,15 @@ def storm_quorum(expected: set[int], left: set[int], deleting: bool) -> set[int]
     return expected - left if deleting else None
 
 
+def contradicts(verdict: str, site_ok: bool) -> bool:
+    """A commit of an attempt this site failed. Honestly impossible: a commit needs every member's ok
+    vote, and a failed site votes fail. Only another member list for the same attempt can have
+    committed it (ours deleted before a peer read it, a list decided without us written in its
+    place: three or more sites under deletions); applying it would leave this site on another
+    replica, so the site stops naming the storm instead."""
+    return verdict == "commit" and not site_ok
+
+
 def orphaned(arrivals: dict[int, str], alive: set[int], me: int) -> bool:
     """No live site holds the run's state: every live site has arrived at this attempt, and fresh.
     All the holders died (one after another, each restarted before the next died), so waiting for
@@ -338,6 +347,9 @@ class RoundCoordinator:
             if proposal is not None:
                 self.store.compare_set(key, "", proposal)
             time.sleep(POLL_S)
+        if contradicts(verdict, site_ok):
+            raise StoreInterference(self._storm(r, f"since attempt {a} was committed by a member list other than "
+                                                   f"this site's {decision.members}, which failed"))
         if self.is_leader:  # written back by every reader too, should it be deleted
             self.ledger.keep(key, self.store.seal(key, verdict))
         if verdict == "commit":
