@@ -5,7 +5,6 @@ Nothing here is a hook in production code."""
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import zlib
 from dataclasses import dataclass, replace
 from typing import Any
@@ -252,43 +251,10 @@ class ReplayingStore(dist.Store):
 
 
 # ---------------------------------------------------------------------- store attacks (issue 23, items 3-4)
-class _OutsiderLoop:
-    """An outsider's loop: `step()` (the number of operations it made) every `period_s`, in a process
-    of its own, forked from the test process, until `stop()`. A process, not a thread: the test forks
-    its sites while the loop runs, and a thread caught mid-import or holding a lock at that fork
-    leaves a site with that lock and no owner to release it (a hang, seen in CI)."""
-
-    def __init__(self, period_s: float) -> None:
-        ctx = mp.get_context("fork")
-        self.period_s, self.count, self.stopped = period_s, ctx.Value("q", 0), ctx.Event()
-        self.process: Any = None
-
-    def _start(self, step: Any) -> None:
-        self.process = mp.get_context("fork").Process(target=self._run, args=(step,), daemon=True)
-        self.process.start()
-
-    def _run(self, step: Any) -> None:
-        while not self.stopped.wait(self.period_s):
-            try:
-                n = step()
-            except Exception:  # the store is not up yet, or gone: try again
-                continue
-            with self.count.get_lock():
-                self.count.value += n
-
-    def stop(self) -> int:
-        self.stopped.set()
-        self.process.join(timeout=10)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join()
-        return int(self.count.value)
-
-
-class StoreForger(_OutsiderLoop):
+class StoreForger:
     """An outsider who can write to the store, without the secret: every `period_s`, for every key that
-    `targets(keys now in the store)` returns, writes its value (bytes) or deletes it (None). Runs in a
-    process of its own (`_OutsiderLoop`) until `stop()`, which returns the number of its operations.
+    `targets(keys now in the store)` returns, writes its value (bytes) or deletes it (None). Runs on
+    a thread of the test process until `stop()`; `writes` counts its operations.
 
     A store started with the run's secret admits only connections that prove it (store/guard.py),
     so the forger's connection is opened the way a site's is (the test process's $ZEROBAND_SECRET):
@@ -296,46 +262,69 @@ class StoreForger(_OutsiderLoop):
     after the handshake), who still holds no key that signs a value."""
 
     def __init__(self, host: str, port: int, targets: Any, period_s: float = 0.25) -> None:
-        super().__init__(period_s)
-        self.host, self.port, self.targets = host, port, targets
+        import threading
+
+        self.host, self.port, self.targets, self.period_s, self.writes = host, port, targets, period_s, 0
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
 
     def start(self) -> StoreForger:
-        from datetime import timedelta
-
+        # imports here, in the caller's thread: a thread importing while the test forks its sites
+        # leaves the child holding that module's import lock with no owner, and the site hangs
         from zeroband.store.client import connect_tcp_store
 
-        box: list[Any] = []
-
-        def forge() -> int:
-            box[:] = box or [connect_tcp_store(self.host, self.port, timedelta(seconds=2),
-                                               f"tcp://{self.host}:{self.port}")]
-            store, n = box[0], 0
-            try:
-                for key, value in self.targets(store.list_keys()).items():
-                    store.delete_key(key) if value is None else store.set(key, value)
-                    n += 1
-            except Exception:  # gone: connect again next time (what was done still counts)
-                box.clear()
-            return n
-
-        self._start(forge)
+        self.connect = connect_tcp_store
+        self.thread.start()
         return self
 
+    def _run(self) -> None:
+        from datetime import timedelta
 
-class StoreDeleter(_OutsiderLoop):
+        connect_tcp_store = self.connect
+        store = None
+        while not self.stopped.wait(self.period_s):
+            try:
+                store = store or connect_tcp_store(self.host, self.port, timedelta(seconds=2),
+                                                   f"tcp://{self.host}:{self.port}")
+                for key, value in self.targets(store.list_keys()).items():
+                    store.delete_key(key) if value is None else store.set(key, value)
+                    self.writes += 1
+            except Exception:  # the store is not up yet, or gone: try again
+                store = None
+
+    def stop(self) -> int:
+        self.stopped.set()
+        self.thread.join(timeout=10)
+        return self.writes
+
+
+class StoreDeleter:
     """An outsider with access to the store (on a guarded tcp:// store: on-path into an authenticated
     connection, as StoreForger), without the signing keys, that deletes every key under
     `prefix` every `period_s` (a deletion storm): through a TCPStore client (`tcp://host:port`) or
     straight through etcd's own API (`etcd://endpoints/root`), as anyone holding etcd credentials
-    could. Runs in a process of its own (`_OutsiderLoop`) until `stop()`, which returns the number of keys it deleted."""
+    could. Runs on a thread of the test process until `stop()`; `deleted` counts the keys it deleted."""
 
     def __init__(self, url: str, prefix: str, period_s: float = 0.2) -> None:
-        super().__init__(period_s)
-        self.url, self.prefix = url, prefix
+        import threading
+
+        self.url, self.prefix, self.period_s, self.deleted = url, prefix, period_s, 0
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
 
     def start(self) -> StoreDeleter:
-        self._start(self._etcd() if self.url.startswith("etcd://") else self._tcp())
+        # built (and imported) in the caller's thread: StoreForger.start says why
+        self.delete = self._etcd() if self.url.startswith("etcd://") else self._tcp()
+        self.thread.start()
         return self
+
+    def _run(self) -> None:
+        delete = self.delete
+        while not self.stopped.wait(self.period_s):
+            try:
+                self.deleted += delete()
+            except Exception:  # the store is not up yet, or gone: try again
+                pass
 
     def _tcp(self) -> Any:
         from datetime import timedelta
@@ -370,3 +359,8 @@ class StoreDeleter(_OutsiderLoop):
             return int(reply.get("deleted", 0))
 
         return delete
+
+    def stop(self) -> int:
+        self.stopped.set()
+        self.thread.join(timeout=10)
+        return self.deleted
