@@ -1,0 +1,616 @@
+"""The large-H study: do the outer defaults hold at the H users ship? Resumable, runs in the background.
+
+    nice -n 19 python scripts/experiments/large_h.py --budget-s 7200   # work for 2 h, then stop
+    python scripts/experiments/large_h.py --report                      # the report from the rows so far
+    python scripts/experiments/large_h.py --quick --out /tmp/q          # pipeline check (~1 min; CI smoke)
+
+k sites simulated in one process (`zeroband.sim`: the trainer's own loop, DiLoCo and all-reduce on k
+threads), one run per core, on a 40 MB sample of the shared prose-v2 corpus with a BPE trained on its
+train split. Every finished run is one JSON file under docs/results/large_h/runs/, named by its key:
+the spec (rows, model, data, schedule) plus the code version. The code version is not a commit: it is
+the digest of a canary, three tiny runs (one site, data parallel, DiLoCo with momentum warm-up) whose
+validation losses change if any arithmetic the study depends on changes. So rows accumulate across
+sessions and commits while the arithmetic stays the same, and are re-run when it does not.
+
+A run stopped by the budget keeps its checkpoints (one per outer step) in --work and resumes from
+them the next time; its metrics are read back with the records of re-run steps taken once.
+
+Rows, in the order they run (the most decisive first), for each group of the same (model, T, k):
+  single        one site, T steps at batch B (the same inner lr as every DiLoCo row)
+  dp_lr{x}      k sites averaging gradients every step (batch k*B) at inner lr x: three values on
+                seed 0; the best ("tuned DP") then runs the other seeds
+  {setting}_h{H} DiLoCo, k sites, an outer step every H steps, for each outer setting in SETTINGS
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import lzma
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from convergence import Spec, base_tree, config_tree, machine, mean_std, source_commit  # noqa: E402
+from exp_data import DEFAULT_CACHE, prepare_tokenizer  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+RESULTS = REPO / "docs" / "results"
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+PROSE_V2_SHA256 = "ffc3e6d4e34485675d72c8e6281127dedf9224a94ff69304921b906b7bf03410"
+PROSE_V2_DEFAULT = REPO.parent / "shared" / "data" / "prose-v2.jsonl.xz"
+SAMPLE_BYTES = 40 * 2**20  # covers T = 10,000 x 4 sites x 256 tokens (10M tokens at ~3 bytes/token) once
+
+
+# ---------------------------------------------------------------------------------- what runs
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    dims: dict[str, int]
+
+
+MODELS = {m.name: m for m in (
+    Model("0.5M", dict(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=176)),
+    Model("1.3M", dict(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=352)),
+    Model("4M", dict(dim=256, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=704)),
+)}
+
+
+@dataclass(frozen=True)
+class Group:
+    """Runs that share one model, T and k: their single and data-parallel rows are the baselines."""
+
+    name: str
+    model: str
+    steps: int  # T, inner steps per site
+    sites: int  # k
+    hs: tuple[int, ...]
+    seeds: int  # seeds of the headline rows (the first H); 1 for the others
+    eval_interval: int
+    dp_sweep: bool  # its own DP lr sweep, or the tuned lr of the group named in DP_FROM
+
+
+VOCAB, SEQ_LEN, BATCH = 2048, 128, 2
+INNER_LR = 3e-3  # every single and DiLoCo row; chosen by the H = 5-48 tuning (convergence_tuning.md)
+DP_LRS = (3e-3, 6e-3, 1.2e-2)  # data parallel's batch is k x B: its lr is searched, DiLoCo's is not
+DP_FROM = "h100"  # groups without their own sweep use this group's tuned lr
+EVAL_BATCHES = 48
+
+# In the order they run. The H = 100 group first: 20 outer steps in a fifth of the H = 500 cost.
+GROUPS = [
+    Group("h100", "1.3M", 2000, 4, (100, 30), 3, 100, True),
+    Group("size_0.5M", "0.5M", 2000, 4, (100, 30), 1, 100, False),
+    Group("size_4M", "4M", 2000, 4, (100, 30), 1, 100, False),
+    Group("h100_k2", "1.3M", 2000, 2, (100,), 1, 100, False),
+    Group("h100_k8", "1.3M", 2000, 8, (100,), 1, 100, False),
+    Group("h500", "1.3M", 10000, 4, (500, 250), 3, 250, True),
+]
+
+
+def scaling_law_lr(sites: int, h: int) -> float:
+    """Charles et al. 2025's tuned outer lr at H = 30 (0.4 / 0.6 / 0.6 / 0.8 for M = 1 / 2 / 4 / 8),
+    raised by 0.1 per doubling of H beyond 30 and capped at 1: the paper reports the best lr rising
+    with H without a closed form, so this reading is ours, fixed before any run of this study."""
+    at30 = {1: 0.4, 2: 0.6, 4: 0.6}.get(sites, 0.8)
+    return round(min(1.0, at30 + 0.1 * max(0.0, math.log2(h / 30))), 3)
+
+
+def settings(sites: int, h: int) -> dict[str, dict[str, Any]]:
+    """The four outer settings of issue 33, by row name."""
+    from convergence import shipped_default
+
+    return {
+        "defaults": shipped_default(),
+        "paper_0.7_0.9": dict(outer_lr=0.7, outer_momentum=0.9, outer_momentum_warmup=0),
+        "scaling_law": dict(outer_lr=scaling_law_lr(sites, h), outer_momentum=0.9, outer_momentum_warmup=0),
+        "plain_avg": dict(outer_lr=1.0, outer_momentum=0.0, outer_momentum_warmup=0,
+                          extra={"diloco": {"outer_optimizer": "sgd"}}),
+    }
+
+
+@dataclass(frozen=True)
+class Run:
+    group: str
+    model: str
+    eval_interval: int
+    spec: Spec
+
+
+def dp_spec(g: Group, seed: int, lr: float) -> Spec:
+    return Spec(f"dp_lr{lr:g}", "dp", g.sites, g.steps, seed, extra={"optim": {"lr": lr}})
+
+
+# (group, seed) in the order they run: seed 0 at H = 100 and 500 first (the question), then the
+# spreads of the headline rows, the size trend and the number of sites, and the H = 500 spreads last.
+STAGES = [("h100", 0), ("h500", 0), ("h100", 1), ("h100", 2), ("size_0.5M", 0), ("size_4M", 0), ("h100_k2", 0),
+          ("h100_k8", 0), ("h500", 1), ("h500", 2)]
+
+
+def plan(tuned: dict[str, float | None]) -> list[Run]:
+    """Every run of the study in priority order; `tuned` maps a group to its best DP lr once known."""
+    groups = {g.name: g for g in GROUPS}
+    runs: list[Run] = []
+    for name, seed in STAGES:
+        g = groups.get(name)
+        if g is None or seed >= g.seeds:
+            continue
+        lr = tuned.get(g.name if g.dp_sweep else DP_FROM)
+        specs = [Spec("single", "single", 1, g.steps, seed)]
+        if g.dp_sweep and seed == 0:
+            specs += [dp_spec(g, 0, x) for x in DP_LRS]
+        elif lr is not None:
+            specs.append(dp_spec(g, seed, lr))
+        for h in g.hs[:1] if seed > 0 else g.hs:  # extra H values: one seed
+            specs += [Spec(f"{n}_h{h}", "diloco", g.sites, g.steps, seed, h=h, **outer) for n, outer in settings(g.sites, h).items()]
+        runs += [Run(g.name, g.model, g.eval_interval, s) for s in specs]
+    return runs
+
+
+# ---------------------------------------------------------------------------------- data and code
+
+def sample_corpus(cache: Path, source: Path) -> Path:
+    """A fixed 40 MB sample of prose-v2: documents taken in the order of a hash of their text."""
+    out = cache / "prose-v2-sample40.jsonl"
+    if out.is_file():
+        return out
+    if not source.is_file():
+        raise SystemExit(f"{source} not found: pass --shared-corpus PATH/prose-v2.jsonl.xz")
+    cache.mkdir(parents=True, exist_ok=True)
+    digest, docs = hashlib.sha256(), []
+    with lzma.open(source, "rt", encoding="utf-8") as f:
+        for line in f:
+            digest.update(line.encode())
+            text = json.loads(line)["text"]
+            docs.append((hashlib.sha1(text.encode()).hexdigest(), text))
+    if digest.hexdigest() != PROSE_V2_SHA256:
+        raise SystemExit(f"{source}: sha256 {digest.hexdigest()} != {PROSE_V2_SHA256} (not prose-v2?)")
+    tmp, size = out.with_suffix(".tmp"), 0
+    with open(tmp, "w", encoding="utf-8") as f:
+        for _, text in sorted(docs):
+            if size >= SAMPLE_BYTES:
+                break
+            line = json.dumps({"text": text}) + "\n"
+            f.write(line)
+            size += len(line.encode())
+    tmp.replace(out)
+    return out
+
+
+def tree_for(run: Run, corpus: Path, tokenizer: Path, work: Path) -> dict[str, Any]:
+    """The run's config tree, with a checkpoint at every outer step (about every 250 steps otherwise)."""
+    from convergence import Scale
+
+    m = MODELS[run.model]
+    scale = Scale(model=m.dims, vocab=VOCAB, seq_len=SEQ_LEN, batch=BATCH, steps=run.spec.steps, sites=run.spec.sites,
+                  sweep_sites=(), seeds=1, lr=INNER_LR, warmup=max(10, run.spec.steps // 50),
+                  eval_interval=run.eval_interval, eval_batches=EVAL_BATCHES)
+    tree = config_tree(run.spec, base_tree(scale, corpus, tokenizer), work)
+    # DiLoCo checkpoints at outer steps; data parallel's "round" is the eval interval (multiples only)
+    every = run.spec.h if run.spec.method == "diloco" else run.eval_interval * max(1, 250 // run.eval_interval)
+    tree["checkpoint"] = {"interval": every, "resume": "auto", "save_at_end": False, "keep_last": 1}
+    return tree
+
+
+def run_key(run: Run, version: str) -> str:
+    """The spec, the model and schedule, and the code version: what makes a cached row valid."""
+    from convergence import Scale  # noqa: F401  (the tree below holds the whole schedule)
+
+    tree = tree_for(run, Path("corpus"), Path("tokenizer"), Path("work"))
+    raw = json.dumps({"tree": tree, "spec": asdict(run.spec), "group": run.group, "version": version}, sort_keys=True)
+    return hashlib.sha1(raw.encode()).hexdigest()[:16]
+
+
+CANARY_MODEL = Model("canary", dict(dim=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=96))
+
+
+def canary_runs() -> list[Run]:
+    """Tiny runs through every code path of the study: their losses are the code version."""
+    specs = [Spec("single", "single", 1, 12, 0), Spec("dp", "dp", 2, 12, 0, extra={"optim": {"lr": 6e-3}}),
+             Spec("diloco", "diloco", 2, 12, 0, h=3, outer_lr=0.7, outer_momentum=0.5, outer_momentum_warmup=2),
+             Spec("avg", "diloco", 2, 12, 0, h=4, outer_lr=1.0, outer_momentum=0.0,
+                  extra={"diloco": {"outer_optimizer": "sgd"}})]
+    return [Run("canary", "canary", 6, s) for s in specs]
+
+
+# ---------------------------------------------------------------------------------- one run (child)
+
+def run_one(run: Run, corpus: Path, tokenizer: Path, work: Path) -> dict[str, Any]:
+    """Train `run` through the simulator, resuming from its checkpoints in `work`; its summary."""
+    import torch
+
+    from zeroband.sim import run_sites
+
+    torch.set_num_threads(1)
+    work.mkdir(parents=True, exist_ok=True)
+    tree = tree_for(run, corpus, tokenizer, work)
+    start = time.perf_counter()
+    result = run_sites(tree, run.spec.sites, eval_on=lambda s: s == 0)
+    records = read_metrics(Path(result["run_dir"]) / "metrics.jsonl")
+    return summarise(run, records, time.perf_counter() - start)
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The run's records, a step's record taken once: a resumed run re-logs the steps after its
+    checkpoint, and the later record (the one the finished run kept) wins."""
+    latest: dict[tuple[str, int], dict[str, Any]] = {}
+    for line in open(path):
+        if line.strip():
+            r = json.loads(line)
+            if "step" in r:
+                latest[(r["kind"], r["step"])] = r
+    return sorted(latest.values(), key=lambda r: r["step"])
+
+
+def summarise(run: Run, records: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
+    spec = run.spec
+    tokens_per_step = BATCH * SEQ_LEN * spec.sites
+    outer = [r for r in records if r["kind"] == "outer"]
+    val = [r for r in records if r["kind"] == "val"]
+    curve = [{"step": v["step"], "tokens": v["step"] * tokens_per_step, "val_loss": v["val_loss"]} for v in val]
+    return {"group": run.group, "model": run.model, **asdict(spec), "val_loss": val[-1]["val_loss"],
+            "val_bpb": val[-1]["val_bpb"], "tokens": spec.steps * tokens_per_step, "outer_steps": len(outer),
+            "wire_bytes": sum(o["wire_bytes"] for o in outer), "wall_s_last_leg": wall_s, "curve": curve}
+
+
+def child_main(args: argparse.Namespace) -> int:
+    job = json.loads(Path(args.one).read_text())
+    run = Run(job["group"], job["model"], job["eval_interval"], Spec(**job["spec"]))
+    if run.model == "canary":  # the tiny model of the code-version canary
+        MODELS["canary"] = CANARY_MODEL
+    res = run_one(run, Path(job["corpus"]), Path(job["tokenizer"]), Path(job["work"]))
+    res.update(commit=job["commit"], version=job["version"], key=job["key"])
+    out = Path(job["out"])
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(res, indent=1))
+    tmp.replace(out)  # atomic: a row file exists only complete
+    return 0
+
+
+# ---------------------------------------------------------------------------------- the scheduler
+
+class Pool:
+    """Runs as child processes, `workers` at a time; each writes its row file when it ends."""
+
+    def __init__(self, workers: int, nice: int) -> None:
+        self.workers, self.nice = workers, nice
+        self.running: dict[str, tuple[subprocess.Popen, Run, float]] = {}
+
+    def start(self, key: str, run: Run, job: dict[str, Any], jobs: Path, log: Path) -> None:
+        path = jobs / f"{key}.json"
+        path.write_text(json.dumps(job))
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--one", str(path)]
+        out = open(log / f"{key}.log", "ab")
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
+                                preexec_fn=lambda: os.nice(self.nice) if self.nice else None)
+        self.running[key] = (proc, run, time.time())
+
+    def reap(self) -> list[tuple[str, Run, int, float]]:
+        done = []
+        for key, (proc, run, t0) in list(self.running.items()):
+            if proc.poll() is not None:
+                done.append((key, run, proc.returncode, time.time() - t0))
+                del self.running[key]
+        return done
+
+    def stop_all(self) -> None:
+        """Budget spent: end the children; their checkpoints stay for the next invocation."""
+        for proc, _, _ in self.running.values():
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+        self.running.clear()
+
+
+def tuned_lrs(rows: list[dict[str, Any]]) -> dict[str, float | None]:
+    """A group's tuned DP lr: the sweep value with the lowest seed-0 loss, once all of them ran."""
+    out: dict[str, float | None] = {}
+    for g in GROUPS:
+        sweep = {r["extra"]["optim"]["lr"]: r["val_loss"] for r in rows
+                 if r["group"] == g.name and r["method"] == "dp" and r["seed"] == 0}
+        out[g.name] = min(sweep, key=sweep.__getitem__) if g.dp_sweep and len(sweep) == len(DP_LRS) else None
+    return out
+
+
+def load_rows(runs_dir: Path, version: str | None) -> list[dict[str, Any]]:
+    rows = [json.loads(p.read_text()) for p in sorted(runs_dir.glob("*.json"))]
+    return [r for r in rows if version is None or r["version"] == version]
+
+
+def schedule(args: argparse.Namespace, ctx: dict[str, Any]) -> None:
+    """Start runs in plan order until the budget is spent; rewrite the report after each row."""
+    pool, deadline = Pool(args.workers, args.nice), time.time() + args.budget_s
+    runs_dir: Path = ctx["runs"]
+    failed: set[str] = set()
+    while True:
+        for key, run, rc, took in pool.reap():
+            ok = (runs_dir / f"{key}.json").is_file()
+            verdict = "done" if ok else f"FAILED rc {rc} (log: {ctx['log'] / (key + '.log')})"
+            print(f"{time.strftime('%H:%M:%S')} {run.group}/{run.spec.row} seed {run.spec.seed}: {verdict} in {took:.0f} s",
+                  flush=True)
+            if not ok:
+                failed.add(key)
+            write_report(ctx)
+        rows = load_rows(runs_dir, ctx["version"])
+        have = {r["key"] for r in rows}
+        todo = [r for r in plan(tuned_lrs(rows)) if (k := run_key(r, ctx["version"])) not in have
+                and k not in pool.running and k not in failed]
+        if time.time() >= deadline:
+            pool.stop_all()
+            print(f"budget of {args.budget_s:.0f} s spent; {len(todo)} runs left (checkpoints kept in {ctx['work']})")
+            return
+        while todo and len(pool.running) < pool.workers:
+            run = todo.pop(0)
+            key = run_key(run, ctx["version"])
+            job = {"group": run.group, "model": run.model, "eval_interval": run.eval_interval, "spec": asdict(run.spec),
+                   "corpus": str(ctx["corpus"]), "tokenizer": str(ctx["tokenizer"]), "work": str(ctx["work"] / key),
+                   "out": str(runs_dir / f"{key}.json"), "commit": ctx["commit"], "version": ctx["version"], "key": key}
+            pool.start(key, run, job, ctx["jobs"], ctx["log"])
+            print(f"{time.strftime('%H:%M:%S')} start {run.group}/{run.spec.row} seed {run.spec.seed} ({key})", flush=True)
+        if not pool.running:
+            print("nothing left to run" + (f" ({len(failed)} failed: see the logs)" if failed else ""))
+            return
+        time.sleep(5)
+
+
+def code_version(ctx: dict[str, Any], nice: int) -> str:
+    """The canary's digest: its four tiny runs' final validation losses, exactly."""
+    losses = []
+    for run in canary_runs():
+        key = f"canary-{run.spec.row}-{os.getpid()}"
+        out = ctx["jobs"] / f"{key}.out.json"
+        job = {"group": run.group, "model": run.model, "eval_interval": run.eval_interval, "spec": asdict(run.spec),
+               "corpus": str(ctx["corpus"]), "tokenizer": str(ctx["tokenizer"]), "work": str(ctx["jobs"] / key),
+               "out": str(out), "commit": "", "version": "", "key": key}
+        path = ctx["jobs"] / f"{key}.json"
+        path.write_text(json.dumps(job))
+        subprocess.run([sys.executable, str(Path(__file__).resolve()), "--one", str(path)], check=True, cwd=REPO,
+                       preexec_fn=lambda: os.nice(nice) if nice else None)
+        losses.append(json.loads(out.read_text())["val_loss"])
+    return hashlib.sha1(repr(losses).encode()).hexdigest()[:12]
+
+
+# ---------------------------------------------------------------------------------- the report
+
+def params(dims: dict[str, int]) -> int:
+    """Parameters of the untied Llama of these shapes (embedding, head, attention, SwiGLU, norms)."""
+    d, kv = dims["dim"], dims["dim"] * dims["n_kv_heads"] // dims["n_heads"]
+    block = 2 * d * d + 2 * d * kv + 3 * d * dims["ffn_dim"] + 2 * d
+    return 2 * VOCAB * d + dims["n_layers"] * block + d
+
+
+def summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per group: single, tuned DP and every DiLoCo row, each as mean / std / seeds / gap / vs DP."""
+    tuned = tuned_lrs(rows)
+    out: dict[str, dict[str, Any]] = {}
+    for g in GROUPS:
+        mine = [r for r in rows if r["group"] == g.name]
+        by: dict[str, list[dict[str, Any]]] = {}
+        for r in mine:
+            by.setdefault(r["row"], []).append(r)
+        lr = tuned.get(g.name if g.dp_sweep else DP_FROM)
+        stats = {name: stat(rs) for name, rs in by.items()}
+        single = stats.get("single")
+        dp = stats.get(f"dp_lr{lr:g}") if lr is not None else None
+        for s in stats.values():
+            s["gap_closed"] = gap(s["mean"], single, dp)
+            s["vs_dp_pct"] = 100 * (s["mean"] - dp["mean"]) / dp["mean"] if dp else None
+        out[g.name] = {"group": asdict(g), "params": params(MODELS[g.model].dims), "tuned_dp_lr": lr, "rows": stats,
+                       "planned": sum(1 for r in plan(tuned) if r.group == g.name), "done": len(mine)}
+    return out
+
+
+def stat(rs: list[dict[str, Any]]) -> dict[str, Any]:
+    m, sd = mean_std([r["val_loss"] for r in rs])
+    r0 = rs[0]
+    return {"mean": m, "std": sd, "seeds": sorted(r["seed"] for r in rs), "h": r0["h"], "method": r0["method"],
+            "outer_steps": r0["outer_steps"], "outer": {k: r0[k] for k in ("outer_lr", "outer_momentum",
+                                                                          "outer_momentum_warmup")},
+            "wire_mib": r0["wire_bytes"] / 2**20, "commits": sorted({r["commit"] for r in rs})}
+
+
+def gap(loss: float, single: dict | None, dp: dict | None) -> float | None:
+    if not single or not dp or single["mean"] == dp["mean"]:
+        return None
+    return (single["mean"] - loss) / (single["mean"] - dp["mean"])
+
+
+def pct(x: float | None, digits: int = 0) -> str:
+    return "-" if x is None else f"{100 * x:.{digits}f}%" if abs(x) < 100 else "-"
+
+
+def group_table(s: dict[str, Any]) -> list[str]:
+    lines = ["| row | seeds | H | outer steps | outer lr / momentum / warm-up | val loss (mean ± std) | gap closed "
+             "| vs tuned DP | wire MiB/site |", "|---|---:|---:|---:|---|---:|---:|---:|---:|"]
+    order = sorted(s["rows"].items(), key=lambda kv: ({"single": 0, "dp": 1}.get(kv[1]["method"], 2), -kv[1]["h"], kv[0]))
+    for name, r in order:
+        tuned = " (tuned)" if r["method"] == "dp" and s["tuned_dp_lr"] is not None and name == f"dp_lr{s['tuned_dp_lr']:g}" else ""
+        o = r["outer"]
+        outer = f"{o['outer_lr']:g} / {o['outer_momentum']:g} / {o['outer_momentum_warmup']}" if r["method"] == "diloco" else "-"
+        vs = "-" if r["vs_dp_pct"] is None else f"{r['vs_dp_pct']:+.2f}%"
+        lines.append(f"| {name}{tuned} | {len(r['seeds'])} | {r['h'] or '-'} | {r['outer_steps'] if r['h'] else '-'} | {outer} "
+                     f"| {r['mean']:.4f} ± {r['std']:.4f} | {pct(r['gap_closed'])} | {vs} | {r['wire_mib']:.1f} |")
+    return lines
+
+
+def verdicts(summ: dict[str, Any]) -> list[str]:
+    """Per (group, H): the best outer setting, and whether the defaults are within its seed spread."""
+    out = []
+    for name, s in summ.items():
+        for h in s["group"]["hs"]:
+            cand = {n: r for n, r in s["rows"].items() if r["method"] == "diloco" and r["h"] == h}
+            if len(cand) < 4:
+                continue
+            best = min(cand, key=lambda n: cand[n]["mean"])
+            d = cand.get(f"defaults_h{h}")
+            spread = max(cand[best]["std"], d["std"] if d else 0.0)
+            seeds = min(len(r["seeds"]) for r in cand.values())
+            if d is None:
+                continue
+            diff = d["mean"] - cand[best]["mean"]
+            within = "within" if diff <= spread and seeds > 1 else ("NOT within" if seeds > 1 else "1 seed, no spread:")
+            out.append(f"- {name}, H = {h} ({seeds} seed{'s' if seeds > 1 else ''}): best `{best}` "
+                       f"{cand[best]['mean']:.4f}; defaults {d['mean']:.4f} (+{diff:.4f}), {within} the seed spread "
+                       f"{spread:.4f}.")
+    return out
+
+
+def size_trend(summ: dict[str, Any]) -> list[str]:
+    """Gap closed by each outer setting at H = 30 and 100 for each model size (seed 0 rows)."""
+    groups = [("0.5M", "size_0.5M"), ("1.3M", "h100"), ("4M", "size_4M")]
+    names = list(settings(4, 100))
+    lines = ["| model | params | H | " + " | ".join(names) + " | best |", "|---|---:|---:|" + "---:|" * (len(names) + 1)]
+    for model, gname in groups:
+        s = summ.get(gname)
+        if not s:
+            continue
+        for h in (30, 100):
+            cells, gaps = [], {}
+            for n in names:
+                r = s["rows"].get(f"{n}_h{h}")
+                g = r["gap_closed"] if r else None
+                if g is not None:
+                    gaps[n] = g
+                cells.append(pct(g))
+            best = max(gaps, key=gaps.__getitem__) if len(gaps) == len(names) else "pending"
+            lines.append(f"| {model} | {s['params'] / 1e6:.2f}M | {h} | " + " | ".join(cells) + f" | {best} |")
+    return lines
+
+
+def plot(rows: list[dict[str, Any]], summ: dict[str, Any], out: Path) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [g for g in ("h100", "h500") if summ[g]["done"]]
+    if not shown:
+        return "(no rows yet: no plot)"
+    fig, axes = plt.subplots(1, len(shown), figsize=(6.5 * len(shown), 4.5), squeeze=False)
+    for ax, gname in zip(axes[0], shown):
+        s = summ[gname]
+        h = s["group"]["hs"][0]
+        lr = s["tuned_dp_lr"]
+        names = ["single", *([f"dp_lr{lr:g}"] if lr is not None else []), *[f"{n}_h{h}" for n in settings(4, h)]]
+        for name in names:
+            rs = [r for r in rows if r["group"] == gname and r["row"] == name]
+            if not rs:
+                continue
+            n = min(len(r["curve"]) for r in rs)
+            ys = [mean_std([r["curve"][i]["val_loss"] for r in rs])[0] for i in range(n)]
+            label = f"{name} (tuned DP)" if name.startswith("dp") else name
+            ax.plot([p["tokens"] for p in rs[0]["curve"][:n]], ys, label=f"{label}, {len(rs)} seed(s)")
+        ax.set_title(f"{gname}: k = {s['group']['sites']}, T = {s['group']['steps']}, H = {h}")
+        ax.set_xlabel("tokens (all sites)")
+        ax.set_ylabel("validation loss (mean over seeds)")
+        ax.set_ylim(top=min(ax.get_ylim()[1], 6.5))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "large_h.png", dpi=100)
+    plt.close(fig)
+    return "![validation loss against tokens](large_h.png)"
+
+
+def write_report(ctx: dict[str, Any]) -> None:
+    rows = load_rows(ctx["runs"], ctx["version"])
+    summ = summary(rows)
+    out: Path = ctx["out"]
+    stale = len(load_rows(ctx["runs"], None)) - len(rows)
+    lines = ["# The large-H study: outer settings at H = 30-500, one site and tuned data parallel beside them", "",
+             "```bash", "nice -n 19 python scripts/experiments/large_h.py --budget-s SECONDS   # runs what is left, "
+             "accumulates", "python scripts/experiments/large_h.py --report                   # this file from the rows",
+             "```", "",
+             f"Code version (canary digest) `{ctx['version']}`; rows from commit(s) "
+             f"{', '.join(sorted({r['commit'] for r in rows})) or '-'}; this file written on {ctx['commit']}. "
+             f"Machine: {machine()}, runs at nice 19 beside other work (the load changes wall time only: every row is "
+             f"deterministic). {len(rows)} runs of {sum(s['planned'] for s in summ.values())} planned are done"
+             + (f"; {stale} row files of other code versions are ignored" if stale else "") + ".", "",
+             "Gap closed = (one site - row) / (one site - tuned data parallel), on mean validation loss; vs tuned DP = "
+             "the row's loss relative to tuned data parallel's. Every row is kept, the losing ones too.", "",
+             "## Verdicts: the defaults against the best outer setting", "", *(verdicts(summ) or ["(pending)"]), "",
+             "## The trend with model size (seed 0)", "", *size_trend(summ), "", plot(rows, summ, out), ""]
+    for name, s in summ.items():
+        g = s["group"]
+        lines += [f"## {name}: {s['params'] / 1e6:.2f}M parameters, k = {g['sites']} sites, T = {g['steps']} steps, "
+                  f"H = {', '.join(map(str, g['hs']))} ({s['done']} of {s['planned']} runs done)", ""]
+        lines += group_table(s) if s["rows"] else ["(pending)"]
+        lr = s["tuned_dp_lr"]
+        lines += ["", f"Tuned DP lr: {lr if lr is not None else 'pending'}"
+                  + ("" if g["dp_sweep"] else f" (from group {DP_FROM}'s sweep)") + ".", ""]
+    lines += ["## Setup", "", setup_text(), ""]
+    (out / "large_h.md").write_text("\n".join(lines) + "\n")
+    (out / "large_h.json").write_text(json.dumps({"version": ctx["version"], "summary": summ}, indent=1))
+
+
+def setup_text() -> str:
+    models = "; ".join(f"{m.name}: {m.dims} ({params(m.dims) / 1e6:.2f}M)" for m in MODELS.values())
+    return (f"- Models (Llama, untied, vocab {VOCAB}, seq_len {SEQ_LEN}, fp32): {models}.\n"
+            f"- Per site B = {BATCH} sequences of {SEQ_LEN} tokens per step. Inner AdamW lr {INNER_LR} for one site and "
+            "every DiLoCo row, betas (0.9, 0.95), weight decay 0.1, clip 1.0, warm-up T/50 steps then cosine to 0.1x. "
+            f"Data parallel (batch k x B): lr swept over {', '.join(f'{x:g}' for x in DP_LRS)} on seed 0; the best runs "
+            "the other seeds. Choosing it on seed 0 of the reported split can only favour the baseline.\n"
+            "- Outer settings: `defaults` = DilocoConfig's shipped defaults; `paper_0.7_0.9` = DiLoCo / OpenDiLoCo's "
+            "Nesterov lr 0.7, momentum 0.9; `scaling_law` = momentum 0.9 with lr from Charles et al. 2025's H = 30 table "
+            "for M sites plus 0.1 per doubling of H over 30, capped at 1 (our reading, fixed before any run); "
+            "`plain_avg` = SGD lr 1, momentum 0. All fp16 on the wire.\n"
+            "- Data: a fixed 40 MB sample of the shared prose-v2 corpus (documents in the order of sha1 of their text), "
+            "byte-level BPE trained on its train split; validation = the loader's whole-document hash split (2%), "
+            f"{EVAL_BATCHES} batches scored on site 0. Seed s sets the initial weights and the document order.\n"
+            "- k sites run as k threads of one process (`zeroband.sim`, the production trainer, DiLoCo and gloo "
+            "all-reduce); tests/integration/test_sim.py shows it equals the multi-process run bit for bit.")
+
+
+# ---------------------------------------------------------------------------------- main
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--budget-s", type=float, default=3600, help="stop (checkpointed) after this many seconds")
+    p.add_argument("--workers", type=int, default=2, help="runs at a time (one core each)")
+    p.add_argument("--nice", type=int, default=19, help="niceness of the runs")
+    p.add_argument("--report", action="store_true", help="write the report from the rows so far, run nothing")
+    p.add_argument("--quick", action="store_true", help="tiny groups into --out: checks the pipeline, not the method")
+    p.add_argument("--out", type=Path, default=RESULTS, help="where large_h.{md,json,png} and runs/ go")
+    p.add_argument("--shared-corpus", type=Path, default=PROSE_V2_DEFAULT, help="prose-v2.jsonl.xz")
+    p.add_argument("--cache", type=Path, default=DEFAULT_CACHE / "large_h", help="corpus sample, tokenizer")
+    p.add_argument("--work", type=Path, default=None, help="checkpoints of unfinished runs (default: CACHE/work)")
+    p.add_argument("--one", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.one:
+        return child_main(args)
+    if args.quick:
+        quick_groups()
+    corpus = sample_corpus(args.cache, args.shared_corpus)
+    ctx: dict[str, Any] = {"corpus": corpus, "tokenizer": prepare_tokenizer(corpus, VOCAB, 0.02, args.cache),
+                           "out": args.out, "runs": args.out / "large_h" / "runs", "commit": source_commit(),
+                           "work": args.work or args.cache / ("work-quick" if args.quick else "work")}
+    ctx["jobs"], ctx["log"] = ctx["work"] / "jobs", ctx["work"] / "logs"
+    for d in (ctx["runs"], ctx["jobs"], ctx["log"]):
+        d.mkdir(parents=True, exist_ok=True)
+    ctx["version"] = code_version(ctx, args.nice)
+    print(f"code version {ctx['version']}; rows in {ctx['runs']}", flush=True)
+    if not args.report:
+        schedule(args, ctx)
+    write_report(ctx)
+    print(f"wrote {args.out / 'large_h.md'}")
+    return 0
+
+
+def quick_groups() -> None:
+    """--quick: two tiny groups of the same shape as the study's, for CI."""
+    MODELS["1.3M"] = replace(CANARY_MODEL, name="1.3M")
+    GROUPS[:] = [Group("h100", "1.3M", 16, 2, (4,), 2, 8, True), Group("h500", "1.3M", 16, 2, (8,), 1, 8, False)]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
