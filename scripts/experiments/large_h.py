@@ -30,6 +30,7 @@ import json
 import lzma
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -264,18 +265,36 @@ def summarise(run: Run, records: list[dict[str, Any]], wall_s: float) -> dict[st
             "wire_bytes": sum(o["wire_bytes"] for o in outer), "wall_s_last_leg": wall_s, "curve": curve}
 
 
-def child_main(args: argparse.Namespace) -> int:
-    job = json.loads(Path(args.one).read_text())
-    run = Run(job["group"], job["model"], job["eval_interval"], Spec(**job["spec"]))
-    if run.model == "canary":  # the tiny model of the code-version canary
-        MODELS["canary"] = CANARY_MODEL
-    res = run_one(run, Path(job["corpus"]), Path(job["tokenizer"]), Path(job["work"]))
-    res.update(commit=job["commit"], version=job["version"], key=job["key"])
-    out = Path(job["out"])
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(res, indent=1))
-    tmp.replace(out)  # atomic: a row file exists only complete
+def child_main(paths: list[str]) -> int:
+    """Run each job file in turn, in this one process (one torch import for all of them)."""
+    for path in paths:
+        job = json.loads(Path(path).read_text())
+        run = Run(job["group"], job["model"], job["eval_interval"], Spec(**job["spec"]))
+        if run.model == "canary":  # the tiny model of the code-version canary
+            MODELS["canary"] = CANARY_MODEL
+        res = run_one(run, Path(job["corpus"]), Path(job["tokenizer"]), Path(job["work"]))
+        res.update(commit=job["commit"], version=job["version"], key=job["key"])
+        out = Path(job["out"])
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(res, indent=1))
+        tmp.replace(out)  # atomic: a row file exists only complete
     return 0
+
+
+def write_job(run: Run, key: str, ctx: dict[str, Any], out: Path, version: str) -> Path:
+    """The job file a child reads: the run, where its data, checkpoints and row go."""
+    job = {"group": run.group, "model": run.model, "eval_interval": run.eval_interval, "spec": asdict(run.spec),
+           "corpus": str(ctx["corpus"]), "tokenizer": str(ctx["tokenizer"]), "work": str(ctx["work"] / key),
+           "out": str(out), "commit": ctx["commit"], "version": version, "key": key}
+    path = ctx["jobs"] / f"{key}.json"
+    path.write_text(json.dumps(job))
+    return path
+
+
+def child(paths: list[Path], nice: int, log: Any = None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--one", *map(str, paths)], cwd=REPO,
+                            stdout=log, stderr=subprocess.STDOUT if log else None,
+                            preexec_fn=lambda: os.nice(nice) if nice else None)
 
 
 # ---------------------------------------------------------------------------------- the scheduler
@@ -287,14 +306,8 @@ class Pool:
         self.workers, self.nice = workers, nice
         self.running: dict[str, tuple[subprocess.Popen, Run, float]] = {}
 
-    def start(self, key: str, run: Run, job: dict[str, Any], jobs: Path, log: Path) -> None:
-        path = jobs / f"{key}.json"
-        path.write_text(json.dumps(job))
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--one", str(path)]
-        out = open(log / f"{key}.log", "ab")
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
-                                preexec_fn=lambda: os.nice(self.nice) if self.nice else None)
-        self.running[key] = (proc, run, time.time())
+    def start(self, key: str, run: Run, job: Path, log: Path) -> None:
+        self.running[key] = (child([job], self.nice, open(log / f"{key}.log", "ab")), run, time.time())
 
     def reap(self) -> list[tuple[str, Run, int, float]]:
         done = []
@@ -346,16 +359,14 @@ def schedule(args: argparse.Namespace, ctx: dict[str, Any]) -> None:
         todo = [r for r in plan(tuned_lrs(rows)) if (k := run_key(r, ctx["version"])) not in have
                 and k not in pool.running and k not in failed]
         if time.time() >= deadline:
+            left = len(todo) + len(pool.running)
             pool.stop_all()
-            print(f"budget of {args.budget_s:.0f} s spent; {len(todo)} runs left (checkpoints kept in {ctx['work']})")
+            print(f"budget of {args.budget_s:.0f} s spent; {left} runs left (checkpoints kept in {ctx['work']})")
             return
         while todo and len(pool.running) < pool.workers:
             run = todo.pop(0)
             key = run_key(run, ctx["version"])
-            job = {"group": run.group, "model": run.model, "eval_interval": run.eval_interval, "spec": asdict(run.spec),
-                   "corpus": str(ctx["corpus"]), "tokenizer": str(ctx["tokenizer"]), "work": str(ctx["work"] / key),
-                   "out": str(runs_dir / f"{key}.json"), "commit": ctx["commit"], "version": ctx["version"], "key": key}
-            pool.start(key, run, job, ctx["jobs"], ctx["log"])
+            pool.start(key, run, write_job(run, key, ctx, runs_dir / f"{key}.json", ctx["version"]), ctx["log"])
             print(f"{time.strftime('%H:%M:%S')} start {run.group}/{run.spec.row} seed {run.spec.seed} ({key})", flush=True)
         if not pool.running:
             print("nothing left to run" + (f" ({len(failed)} failed: see the logs)" if failed else ""))
@@ -364,19 +375,39 @@ def schedule(args: argparse.Namespace, ctx: dict[str, Any]) -> None:
 
 
 def code_version(ctx: dict[str, Any], nice: int) -> str:
-    """The canary's digest: its four tiny runs' final validation losses, exactly."""
-    losses = []
-    for run in canary_runs():
-        key = f"canary-{run.spec.row}-{os.getpid()}"
-        out = ctx["jobs"] / f"{key}.out.json"
-        job = {"group": run.group, "model": run.model, "eval_interval": run.eval_interval, "spec": asdict(run.spec),
-               "corpus": str(ctx["corpus"]), "tokenizer": str(ctx["tokenizer"]), "work": str(ctx["jobs"] / key),
-               "out": str(out), "commit": "", "version": "", "key": key}
-        path = ctx["jobs"] / f"{key}.json"
-        path.write_text(json.dumps(job))
-        subprocess.run([sys.executable, str(Path(__file__).resolve()), "--one", str(path)], check=True, cwd=REPO,
-                       preexec_fn=lambda: os.nice(nice) if nice else None)
-        losses.append(json.loads(out.read_text())["val_loss"])
+    """The canary's digest, remembered for the exact sources it ran on (the same files, torch and
+    data give the same losses, so an unchanged tree skips the canary)."""
+    from importlib.metadata import version
+
+    sources = hashlib.sha256(version("torch").encode())
+    for path in sorted((REPO / "zeroband").rglob("*")):
+        if path.suffix in (".py", ".c") and path.is_file():
+            sources.update(str(path.relative_to(REPO)).encode() + path.read_bytes())
+    for path in (Path(ctx["corpus"]), Path(ctx["tokenizer"]) / "tokenizer.json"):
+        st = path.stat()  # a 40 MB corpus is named by its size and time, a tokenizer by its bytes
+        sources.update(path.read_bytes() if st.st_size < 2**20 else f"{path}:{st.st_size}:{st.st_mtime_ns}".encode())
+    memo = ctx["work"] / "canary.json"
+    known = json.loads(memo.read_text()) if memo.is_file() else {}
+    if sources.hexdigest() not in known:
+        print("running the code-version canary (the sources changed)", flush=True)
+        known[sources.hexdigest()] = run_canary(ctx, nice)
+        memo.write_text(json.dumps(known))
+    return known[sources.hexdigest()]
+
+
+def run_canary(ctx: dict[str, Any], nice: int) -> str:
+    """Its four tiny runs' final validation losses, exactly, as a digest."""
+    runs = canary_runs()
+    keys = [f"canary-{run.spec.row}-{os.getpid()}" for run in runs]
+    outs = [ctx["jobs"] / f"{key}.out.json" for key in keys]
+    jobs = [write_job(run, key, ctx, out, "") for run, key, out in zip(runs, keys, outs)]
+    if child(jobs, nice).wait() != 0:
+        raise SystemExit("the code-version canary failed (its traceback is above)")
+    losses = [json.loads(out.read_text())["val_loss"] for out in outs]
+    for key, job, out in zip(keys, jobs, outs):
+        shutil.rmtree(ctx["work"] / key, ignore_errors=True)
+        job.unlink()
+        out.unlink()
     return hashlib.sha1(repr(losses).encode()).hexdigest()[:12]
 
 
@@ -458,10 +489,12 @@ def verdicts(summ: dict[str, Any]) -> list[str]:
             if d is None:
                 continue
             diff = d["mean"] - cand[best]["mean"]
-            within = "within" if diff <= spread and seeds > 1 else ("NOT within" if seeds > 1 else "1 seed, no spread:")
+            if seeds > 1:
+                verdict = f"{'within' if diff <= spread else 'NOT within'} the seed spread {spread:.4f}"
+            else:
+                verdict = "one seed so far: no spread to judge by"
             out.append(f"- {name}, H = {h} ({seeds} seed{'s' if seeds > 1 else ''}): best `{best}` "
-                       f"{cand[best]['mean']:.4f}; defaults {d['mean']:.4f} (+{diff:.4f}), {within} the seed spread "
-                       f"{spread:.4f}.")
+                       f"{cand[best]['mean']:.4f}; defaults {d['mean']:.4f} (+{diff:.4f}), {verdict}.")
     return out
 
 
@@ -493,7 +526,7 @@ def plot(rows: list[dict[str, Any]], summ: dict[str, Any], out: Path) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    shown = [g for g in ("h100", "h500") if summ[g]["done"]]
+    shown = [g for g in ("h100", "h500") if g in summ and summ[g]["done"]]
     if not shown:
         return "(no rows yet: no plot)"
     fig, axes = plt.subplots(1, len(shown), figsize=(6.5 * len(shown), 4.5), squeeze=False)
@@ -582,15 +615,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="tiny groups into --out: checks the pipeline, not the method")
     p.add_argument("--out", type=Path, default=RESULTS, help="where large_h.{md,json,png} and runs/ go")
     p.add_argument("--shared-corpus", type=Path, default=PROSE_V2_DEFAULT, help="prose-v2.jsonl.xz")
+    p.add_argument("--corpus", type=Path, default=None, help="any jsonl corpus instead of the prose-v2 sample")
     p.add_argument("--cache", type=Path, default=DEFAULT_CACHE / "large_h", help="corpus sample, tokenizer")
     p.add_argument("--work", type=Path, default=None, help="checkpoints of unfinished runs (default: CACHE/work)")
-    p.add_argument("--one", help=argparse.SUPPRESS)
+    p.add_argument("--one", help=argparse.SUPPRESS)  # a child: the job files it runs
+    p.add_argument("more", nargs="*", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.one:
-        return child_main(args)
+        return child_main([args.one, *args.more])
     if args.quick:
         quick_groups()
-    corpus = sample_corpus(args.cache, args.shared_corpus)
+    corpus = args.corpus or sample_corpus(args.cache, args.shared_corpus)
     ctx: dict[str, Any] = {"corpus": corpus, "tokenizer": prepare_tokenizer(corpus, VOCAB, 0.02, args.cache),
                            "out": args.out, "runs": args.out / "large_h" / "runs", "commit": source_commit(),
                            "work": args.work or args.cache / ("work-quick" if args.quick else "work")}
@@ -607,9 +642,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def quick_groups() -> None:
-    """--quick: two tiny groups of the same shape as the study's, for CI."""
+    """--quick: the study's shape in miniature (one seed, a sweep of two lrs, the four settings), for CI."""
+    global DP_LRS
+    DP_LRS = (3e-3, 6e-3)
     MODELS["1.3M"] = replace(CANARY_MODEL, name="1.3M")
-    GROUPS[:] = [Group("h100", "1.3M", 16, 2, (4,), 2, 8, True), Group("h500", "1.3M", 16, 2, (8,), 1, 8, False)]
+    GROUPS[:] = [Group("h100", "1.3M", 8, 2, (4,), 1, 4, True)]
 
 
 if __name__ == "__main__":

@@ -36,3 +36,30 @@ def test_convergence_quick(tmp_path: Path) -> None:
     assert rows["diloco_default_few"]["outer_steps"] == 10 and rows["diloco_default_many"]["outer_steps"] == 20
     md = (out / "convergence.md").read_text()
     assert "convergence.py --quick" in md and "| dp |" in md and "Acceptance checks" in md
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)  # 7 runs and a canary, each a fresh process importing torch
+def test_large_h_quick_stops_on_its_budget_and_accumulates(tmp_path: Path) -> None:
+    """A first invocation out of budget ends its runs; the second runs only what is left and writes
+    the report from every row, the first invocation's included."""
+    corpus = make_corpus(tmp_path / "corpus.jsonl", n_docs=160)
+    out = tmp_path / "results"
+    cmd = [sys.executable, str(SCRIPT.parent / "large_h.py"), "--quick", "--out", str(out), "--corpus", str(corpus),
+           "--cache", str(tmp_path / "cache"), "--nice", "0"]
+    first = subprocess.run([*cmd, "--budget-s", "3"], cwd=REPO, capture_output=True, text=True, timeout=100)
+    assert first.returncode == 0, first.stderr[-4000:]
+    assert "running the code-version canary" in first.stdout and "start h100/single seed 0" in first.stdout and "budget of 3 s spent; 7 runs left" in first.stdout
+    second = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=200)
+    assert second.returncode == 0, second.stderr[-4000:]
+    assert "canary" not in second.stdout  # the same sources: the first invocation's canary stands
+    rows = [json.loads(p.read_text()) for p in (out / "large_h" / "runs").glob("*.json")]
+    assert sorted(r["row"] for r in rows) == sorted(["single", "dp_lr0.003", "dp_lr0.006", "defaults_h4",
+                                                     "paper_0.7_0.9_h4", "scaling_law_h4", "plain_avg_h4"])
+    # DiLoCo: T / H = 2 outer steps; data parallel logs its byte totals as "outer" records every 4 steps too
+    assert all(math.isfinite(r["val_loss"]) and r["outer_steps"] == (0 if r["method"] == "single" else 2) for r in rows)
+    assert len({r["version"] for r in rows}) == 1
+    md = (out / "large_h.md").read_text()
+    assert "7 runs of 7 planned are done" in md and "(tuned)" in md and (out / "large_h.png").stat().st_size > 0
+    third = subprocess.run(cmd + ["--report"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert third.returncode == 0 and "start " not in third.stdout  # every row cached: nothing runs again
