@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import lzma
-import math
 import shutil
 import subprocess
 import sys
@@ -279,20 +278,41 @@ def context(args: Any, scale: SuiteScale, out: Path, gpu: str) -> dict[str, Any]
     peak = next((v for k, v in PEAK_TFLOPS.items() if k in gpu), float("nan"))
     return {"quick": scale.quick, "out": str(out), "data": str(args.data), "cache_dir": str(args.cache_dir),
             "corpus": str(args.corpus) if args.corpus else None, "gpu": gpu, "peak_tflops": peak,
-            "commit": commit(args), "scale": asdict(scale)}
+            "commit": commit(args), "scale": asdict(scale), **device_versions(scale.quick)}
 
 
 def environment(ctx: dict[str, Any]) -> dict[str, Any]:
+    """What every row names: the GPU, torch, CUDA, cuDNN and the driver (read by the parent process:
+    a worker must not touch CUDA before it forks sites), transformers, Python, commit."""
+    from importlib.metadata import PackageNotFoundError, version
+
     import torch
 
     try:
-        import transformers
-
-        tf = transformers.__version__
-    except ImportError:
+        tf: str | None = version("transformers")
+    except PackageNotFoundError:
         tf = None
-    return {"gpu": ctx["gpu"], "torch": torch.__version__, "cuda": torch.version.cuda, "transformers": tf,
-            "python": sys.version.split()[0], "commit": ctx["commit"]}
+    return {"gpu": ctx["gpu"], "torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": ctx["cudnn"],
+            "driver": ctx["driver"], "transformers": tf, "python": sys.version.split()[0], "commit": ctx["commit"]}
+
+
+def device_versions(quick: bool) -> dict[str, Any]:
+    """cuDNN and driver versions, in the parent (which reads the GPU's name anyway)."""
+    if quick:
+        return {"cudnn": None, "driver": None}
+    import torch
+
+    cuda = torch.cuda.is_available()
+    return {"cudnn": torch.backends.cudnn.version() if cuda else None, "driver": _driver() if cuda else None}
+
+
+def _driver() -> str | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
 
 
 def corpus_path(ctx: dict[str, Any]) -> Path:
@@ -365,6 +385,20 @@ def train_split_bytes(corpus: Path, val_fraction: float) -> int:
     return total
 
 
+def train_bytes(ctx: dict[str, Any]) -> int:
+    """UTF-8 bytes of the corpus' train split (for epochs): --data's if --prepare wrote it, else
+    computed once into the cache dir."""
+    corpus = corpus_path(ctx)
+    name = f"train-bytes-{corpus.stat().st_size}.json"
+    if not ctx["quick"] and (Path(ctx["data"]) / name).is_file():
+        return json.loads((Path(ctx["data"]) / name).read_text())
+    memo = Path(ctx["cache_dir"]) / name
+    if not memo.is_file():
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        memo.write_text(json.dumps(train_split_bytes(corpus, 0.02)))
+    return json.loads(memo.read_text())
+
+
 def prepare(data: Path) -> dict[str, Any]:
     """On the CPU machine: .gpudata/ with the corpus, both tokenizers and the commit (the GPU has no .git)."""
     data.mkdir(parents=True, exist_ok=True)
@@ -378,6 +412,8 @@ def prepare(data: Path) -> dict[str, Any]:
     for vocab in (4096, 32000):
         if not (data / f"tokenizer-{vocab}" / "tokenizer.json").is_file():
             train_sample_tokenizer(corpus_path(ctx), vocab, data / f"tokenizer-{vocab}")
+    corpus = corpus_path(ctx)
+    (data / f"train-bytes-{corpus.stat().st_size}.json").write_text(json.dumps(train_bytes(ctx)))
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
     (data / "COMMIT").write_text(head[:12] + "\n")
     return {"data": str(data), "files": sorted(p.name for p in data.iterdir()), "commit": head[:12],

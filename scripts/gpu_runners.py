@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from gpu_rows import CAUSAL_SDPA, corpus_path, tokenizer_path, train_split_bytes
+from gpu_rows import CAUSAL_SDPA, corpus_path, tokenizer_path, train_bytes
 from gpu_suite import REPO
 
 Step = Callable[[], None]
@@ -345,16 +345,6 @@ def run_conv(c: dict[str, Any], ctx: dict[str, Any]) -> dict[str, Any]:
         shutil.rmtree(out_dir, ignore_errors=True)
     tokens_per_step = tree["train"]["global_batch"] * c["seq"] * sites
     return summarise_conv(records, tokens_per_step, wall_s, train_bytes(ctx))
-
-
-def train_bytes(ctx: dict[str, Any]) -> int:
-    """UTF-8 bytes of the corpus' train split (for epochs), computed once per corpus."""
-    corpus = corpus_path(ctx)
-    memo = Path(ctx["cache_dir"]) / f"train-bytes-{corpus.stat().st_size}.json"
-    if not memo.is_file():
-        memo.parent.mkdir(parents=True, exist_ok=True)
-        memo.write_text(json.dumps(train_split_bytes(corpus, 0.02)))
-    return json.loads(memo.read_text())
 
 
 def summarise_conv(records: list[dict[str, Any]], tokens_per_step: int, wall_s: float, split_bytes: int) -> dict[str, Any]:

@@ -112,10 +112,15 @@ def keyed(rows: list[Row], codes: dict[str, str], gpu: str) -> dict[str, tuple[s
 
 
 def append_line(path: Path, entry: dict[str, Any]) -> None:
-    """One JSON line, flushed to disk before the next row starts."""
+    """One JSON line, flushed to disk before the next row starts (after a torn line, on a line of its own)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(json.dumps(entry, default=float) + "\n")
+    with open(path, "ab+") as f:
+        f.seek(0, os.SEEK_END)
+        if f.tell():
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                f.write(b"\n")
+        f.write((json.dumps(entry, default=float) + "\n").encode())
         f.flush()
         os.fsync(f.fileno())
 
@@ -247,7 +252,7 @@ def worker(job_path: Path, out: Path) -> int:
     job = json.loads(job_path.read_text())
     ctx, marker = job["ctx"], Path(job["marker"])
     env = gpu_rows.environment(ctx)
-    for n, (key, raw, est) in enumerate(job["rows"], 1):
+    for key, raw, est in job["rows"]:
         row = Row(**raw)
         left = job["deadline"] - time.time()
         print(f"--- {row.name}: estimated {est:.0f} s ({est / 60:.1f} device min); {left:.0f} s left in this call",
