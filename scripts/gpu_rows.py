@@ -104,7 +104,7 @@ QUICK = SuiteScale(
     outer_config="configs/1B.toml", outer_repeats=1, outer_threads=1,
     conv_model=dict(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64), conv_vocab=384, conv_seq=32,
     conv_sites=2, conv_groups=(ConvGroup("h100", 2, 8, 2, 4), ConvGroup("h500", 4, 8, 2, 4)),
-    conv_lr=3e-3, conv_seeds=(0, 1, 2), conv_eval_batches=1, pack_s=10.0, bench_vocab=512,
+    conv_lr=3e-3, conv_seeds=(0, 1, 2), conv_eval_batches=2, pack_s=10.0, bench_vocab=512,
 )
 
 
@@ -270,8 +270,10 @@ def commit(args: Any) -> str:
         pass
     if args.commit:
         return args.commit
-    marker = Path(args.data) / "COMMIT"
-    return marker.read_text().strip() + " (from .gpudata/COMMIT)" if marker.is_file() else "unknown (no .git)"
+    for marker in (Path(args.data) / "COMMIT", REPO / ".whl" / "COMMIT"):  # written on the CPU machine
+        if marker.is_file():
+            return f"{marker.read_text().strip()} (from {marker.parent.name}/COMMIT)"
+    return "unknown (no .git)"
 
 
 def context(args: Any, scale: SuiteScale, out: Path, gpu: str) -> dict[str, Any]:
@@ -415,7 +417,9 @@ def prepare(data: Path) -> dict[str, Any]:
     corpus = corpus_path(ctx)
     (data / f"train-bytes-{corpus.stat().st_size}.json").write_text(json.dumps(train_bytes(ctx)))
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    (data / "COMMIT").write_text(head[:12] + "\n")
+    for d in (data, REPO / ".whl"):  # the GPU machine has no .git: the rows name the commit from here
+        if d.is_dir():
+            (d / "COMMIT").write_text(head[:12] + "\n")
     return {"data": str(data), "files": sorted(p.name for p in data.iterdir()), "commit": head[:12],
             "mib": round(sum(f.stat().st_size for f in data.rglob("*") if f.is_file()) / 2**20, 1)}
 

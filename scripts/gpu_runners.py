@@ -297,9 +297,10 @@ def conv_tree(c: dict[str, Any], ctx: dict[str, Any], out_dir: Path) -> tuple[di
                 c["seed"], h=c.get("h", 0), **(c["outer"] if diloco else {}))
     tree = config_tree(spec, base, out_dir)
     tree = deep_merge(tree, {"train": {"mixed_precision": "bf16" if c["bf16"] else "fp32"}, "log": {"wandb_mode": "disabled"}})
-    if c["method"] == "dp":
-        big = c["sites"] * c["batch"]
-        tree = deep_merge(tree, {"train": {"global_batch": big, "micro_batch": big}})
+    if c["method"] == "dp":  # k x the batch; k times fewer validation batches of it: the same rows, in order
+        big, (evals, rest) = c["sites"] * c["batch"], divmod(c["eval_batches"], c["sites"])
+        assert rest == 0, f"eval_batches {c['eval_batches']} must be a multiple of the sites {c['sites']}"
+        tree = deep_merge(tree, {"train": {"global_batch": big, "micro_batch": big}, "eval": {"batches": evals}})
     return tree, spec.sites
 
 
