@@ -5,6 +5,7 @@ calls through real workers is tests/integration/test_gpu_suite_smoke.py."""
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -172,6 +173,7 @@ def test_the_gpu_plan_meets_the_issue_minimums() -> None:
     assert first.name == "first" and first.carry == (".whl",) and FIRST_BUDGET_S <= 480
     assert set(first.rows) == {"speed/bench-150M", "speed/bench-1B", "outer/1B"}
     assert sum(estimate_s(rows[r], FULL) for r in first.rows) <= FIRST_BUDGET_S
+    assert _mib(REPO / ".whl") + _tracked_mib() < 20  # what the first call carries: the tree and the wheels
     assert sorted(r for c in plan for r in c.rows) == sorted(rows)  # each row in exactly one call
     assert all(sum(estimate_s(rows[r], FULL) for r in c.rows) <= FULL.pack_s < c.budget_s for c in plan[1:])
     conv = [r.config for r in rows.values() if r.kind == "conv"]
@@ -190,6 +192,16 @@ def test_quick_numbers_never_land_in_benchmarks() -> None:
     args = gpu_suite.parse_args(["--quick", "--out", str(REPO / "benchmarks" / "quick")])
     with pytest.raises(SystemExit, match="must be outside benchmarks/"):
         gpu_suite.resolve_out(args, "CPU")
+
+
+def _mib(folder: Path) -> float:
+    """A folder's size (0 where absent: CI has no wheels; the runbook's download is ~8.4 MiB)."""
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) / 2**20 if folder.is_dir() else 8.4
+
+
+def _tracked_mib() -> float:
+    names = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    return sum((REPO / n).stat().st_size for n in names.split("\0") if n and (REPO / n).is_file()) / 2**20
 
 
 def test_next_is_the_first_call_with_a_row_to_run() -> None:
