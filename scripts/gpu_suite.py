@@ -369,7 +369,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--merge", type=Path, nargs="+", default=None, help="fold these rows.jsonl into benchmarks/<gpu>/")
     p.add_argument("--gpu", default=None, help="GPU name for --dry-run on a machine without one (default H200)")
     p.add_argument("--data", type=Path, default=REPO / ".gpudata", help="prose-v2.jsonl.xz and tokenizers (--prepare)")
-    p.add_argument("--corpus", type=Path, default=None, help="--quick: a jsonl corpus (default: a generated one)")
+    p.add_argument("--corpus", type=Path, default=None, help="--quick: a jsonl corpus with a text field (its conv and shipped rows need one)")
     p.add_argument("--cache-dir", type=Path, default=Path(tempfile.gettempdir()) / "zeroband-gpu-suite",
                    help="decompressed corpus and trained tokenizers")
     p.add_argument("--commit", default=None, help="the commit to name where the checkout has no .git")
