@@ -163,12 +163,15 @@ class Results:
 
 
 def calibration(rows: dict[str, tuple[str, Row]], res: Results, estimate: Callable[[Row], float]) -> dict[str, float]:
-    """Per row kind, the median of measured / estimated seconds over the rows already measured (a row
-    stopped at a deadline counts with the seconds it had run: a lower bound)."""
+    """Per row kind, the median of measured / estimated seconds over the rows already measured. A row
+    stopped at a deadline ran at least that long: it counts only where that already exceeds its estimate."""
     ratios: dict[str, list[float]] = {}
     for key, row in rows.values():
-        seen = [res.done[key]] if key in res.done else [f for f in res.failures.get(key, []) if f["status"] == "stopped"]
-        ratios.setdefault(row.kind, []).extend(e["wall_s"] / estimate(row) for e in seen if estimate(row) > 0)
+        if key in res.done:
+            ratios.setdefault(row.kind, []).append(res.done[key]["wall_s"] / estimate(row))
+            continue
+        stops = [f["wall_s"] / estimate(row) for f in res.failures.get(key, []) if f["status"] == "stopped"]
+        ratios.setdefault(row.kind, []).extend(r for r in stops[-1:] if r > 1.0)
     return {kind: statistics.median(v) for kind, v in ratios.items() if v}
 
 

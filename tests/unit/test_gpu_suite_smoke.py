@@ -106,6 +106,15 @@ def test_no_row_starts_past_the_deadline(tmp_path: Path, capsys: pytest.CaptureF
     assert not (tmp_path / ROWS_NAME).exists() and not marker.exists()
 
 
+def test_estimates_are_rescaled_by_what_rows_measured() -> None:
+    plan = keyed(_rows(4), {"conv": "c"}, "H200")
+    (k0, _), (k1, _), (k2, _), _ = plan.values()
+    res = Results.of([{"key": k0, "name": "r0", "status": "done", "wall_s": 20.0},
+                      {"key": k1, "name": "r1", "status": "stopped", "wall_s": 5.0},  # cut short: says nothing
+                      {"key": k2, "name": "r2", "status": "stopped", "wall_s": 40.0}])  # ran 4x its estimate
+    assert gpu_suite.calibration(plan, res, lambda r: 10.0) == {"conv": 3.0}  # median of 2 and 4
+
+
 def _conv(loss: float) -> dict[str, Any]:
     return {"kind": "conv", "result": {"val_loss": loss}}
 
