@@ -118,8 +118,9 @@ def plain_step(preset: str, seq: int, batch: int, setup: Setup, topology: Any) -
     return step, sum(p.numel() for p in model.parameters())
 
 
-def profile(step: Any, setup: Setup, path: Any) -> None:
-    """3 steps under torch.profiler: the top ops by device (CPU: host) time, as a text table."""
+def profile(step: Any, setup: Setup, path: Any = None) -> Any:
+    """3 steps under torch.profiler: the top ops by device (CPU: host) time, as a text table written
+    to `path` if given; returns the profiler's per-op averages."""
     import torch
     from torch.profiler import ProfilerActivity
 
@@ -131,7 +132,10 @@ def profile(step: Any, setup: Setup, path: Any) -> None:
         if cuda:
             torch.cuda.synchronize(setup.device)
     key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
-    path.write_text(prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=90))
+    averages = prof.key_averages()
+    if path is not None:
+        path.write_text(averages.table(sort_by=key, row_limit=40, max_name_column_width=90))
+    return averages
 
 
 def fsdp_step(preset: str, seq: int, batch: int, setup: Setup, topology: Any) -> tuple[Any, int]:

@@ -1,16 +1,21 @@
-"""The rows of scripts/gpu_suite.py: what each measures, how long it should take, and the report.
+"""The rows of scripts/gpu_suite.py, the calls they are grouped into, and how long each should take.
 
 Row kinds (each runs in a worker process of gpu_suite.py):
 - speed: one GPU, zeroband's inner step against the fair plain loop (transformers' LlamaForCausalLM,
   sdpa attention on the causal path with no mask built, use_cache=False, bf16 autocast, fused AdamW,
-  torch.compile of the model, the same shapes, batch and gradient clipping), both timed in one process.
-  "bench" rows: the bench shapes (vocab 4096, random tokens, one micro-batch per step). "shipped" rows:
-  configs/150M.toml and configs/1B.toml as they ship (vocab, activation checkpointing, micro-batch,
-  accumulation), with the trainer's data loader on real text inside the timed loop, for both loops.
+  torch.compile of the model, the same shapes, batch and gradient clipping), both timed in one process,
+  each profiled for 3 steps so the row records which attention op each loop ran. "bench" rows: the
+  bench shapes (vocab 4096, random tokens, one micro-batch per step). "shipped" rows: configs/150M.toml
+  and configs/1B.toml as they ship, with the trainer's data loader on real text inside the timed loop.
 - outer: the outer step of configs/1B.toml's model (its real parameter shapes and [diloco] settings),
   2 sites x 1 rank sharing the GPU over authenticated gloo, as scripts/bench_step.py measures it.
-- conv: one run of the simulator (zeroband.sim: k sites as threads of one process, the trainer's
-  loop and DiLoCo code) on prose-v2, bf16, on the GPU.
+- conv: one training run of the production trainer (`zeroband.train.train`), each site its own forked
+  process sharing the GPU, the cross-site group over gloo; the design of the CPU study
+  (scripts/experiments/large_h.py: one site, data parallel, four outer settings, paired seeds) at
+  ~28M parameters on prose-v2, bf16.
+
+A call is what one device `run` executes: a fixed list of rows, packed so that their estimates fit
+`PACK_S`, under a hard deadline (`budget_s`) after which no row starts.
 """
 
 from __future__ import annotations
@@ -33,6 +38,22 @@ TOKENIZER_SAMPLE_MB = 20  # train-split text the BPE is trained on (a 20 MB samp
 CAUSAL_SDPA = "sdpa_causal"
 # Where a checkout finds the shared corpus: ../shared/data beside it (or beside its worktrees' parent).
 SHARED_DATA = (REPO.parent / "shared" / "data", REPO.parent.parent / "shared" / "data")
+FIRST_BUDGET_S = 450.0  # the first lend's call: at most 8 minutes, pip install and report included
+CALL_BUDGET_S = 480.0  # any other call: 8 of the 10 minutes a call may last (600 s kill)
+PACK_S = 420.0  # rows of a call add up to at most this many estimated seconds: a 14% error still fits
+WHEELS = (".whl",)  # pydantic, cryptography, tomli-w, datasets and their needs: ~8.4 MiB (docs/gpu_runbook.md)
+DATA = (".whl", ".gpudata")  # + prose-v2 (47.5 MB) and the tokenizers: the 64 MiB limit holds
+
+
+@dataclass(frozen=True)
+class ConvGroup:
+    """Runs that share T, B and H: their one-site and data-parallel rows are the baselines."""
+
+    name: str
+    h: int
+    steps: int  # T, inner steps per site
+    batch: int  # B, sequences per site per step
+    eval_interval: int
 
 
 @dataclass(frozen=True)
@@ -54,16 +75,12 @@ class SuiteScale:
     conv_model: dict[str, int]
     conv_vocab: int
     conv_seq: int
-    conv_batch: int  # sequences per step per site
-    conv_steps: int  # T
     conv_sites: int  # k
-    conv_hs: tuple[int, ...]
-    conv_lr: float
-    conv_dp_lrs: tuple[float, ...]
+    conv_groups: tuple[ConvGroup, ...]
+    conv_lr: float  # every row's inner lr, fixed before any run: no method gets a sweep the others do not
     conv_seeds: tuple[int, ...]
-    conv_warmup: int
-    conv_eval_interval: int
     conv_eval_batches: int
+    pack_s: float  # rows of a call add up to at most this many estimated seconds
     bench_vocab: int = 4096
 
 
@@ -72,11 +89,11 @@ FULL = SuiteScale(
     bench={"150M": ("150M", 1024, 16), "1B": ("1B", 2048, 8)}, bench_steps=(5, 20),
     shipped={"150M": "configs/150M.toml", "1B": "configs/1B.toml"}, shipped_overrides=(), shipped_steps=(1, 2),
     outer_config="configs/1B.toml", outer_repeats=3, outer_threads=8,
-    # ~27.8M parameters; T = 4000 steps of 12 x 256 tokens per site: 49M tokens per 4-site row (~0.75 epoch
-    # of prose-v2's ~65M train tokens at vocab 4k); H = 100: 40 outer steps, H = 500: 8.
+    # ~27.8M parameters. h100: 30 outer steps, 4 x 3000 x 16 x 256 = 49M tokens (0.74 epoch of prose-v2's
+    # ~66M train tokens at vocab 4k); h500: 20 outer steps, 4 x 10000 x 6 x 256 = 61M tokens (0.92 epoch).
     conv_model=dict(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, ffn_dim=1408), conv_vocab=4096, conv_seq=256,
-    conv_batch=12, conv_steps=4000, conv_sites=4, conv_hs=(100, 500), conv_lr=1e-3, conv_dp_lrs=(1e-3, 2e-3, 4e-3),
-    conv_seeds=(0, 1), conv_warmup=100, conv_eval_interval=500, conv_eval_batches=32,
+    conv_sites=4, conv_groups=(ConvGroup("h100", 100, 3000, 16, 100), ConvGroup("h500", 500, 10000, 6, 500)),
+    conv_lr=1e-3, conv_seeds=(0, 1, 2), conv_eval_batches=32, pack_s=PACK_S,
 )
 QUICK = SuiteScale(
     quick=True, device="cpu", bf16=False, compile=False,
@@ -86,71 +103,94 @@ QUICK = SuiteScale(
                        "--train.micro_batch", "2", "--train.global_batch", "4"), shipped_steps=(1, 1),
     outer_config="configs/1B.toml", outer_repeats=1, outer_threads=1,
     conv_model=dict(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64), conv_vocab=384, conv_seq=32,
-    conv_batch=2, conv_steps=8, conv_sites=2, conv_hs=(2, 4), conv_lr=3e-3, conv_dp_lrs=(1e-3, 3e-3, 1e-2),
-    conv_seeds=(0, 1), conv_warmup=1, conv_eval_interval=4, conv_eval_batches=1, bench_vocab=512,
+    conv_sites=2, conv_groups=(ConvGroup("h100", 2, 8, 2, 4), ConvGroup("h500", 4, 8, 2, 4)),
+    conv_lr=3e-3, conv_seeds=(0, 1, 2), conv_eval_batches=2, pack_s=10.0, bench_vocab=512,
 )
 
-# Outer settings of the convergence rows (Nesterov SGD on the pseudo-gradient).
-PAPER = dict(outer_lr=0.7, outer_momentum=0.9, outer_momentum_warmup=0, outer_lr_schedule="constant")
-PLAIN_AVERAGING = dict(outer_lr=1.0, outer_momentum=0.0, outer_momentum_warmup=0, outer_lr_schedule="constant")
+
+@dataclass(frozen=True)
+class Call:
+    """One device `run`: its rows, in order, and the deadline after which none starts."""
+
+    name: str
+    rows: tuple[str, ...]
+    budget_s: float
+    carry: tuple[str, ...]
 
 
 # ---------------------------------------------------------------------------------- the plan
 
 
-def shipped_defaults() -> dict[str, Any]:
-    """The outer settings zeroband ships (DilocoConfig's defaults): part of the rows' specs, so a
-    change of the defaults re-runs the rows that test them."""
-    from zeroband.config import DilocoConfig
-
-    d = DilocoConfig()
-    return dict(outer_lr=d.outer_lr, outer_momentum=d.outer_momentum,
-                outer_momentum_warmup=d.outer_momentum_warmup, outer_lr_schedule=d.outer_lr_schedule)
-
-
 def plan_rows(s: SuiteScale) -> list[Row]:
-    """Every row, with its priority (lower first): the speed headline, the convergence rows that
-    decide the checks at seed 0, then the rest, then the second seed."""
+    """Every row of the suite (calls() says in which call and order each runs)."""
     common = dict(device=s.device, bf16=s.bf16, compile=s.compile)
     rows = [Row(f"speed/bench-{label}", "speed", dict(mode="bench", preset=p, seq=seq, batch=b, vocab=s.bench_vocab,
                                                        warmup=s.bench_steps[0], steps=s.bench_steps[1], profile=True,
-                                                       **common), 10 + i)
-            for i, (label, (p, seq, b)) in enumerate(s.bench.items())]
-    for label, prio in (("1B", 12), ("150M", 31)):
-        rows.append(Row(f"speed/shipped-{label}", "speed", dict(
-            mode="shipped", config=s.shipped[label], overrides=list(s.shipped_overrides), warmup=s.shipped_steps[0],
-            steps=s.shipped_steps[1], profile=label == "1B", tokenizer_vocab=None if s.quick else 32000, **common), prio))
+                                                       **common))
+            for label, (p, seq, b) in s.bench.items()]
     outer_over = ["--model.preset", "debug", "--data.seq_len", "64"] if s.quick else []
     rows.append(Row("outer/1B", "outer", dict(config=s.outer_config, overrides=outer_over, device=s.device,
-                                             repeats=s.outer_repeats, threads=s.outer_threads), 30))
-    return rows + conv_rows(s)
+                                             repeats=s.outer_repeats, threads=s.outer_threads)))
+    rows += [Row(f"speed/shipped-{label}", "speed", dict(
+        mode="shipped", config=s.shipped[label], overrides=list(s.shipped_overrides), warmup=s.shipped_steps[0],
+        steps=s.shipped_steps[1], profile=label == "1B", tokenizer_vocab=None if s.quick else 32000, **common))
+        for label in ("1B", "150M")]
+    return rows + [r for g in s.conv_groups for seed in s.conv_seeds for r in conv_rows(s, g, seed)]
 
 
-def conv_rows(s: SuiteScale) -> list[Row]:
-    base = dict(model=s.conv_model, vocab=s.conv_vocab, seq=s.conv_seq, batch=s.conv_batch, steps=s.conv_steps,
-                sites=s.conv_sites, lr=s.conv_lr, warmup=s.conv_warmup, eval_interval=s.conv_eval_interval,
-                eval_batches=s.conv_eval_batches, device=s.device, bf16=s.bf16)
-    outer = {"defaults": shipped_defaults(), "plain_avg": PLAIN_AVERAGING, "paper": PAPER}
-    rows = []
-    for n, seed in enumerate(s.conv_seeds):
-        prio = 20 + 20 * n
-        rows.append(Row(f"conv/single/seed{seed}", "conv", dict(base, method="single", seed=seed), prio))
-        rows += [Row(f"conv/dp_lr{lr:g}/seed{seed}", "conv", dict(base, method="dp", seed=seed, lr=lr), prio + 1)
-                 for lr in s.conv_dp_lrs]
-        for j, h in enumerate(sorted(s.conv_hs, reverse=True)):  # H = 500 first: the regime users run
-            rows += [Row(f"conv/{name}_H{h}/seed{seed}", "conv", dict(base, method="diloco", seed=seed, h=h, outer=o),
-                         prio + 2 + 3 * j + i) for i, (name, o) in enumerate(outer.items())]
-    return rows
+def conv_rows(s: SuiteScale, g: ConvGroup, seed: int) -> list[Row]:
+    """One seed of a group: one site, data parallel, then DiLoCo at each outer setting of the CPU study.
+    Data parallel at equal tokens = one site at k x the batch (the same update as k sites averaging
+    their gradients every step), at the same inner lr as every other row."""
+    from large_h import settings
+
+    base = dict(model=s.conv_model, vocab=s.conv_vocab, seq=s.conv_seq, batch=g.batch, steps=g.steps,
+                sites=s.conv_sites, lr=s.conv_lr, warmup=max(2, g.steps // 50), eval_interval=g.eval_interval,
+                eval_batches=s.conv_eval_batches, device=s.device, bf16=s.bf16, seed=seed)
+    rows = [Row(f"conv/{g.name}/single/seed{seed}", "conv", dict(base, method="single")),
+            Row(f"conv/{g.name}/dp/seed{seed}", "conv", dict(base, method="dp"))]
+    return rows + [Row(f"conv/{g.name}/{name}/seed{seed}", "conv", dict(base, method="diloco", h=g.h, outer=outer))
+                   for name, outer in settings(s.conv_sites, g.h).items()]
+
+
+def pack(rows: list[Row], seconds: Any, limit: float) -> list[list[Row]]:
+    """Consecutive rows in chunks whose estimates add up to at most `limit` (a longer row: alone)."""
+    chunks: list[list[Row]] = [[]]
+    for row in rows:
+        if chunks[-1] and sum(map(seconds, chunks[-1])) + seconds(row) > limit:
+            chunks.append([])
+        chunks[-1].append(row)
+    return [c for c in chunks if c]
+
+
+def calls(s: SuiteScale) -> list[Call]:
+    """The calls in the order to run them: the decisive speed rows and the 1B outer step first, then
+    the H = 100 study seed by seed, the shipped configs, and the H = 500 study."""
+    rows = {r.name: r for r in plan_rows(s)}
+    est = lambda r: estimate_s(r, s)  # noqa: E731  (packing uses the raw estimates: names stay fixed)
+    out = [Call("first", ("speed/bench-150M", "speed/bench-1B", "outer/1B"), FIRST_BUDGET_S, WHEELS)]
+    h100, h500 = s.conv_groups
+    groups = [(h100, seed) for seed in s.conv_seeds] + [(None, 0)] + [(h500, seed) for seed in s.conv_seeds]
+    for g, seed in groups:
+        name = "shipped" if g is None else f"conv-{g.name}-seed{seed}"
+        mine = [rows["speed/shipped-1B"], rows["speed/shipped-150M"]] if g is None else conv_rows(s, g, seed)
+        for n, chunk in enumerate(pack(mine, est, s.pack_s), 1):
+            out.append(Call(f"{name}-{n}", tuple(r.name for r in chunk), CALL_BUDGET_S, DATA))
+    return out
+
+
+# ---------------------------------------------------------------------------------- estimates
 
 
 def estimate_s(row: Row, s: SuiteScale) -> float:
-    """Seconds a row should take (start-up, compile and data set-up included). Rough, from the H100
-    numbers of docs/results/gpu_h100.md; gpu_suite.py rescales them by what rows measured."""
+    """Seconds a row should take (worker start, compile and data set-up included). From the H100
+    numbers of docs/results/gpu_h100.md where there are some; gpu_suite.py rescales them by what rows
+    of the same kind measured."""
     c = row.config
     if s.quick:
-        return {"speed": 4.0, "outer": 6.0, "conv": 2.0}[row.kind]
+        return {"speed": 3.0, "outer": 5.0, "conv": 3.0}[row.kind]
     if row.kind == "outer":
-        return 40.0 + (c["repeats"] + 7) * 2.5
+        return 45.0 + (c["repeats"] + 7) * 2.5
     if row.kind == "speed":
         return _speed_estimate(c)
     return _conv_estimate(c)
@@ -165,53 +205,42 @@ def _flops_per_token(model: dict[str, Any], seq: int) -> float:
 
 def _speed_estimate(c: dict[str, Any]) -> float:
     if c["mode"] == "bench":
-        model, tokens, compile_s = {"preset": c["preset"], "vocab_size": c["vocab"]}, c["seq"] * c["batch"], 45.0
+        model, tokens, compile_s = {"preset": c["preset"], "vocab_size": c["vocab"]}, c["seq"] * c["batch"], 50.0
         seq = c["seq"]
     else:  # the shipped config's tokens per optimizer step
         from zeroband.config import load_config
 
         cfg = load_config(REPO / c["config"], list(c["overrides"]))
-        model, tokens, compile_s = cfg.model.model_dump(exclude={"init_from"}), cfg.train.global_batch * cfg.data.seq_len, 70.0
+        model, tokens, compile_s = cfg.model.model_dump(exclude={"init_from"}), cfg.train.global_batch * cfg.data.seq_len, 75.0
         seq = cfg.data.seq_len
-    step_s = _flops_per_token(model, seq) * tokens / (989e12 * 0.35)
+    step_s = _flops_per_token(model, seq) * tokens / (989e12 * 0.30)
     loops = compile_s * 2 + step_s * 2 * (c["warmup"] + c["steps"])
     profiles = step_s * 3 * ((2 if c["mode"] == "bench" else 1) if c["profile"] else 0)  # 3 steps per profiled loop
-    return 20.0 + loops + profiles
+    return 25.0 + loops + profiles
 
 
 def _conv_estimate(c: dict[str, Any]) -> float:
+    """Eager steps of a ~28M model are launch-bound: a fixed host cost per step per process, the
+    sites' processes launching side by side while their kernels take turns on the one GPU."""
     flops = _flops_per_token({**c["model"], "vocab_size": c["vocab"]}, c["seq"]) * c["seq"] * c["batch"]
-    per_site_step = 0.009 + flops / (989e12 * 0.25)  # eager: launch-bound at this size
-    sites = c["sites"] if c["method"] == "diloco" else 1
-    width = c["sites"] if c["method"] == "dp" else 1  # one site, k x the batch
-    steps_s = c["steps"] * (sites * per_site_step + (width - 1) * flops / (989e12 * 0.25))
+    gpu_s = flops / (989e12 * 0.30)  # one site-step's kernels
+    width = {"single": 1, "dp": c["sites"], "diloco": c["sites"]}[c["method"]]  # site-steps of GPU work per step
+    per_step = 0.012 + width * gpu_s
     outer_s = (c["steps"] // c["h"]) * 0.5 if c["method"] == "diloco" else 0.0
-    evals = c["steps"] // c["eval_interval"] + 1
-    return 30.0 + steps_s + outer_s + evals * c["eval_batches"] * 0.01
+    evals = (c["steps"] // c["eval_interval"] + 1) * c["eval_batches"] * 0.01
+    return 30.0 + c["steps"] * per_step + outer_s + evals
 
 
-def plan_text(plan: list[tuple[str, Row]], cache: dict[str, Any], seconds: Any, chosen: set[str], out: Path,
-              gpu: str, budget: float) -> str:
-    lines = [f"GPU suite plan for {gpu}: {len(plan)} rows; results and cache in {out}", "",
-             f"{'#':>3}  {'row':<34} {'kind':<6} {'est s':>7}  status"]
-    pending_s = total_s = 0.0
-    for n, (key, row) in enumerate(plan, 1):
-        est = seconds(row)
-        done = cache["rows"].get(key)
-        total_s += done["wall_s"] if done else est
-        if done:
-            status = f"cached ({done['wall_s']:.0f} s measured)"
-        else:
-            pending_s += est
-            failed = cache["failures"].get(key)
-            status = ("this run" if key in chosen else "too long for --budget-s" if est > budget else "a later run")
-            if failed and failed.get("count", 0) >= 2:
-                status = "skipped: failed twice (fix it, or delete its entry under failures in the cache)"
-            status += f" (failed before: {failed['error'][:60]})" if failed else ""
-        lines.append(f"{n:>3}  {row.name:<34} {row.kind:<6} {est:>7.0f}  {status}")
-    mine = sum(seconds(r) for k, r in plan if k in chosen)
-    lines += ["", f"Estimated GPU time: this run {mine / 60:.1f} min (budget {budget / 60:.1f}); still missing "
-              f"{pending_s / 60:.1f} min; the whole suite {total_s / 60:.1f} min (measured where cached)."]
+def plan_text(calls_: list[Call], rows: dict[str, tuple[str, Row]], done: set[str], seconds: Any) -> str:
+    """Every call, in order: its carry, its rows' estimates and what is already measured."""
+    lines = []
+    for n, call in enumerate(calls_, 1):
+        left = [rows[r] for r in call.rows if rows[r][0] not in done]
+        total = sum(seconds(rows[r][1]) for r in call.rows)
+        state = "done" if not left else f"{len(left)} of {len(call.rows)} rows to run"
+        lines.append(f"{n:>2}. --call {call.name:<18} carry {','.join(call.carry):<15} est {total / 60:4.1f} min "
+                     f"(deadline {call.budget_s / 60:.1f}): {state}")
+        lines += [f"      {r:<34} {seconds(rows[r][1]):6.0f} s  {'done' if rows[r][0] in done else ''}" for r in call.rows]
     return "\n".join(lines)
 
 
@@ -241,28 +270,51 @@ def commit(args: Any) -> str:
         pass
     if args.commit:
         return args.commit
-    marker = Path(args.data) / "COMMIT"
-    return marker.read_text().strip() + " (from .gpudata/COMMIT)" if marker.is_file() else "unknown (no .git)"
+    for marker in (Path(args.data) / "COMMIT", REPO / ".whl" / "COMMIT"):  # written on the CPU machine
+        if marker.is_file():
+            return f"{marker.read_text().strip()} (from {marker.parent.name}/COMMIT)"
+    return "unknown (no .git)"
 
 
 def context(args: Any, scale: SuiteScale, out: Path, gpu: str) -> dict[str, Any]:
     peak = next((v for k, v in PEAK_TFLOPS.items() if k in gpu), float("nan"))
     return {"quick": scale.quick, "out": str(out), "data": str(args.data), "cache_dir": str(args.cache_dir),
             "corpus": str(args.corpus) if args.corpus else None, "gpu": gpu, "peak_tflops": peak,
-            "commit": commit(args), "scale": asdict(scale)}
+            "commit": commit(args), "scale": asdict(scale), **device_versions(scale.quick)}
 
 
 def environment(ctx: dict[str, Any]) -> dict[str, Any]:
+    """What every row names: the GPU, torch, CUDA, cuDNN and the driver (read by the parent process:
+    a worker must not touch CUDA before it forks sites), transformers, Python, commit."""
+    from importlib.metadata import PackageNotFoundError, version
+
     import torch
 
     try:
-        import transformers
-
-        tf = transformers.__version__
-    except ImportError:
+        tf: str | None = version("transformers")
+    except PackageNotFoundError:
         tf = None
-    return {"gpu": ctx["gpu"], "torch": torch.__version__, "cuda": torch.version.cuda, "transformers": tf,
-            "python": sys.version.split()[0], "commit": ctx["commit"]}
+    return {"gpu": ctx["gpu"], "torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": ctx["cudnn"],
+            "driver": ctx["driver"], "transformers": tf, "python": sys.version.split()[0], "commit": ctx["commit"]}
+
+
+def device_versions(quick: bool) -> dict[str, Any]:
+    """cuDNN and driver versions, in the parent (which reads the GPU's name anyway)."""
+    if quick:
+        return {"cudnn": None, "driver": None}
+    import torch
+
+    cuda = torch.cuda.is_available()
+    return {"cudnn": torch.backends.cudnn.version() if cuda else None, "driver": _driver() if cuda else None}
+
+
+def _driver() -> str | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
 
 
 def corpus_path(ctx: dict[str, Any]) -> Path:
@@ -335,6 +387,20 @@ def train_split_bytes(corpus: Path, val_fraction: float) -> int:
     return total
 
 
+def train_bytes(ctx: dict[str, Any]) -> int:
+    """UTF-8 bytes of the corpus' train split (for epochs): --data's if --prepare wrote it, else
+    computed once into the cache dir."""
+    corpus = corpus_path(ctx)
+    name = f"train-bytes-{corpus.stat().st_size}.json"
+    if not ctx["quick"] and (Path(ctx["data"]) / name).is_file():
+        return json.loads((Path(ctx["data"]) / name).read_text())
+    memo = Path(ctx["cache_dir"]) / name
+    if not memo.is_file():
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        memo.write_text(json.dumps(train_split_bytes(corpus, 0.02)))
+    return json.loads(memo.read_text())
+
+
 def prepare(data: Path) -> dict[str, Any]:
     """On the CPU machine: .gpudata/ with the corpus, both tokenizers and the commit (the GPU has no .git)."""
     data.mkdir(parents=True, exist_ok=True)
@@ -348,8 +414,12 @@ def prepare(data: Path) -> dict[str, Any]:
     for vocab in (4096, 32000):
         if not (data / f"tokenizer-{vocab}" / "tokenizer.json").is_file():
             train_sample_tokenizer(corpus_path(ctx), vocab, data / f"tokenizer-{vocab}")
+    corpus = corpus_path(ctx)
+    (data / f"train-bytes-{corpus.stat().st_size}.json").write_text(json.dumps(train_bytes(ctx)))
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    (data / "COMMIT").write_text(head[:12] + "\n")
+    for d in (data, REPO / ".whl"):  # the GPU machine has no .git: the rows name the commit from here
+        if d.is_dir():
+            (d / "COMMIT").write_text(head[:12] + "\n")
     return {"data": str(data), "files": sorted(p.name for p in data.iterdir()), "commit": head[:12],
             "mib": round(sum(f.stat().st_size for f in data.rglob("*") if f.is_file()) / 2**20, 1)}
 

@@ -7,11 +7,12 @@ import math
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from gpu_rows import CAUSAL_SDPA, corpus_path, tokenizer_path, train_split_bytes
+from gpu_rows import CAUSAL_SDPA, corpus_path, tokenizer_path, train_bytes
 from gpu_suite import REPO
 
 Step = Callable[[], None]
@@ -178,6 +179,19 @@ def shipped_loops(c: dict[str, Any], setup: Any, topology: Any, ctx: dict[str, A
             "activation_checkpointing": cfg.train.activation_checkpointing, "vocab": cfg.model.vocab_size}
 
 
+ATTENTION_OP = "aten::_scaled_dot_product"  # the fused attention ops (flash, cuDNN, efficient; CPU: flash_for_cpu)
+
+
+def attention_ops(averages: Any, cuda: bool) -> dict[str, float]:
+    """Attention op -> its milliseconds over the profiled steps (device time on a GPU, host time on a
+    CPU), summed over every call: which kernel family each loop really ran, and for how long."""
+    out: dict[str, float] = {}
+    for e in averages:
+        if e.key.startswith(ATTENTION_OP) and "backward" not in e.key:
+            out[e.key] = out.get(e.key, 0.0) + (e.device_time_total if cuda else e.cpu_time_total) / 1e3
+    return out
+
+
 def run_speed(c: dict[str, Any], ctx: dict[str, Any]) -> dict[str, Any]:
     import torch
     from bench_inner import profile, timed
@@ -195,12 +209,10 @@ def run_speed(c: dict[str, Any], ctx: dict[str, Any]) -> dict[str, Any]:
         for name in ("zeroband", "plain"):
             step = spec[name]()
             seconds, mem = timed(step, setup)
-            if c["profile"] and not ctx["quick"] and (c["mode"] == "bench" or name == "zeroband"):
-                path = Path(ctx["out"]) / "gpu_suite_profiles" / f"{c['mode']}_{spec['model'].n_layers}L_{name}.txt"
-                path.parent.mkdir(parents=True, exist_ok=True)
-                profile(step, setup, path)
             tps = spec["tokens_per_step"] / seconds
             loops[name] = {"tokens_s": tps, "step_s": seconds, "mfu": fpt * tps / (peak * 1e12), "peak_gb": mem}
+            if c["profile"] and (c["mode"] == "bench" or name == "zeroband"):
+                loops[name]["attention"] = attention_ops(profile(step, setup), setup.device.type == "cuda")
             del step
             torch._dynamo.reset()  # compiled graphs hold the model: free it before the next loop
             if setup.device.type == "cuda":
@@ -285,38 +297,55 @@ def conv_tree(c: dict[str, Any], ctx: dict[str, Any], out_dir: Path) -> tuple[di
                 c["seed"], h=c.get("h", 0), **(c["outer"] if diloco else {}))
     tree = config_tree(spec, base, out_dir)
     tree = deep_merge(tree, {"train": {"mixed_precision": "bf16" if c["bf16"] else "fp32"}, "log": {"wandb_mode": "disabled"}})
-    if c["method"] == "dp":
-        big = c["sites"] * c["batch"]
-        tree = deep_merge(tree, {"train": {"global_batch": big, "micro_batch": big}})
+    if c["method"] == "dp":  # k x the batch; k times fewer validation batches of it: the same rows, in order
+        big, (evals, rest) = c["sites"] * c["batch"], divmod(c["eval_batches"], c["sites"])
+        assert rest == 0, f"eval_batches {c['eval_batches']} must be a multiple of the sites {c['sites']}"
+        tree = deep_merge(tree, {"train": {"global_batch": big, "micro_batch": big}, "eval": {"batches": evals}})
     return tree, spec.sites
 
 
+def _conv_site(tree: dict[str, Any], sites: int) -> str:
+    """One site of a conv row, in a process of its own: the production trainer from its config tree
+    (as `zeroband launch` runs each site), the cross-site group over gloo. Returns its run directory."""
+    from zeroband.config import deep_merge, validate_config
+    from zeroband.train import site_dirs, train
+    from zeroband.world import world_from_env
+
+    if "diloco" in tree:
+        tree = deep_merge(tree, {"sites": {"site_rank": int(os.environ["ZEROBAND_SITE_RANK"]), "site_count": sites,
+                                           "store": os.environ["ZEROBAND_BENCH_STORE"]}})
+    cfg = validate_config(tree)
+    train(cfg)
+    return str(site_dirs(cfg, world_from_env(cfg))[0])
+
+
 def run_conv(c: dict[str, Any], ctx: dict[str, Any]) -> dict[str, Any]:
-    import torch
+    """k sites as k forked processes sharing the device (one process for single and dp). The parent
+    loads the corpus once first, so the sites find the datasets cache built instead of racing to build it."""
+    from bench_common import CORES, prewarm, run_forked
 
-    from zeroband.sim import run_sites
+    from zeroband.config import validate_config
+    from zeroband.data.loader import load_documents
 
-    if ctx["quick"]:
-        torch.set_num_threads(1)
     out_dir = Path(tempfile.mkdtemp(prefix="gpu-suite-conv-"))
     try:
         tree, sites = conv_tree(c, ctx, out_dir)
-        result = run_sites(tree, sites, eval_on=lambda s: s == 0)
-        records = [json.loads(x) for x in open(Path(result["run_dir"]) / "metrics.jsonl") if x.strip()]
+        prewarm()
+        load_documents(validate_config(tree).data)
+        try:  # the trainer's end-of-run loss plot: its import paid once here, not in every site
+            import matplotlib.pyplot  # noqa: F401
+        except ImportError:
+            pass
+        threads = 1 if ctx["quick"] else max(1, CORES // sites)
+        t0 = time.perf_counter()
+        done = run_forked(_conv_site, sites, 1, (tree, sites), env={"OMP_NUM_THREADS": str(threads)},
+                          timeout=3600)  # the call's deadline stops it sooner
+        wall_s = time.perf_counter() - t0
+        records = [json.loads(x) for x in open(Path(done[(0, 0)]) / "metrics.jsonl") if x.strip()]
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)
     tokens_per_step = tree["train"]["global_batch"] * c["seq"] * sites
-    return summarise_conv(records, tokens_per_step, result["wall_s"], train_bytes(ctx))
-
-
-def train_bytes(ctx: dict[str, Any]) -> int:
-    """UTF-8 bytes of the corpus' train split (for epochs), computed once per corpus."""
-    corpus = corpus_path(ctx)
-    memo = Path(ctx["cache_dir"]) / f"train-bytes-{corpus.stat().st_size}.json"
-    if not memo.is_file():
-        memo.parent.mkdir(parents=True, exist_ok=True)
-        memo.write_text(json.dumps(train_split_bytes(corpus, 0.02)))
-    return json.loads(memo.read_text())
+    return summarise_conv(records, tokens_per_step, wall_s, train_bytes(ctx))
 
 
 def summarise_conv(records: list[dict[str, Any]], tokens_per_step: int, wall_s: float, split_bytes: int) -> dict[str, Any]:
