@@ -21,6 +21,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, cast
 
+from zeroband.records import decode_record
 from zeroband.testing.inject import ENTRY, inject_command
 from zeroband.tools.launch import free_port, site_command
 
@@ -272,7 +273,7 @@ def _parse_records(data: bytes, kind: str) -> list[dict[str, Any]]:
     records = []
     for line in data.decode(errors="replace").splitlines():
         try:
-            rec = json.loads(line)
+            rec = decode_record(line)
         except json.JSONDecodeError:
             continue
         if isinstance(rec, dict) and rec.get("kind") == kind:

@@ -475,8 +475,10 @@ def _killpg(pid: int, sig: int) -> None:
 
 def progress_line(raw: str) -> str | None:
     """One metrics.jsonl record as a short line for the launcher's terminal (None: not shown)."""
+    from zeroband.records import decode_record
+
     try:
-        rec = json.loads(raw)
+        rec = decode_record(raw)
     except json.JSONDecodeError:
         return None
     kind, step = rec.get("kind"), rec.get("step")

@@ -13,8 +13,10 @@ from zeroband.data.ledger import audit
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
+    from zeroband.records import decode_record
+
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        return [decode_record(line) for line in f if line.strip()]
 
 
 def summarise_site(records: list[dict[str, Any]]) -> dict[str, Any]:
