@@ -14,19 +14,13 @@ import os
 import pickle
 import queue as queue_module
 import signal
-import socket
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
+from zeroband.tools.launch import free_port  # noqa: F401  (the tests import it from here)
 
 # Imported lazily by the first run in a process (data loading, the loss plot, nn.init under a device
 # context), seconds per fresh process: imported here once, before forking, every forked rank inherits them,
