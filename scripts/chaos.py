@@ -5,7 +5,7 @@ was lost, and whether every surviving replica stayed bitwise identical.
     flock /tmp/zeroband-bench.lock python scripts/chaos.py --faults 32 --sites 4 --wan rate=1000 --etcd --out docs/results
 
 Fault kinds (each a few times, round-robin in a seeded order):
-  kill_inner / kill_allreduce / kill_checkpoint  phase-exact SIGKILL armed by zeroband.testing.inject (only in the
+  kill_inner / kill_allreduce / kill_checkpoint  phase-exact SIGKILL armed by tests/inject.py (only in the
                                                  victim's incarnation that is due to hit that step)
   kill_external   os.kill(worker, SIGKILL) at a random moment
   term            SIGTERM: graceful leave (checkpoint, exit 0); the site is restarted later (a join)
@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 from bench_common import add_out_argument, output_dir, say_written  # noqa: E402
 
-from zeroband.testing import chaos  # noqa: E402
+from tests import chaos  # noqa: E402
 from zeroband.tools.launch import WanLink, free_port, store_process  # noqa: E402
 from zeroband.tools.report import data_audit, data_line  # noqa: E402
 
@@ -674,7 +674,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
 
 
 def run_fixed(rounds: int, workdir: Path, seed: int, data: list[str]) -> list[chaos.ScenarioResult]:
-    """Default-mode faults (zeroband/testing/chaos.py, "fixed-mode scenarios"), each on a fresh run directory;
+    """Default-mode faults (tests/chaos.py, "fixed-mode scenarios"), each on a fresh run directory;
     every scenario ends with a relaunch that must resume and finish with identical, verified checkpoints."""
     rng, timeout_s, steps, h = random.Random(seed), 15.0, 40, 2
     results = []

@@ -86,7 +86,7 @@ def _train(tree: dict) -> dict:
 
 
 def _train_expecting_fault(tree: dict) -> str:
-    from zeroband.testing.faults import InjectedFault
+    from tests.faults import InjectedFault
 
     try:
         _train(tree)

@@ -62,7 +62,7 @@ def _child(fn: Callable, env: dict[str, str], queue: Any, key: tuple[int, int], 
     import torch
 
     if faults:  # this rank's entries of the schedule, wrapped around the code under test from outside
-        from zeroband.testing.faults import install
+        from tests.faults import install
 
         install(faults)
 
@@ -81,7 +81,7 @@ def run_sites(
 ) -> dict:
     """fn(*args) on `sites` x `ranks` forked processes (`ranks`: one count, or one per site); returns
     {(site, rank): result or Died}.
-    `faults`: a zeroband.testing.faults schedule armed in every child (each keeps its own entries).
+    `faults`: a tests/faults.py schedule armed in every child (each keeps its own entries).
 
     Raises if a rank raised, hung past `timeout`, or (unless allow_death) died without reporting.
     """

@@ -16,6 +16,7 @@ import tomli_w
 import torch
 
 from tests.helpers import tiny_overrides
+from tests.inject import ENTRY, entry_env
 from tests.multiproc import free_port
 
 
@@ -83,8 +84,8 @@ def _supervised_tree(corpus: dict, out: Path, steps: int = 8, **diloco: object) 
 
 
 def _launcher(config: str, *extra: str, faults: str | None = None) -> subprocess.Popen:
-    entry = ["-m", "zeroband"] if faults is None else ["-m", "zeroband.testing.inject", "--faults", faults, "--"]
-    env = {k: v for k, v in os.environ.items() if k != "ZEROBAND_SECRET"}
+    entry = ["-m", "zeroband"] if faults is None else ["-m", ENTRY, "--faults", faults, "--"]
+    env = {k: v for k, v in entry_env().items() if k != "ZEROBAND_SECRET"}
     return subprocess.Popen([sys.executable, *entry, "launch", config, "--sites", "2", *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 

@@ -21,8 +21,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, cast
 
+from tests.inject import ENTRY, entry_env, inject_command
 from zeroband.records import decode_record
-from zeroband.testing.inject import ENTRY, inject_command
 from zeroband.tools.launch import free_port, site_command
 
 # ---------------------------------------------------------------------------------- site processes
@@ -61,7 +61,7 @@ class Incarnation:
 @dataclass
 class SiteProcess:
     """One site slot: restarted with the same command (with a per-incarnation fault schedule armed
-    through zeroband.testing.inject)."""
+    through tests/inject.py)."""
 
     site: int
     command: list[str]
@@ -84,8 +84,8 @@ class SiteProcess:
         with open(self.log_path, "a") as log:
             log.write(f"{_now_stamp()} chaos INFO incarnation {number} of site {self.site} faults={faults!r}\n")
             log.flush()
-            proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                    start_new_session=True)
+            proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                    env=entry_env(self.env) if faults else self.env, start_new_session=True)
         inc = Incarnation(number, time.time(), faults, proc)
         self.incarnations.append(inc)
         return inc
@@ -450,12 +450,12 @@ class FixedRun:
         return self.out / self.name
 
     def launch(self, faults: str = "") -> subprocess.Popen:
-        """`zeroband launch`; with `faults`, through zeroband.testing.inject, which arms them in every site."""
+        """`zeroband launch`; with `faults`, through tests/inject.py, which arms them in every site."""
         self.launches += 1
         log = open(self.run_dir.parent / f"{self.name}-launch{self.launches}.log", "w")  # noqa: SIM115
         entry = [sys.executable, "-m", ENTRY, "--faults", faults, "--"] if faults else [sys.executable, "-m", "zeroband"]
         cmd = [*entry, "launch", self.config, "--sites", str(self.sites), "--grace", "20", *self.overrides]
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=entry_env())
         log.close()
         return proc
 
@@ -634,7 +634,7 @@ def resume_refused(run: FixedRun, bound_s: float) -> ScenarioResult:
 
 
 def nan_divergence(run: FixedRun, step: int, bound_s: float, inner_steps: int) -> ScenarioResult:
-    """Site 1's pseudo-gradient turns NaN at one outer step (zeroband.testing.faults schedule):
+    """Site 1's pseudo-gradient turns NaN at one outer step (tests/faults.py schedule):
     it is excluded from that average on every site alike, the run ends, nothing non-finite is kept."""
     result = ScenarioResult("nan_divergence", injected=1)
     proc = run.launch(f"site1:step{step}:allreduce:nan")
