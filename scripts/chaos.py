@@ -43,7 +43,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from bench_common import add_out_argument, output_dir, say_written  # noqa: E402
 
 from tests import chaos  # noqa: E402
-from zeroband.tools.launch import WanLink, free_port, store_process  # noqa: E402
+from tests.etcd_cluster import EtcdCluster, start_cluster  # noqa: E402
+from zeroband.tools.launch import WanLink, free_port, is_running, store_process  # noqa: E402
 from zeroband.tools.report import data_audit, data_line  # noqa: E402
 
 ENV_KINDS = {"kill_inner": "inner", "kill_allreduce": "allreduce", "kill_checkpoint": "checkpoint"}
@@ -151,7 +152,7 @@ class Net:
     wrap: Any
     env: Any
     emulator: Any = None
-    etcd: chaos.EtcdCluster | None = None
+    etcd: EtcdCluster | None = None
 
     def namespace(self, site: int) -> str | None:
         return None if self.emulator is None else self.emulator.site_ns(site)
@@ -172,9 +173,8 @@ def network(sites: int, wan: WanLink | None, etcd: bool, root: Path):
         if etcd:
             hosts = [(emu.site_ip(i % sites), emu.wrap(i % sites, [])) if emu else ("127.0.0.1", [])
                      for i in range(3)]
-            cluster = chaos.EtcdCluster(root / "etcd", hosts)
+            cluster = start_cluster(hosts=hosts, root=root / "etcd")
             stack.callback(cluster.stop)
-            cluster.start_all()
             yield Net(cluster.url(""), wrap, env, emu, cluster)
             return
         host, port = (emu.site_ip(0), 29600) if emu else ("127.0.0.1", free_port())
@@ -268,7 +268,7 @@ class Controller:
     def watch_env_kill(self, p: chaos.SiteProcess) -> None:
         """A phase-exact kill: the worker is gone while the agent still runs (or about to exit)."""
         inc = p.current
-        if inc is None or not inc.workers or any(chaos.pid_alive(w) for w in inc.workers):
+        if inc is None or not inc.workers or any(is_running(w) for w in inc.workers):
             return
         if p.site not in self.expected_exit and time.time() - inc.started > 5:
             self.attribute_env_kill(p)

@@ -160,24 +160,6 @@ def _corrupt(ckpt: Path) -> None:
 LOOPBACK = ("127.0.0.1", "::1", "[::1]")
 
 
-def process_tree(root: int) -> set[int]:
-    """`root` and all its descendants, from /proc."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
-    tree, todo = set(), [root]
-    while todo:
-        pid = todo.pop()
-        tree.add(pid)
-        todo += children.get(pid, [])
-    return tree
-
-
 def listeners(pids: set[int]) -> set[tuple[str, str]]:
     """(local address:port, process name) of every listening TCP socket owned by one of `pids`."""
     out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout

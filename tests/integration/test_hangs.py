@@ -221,7 +221,7 @@ def test_nccl_without_cuda_is_refused_at_config_check(tmp_path, corpus):
 def test_sigterm_to_launcher_stops_every_site(corpus, tmp_path):
     import tomli_w
 
-    from zeroband.tools.launch import descendants
+    from zeroband.tools.launch import descendants, is_running
 
     tree = _diloco(corpus, tmp_path, sites={"timeout_s": 60})
     tree["train"]["steps"] = 100_000
@@ -243,7 +243,7 @@ def test_sigterm_to_launcher_stops_every_site(corpus, tmp_path):
     assert proc.returncode == 128 + signal.SIGTERM and "stopped by SIGTERM" in err, (seen, out, err)
     assert time.monotonic() - t0 < 45
     time.sleep(0.5)
-    left = [p for p in tree_pids if Path(f"/proc/{p}").exists() and "Z" not in _state(p)]
+    left = [p for p in tree_pids if is_running(p)]
     assert not left, f"orphans left after SIGTERM to the launcher: {left}"
 
 
@@ -263,8 +263,3 @@ def _read_until(proc: subprocess.Popen, marker: str, timeout_s: float) -> list[s
     raise AssertionError(f"no {marker!r} within {timeout_s} s: {seen} {proc.poll()}")
 
 
-def _state(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(") ")[-1][:1]
-    except OSError:
-        return "Z"

@@ -201,13 +201,13 @@ def _demo_checkout(root: Path, corpus: dict[str, str]) -> tuple[Path, dict[str, 
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(420)  # 6 runs of 2-4 torchrun ranks, each importing torch
+@pytest.mark.timeout(600)  # 6 runs of 2-4 torchrun ranks each importing torch: 130 s of CPU, 400 s wall at load 20
 def test_readme_commands_succeed_right_after_the_demo(corpus: dict[str, str], tmp_path: Path) -> None:
     """`bash scripts/demo.sh`, then every command of the README's "Using it" block in order, on the
     demo's configs shrunk to 4 steps: each exits 0. The demo keeps its run's secret where launch and
     export find it, so its signed checkpoints still verify; its loss table shows every outer step."""
     root, env = _demo_checkout(tmp_path / "checkout", corpus)
-    demo = subprocess.run(["bash", "scripts/demo.sh"], cwd=root, env=env, capture_output=True, text=True, timeout=200)
+    demo = subprocess.run(["bash", "scripts/demo.sh"], cwd=root, env=env, capture_output=True, text=True, timeout=240)
     assert demo.returncode == 0, demo.stdout[-3000:] + demo.stderr[-3000:]
     assert (root / "runs" / "demo-diloco" / "launch.secret").stat().st_mode & 0o777 == 0o600
     table = demo.stdout[demo.stdout.index("| step |"):].splitlines()
@@ -215,7 +215,7 @@ def test_readme_commands_succeed_right_after_the_demo(corpus: dict[str, str], tm
     assert [row.split("|")[1].strip() for row in table if "| outer |" in row] == ["2", "4"], table
     for command in _readme_commands():
         t0 = time.monotonic()
-        done = subprocess.run(command.split(), cwd=root, env=env, capture_output=True, text=True, timeout=200)
+        done = subprocess.run(command.split(), cwd=root, env=env, capture_output=True, text=True, timeout=240)
         print(f"{time.monotonic() - t0:.1f} s  {command}")
         assert done.returncode == 0, (command, done.stdout[-3000:], done.stderr[-3000:])
         assert "FutureWarning" not in done.stderr, (command, done.stderr[-3000:])
