@@ -44,7 +44,7 @@ from bench_common import add_out_argument, output_dir, say_written  # noqa: E402
 
 from tests import chaos  # noqa: E402
 from tests.etcd_cluster import EtcdCluster, start_cluster  # noqa: E402
-from zeroband.tools.launch import WanLink, free_port, is_running, store_process  # noqa: E402
+from zeroband.tools.launch import WanLink, free_port, is_running, last_error_line, store_process  # noqa: E402
 from zeroband.tools.report import data_audit, data_line  # noqa: E402
 
 ENV_KINDS = {"kill_inner": "inner", "kill_allreduce": "allreduce", "kill_checkpoint": "checkpoint"}
@@ -594,10 +594,21 @@ def run_baseline(s: Settings, net: Net, out: Path) -> dict[str, Any]:
         time.sleep(0.5)
     for p in sites:
         p.stop()
-    records = {i: chaos.outer_records(out / "baseline" / f"site{i}" / "metrics.jsonl") for i in range(s.sites)}
+    metrics = [out / "baseline" / f"site{i}" / "metrics.jsonl" for i in range(s.sites)]
+    records = {i: chaos.outer_records(path) for i, path in enumerate(metrics)}
     secs, n, site_rounds = span(records)
     return {"s_per_outer_step": secs / n if n else None, "site_rounds_per_s": site_rounds / secs if secs else None,
-            "returncodes": [p.current.returncode for p in sites if p.current]}
+            "returncodes": [p.current.returncode for p in sites if p.current], "untrained": untrained(sites, metrics)}
+
+
+def untrained(sites: list[chaos.SiteProcess], metrics: list[Path]) -> str | None:
+    """One line when no site logged a single inner step (the run could not start: data, config, store),
+    naming site 0's error line from its log; None when some site trained, so there is a run to analyse."""
+    if any(chaos.last_step(path) > 0 for path in metrics):
+        return None
+    log = sites[0].log_path
+    why = last_error_line(log.read_text(errors="replace")) if log.is_file() else "it wrote no log"
+    return f"chaos: no site trained a single step, so there is nothing to analyse; site 0: {why} (logs in {log.parent}/)"
 
 
 # ---------------------------------------------------------------------------------- report
@@ -733,10 +744,16 @@ def main(argv: list[str] | None = None) -> int:
     with network(s.sites, WanLink.parse(args.wan) if args.wan else None, args.etcd, args.workdir) as net:
         baseline = None if args.no_baseline else run_baseline(s, net, args.workdir)
         print(f"[chaos] baseline: {baseline}", flush=True)
+        if baseline is not None and baseline["untrained"]:  # the chaos run would not train either
+            print(baseline["untrained"], file=sys.stderr)
+            return 2
         c = Controller(s, net, args.workdir, faults, random.Random(args.seed + 1))
         t0 = time.time()
         c.run(deadline_s=max(900.0, 6.0 * s.steps))
         wall = time.time() - t0
+    if (line := untrained(c.sites, c.metrics)) is not None:
+        print(line, file=sys.stderr)
+        return 2
     result = analyse(s, c, args.workdir, baseline, wall)
     result["baseline"] = baseline
     command = "python scripts/chaos.py " + " ".join(sys.argv[1:] if argv is None else argv)
