@@ -139,10 +139,18 @@ def final_params(tree: dict, site: int | None, step: int, secret: str | None = N
             os.environ["ZEROBAND_SECRET"] = before
 
 
+def zeroband_cli(*args: str, timeout: float = 110, env: dict[str, str] | None = None,
+                 cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """`python -m zeroband ARGS` in a child process (`env` added to this one's), its output captured."""
+    return subprocess.run([sys.executable, "-m", "zeroband", *args], capture_output=True, text=True, timeout=timeout,
+                          cwd=cwd, env={**os.environ, **(env or {})})
+
+
 def site_records(out: Path, site: int, kind: str) -> list[dict]:
     """The records of one kind ("outer", "membership", ...) in a site's metrics.jsonl."""
-    lines = (out / "t" / f"site{site}" / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+    from tests.chaos import read_records
+
+    return read_records(out / "t" / f"site{site}" / "metrics.jsonl", kind)
 
 
 def outer_records(out: Path, site: int) -> list[dict]:
