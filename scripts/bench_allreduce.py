@@ -34,7 +34,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import (  # noqa: E402
     REPO,
     add_out_argument,
-    free_port,
     load_average,
     load_note,
     markdown_table,
@@ -128,6 +127,7 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def run_link(args: argparse.Namespace, rate: float) -> list[list[dict[str, Any]]]:
+    from zeroband.tools.launch import free_port
     from zeroband.wan import WanEmulator
 
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--sites", str(args.sites),

@@ -12,7 +12,6 @@ import os
 import pickle
 import queue as queue_module
 import resource
-import socket
 import sys
 import tempfile
 import time
@@ -94,12 +93,6 @@ def cpu_name() -> str:
     return f"{info.get('model name', '?')} (family {info.get('cpu family', '?')} model {info.get('model', '?')}, {vector})"
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def ensure_demo_data() -> None:
     """The demo corpus and tokenizer are prepared by `zeroband data`; say so instead of failing deep inside."""
     if not (REPO / "data/demo/train.jsonl").is_file() or not (REPO / "data/demo/tokenizer").is_dir():
@@ -148,6 +141,8 @@ def run_forked(
     Each process finds the DiLoCo coordination store address in ZEROBAND_BENCH_STORE. Raises if any
     rank raised, died or is still running after `timeout` seconds.
     """
+    from zeroband.tools.launch import free_port
+
     ctx = mp.get_context("fork")
     results = ctx.Queue()
     store = f"tcp://127.0.0.1:{free_port()}"
@@ -251,3 +246,7 @@ def write_outputs(out_dir: Path, name: str, data: dict[str, Any], markdown: str)
     (out_dir / f"{name}.md").write_text(markdown + "\n")
     print(markdown, flush=True)
     say_written(out_dir / f"{name}.json", out_dir / f"{name}.md")
+
+
+if __name__ == "__main__":  # a module the scripts import, not a command: say which command to run
+    print("usage: python scripts/bench_*.py --help\n(scripts/bench_common.py is the helpers the benchmark scripts share (memory probes, forked ranks, tables, output files); it does nothing on its own)")

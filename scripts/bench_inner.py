@@ -200,3 +200,7 @@ def run_inner(args: argparse.Namespace) -> None:
     cmd = "python scripts/bench_step.py --inner" + (" --quick" if args.quick else "")
     md = f"# Inner step on {where}\n\n`{cmd}` ({flags})\n\n{table}"
     write_outputs(args.out, "inner_step", {"device": where, "peak_tflops": peak, "rows": rows}, md)
+
+
+if __name__ == "__main__":  # a module the scripts import, not a command: say which command to run
+    print("usage: python scripts/bench_step.py --inner [--quick] [--profile] [--out DIR]\n(scripts/bench_inner.py is the inner-step benchmark of bench_step.py; it does nothing on its own)")

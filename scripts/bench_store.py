@@ -29,7 +29,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench_common import add_out_argument, cpu_name, free_port, markdown_table, output_dir, write_outputs  # noqa: E402
+from bench_common import add_out_argument, cpu_name, markdown_table, output_dir, write_outputs  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 HOSTS = {  # python code run as its own process: hosts the store on port {port} until its stdin closes
@@ -63,6 +63,8 @@ def client_seconds(port: int, raw: bool, limit: float) -> tuple[bool, float]:
 
 
 def idle_rows(counts: list[int], limit: float) -> list[dict[str, Any]]:
+    from zeroband.tools.launch import free_port
+
     rows = []
     for store, host in HOSTS.items():
         for n in counts:

@@ -42,7 +42,6 @@ from bench_common import (
     REPO,
     add_out_argument,
     ensure_demo_data,
-    free_port,
     load_average,
     load_note,
     markdown_table,
@@ -176,6 +175,8 @@ class TorchftNet:
     """Where the lighthouse and each replica live: loopback, or the emulator's namespaces."""
 
     def __init__(self, emu: Any | None) -> None:
+        from zeroband.tools.launch import free_port
+
         self.emu = emu
         self.port = LIGHTHOUSE_PORT if emu else free_port()
 

@@ -5,7 +5,7 @@ was lost, and whether every surviving replica stayed bitwise identical.
     flock /tmp/zeroband-bench.lock python scripts/chaos.py --faults 32 --sites 4 --wan rate=1000 --etcd --out docs/results
 
 Fault kinds (each a few times, round-robin in a seeded order):
-  kill_inner / kill_allreduce / kill_checkpoint  phase-exact SIGKILL armed by zeroband.testing.inject (only in the
+  kill_inner / kill_allreduce / kill_checkpoint  phase-exact SIGKILL armed by tests/inject.py (only in the
                                                  victim's incarnation that is due to hit that step)
   kill_external   os.kill(worker, SIGKILL) at a random moment
   term            SIGTERM: graceful leave (checkpoint, exit 0); the site is restarted later (a join)
@@ -42,8 +42,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 from bench_common import add_out_argument, output_dir, say_written  # noqa: E402
 
-from zeroband.testing import chaos  # noqa: E402
-from zeroband.tools.launch import WanLink, free_port, store_process  # noqa: E402
+from tests import chaos  # noqa: E402
+from tests.etcd_cluster import EtcdCluster, start_cluster  # noqa: E402
+from zeroband.tools.launch import WanLink, free_port, is_running, last_error_line, store_process  # noqa: E402
 from zeroband.tools.report import data_audit, data_line  # noqa: E402
 
 ENV_KINDS = {"kill_inner": "inner", "kill_allreduce": "allreduce", "kill_checkpoint": "checkpoint"}
@@ -151,7 +152,7 @@ class Net:
     wrap: Any
     env: Any
     emulator: Any = None
-    etcd: chaos.EtcdCluster | None = None
+    etcd: EtcdCluster | None = None
 
     def namespace(self, site: int) -> str | None:
         return None if self.emulator is None else self.emulator.site_ns(site)
@@ -172,9 +173,8 @@ def network(sites: int, wan: WanLink | None, etcd: bool, root: Path):
         if etcd:
             hosts = [(emu.site_ip(i % sites), emu.wrap(i % sites, [])) if emu else ("127.0.0.1", [])
                      for i in range(3)]
-            cluster = chaos.EtcdCluster(root / "etcd", hosts)
+            cluster = start_cluster(hosts=hosts, root=root / "etcd")
             stack.callback(cluster.stop)
-            cluster.start_all()
             yield Net(cluster.url(""), wrap, env, emu, cluster)
             return
         host, port = (emu.site_ip(0), 29600) if emu else ("127.0.0.1", free_port())
@@ -268,7 +268,7 @@ class Controller:
     def watch_env_kill(self, p: chaos.SiteProcess) -> None:
         """A phase-exact kill: the worker is gone while the agent still runs (or about to exit)."""
         inc = p.current
-        if inc is None or not inc.workers or any(chaos.pid_alive(w) for w in inc.workers):
+        if inc is None or not inc.workers or any(is_running(w) for w in inc.workers):
             return
         if p.site not in self.expected_exit and time.time() - inc.started > 5:
             self.attribute_env_kill(p)
@@ -594,10 +594,21 @@ def run_baseline(s: Settings, net: Net, out: Path) -> dict[str, Any]:
         time.sleep(0.5)
     for p in sites:
         p.stop()
-    records = {i: chaos.outer_records(out / "baseline" / f"site{i}" / "metrics.jsonl") for i in range(s.sites)}
+    metrics = [out / "baseline" / f"site{i}" / "metrics.jsonl" for i in range(s.sites)]
+    records = {i: chaos.outer_records(path) for i, path in enumerate(metrics)}
     secs, n, site_rounds = span(records)
     return {"s_per_outer_step": secs / n if n else None, "site_rounds_per_s": site_rounds / secs if secs else None,
-            "returncodes": [p.current.returncode for p in sites if p.current]}
+            "returncodes": [p.current.returncode for p in sites if p.current], "untrained": untrained(sites, metrics)}
+
+
+def untrained(sites: list[chaos.SiteProcess], metrics: list[Path]) -> str | None:
+    """One line when no site logged a single inner step (the run could not start: data, config, store),
+    naming site 0's error line from its log; None when some site trained, so there is a run to analyse."""
+    if any(chaos.last_step(path) > 0 for path in metrics):
+        return None
+    log = sites[0].log_path
+    why = last_error_line(log.read_text(errors="replace")) if log.is_file() else "it wrote no log"
+    return f"chaos: no site trained a single step, so there is nothing to analyse; site 0: {why} (logs in {log.parent}/)"
 
 
 # ---------------------------------------------------------------------------------- report
@@ -674,7 +685,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
 
 
 def run_fixed(rounds: int, workdir: Path, seed: int, data: list[str]) -> list[chaos.ScenarioResult]:
-    """Default-mode faults (zeroband/testing/chaos.py, "fixed-mode scenarios"), each on a fresh run directory;
+    """Default-mode faults (tests/chaos.py, "fixed-mode scenarios"), each on a fresh run directory;
     every scenario ends with a relaunch that must resume and finish with identical, verified checkpoints."""
     rng, timeout_s, steps, h = random.Random(seed), 15.0, 40, 2
     results = []
@@ -733,10 +744,16 @@ def main(argv: list[str] | None = None) -> int:
     with network(s.sites, WanLink.parse(args.wan) if args.wan else None, args.etcd, args.workdir) as net:
         baseline = None if args.no_baseline else run_baseline(s, net, args.workdir)
         print(f"[chaos] baseline: {baseline}", flush=True)
+        if baseline is not None and baseline["untrained"]:  # the chaos run would not train either
+            print(baseline["untrained"], file=sys.stderr)
+            return 2
         c = Controller(s, net, args.workdir, faults, random.Random(args.seed + 1))
         t0 = time.time()
         c.run(deadline_s=max(900.0, 6.0 * s.steps))
         wall = time.time() - t0
+    if (line := untrained(c.sites, c.metrics)) is not None:
+        print(line, file=sys.stderr)
+        return 2
     result = analyse(s, c, args.workdir, baseline, wall)
     result["baseline"] = baseline
     command = "python scripts/chaos.py " + " ".join(sys.argv[1:] if argv is None else argv)

@@ -11,28 +11,22 @@ export OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE HF_HUB_OFFLINE=1 HF_DATASETS_OF
 CONFIG="${1:-configs/demo_diloco.toml}"
 shift || true
 
-# Every cross-site message is authenticated with a shared secret; it reaches the sites through the
-# environment, never the command line. A secret made up here cannot verify an earlier demo's signed
-# checkpoints, so such a run starts over: each site moves the previous run's metrics, config and
-# checkpoints together into runs/<name>/site<k>/old-<time>/ and keeps the newest checkpoint.keep_old
-# of those (zeroband/rundir.py); with your own ZEROBAND_SECRET a second run resumes where it stopped.
-FRESH=()
-if [ -z "${ZEROBAND_SECRET:-}" ]; then
-  ZEROBAND_SECRET="$(python -c 'import secrets; print(secrets.token_urlsafe(32))')"
-  FRESH=(--checkpoint.resume none)
-fi
-export ZEROBAND_SECRET
-
+# Every cross-site message is authenticated and every checkpoint signed with the run's secret. With no
+# ZEROBAND_SECRET of yours, `zeroband launch` makes one for the run and keeps it in
+# runs/<name>/launch.secret (mode 0600), where a later `zeroband launch` (resume) and `zeroband export`
+# of the same config read it again: everything the demo writes stays verifiable. The demo always trains
+# afresh: each site moves a previous run's metrics, config and checkpoints together into
+# runs/<name>/site<k>/old-<time>/ and keeps the newest checkpoint.keep_old of those (zeroband/rundir.py).
 zeroband data                                              # corpus + tokenizer -> data/demo/
-zeroband launch "$CONFIG" --sites 2 --nproc 2 ${FRESH[@]+"${FRESH[@]}"} "$@"   # 2 sites, each its own torchrun job
+zeroband launch "$CONFIG" --sites 2 --nproc 2 --checkpoint.resume none "$@"   # 2 sites, each its own torchrun job
 zeroband export "$CONFIG" "$@"                             # -> runs/<name>/hf (checked against transformers)
 python - "$CONFIG" "$@" <<'PY'
 import sys
 from zeroband.config import load_config
 from zeroband.tools.report import loss_table, read_metrics
 cfg = load_config(sys.argv[1], sys.argv[2:] + ["--sites.site_rank", "0", "--sites.site_count", "2"])
-records = read_metrics(cfg.run_dir / "site0" / "metrics.jsonl")
-print("\nLoss of site 0 (val = the shared model after each outer step):")
-print(loss_table(records, every=2))
+series = {f"site{k}": read_metrics(cfg.run_dir / f"site{k}" / "metrics.jsonl") for k in range(2)}
+print("\nLoss of each site (outer: the sites average here; val: the shared model after it):")
+print(loss_table(series, every=2))
 print(f"\nplot: {cfg.run_dir / 'loss.png'}   Hugging Face export: {cfg.run_dir / 'hf'}")
 PY

@@ -115,3 +115,7 @@ def write_report(out: Path, rows: dict[str, tuple[str, Row]], res: Results, ctx:
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu_suite.json").write_text(json.dumps(data, indent=1, default=float) + "\n")
     (out / "gpu_suite.md").write_text("\n".join(md) + "\n")
+
+
+if __name__ == "__main__":  # a module the scripts import, not a command: say which command to run
+    print("usage: python scripts/gpu_suite.py --help\n(scripts/gpu_report.py is gpu_suite.py's report; it does nothing on its own)")

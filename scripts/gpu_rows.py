@@ -423,3 +423,6 @@ def prepare(data: Path) -> dict[str, Any]:
     return {"data": str(data), "files": sorted(p.name for p in data.iterdir()), "commit": head[:12],
             "mib": round(sum(f.stat().st_size for f in data.rglob("*") if f.is_file()) / 2**20, 1)}
 
+
+if __name__ == "__main__":  # a module the scripts import, not a command: say which command to run
+    print("usage: python scripts/gpu_suite.py --help\n(scripts/gpu_rows.py is gpu_suite.py's rows; it does nothing on its own)")

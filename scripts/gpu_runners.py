@@ -374,4 +374,5 @@ def one_line(kind: str, r: dict[str, Any]) -> str:
     return f"val loss {r['val_loss']:.4f}, {r['epochs']:.2f} epochs, {r['outer_steps']} outer steps, {r['wall_s']:.0f} s"
 
 
-
+if __name__ == "__main__":  # a module the scripts import, not a command: say which command to run
+    print("usage: python scripts/gpu_suite.py --help\n(scripts/gpu_runners.py is how gpu_suite.py measures its rows; it does nothing on its own)")

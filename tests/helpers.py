@@ -86,7 +86,7 @@ def _train(tree: dict) -> dict:
 
 
 def _train_expecting_fault(tree: dict) -> str:
-    from zeroband.testing.faults import InjectedFault
+    from tests.faults import InjectedFault
 
     try:
         _train(tree)
@@ -139,10 +139,18 @@ def final_params(tree: dict, site: int | None, step: int, secret: str | None = N
             os.environ["ZEROBAND_SECRET"] = before
 
 
+def zeroband_cli(*args: str, timeout: float = 110, env: dict[str, str] | None = None,
+                 cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """`python -m zeroband ARGS` in a child process (`env` added to this one's), its output captured."""
+    return subprocess.run([sys.executable, "-m", "zeroband", *args], capture_output=True, text=True, timeout=timeout,
+                          cwd=cwd, env={**os.environ, **(env or {})})
+
+
 def site_records(out: Path, site: int, kind: str) -> list[dict]:
     """The records of one kind ("outer", "membership", ...) in a site's metrics.jsonl."""
-    lines = (out / "t" / f"site{site}" / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+    from tests.chaos import read_records
+
+    return read_records(out / "t" / f"site{site}" / "metrics.jsonl", kind)
 
 
 def outer_records(out: Path, site: int) -> list[dict]:
@@ -158,24 +166,6 @@ def _corrupt(ckpt: Path) -> None:
 
 # ------------------------------------------------------------------ who listens where (ss -ltnp, /proc)
 LOOPBACK = ("127.0.0.1", "::1", "[::1]")
-
-
-def process_tree(root: int) -> set[int]:
-    """`root` and all its descendants, from /proc."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
-    tree, todo = set(), [root]
-    while todo:
-        pid = todo.pop()
-        tree.add(pid)
-        todo += children.get(pid, [])
-    return tree
 
 
 def listeners(pids: set[int]) -> set[tuple[str, str]]:

@@ -14,19 +14,13 @@ import os
 import pickle
 import queue as queue_module
 import signal
-import socket
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
+from zeroband.tools.launch import free_port  # noqa: F401  (the tests import it from here)
 
 # Imported lazily by the first run in a process (data loading, the loss plot, nn.init under a device
 # context), seconds per fresh process: imported here once, before forking, every forked rank inherits them,
@@ -68,7 +62,7 @@ def _child(fn: Callable, env: dict[str, str], queue: Any, key: tuple[int, int], 
     import torch
 
     if faults:  # this rank's entries of the schedule, wrapped around the code under test from outside
-        from zeroband.testing.faults import install
+        from tests.faults import install
 
         install(faults)
 
@@ -87,7 +81,7 @@ def run_sites(
 ) -> dict:
     """fn(*args) on `sites` x `ranks` forked processes (`ranks`: one count, or one per site); returns
     {(site, rank): result or Died}.
-    `faults`: a zeroband.testing.faults schedule armed in every child (each keeps its own entries).
+    `faults`: a tests/faults.py schedule armed in every child (each keeps its own entries).
 
     Raises if a rank raised, hung past `timeout`, or (unless allow_death) died without reporting.
     """

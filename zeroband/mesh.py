@@ -196,7 +196,9 @@ def _forget_dtensor_caches() -> None:
     debug._clear_sharding_prop_cache()
     getattr(_redistribute, "clear_redistribute_planner_cache", lambda: None)()
     for obj in gc.get_objects():
-        if isinstance(obj, functools._lru_cache_wrapper) and str(getattr(obj, "__module__", "")).startswith(
+        # type(), not isinstance(): isinstance reads __class__, and torch.distributed.reduce_op's
+        # __getattribute__ warns (FutureWarning) on any attribute read.
+        if type(obj) is functools._lru_cache_wrapper and str(getattr(obj, "__module__", "")).startswith(
                 "torch.distributed"):
             obj.cache_clear()
 

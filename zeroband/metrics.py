@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from zeroband.config import ALLOW_UNSIGNED_WARNING, Config
+from zeroband.records import encode_record
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +118,7 @@ class MetricsLogger:
 
     def _write(self, record: dict[str, Any]) -> None:
         assert self.file is not None  # callers return first when the logger is disabled
-        self.file.write(json.dumps(record, default=float) + "\n")
+        self.file.write(encode_record(record) + "\n")
 
     def record_insecure(self, step: int, choices: dict[str, str]) -> None:
         """One `insecure` record per insecure setting in effect (`insecure_choices`), in the file only:

@@ -17,7 +17,7 @@ the process group (FakeProcessGroupWrapper) instead of patching the code they te
 - `site_command`: the command `zeroband launch` starts a site with (zeroband/tools/launch.py), so
   the sites' processes can install the same seams.
 
-zeroband/testing/faults.py builds its seams from a fault schedule; tests/attackers.py wraps `pg`
+tests/faults.py builds its seams from a fault schedule; tests/attackers.py wraps `pg`
 and `codec`.
 This module imports nothing of zeroband, so every layer may read it.
 """

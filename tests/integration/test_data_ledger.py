@@ -27,7 +27,7 @@ CHURN = "site0:step8:allreduce:nan,site1:step13:inner:term,site2:step5:inner:kil
 def _churn(tree: dict) -> dict:
     """Site 2 runs in a child that its armed fault SIGKILLs, then comes back in its slot; site 3
     starts only once two rounds were committed without it (a new site); the others just train."""
-    from zeroband.testing.faults import uninstall
+    from tests.faults import uninstall
 
     site = int(os.environ["ZEROBAND_SITE_RANK"])
     if site == 3:

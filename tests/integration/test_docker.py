@@ -18,8 +18,8 @@ import pytest
 import tomli_w
 
 from tests.docker_engine import Engine, start_engine
-from tests.helpers import is_loopback, listeners, process_tree, site_records, tiny_overrides
-from zeroband.tools.launch import free_port, store_process
+from tests.helpers import is_loopback, listeners, site_records, tiny_overrides
+from zeroband.tools.launch import descendants, free_port, store_process
 
 SECRET = "Zb-docker-secret-0d6e3b8a41"
 STEPS = 4
@@ -55,7 +55,7 @@ def watch(engine: Engine, containers: list[str], timeout_s: float) -> tuple[list
             return [s["ExitCode"] for s in states], seen, commands
         if time.monotonic() > deadline:
             pytest.fail(f"containers still running after {timeout_s:.0f} s")
-        pids = set().union(*(process_tree(s["Pid"]) for s in states if s["Running"] and s["Pid"]))
+        pids = set().union(*({s["Pid"], *descendants(s["Pid"])} for s in states if s["Running"] and s["Pid"]))
         seen |= listeners(pids)
         for pid in pids:
             try:

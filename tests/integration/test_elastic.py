@@ -236,7 +236,7 @@ def test_time_budget_rounds_weight_by_tokens(corpus, tmp_path, store_address):
 def _leave_then_return(tree: dict) -> dict:
     import os
 
-    from zeroband.testing.faults import uninstall
+    from tests.faults import uninstall
 
     first = _train(tree)
     if int(os.environ["ZEROBAND_SITE_RANK"]) != 2:

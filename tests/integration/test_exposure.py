@@ -16,8 +16,9 @@ import time
 import pytest
 import tomli_w
 
-from tests.helpers import is_loopback, listeners, process_tree, tiny_overrides
+from tests.helpers import is_loopback, listeners, tiny_overrides
 from tests.unit import test_exposure as unit_tier  # what both tiers share is defined there, once
+from zeroband.tools.launch import descendants
 
 SECRET = unit_tier.SECRET
 
@@ -39,7 +40,7 @@ def test_default_launch_listens_on_loopback_and_never_shows_its_secret(corpus, t
     seen: set[tuple[str, str]] = set()
     ps_hits: list[str] = []
     while proc.poll() is None:
-        seen |= listeners(process_tree(proc.pid))
+        seen |= listeners({proc.pid, *descendants(proc.pid)})
         ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
         ps_hits += [line for line in ps.splitlines() if SECRET in line]
         time.sleep(0.3)

@@ -14,14 +14,15 @@ import pytest
 import tomli_w
 
 from tests.helpers import tiny_overrides
+from tests.inject import ENTRY, entry_env
 from tests.unit import test_faults as unit_tier  # what both tiers share is defined there, once
 
 _clean = unit_tier._clean
 
 
 def _inject(faults: str, *command: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "zeroband.testing.inject", "--faults", faults, "--", *command]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=100)
+    cmd = [sys.executable, "-m", ENTRY, "--faults", faults, "--", *command]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=100, env=entry_env())
 
 
 def test_inject_entry_point_runs_the_trainer_with_the_fault(corpus, tmp_path):

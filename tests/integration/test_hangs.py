@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import tiny_overrides
+from tests.helpers import tiny_overrides, zeroband_cli
 from tests.multiproc import Died, fork_event, free_port, freeze_self, run_sites
 from zeroband.config import validate_config
 
@@ -190,10 +190,6 @@ def test_sites_agree_on_the_resume_step_or_stop(corpus, tmp_path):
 
 
 # ----------------------------------------------------------------------- devices and the launcher
-def _zeroband(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "zeroband", *args], capture_output=True, text=True, timeout=timeout)
-
-
 def test_nccl_without_cuda_is_refused_at_config_check(tmp_path, corpus):
     import tomli_w
     import torch
@@ -209,7 +205,7 @@ def test_nccl_without_cuda_is_refused_at_config_check(tmp_path, corpus):
         return
     (tmp_path / "run.toml").write_text(tomli_w.dumps(tree))
     t0 = time.monotonic()
-    out = _zeroband("launch", str(tmp_path / "run.toml"), "--sites", "2")
+    out = zeroband_cli("launch", str(tmp_path / "run.toml"), "--sites", "2", timeout=120)
     assert out.returncode == 2 and time.monotonic() - t0 < 60
     assert out.stderr.strip().splitlines() == [out.stderr.strip()] and "sites.backend='nccl' needs CUDA" in out.stderr
     assert not (tmp_path / "t" / "logs").exists(), "no site may start"
@@ -221,7 +217,7 @@ def test_nccl_without_cuda_is_refused_at_config_check(tmp_path, corpus):
 def test_sigterm_to_launcher_stops_every_site(corpus, tmp_path):
     import tomli_w
 
-    from zeroband.tools.launch import descendants
+    from zeroband.tools.launch import descendants, is_running
 
     tree = _diloco(corpus, tmp_path, sites={"timeout_s": 60})
     tree["train"]["steps"] = 100_000
@@ -243,7 +239,7 @@ def test_sigterm_to_launcher_stops_every_site(corpus, tmp_path):
     assert proc.returncode == 128 + signal.SIGTERM and "stopped by SIGTERM" in err, (seen, out, err)
     assert time.monotonic() - t0 < 45
     time.sleep(0.5)
-    left = [p for p in tree_pids if Path(f"/proc/{p}").exists() and "Z" not in _state(p)]
+    left = [p for p in tree_pids if is_running(p)]
     assert not left, f"orphans left after SIGTERM to the launcher: {left}"
 
 
@@ -263,8 +259,3 @@ def _read_until(proc: subprocess.Popen, marker: str, timeout_s: float) -> list[s
     raise AssertionError(f"no {marker!r} within {timeout_s} s: {seen} {proc.poll()}")
 
 
-def _state(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(") ")[-1][:1]
-    except OSError:
-        return "Z"

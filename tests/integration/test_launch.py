@@ -15,13 +15,9 @@ import pytest
 import tomli_w
 import torch
 
-from tests.helpers import tiny_overrides
+from tests.helpers import tiny_overrides, zeroband_cli
+from tests.inject import ENTRY, entry_env
 from tests.multiproc import free_port
-
-
-def _zeroband(*args: str, timeout: float = 110) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "zeroband", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
 
 
 def _write(tree: dict, path: Path) -> str:
@@ -36,7 +32,7 @@ def test_launch_two_sites_then_export(corpus, tmp_path):
     tree["sites"] = {"timeout_s": 120, "insecure": True}
     config = _write(tree, tmp_path / "run.toml")
     pin = ["--pin-cpus"] if len(os.sched_getaffinity(0)) >= 2 else []  # each site on its own core
-    out = _zeroband("launch", config, "--sites", "2", "--nproc", "1", "--timeout", "100", *pin)
+    out = zeroband_cli("launch", config, "--sites", "2", "--nproc", "1", "--timeout", "100", *pin)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "DiLoCo 2 sites x 1 ranks: val ppl" in out.stdout
     assert "zeroband launch: WARNING: sites.insecure = true: cross-site messages are NOT authenticated" in out.stderr
@@ -48,7 +44,7 @@ def test_launch_two_sites_then_export(corpus, tmp_path):
         assert [(r["setting"], r["step"]) for r in records if r["kind"] == "insecure"] == [("sites.insecure", 0)]
 
     hf_dir = tmp_path / "hf"
-    out = _zeroband("export", config, "--diloco", "none", "--out", str(hf_dir))
+    out = zeroband_cli("export", config, "--diloco", "none", "--out", str(hf_dir))
     assert out.returncode == 0, out.stdout + out.stderr
     result = json.loads(out.stdout[out.stdout.index("{") :])
     assert result["max_logit_diff"] < 1e-5
@@ -63,14 +59,14 @@ def test_launch_two_sites_then_export(corpus, tmp_path):
 @pytest.mark.slow
 def test_train_command_runs_torchrun_with_two_ranks(corpus, tmp_path):
     config = _write(tiny_overrides(corpus, tmp_path, train={"steps": 4}), tmp_path / "run.toml")
-    out = _zeroband("train", config, "--nproc", "2", "--checkpoint.interval", "2")
+    out = zeroband_cli("train", config, "--nproc", "2", "--checkpoint.interval", "2")
     assert out.returncode == 0, out.stdout + out.stderr
     manifest = json.loads((tmp_path / "t" / "checkpoints" / "step_000000004" / "manifest.json").read_text())
     assert manifest["world_size"] == 2 and manifest["step"] == 4
 
 
 def test_cli_config_error_is_one_clear_line(tmp_path):
-    out = _zeroband("train", "configs/demo.toml", "--optim.lrr", "1")
+    out = zeroband_cli("train", "configs/demo.toml", "--optim.lrr", "1")
     assert out.returncode == 2 and "optim.lrr: unknown key" in out.stderr and "Traceback" not in out.stderr
     assert free_port() > 0
 
@@ -83,8 +79,8 @@ def _supervised_tree(corpus: dict, out: Path, steps: int = 8, **diloco: object) 
 
 
 def _launcher(config: str, *extra: str, faults: str | None = None) -> subprocess.Popen:
-    entry = ["-m", "zeroband"] if faults is None else ["-m", "zeroband.testing.inject", "--faults", faults, "--"]
-    env = {k: v for k, v in os.environ.items() if k != "ZEROBAND_SECRET"}
+    entry = ["-m", "zeroband"] if faults is None else ["-m", ENTRY, "--faults", faults, "--"]
+    env = {k: v for k, v in entry_env().items() if k != "ZEROBAND_SECRET"}
     return subprocess.Popen([sys.executable, *entry, "launch", config, "--sites", "2", *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
@@ -190,7 +186,7 @@ def test_launch_without_a_secret_makes_one_for_the_run_and_shows_it_nowhere(corp
 @pytest.mark.timeout(120)
 def test_a_failing_two_rank_site_ends_in_one_line(corpus, tmp_path):
     config = _write(tiny_overrides(corpus, tmp_path), tmp_path / "run.toml")
-    out = _zeroband("train", config, "--nproc", "2", "--data.path", str(tmp_path / "none.jsonl"))
+    out = zeroband_cli("train", config, "--nproc", "2", "--data.path", str(tmp_path / "none.jsonl"))
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and "Traceback" not in out.stdout + out.stderr, out.stderr
     assert [line for line in lines if "error" in line.lower()] == [lines[-1]], out.stderr
@@ -227,7 +223,7 @@ def test_a_second_launch_of_a_running_run_stops_before_touching_its_logs(corpus,
     logs.mkdir(parents=True)
     (logs / "site0.log").write_text("the running launch's log\n")
     with run_dir_lock(logs, True):  # this test process plays the running launcher
-        out = _zeroband("launch", config, "--sites", "2", "--nproc", "1", timeout=60)
+        out = zeroband_cli("launch", config, "--sites", "2", "--nproc", "1", timeout=60)
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
     [line] = [x for x in out.stderr.splitlines() if x.strip()]
     assert line.startswith(f"zeroband: {logs} is in use by another run: PID {os.getpid()} ("), line
@@ -242,7 +238,7 @@ def test_launch_three_sites_of_different_shapes(corpus, tmp_path):
     tree["diloco"] = {"inner_steps": 2, "log_checksum": True}
     tree["sites"] = {"timeout_s": 60, "insecure": True}
     config = _write(tree, tmp_path / "run.toml")
-    out = _zeroband("launch", config, "--sites", "3", "--nproc", "2,1,1", "--timeout", "100")
+    out = zeroband_cli("launch", config, "--sites", "3", "--nproc", "2,1,1", "--timeout", "100")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "DiLoCo 3 sites of 2,1,1 ranks: val ppl" in out.stdout
     crcs = []
@@ -250,7 +246,7 @@ def test_launch_three_sites_of_different_shapes(corpus, tmp_path):
         records = map(json.loads, (tmp_path / "t" / f"site{site}" / "metrics.jsonl").read_text().splitlines())
         crcs.append([(r["step"], r["outer_crc"]) for r in records if r["kind"] == "outer"])
     assert len(crcs[0]) == 2 and crcs[0] == crcs[1] == crcs[2]
-    bad = _zeroband("launch", config, "--sites", "3", "--nproc", "2,1")
+    bad = zeroband_cli("launch", config, "--sites", "3", "--nproc", "2,1")
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1] == (
         "zeroband: --nproc 2,1 does not fit --sites 3: give one rank count for every site or 3 "
         "comma-separated counts >= 1 (e.g. --nproc 1,1,1)")

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -82,19 +83,11 @@ def _usage_line(text: str) -> bool:
     return any(line.lower().startswith("usage:") for line in text.splitlines())
 
 
-def _is_library(script: str) -> bool:
-    """A helper module the scripts import (bench_common.py): no `__main__` block, nothing to ask."""
-    return 'if __name__ == "__main__":' not in (SCRIPTS / script).read_text()
-
-
 @pytest.mark.parametrize("script", PYTHON)
 def test_python_script_answers_help(script: str, help_results: dict[str, list]) -> None:
     code, text, seconds = help_results[script]
     assert code == 0, code
-    if _is_library(script):  # run as a script, it must do nothing at all
-        assert text == "", f"{script} has no __main__ block but printed:\n{text[:2000]}"
-    else:
-        assert _usage_line(text), f"no usage line in:\n{text[:2000]}"
+    assert _usage_line(text), f"no usage line in:\n{text[:2000]}"  # a module the scripts import names their command
     assert seconds < HELP_S, f"--help took {seconds:.1f} s: it did work"
 
 
@@ -154,3 +147,76 @@ def test_ci_runs_the_readme_test_command_and_it_says_what_it_skipped(tmp_path: P
         assert skipped == []
     else:
         assert len(skipped) == 2 and "etcd store tests skip" in skipped[0] and "ZEROBAND_NO_APT" in skipped[0], skipped
+
+
+# ------------------------------------------------------ the README's commands, right after the demo
+def _readme_commands() -> list[str]:
+    """The commands of README.md's "Using it" block, in order, without their comments."""
+    text = (REPO / "README.md").read_text()
+    block = text[text.index("\n## Using it"):].split("```bash\n", 1)[1].split("```", 1)[0]
+    return [line.split("  #")[0].strip() for line in block.splitlines() if line.strip()]
+
+
+def _demo_checkout(root: Path, corpus: dict[str, str]) -> tuple[Path, dict[str, str]]:
+    """A copy of the checkout's demo: demo.sh and setup.sh, the demo configs shrunk to a tiny model
+    and 4 steps (same names, same relative data paths), the test corpus as data/demo/ (so `zeroband
+    data` reuses it, offline), and a venv whose tools run this tree's zeroband (the install is not
+    under test here: tests/integration/test_wheel.py installs the wheel). Returns (root, environment)."""
+    import shutil
+
+    import tomli_w
+    import tomllib
+
+    from zeroband.config import deep_merge
+
+    (root / "scripts").mkdir(parents=True)
+    for name in ("demo.sh", "setup.sh"):
+        shutil.copy(SCRIPTS / name, root / "scripts" / name)
+    shutil.copy(REPO / "pyproject.toml", root / "pyproject.toml")
+    tiny = {"model": {"preset": "debug", "vocab_size": 384, "max_seq_len": 64}, "data": {"seq_len": 32},
+            "train": {"steps": 4, "global_batch": 4, "micro_batch": 2}, "checkpoint": {"interval": 4},
+            "eval": {"interval": 2, "batches": 1}, "log": {"interval": 1, "progress_bar": False}}
+    (root / "configs").mkdir()
+    for name, extra in (("demo.toml", {}), ("demo_diloco.toml", {"diloco": {"inner_steps": 2}})):
+        tree = deep_merge(tomllib.loads((REPO / "configs" / name).read_text()), deep_merge(tiny, extra))
+        (root / "configs" / name).write_text(tomli_w.dumps(tree))
+    (root / "data" / "demo").mkdir(parents=True)
+    shutil.copy(corpus["path"], root / "data" / "demo" / "train.jsonl")
+    shutil.copytree(corpus["tokenizer"], root / "data" / "demo" / "tokenizer")
+    venv = root / "venv" / "bin"
+    venv.mkdir(parents=True)
+    tools = {"python": f'exec {sys.executable} "$@"', "zeroband": f'exec {sys.executable} -m zeroband "$@"',
+             "torchrun": f'exec {sys.executable} -m torch.distributed.run "$@"'}
+    for tool, line in tools.items():
+        (venv / tool).write_text(f"#!/bin/sh\n{line}\n")
+        (venv / tool).chmod(0o755)
+    (venv / "activate").write_text(f'export PATH="{venv}:$PATH"\n')
+    (root / "venv" / ".zeroband-installed").touch()  # newer than pyproject.toml: setup.sh installs nothing
+    env = {k: v for k, v in os.environ.items() if k != "ZEROBAND_SECRET"}  # the demo must keep its own
+    from tests.multiproc import free_port
+
+    env.update(ZEROBAND_VENV=str(root / "venv"), PYTHONPATH=str(REPO), PATH=f"{venv}:{env['PATH']}",
+               PET_MASTER_PORT=str(free_port()), ZEROBAND_NO_APT="1")  # plain torchrun's port: a free one
+    return root, env
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # 6 runs of 2-4 torchrun ranks each importing torch: 130 s of CPU, 400 s wall at load 20
+def test_readme_commands_succeed_right_after_the_demo(corpus: dict[str, str], tmp_path: Path) -> None:
+    """`bash scripts/demo.sh`, then every command of the README's "Using it" block in order, on the
+    demo's configs shrunk to 4 steps: each exits 0. The demo keeps its run's secret where launch and
+    export find it, so its signed checkpoints still verify; its loss table shows every outer step."""
+    root, env = _demo_checkout(tmp_path / "checkout", corpus)
+    demo = subprocess.run(["bash", "scripts/demo.sh"], cwd=root, env=env, capture_output=True, text=True, timeout=240)
+    assert demo.returncode == 0, demo.stdout[-3000:] + demo.stderr[-3000:]
+    assert (root / "runs" / "demo-diloco" / "launch.secret").stat().st_mode & 0o777 == 0o600
+    table = demo.stdout[demo.stdout.index("| step |"):].splitlines()
+    assert table[0].startswith("| step | | site0 train | site0 val | site1 train | site1 val |"), table
+    assert [row.split("|")[1].strip() for row in table if "| outer |" in row] == ["2", "4"], table
+    for command in _readme_commands():
+        t0 = time.monotonic()
+        done = subprocess.run(command.split(), cwd=root, env=env, capture_output=True, text=True, timeout=240)
+        print(f"{time.monotonic() - t0:.1f} s  {command}")
+        assert done.returncode == 0, (command, done.stdout[-3000:], done.stderr[-3000:])
+        assert "FutureWarning" not in done.stderr, (command, done.stderr[-3000:])
+    assert (root / "my-model" / "config.json").is_file()

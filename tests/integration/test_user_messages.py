@@ -36,16 +36,18 @@ def _bad_data(kind: str, tmp_path: Path) -> tuple[dict, str, str]:
     """(data overrides, the file the line must name, what it must say) for one kind of bad file."""
     files = {"empty": ("empty.jsonl", b""), "binary": ("model.txt", BINARY), "binary_gz": ("data.jsonl.gz", BINARY),
              "textless": ("titles.jsonl", b'{"title": "a"}\n{"title": "b"}\n'),
-             "blank_texts": ("blank.jsonl", b'{"text": ""}\n{"text": ""}\n'), "parquet": ("x.parquet", b"PAR1 not")}
+             "blank_texts": ("blank.jsonl", b'{"text": ""}\n{"text": ""}\n'), "parquet": ("x.parquet", b"PAR1 not"),
+             "extension": ("corpus.csv", b"text\nhello\n")}
     said = {"empty": "empty file", "binary": "not UTF-8 text", "binary_gz": "cannot be read as gzip",
-            "textless": "--data.text_field title", "blank_texts": "contains no text", "parquet": "not a Parquet file"}
+            "textless": "--data.text_field title", "blank_texts": "contains no text", "parquet": "not a Parquet file",
+            "extension": "data.path: cannot tell the format"}
     name, content = files[kind]
     path = tmp_path / name
     path.write_bytes(content)
     return {"path": str(path)}, str(path), said[kind]
 
 
-@pytest.mark.parametrize("kind", ["empty", "binary", "binary_gz", "textless", "blank_texts", "parquet"])
+@pytest.mark.parametrize("kind", ["empty", "binary", "binary_gz", "textless", "blank_texts", "parquet", "extension"])
 def test_bad_data_file_is_one_line_naming_it(corpus, tmp_path, kind):
     data, path, said = _bad_data(kind, tmp_path)
     err = _error(tiny_overrides(corpus, tmp_path, data=data))

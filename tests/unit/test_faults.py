@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests import faults
+from tests.faults import Fault, InjectedFault, install, parse_faults, uninstall
+from tests.inject import inject_command, site_of
 from zeroband import checkpoint, seams
 from zeroband.outer.base import NoOuter
-from zeroband.testing import faults
-from zeroband.testing.faults import Fault, InjectedFault, install, parse_faults, uninstall
-from zeroband.testing.inject import inject_command, site_of
 
 
 @pytest.fixture(autouse=True)
@@ -77,6 +77,6 @@ def test_uninstall_restores_every_seam():
 def test_inject_command_wraps_the_trainer_of_a_site_command():
     cmd = ["torchrun", "--nproc-per-node", "1", "-m", "zeroband.train", "c.toml", "--sites.site_rank", "2"]
     assert inject_command(cmd, "site2:step5:inner:kill", 2) == [
-        "torchrun", "--nproc-per-node", "1", "-m", "zeroband.testing.inject", "--faults", "site2:step5:inner:kill",
+        "torchrun", "--nproc-per-node", "1", "-m", "tests.inject", "--faults", "site2:step5:inner:kill",
         "--site", "2", "--", "train", "c.toml", "--sites.site_rank", "2"]
     assert site_of(cmd[5:]) == 2 and site_of(["c.toml"]) is None

@@ -12,7 +12,7 @@ import zeroband
 ROOT = Path(zeroband.__file__).parent
 # Lowest first. Each unit may import only units of its own or a lower row.
 LAYERS = [
-    ["config", "watchdog", "seams"],
+    ["config", "watchdog", "seams", "records"],
     ["trust", "data", "models", "optim"],
     ["store"],
     ["comm", "wan"],

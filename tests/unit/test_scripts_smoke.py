@@ -48,3 +48,20 @@ def test_experiment_corpus_location_is_a_flag(tmp_path: Path, monkeypatch: pytes
     monkeypatch.setenv(SHARED_CORPUS_ENV, str(other))
     with pytest.raises(SystemExit, match="sha256 .* != expected"):
         shared_corpus(tmp_path / "cache")
+
+
+def test_chaos_says_in_one_line_that_no_site_trained(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    from chaos import untrained
+
+    from tests.chaos import SiteProcess
+
+    log = tmp_path / "site0.log"
+    log.write_text("Traceback (most recent call last):\n  ...\nzeroband: error: tokenizer 'x' not found (data.tokenizer)\n")
+    sites = [SiteProcess(0, [], {}, log)]
+    metrics = [tmp_path / "site0" / "metrics.jsonl"]
+    line = untrained(sites, metrics)
+    assert line is not None and "no site trained" in line and "tokenizer 'x' not found" in line and "\n" not in line
+    metrics[0].parent.mkdir()
+    metrics[0].write_text('{"kind": "train", "step": 1, "loss": 5.0}\n')
+    assert untrained(sites, metrics) is None

@@ -67,9 +67,9 @@ def infer_format(files: list[str], fmt: str) -> str:
         return fmt
     suffixes = Path(files[0].removesuffix(".gz").removesuffix(".zst")).suffix
     if suffixes not in _FORMATS:
-        raise ValueError(
-            f"cannot infer the format of {files[0]!r}; set data.format to one of json, parquet, text"
-        )
+        accepted = ", ".join(_FORMATS)
+        raise DataError(f"data.path: cannot tell the format of {files[0]!r} from its extension; accepted: "
+                        f"{accepted} (optionally .gz/.zst). Fix: rename it, or set data.format to json, parquet or text")
     return _FORMATS[suffixes]
 
 

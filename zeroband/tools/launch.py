@@ -445,17 +445,29 @@ def stopped_process(pid: int) -> int | None:
     return next((p for p in [pid, *descendants(pid)] if proc_state(p) == "T"), None)
 
 
+def is_running(pid: int) -> bool:
+    """Whether `pid` is a process that has not exited (neither gone nor a zombie)."""
+    return proc_state(pid) not in (None, "Z", "X")
+
+
+def children(pid: int) -> list[int]:
+    """The processes `pid` started (its threads' children), read from /proc (empty where there is none)."""
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return out
+
+
 def descendants(pid: int) -> list[int]:
     """Every process below `pid`, read from /proc (empty where there is no /proc)."""
     out, todo = [], [pid]
     while todo:
-        for task in Path(f"/proc/{todo.pop()}/task").glob("*"):
-            try:
-                children = [int(c) for c in (task / "children").read_text().split()]
-            except OSError:
-                continue
-            out += children
-            todo += children
+        below = children(todo.pop())
+        out += below
+        todo += below
     return out
 
 
@@ -475,8 +487,10 @@ def _killpg(pid: int, sig: int) -> None:
 
 def progress_line(raw: str) -> str | None:
     """One metrics.jsonl record as a short line for the launcher's terminal (None: not shown)."""
+    from zeroband.records import decode_record
+
     try:
-        rec = json.loads(raw)
+        rec = decode_record(raw)
     except json.JSONDecodeError:
         return None
     kind, step = rec.get("kind"), rec.get("step")

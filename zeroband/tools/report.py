@@ -3,7 +3,6 @@ and (`python -m zeroband.tools.report data RUN_DIR`) what the data ledger's reco
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -13,8 +12,10 @@ from zeroband.data.ledger import audit
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
+    from zeroband.records import decode_record
+
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        return [decode_record(line) for line in f if line.strip()]
 
 
 def summarise_site(records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -37,21 +38,31 @@ def summarise_site(records: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def loss_table(records: list[dict[str, Any]], every: int = 1) -> str:
-    rows = ["| step | train loss | val loss | val ppl |", "|---:|---:|---:|---:|"]
-    val = {r["step"]: r for r in records if r["kind"] == "val"}
-    train = [r for r in records if r["kind"] == "train"]
-    for i, r in enumerate(train):
-        if i % every and r is not train[-1] and r["step"] not in val:
-            continue
-        v = val.get(r["step"])
-        rows.append(f"| {r['step']} | {r['loss']:.3f} | {v['val_loss']:.3f} | {v['val_ppl']:.1f} |" if v
-                    else f"| {r['step']} | {r['loss']:.3f} | | |")
+def loss_table(series: dict[str, list[dict[str, Any]]], every: int = 1) -> str:
+    """Train and val loss of every site (columns) by step (rows): every `every`-th logged step, and
+    always the last one, every outer step (marked "outer") and every validation."""
+    train = {name: {r["step"]: r["loss"] for r in recs if r["kind"] == "train"} for name, recs in series.items()}
+    val = {name: {r["step"]: r["val_loss"] for r in recs if r["kind"] == "val"} for name, recs in series.items()}
+    outer = {r["step"] for recs in series.values() for r in recs if r["kind"] == "outer"}
+    logged = sorted(set().union(*train.values()))
+    shown = {s for i, s in enumerate(logged) if i % every == 0} | set(logged[-1:]) | outer
+    shown |= set().union(*val.values())
+    names = list(series)
+    rows = ["| step | | " + " | ".join(f"{n} train | {n} val" for n in names) + " |",
+            "|---:|---|" + "---:|---:|" * len(names)]
+    for step in sorted(shown):
+        cells = [f"{train[n][step]:.3f}" if step in train[n] else "" for n in names]
+        vals = [f"{val[n][step]:.3f}" if step in val[n] else "" for n in names]
+        mark = "outer" if step in outer else ""
+        rows.append(f"| {step} | {mark} | " + " | ".join(f"{t} | {v}" for t, v in zip(cells, vals)) + " |")
     return "\n".join(rows)
 
 
 def plot_losses(series: dict[str, list[dict[str, Any]]], out: Path) -> Path | None:
-    """One line per run/site: train loss and val loss against step. None if matplotlib is missing."""
+    """One line per run/site: train loss and val loss against step, outer steps as faint vertical
+    lines. Sites share a model after each outer step, so their val points coincide: each site has
+    its own marker size and line style, the first drawn largest, so none hides another. None if
+    matplotlib is missing."""
     try:
         import matplotlib
 
@@ -60,12 +71,18 @@ def plot_losses(series: dict[str, list[dict[str, Any]]], out: Path) -> Path | No
     except ImportError:
         return None
     fig, ax = plt.subplots(figsize=(7, 4))
-    for name, records in series.items():
+    outer = sorted({r["step"] for records in series.values() for r in records if r["kind"] == "outer"})
+    for i, step in enumerate(outer):
+        ax.axvline(step, color="grey", alpha=0.25, linewidth=0.8, label="outer step" if i == 0 else None)
+    styles = ["--", ":", "-.", (0, (1, 3))]
+    for k, (name, records) in enumerate(series.items()):
         train = [r for r in records if r["kind"] == "train"]
         val = [r for r in records if r["kind"] == "val"]
         ax.plot([r["step"] for r in train], [r["loss"] for r in train], label=f"{name} train", alpha=0.7)
         if val:
-            ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o--", label=f"{name} val")
+            ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], linestyle=styles[k % len(styles)],
+                    marker="o", markersize=max(3, 9 - 3 * k), markerfacecolor="none" if k else None,
+                    label=f"{name} val")
     ax.set_xlabel("inner step")
     ax.set_ylabel("loss (nats/token)")
     ax.grid(alpha=0.3)

@@ -14,36 +14,17 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any, cast
 
-from zeroband.testing.inject import ENTRY, inject_command
-from zeroband.tools.launch import free_port, site_command
+from tests.inject import ENTRY, entry_env, inject_command
+from zeroband.records import decode_record
+from zeroband.tools.launch import children, is_running, site_command
 
 # ---------------------------------------------------------------------------------- site processes
-
-
-def worker_pids(pid: int) -> list[int]:
-    """Children of a torchrun agent (the training ranks), read from /proc."""
-    pids: list[int] = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            pids += [int(p) for p in (task / "children").read_text().split()]
-        except OSError:
-            continue
-    return pids
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[-1][0] not in "ZX"
-    except OSError:
-        return False
 
 
 @dataclass
@@ -60,7 +41,7 @@ class Incarnation:
 @dataclass
 class SiteProcess:
     """One site slot: restarted with the same command (with a per-incarnation fault schedule armed
-    through zeroband.testing.inject)."""
+    through tests/inject.py)."""
 
     site: int
     command: list[str]
@@ -83,8 +64,8 @@ class SiteProcess:
         with open(self.log_path, "a") as log:
             log.write(f"{_now_stamp()} chaos INFO incarnation {number} of site {self.site} faults={faults!r}\n")
             log.flush()
-            proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                    start_new_session=True)
+            proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                    env=entry_env(self.env) if faults else self.env, start_new_session=True)
         inc = Incarnation(number, time.time(), faults, proc)
         self.incarnations.append(inc)
         return inc
@@ -95,7 +76,7 @@ class SiteProcess:
         if inc is None:
             return []
         if not inc.workers and inc.proc.poll() is None:
-            inc.workers = worker_pids(inc.proc.pid)
+            inc.workers = children(inc.proc.pid)  # the torchrun agent's: the training ranks
         return inc.workers
 
     def poll(self) -> int | None:
@@ -154,99 +135,6 @@ def make_sites(config: str, sites: int, store: str, overrides: list[str], log_di
     return out
 
 
-# ---------------------------------------------------------------------------------- etcd
-
-
-@dataclass
-class EtcdMember:
-    name: str
-    host: str
-    client_port: int
-    peer_port: int
-    data_dir: Path
-    wrap: list[str]
-    proc: subprocess.Popen | None = None
-
-    @property
-    def endpoint(self) -> str:
-        return f"{self.host}:{self.client_port}"
-
-    @property
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-
-class EtcdCluster:
-    """etcd members on given hosts (loopback, or one per site namespace under WAN emulation).
-
-    Unlike tests/etcd_cluster.py, a killed member can be restarted from its data directory.
-    """
-
-    def __init__(self, root: Path, hosts: list[tuple[str, list[str]]]) -> None:
-        self.root = root
-        ports = [(free_port(), free_port()) for _ in hosts] if hosts[0][0] == "127.0.0.1" else [(2379, 2380)] * len(hosts)
-        self.members = [EtcdMember(f"m{i}", h, c, p, root / f"m{i}", w) for i, ((h, w), (c, p)) in
-                        enumerate(zip(hosts, ports))]
-        self.initial = ",".join(f"{m.name}=http://{m.host}:{m.peer_port}" for m in self.members)
-
-    def url(self, prefix: str) -> str:
-        return "etcd://" + ",".join(m.endpoint for m in self.members) + f"/{prefix}"
-
-    def start(self, index: int) -> None:
-        m = self.members[index]
-        peer, client = f"http://{m.host}:{m.peer_port}", f"http://{m.host}:{m.client_port}"
-        cmd = m.wrap + [
-            "etcd", "--name", m.name, "--data-dir", str(m.data_dir), "--listen-peer-urls", peer,
-            "--initial-advertise-peer-urls", peer, "--listen-client-urls", client, "--advertise-client-urls", client,
-            "--initial-cluster", self.initial, "--initial-cluster-token", self.root.name,
-            "--initial-cluster-state", "new", "--heartbeat-interval", "50", "--election-timeout", "500",
-        ]
-        log = open(self.root / f"{m.name}.log", "a")  # noqa: SIM115 - the member process owns it
-        m.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        log.close()
-
-    def start_all(self, timeout: float = 30.0) -> None:
-        self.root.mkdir(parents=True, exist_ok=True)
-        for i in range(len(self.members)):
-            self.start(i)
-        deadline = time.monotonic() + timeout
-        while not all(self.healthy(i) for i in range(len(self.members))):
-            if time.monotonic() > deadline or not all(m.alive for m in self.members):
-                raise RuntimeError(f"etcd cluster did not become healthy; logs in {self.root}")
-            time.sleep(0.1)
-
-    def healthy(self, index: int) -> bool:
-        m = self.members[index]
-        cmd = m.wrap + [sys.executable, "-c", _HEALTH.format(url=f"http://{m.endpoint}/health")] if m.wrap else None
-        if cmd is not None:
-            return subprocess.run(cmd, capture_output=True, text=True).stdout.strip() == "ok"
-        try:
-            with urllib.request.urlopen(f"http://{m.endpoint}/health", timeout=1.0) as r:
-                return b'"true"' in r.read()
-        except OSError:
-            return False
-
-    def kill(self, index: int) -> None:
-        m = self.members[index]
-        if m.proc is not None:
-            m.proc.kill()
-            m.proc.wait()
-
-    def stop(self) -> None:
-        for m in self.members:
-            if m.alive and m.proc is not None:  # (alive says so; mypy cannot see it)
-                m.proc.terminate()
-                try:
-                    m.proc.wait(5)
-                except subprocess.TimeoutExpired:
-                    m.proc.kill()
-                    m.proc.wait()
-
-
-_HEALTH = ("import urllib.request as u\ntry:\n print('ok' if b'\"true\"' in u.urlopen('{url}', timeout=1).read() "
-           "else 'no')\nexcept Exception:\n print('no')")
-
-
 # ---------------------------------------------------------------------------------- post-mortem
 
 
@@ -272,7 +160,7 @@ def _parse_records(data: bytes, kind: str) -> list[dict[str, Any]]:
     records = []
     for line in data.decode(errors="replace").splitlines():
         try:
-            rec = json.loads(line)
+            rec = decode_record(line)
         except json.JSONDecodeError:
             continue
         if isinstance(rec, dict) and rec.get("kind") == kind:
@@ -449,12 +337,12 @@ class FixedRun:
         return self.out / self.name
 
     def launch(self, faults: str = "") -> subprocess.Popen:
-        """`zeroband launch`; with `faults`, through zeroband.testing.inject, which arms them in every site."""
+        """`zeroband launch`; with `faults`, through tests/inject.py, which arms them in every site."""
         self.launches += 1
         log = open(self.run_dir.parent / f"{self.name}-launch{self.launches}.log", "w")  # noqa: SIM115
         entry = [sys.executable, "-m", ENTRY, "--faults", faults, "--"] if faults else [sys.executable, "-m", "zeroband"]
         cmd = [*entry, "launch", self.config, "--sites", str(self.sites), "--grace", "20", *self.overrides]
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=entry_env())
         log.close()
         return proc
 
@@ -587,7 +475,7 @@ def launcher_sigterm(run: FixedRun, at_step: int, bound_s: float) -> ScenarioRes
         result.hung += 1
         _kill_tree(proc)
     result.detected_s = time.monotonic() - t0
-    orphans = [p for p in tree if pid_alive(p)]
+    orphans = [p for p in tree if is_running(p)]
     if orphans:
         result.hung += 1
         result.note = f"orphans {orphans}"
@@ -633,7 +521,7 @@ def resume_refused(run: FixedRun, bound_s: float) -> ScenarioResult:
 
 
 def nan_divergence(run: FixedRun, step: int, bound_s: float, inner_steps: int) -> ScenarioResult:
-    """Site 1's pseudo-gradient turns NaN at one outer step (zeroband.testing.faults schedule):
+    """Site 1's pseudo-gradient turns NaN at one outer step (tests/faults.py schedule):
     it is excluded from that average on every site alike, the run ends, nothing non-finite is kept."""
     result = ScenarioResult("nan_divergence", injected=1)
     proc = run.launch(f"site1:step{step}:allreduce:nan")

@@ -1,9 +1,9 @@
-"""Run the `zeroband` command with faults armed (test side only).
+"""Run the `zeroband` command with faults armed (test side only: it lives in the checkout, not the wheel).
 
-    python -m zeroband.testing.inject --faults site1:step6:allreduce:kill -- train CONFIG --k v ...
-    python -m zeroband.testing.inject --faults site1:step6:allreduce:nan -- launch CONFIG --sites 2
+    python -m tests.inject --faults site1:step6:allreduce:kill -- train CONFIG --k v ...
+    python -m tests.inject --faults site1:step6:allreduce:nan -- launch CONFIG --sites 2
 
-The seams of zeroband.testing.faults are installed in this process (zeroband/seams.py), then the
+from the checkout's root (or with it on PYTHONPATH). The seams of tests/faults.py are installed in this process (zeroband/seams.py), then the
 command runs in-process (`zeroband.cli.main`). Under `launch`, every site's ranks are started
 through this entry point too (the `site_command` seam), with the same schedule; each rank keeps
 the entries of its own site and rank.
@@ -14,12 +14,23 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import replace
+from pathlib import Path
 
+from tests.faults import install
 from zeroband import seams
-from zeroband.testing.faults import install
 
-ENTRY = "zeroband.testing.inject"
+ENTRY = "tests.inject"
+CHECKOUT = Path(__file__).resolve().parent.parent
+
+
+def entry_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """`env` (default: this process's) with the checkout first on PYTHONPATH, so that `python -m
+    tests.inject` is found from any directory, in every process a launch starts below it."""
+    env = dict(os.environ if env is None else env)
+    env["PYTHONPATH"] = os.pathsep.join([str(CHECKOUT), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))])
+    return env
 
 
 def inject_command(command: list[str], faults: str, site: int | None = None) -> list[str]:
@@ -53,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     site = args.site if args.site is not None else site_of(command)
     install(args.faults, site=site if site is not None else int(os.environ.get("ZEROBAND_SITE_RANK", "0")))
     arm_sites(args.faults)
+    os.environ.update(entry_env())  # the sites a launch starts run this module too
     from zeroband.cli import main as zeroband_main
 
     return zeroband_main(command)

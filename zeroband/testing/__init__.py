@@ -1,1 +1,0 @@
-"""Test-side code: fault injection and the chaos harness. Nothing in the production path imports it."""
