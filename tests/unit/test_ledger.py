@@ -37,7 +37,7 @@ def _held(ledger: Ledger) -> list[int]:
 
 def _reads(rng: random.Random, ledger: Ledger, sites: list[int], most: int) -> dict[int, list[tuple[int, int]]]:
     """Each rank's position: whole documents read (at most its lease, and `most`), tokens of the next."""
-    out = {}
+    out: dict[int, list[tuple[int, int]]] = {}
     for s in sites:
         out[s] = []
         for k in range(ledger.ranks):
@@ -187,7 +187,7 @@ def _relaunched(seed: int) -> tuple[list[dict[str, Any]], int]:
     rng = random.Random(seed)
     ledger = Ledger(epoch_docs=13, ranks=1, target=3)
     records = [ledger.commit([0, 1, 2], {})]
-    saved = {}
+    saved: dict[int, dict[str, Any]] = {}
     for r in range(1, 12):
         members = [0, 1, 2] if r < 8 else [1, 2]
         records.append(ledger.commit(members, _reads(rng, ledger, members, 5)))
@@ -197,8 +197,8 @@ def _relaunched(seed: int) -> tuple[list[dict[str, Any]], int]:
     records.append(ledger.commit([0, 1, 2], {}))  # the relaunch's first round: everyone fresh
     for _ in range(6):
         records.append(ledger.commit([0, 1, 2], _reads(rng, ledger, [0, 1, 2], 5)))
-    for i, r in enumerate(records):
-        r["time"] = i
+    for i, record in enumerate(records):
+        record["time"] = i
     return records, ledger.round
 
 
