@@ -12,9 +12,9 @@ in a new generation with the same pseudo-gradients, never applying a partial res
 - Join: a site that starts while a run is going on waits for the next boundary, receives the state
   dicts registered with `register_state_dict_fn` (the outer state, progress, schedule: what a
   checkpoint saves) from a live peer over the global group, checks the outer state by checksum
-  against every member, and trains from there. Sites keep fixed slots
-  (`site_rank` < `site_count`), and a slot's documents belong to it alone, so no shard is read by
-  two sites; a re-joining slot continues from the data position it last published.
+  against every member, and trains from there. Sites keep fixed slots (`site_rank` <
+  `site_count`); which documents each reads is the data ledger's (zeroband/data/ledger.py), a
+  `RoundParticipant` called before each vote and at each commit (`add_participant`).
 - Leave (SIGTERM): the site writes `leave/<site>`, so nobody waits for its heartbeat to time out.
 - End: the members that commit the round after which the run is over (`run_end`, the outer loop's
   rule) publish it (`complete`, signed). A site without the run's state (starting, restarted, or
