@@ -76,13 +76,15 @@ class Site:
 
 class Churn:
     """One fault at a time, on a site that holds the run's state while another one does too (so a
-    holder is always left), kinds in turn; each victim is started again (a join) as soon as it is gone."""
+    holder is always left), kinds in turn; each victim is started again (a join) as soon as it is
+    gone, and so is any site that exits on its own."""
 
     def __init__(self, sites: list[Site], metrics: list[Path]) -> None:
         self.sites, self.metrics, self.tail = sites, metrics, chaos.DecisionTail(metrics)
         self.done: list[tuple[str, int]] = []
         self.victim: Site | None = None
         self.stopped_at = self.restarted_at = 0.0
+        self.gave_up: list[int] = []  # sites that exited without a fault
 
     def holders(self) -> set[int]:
         """Sites that hold the run's state: members of the newest commit, in an incarnation older than it."""
@@ -101,6 +103,11 @@ class Churn:
                 return
             p.start()
             self.victim, self.restarted_at = None, time.time()
+        for q in self.sites:  # a site that gave up on its own (a RoundTimeout on a starved CPU): back too
+            if q.incarnations and not q.running:
+                self.gave_up.append(q.site)
+                q.start()
+                self.restarted_at = time.time()
         holders = self.holders()
         ready = [p for p in self.sites if p.running and p.site in holders]
         if len(ready) >= 2 and len(self.done) < PER_KIND * len(KINDS):
@@ -176,7 +183,8 @@ def test_churn_and_relaunch_read_every_document_once_per_epoch(corpus, tmp_path,
     found = audit(ledger_records(metrics))
     after = sorted({r["round"] for r in ledger_records(metrics) if r["time"] > relaunched})
     with capsys.disabled():
-        print(f"\nsoak: {churn_s:.0f} s of churn ({sum(p.incarnations for p in sites)} incarnations), "
+        print(f"\nsoak: {churn_s:.0f} s of churn ({sum(p.incarnations for p in sites)} incarnations, exits without "
+              f"a fault {driver.gave_up}), "
               f"{time.monotonic() - began:.0f} s with the relaunch; rounds {found['first_round']}-"
               f"{found['last_round']} (before the relaunch: -{first['last_round']}, after it from {after[0]})")
         print("\n".join(epoch_lines(found)))
