@@ -23,10 +23,11 @@ from zeroband import seams
 from zeroband.checkpointer import Checkpointer, checkpoint_meta, sync_due
 from zeroband.comm.link import LinkPolicy
 from zeroband.config import Config, ConfigError, dump_config, load_config, warn_allow_unsigned
-from zeroband.data.ledger import Ledger, SharedData
+from zeroband.data.ledger import Ledger
 from zeroband.data.loader import PackedBatches, SiteShare
 from zeroband.data.tokenizer import TextTokenizer
 from zeroband.fingerprint import run_fingerprint
+from zeroband.membership.data import SharedData
 from zeroband.membership.elastic import ElasticMembership
 from zeroband.membership.resume import ResumeMismatch, agree_resume
 from zeroband.membership.rounds import RunComplete
