@@ -7,17 +7,21 @@ so the code under test runs unchanged. A child that hangs fails the test at `tim
 
 from __future__ import annotations
 
+import faulthandler
 import functools
 import importlib
+import logging
 import multiprocessing as mp
 import os
 import pickle
 import queue as queue_module
 import signal
+import sys
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from zeroband.tools.launch import free_port  # noqa: F401  (the tests import it from here)
@@ -51,6 +55,44 @@ def freeze_self(done: Any, at_most_s: float) -> None:
         os.kill(me, signal.SIGKILL)
         os._exit(0)
     os.kill(me, signal.SIGSTOP)
+
+
+def rank_env(site: int, sites: int, rank: int, ranks: int, master_port: int, store_port: int) -> dict[str, str]:
+    """What torchrun (and the launcher) would give rank `rank` of `ranks` in site `site` of `sites`."""
+    return {"RANK": str(rank), "WORLD_SIZE": str(ranks), "LOCAL_RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port),
+            "ZEROBAND_SITE_RANK": str(site), "ZEROBAND_SITE_COUNT": str(sites),
+            "ZEROBAND_TEST_STORE": f"tcp://127.0.0.1:{store_port}", "OMP_NUM_THREADS": "1"}
+
+
+def fork_site(fn: Callable, args: tuple, site: int, sites: int, log: Path) -> int:
+    """fn(*args) as the one rank of site `site`, in a process forked from pytest and leading a process
+    group of its own (what a launcher's session is: `os.killpg` ends it whole); its output goes to
+    `log`, with its log records (INFO) and, on SIGUSR1, the stacks of its threads. Returns its pid: the caller signals it and reaps it (os.waitpid). Exit 0 when fn returns."""
+    preload()
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:
+        os.setpgid(0, 0)
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        sys.stdout = sys.stderr = open(2, "w", buffering=1, closefd=False)  # not pytest's capture (capsys)
+        faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 pid`: every thread's stack, in `log`
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", force=True)
+        os.environ.update(rank_env(site, sites, 0, 1, free_port(), 0))
+        os.environ.setdefault("LOCAL_WORLD_SIZE", str(len(os.sched_getaffinity(0))))  # as _child
+        import torch
+
+        torch.set_num_threads(1)
+        fn(*args)
+        code = 0
+    except BaseException:  # noqa: BLE001 -- the child reports in its log and its exit code, never to pytest
+        traceback.print_exc()
+    finally:
+        os._exit(code)
 
 
 def _child(fn: Callable, env: dict[str, str], queue: Any, key: tuple[int, int], args: tuple, faults: str) -> None:
@@ -94,13 +136,8 @@ def run_sites(
         master_port = free_port()
         site_ranks = ranks if isinstance(ranks, int) else ranks[site]
         for rank in range(site_ranks):
-            child_env = {
-                "RANK": str(rank), "WORLD_SIZE": str(site_ranks), "LOCAL_RANK": str(rank),
-                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port),
-                "ZEROBAND_SITE_RANK": str(site), "ZEROBAND_SITE_COUNT": str(sites),
-                "ZEROBAND_TEST_STORE": f"tcp://127.0.0.1:{store_port}", "OMP_NUM_THREADS": "1",
-                **(env or {}), **((site_env or {}).get(site, {})),
-            }
+            child_env = {**rank_env(site, sites, rank, site_ranks, master_port, store_port),
+                         **(env or {}), **((site_env or {}).get(site, {}))}
             p = ctx.Process(target=_child, args=(fn, child_env, queue, (site, rank), args, faults), daemon=True)
             p._zb_key = (site, rank)
             p.start()

@@ -101,8 +101,8 @@ class DataConfig(Section):
     shuffle_seed: int = 1234
     # Whole documents whose text hash falls below this fraction are held out for validation.
     val_fraction: float = Field(0.02, ge=0.0, lt=1.0)
-    # Elastic runs deal the train order out in spans of this many documents (zeroband/data/ledger.py);
-    # each rank holds at least 4 spans unread, so a round must read fewer than that.
+    # Elastic runs (zeroband/data/ledger.py): after each round every rank holds max(4 x span_docs,
+    # 2 x the most documents a rank read that round) unread documents, so a round must read fewer.
     span_docs: int = Field(64, gt=0)
 
 

@@ -23,10 +23,11 @@ from zeroband import seams
 from zeroband.checkpointer import Checkpointer, checkpoint_meta, sync_due
 from zeroband.comm.link import LinkPolicy
 from zeroband.config import Config, ConfigError, dump_config, load_config, warn_allow_unsigned
-from zeroband.data.ledger import SharedData
+from zeroband.data.ledger import Ledger
 from zeroband.data.loader import PackedBatches, SiteShare
 from zeroband.data.tokenizer import TextTokenizer
 from zeroband.fingerprint import run_fingerprint
+from zeroband.membership.data import SharedData
 from zeroband.membership.elastic import ElasticMembership
 from zeroband.membership.resume import ResumeMismatch, agree_resume
 from zeroband.membership.rounds import RunComplete
@@ -191,6 +192,7 @@ class Run:
     group: GlobalGroup | None = None  # the fixed global group (None: one site, or elastic)
     run_id: str = ""  # set by resume_or_start: new at a fresh start, the checkpoint's on a resume
     changes: list[ConfigChange] = field(default_factory=list)  # settings a resume changed (resume_rules.py)
+    ledger: SharedData | None = None  # an elastic run's data ledger (zeroband/data/ledger.py)
 
     @property
     def stateful(self) -> dict[str, Any]:
@@ -223,14 +225,29 @@ def build_run(cfg: Config, world: World, topology: Topology, group: GlobalGroup 
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
     progress = Progress()
     wrap = seams.current()  # what production builds is what the loop gets, unless a test wraps it
-    outer = wrap.outer(build_outer(cfg, model, topology, group, progress, scheduler), model)
+    built = build_outer(cfg, model, topology, group, progress, scheduler)
+    ledger = shared_data(cfg, topology, train_data, built)
+    outer = wrap.outer(built, model)
     clock = ComputeClock()
     stateful: dict[str, ckpt.Stateful] = {"scheduler": scheduler, "data": train_data, "outer": outer, "progress": progress, "clock": clock}
-    if (ledger := SharedData.for_run(cfg, world, train_data, outer)) is not None:  # elastic: data as a ledger
+    if ledger is not None:
         stateful["ledger"] = ledger
     checkpointer = wrap.checkpointer(Checkpointer(cfg, ckpt_root, model, optimizer, stateful, topology.secret))
     return Run(cfg, world, topology, model, optimizer, scheduler, train_data, eval_set, val_data.bytes_per_token,
-               outer, progress, clock, run_dir, ckpt_root, checkpointer, group)
+               outer, progress, clock, run_dir, ckpt_root, checkpointer, group, ledger=ledger)
+
+
+def shared_data(cfg: Config, topology: Topology, loader: PackedBatches, outer: Outer) -> SharedData | None:
+    """An elastic DiLoCo run's data ledger (zeroband/data/ledger.py), a participant of its rounds and
+    part of the state a joiner receives; None for any other run (fixed slots of the order)."""
+    if not isinstance(outer, DiLoCo) or not isinstance(outer.membership, ElasticMembership):
+        return None
+    membership = outer.membership
+    ledger = Ledger(loader.train_documents, topology.world.ranks_per_site, target=4 * cfg.data.span_docs)
+    shared = SharedData(loader, ledger, topology, membership.signed, membership.prefix, lambda: outer.last_reduce)
+    membership.add_participant(shared)
+    membership.register_state_dict_fn("ledger", shared.load_state_dict, shared.state_dict, shared.checksum)
+    return shared
 
 
 def resume_or_start(run: Run) -> ckpt.CheckpointInfo | None:
@@ -477,6 +494,8 @@ def open_metrics(run: Run, found: ckpt.CheckpointInfo | None, keep: int) -> Metr
     metrics = MetricsLogger(cfg, run.run_dir, world.rank == 0, cfg.train.steps, run.progress.step, tag=tag,
                             keep_through=keep)
     run.outer.attach(lambda event: on_membership_event(run, metrics, event))
+    if run.ledger is not None:  # each commit's record of the data ledger
+        run.ledger.attach(lambda record: metrics.log(run.progress.step, record, "data"))
     unauthenticated = cfg.diloco is not None and world.site_count > 1 and run.topology.secret is None
     metrics.record_insecure(run.progress.step, insecure_choices(cfg, unauthenticated))
     if found is None:
@@ -490,12 +509,8 @@ def open_metrics(run: Run, found: ckpt.CheckpointInfo | None, keep: int) -> Metr
 
 
 def on_membership_event(run: Run, metrics: MetricsLogger, event: dict[str, Any]) -> None:
-    """Record a membership event; an elastic run's data ledger follows it (zeroband/data/ledger.py).
-    A group's link probe (event "link", one per peer) is a record of its own kind."""
+    """Record a membership event; a group's link probe (event "link", one per peer) is a record of its own kind."""
     metrics.log(run.progress.step, event, "link" if event.get("event") == "link" else "membership")
-    ledger = run.stateful.get("ledger")
-    if ledger is not None and (record := ledger.on_event(event)) is not None:
-        metrics.log(run.progress.step, record, "data")
 
 
 def print_summary(run: Run) -> None:

@@ -14,9 +14,9 @@ import torch
 
 from tests.helpers import _train, elastic_tree, final_params
 from tests.multiproc import run_sites
-from zeroband.data.ledger import audit
+from zeroband.data.ledger import audit, chain
 from zeroband.store.client import open_store
-from zeroband.tools.report import ledger_rounds
+from zeroband.tools.report import ledger_records
 
 STEPS, SITES = 20, 4
 # site 0's pseudo-gradient is NaN at step 8 (excluded from that average), site 1 leaves for good on
@@ -48,8 +48,9 @@ def _churn(tree: dict) -> dict:
 
 def _rounds(tmp_path) -> list[dict]:
     """The ledger record of every round, each checked identical (digest) on every site that logged it."""
-    records, differ = ledger_rounds(tmp_path / "t" / f"site{site}" / "metrics.jsonl" for site in range(SITES))
-    assert differ == [] and [r["round"] for r in records] == list(range(len(records))), differ
+    records, off = chain(ledger_records(tmp_path / "t" / f"site{site}" / "metrics.jsonl" for site in range(SITES)))
+    assert off == {"differing": [], "superseded": [], "missing": []} and [r["round"] for r in records] == list(
+        range(len(records))), off
     return records
 
 
@@ -110,7 +111,7 @@ def test_sites_that_come_after_the_end_stop_as_run_complete(corpus, tmp_path, st
         assert not (tmp_path / "t" / "checkpoints" / f"site{site}").exists()
     store = open_store(store_address, False, timedelta(seconds=10))
     assert not store.check([f"zeroband/{tree['name']}/elastic/r3/a0/members"])  # no round past the end formed
-    records, _ = ledger_rounds(tmp_path / "t" / f"site{site}" / "metrics.jsonl" for site in range(3))
+    records, _ = chain(ledger_records(tmp_path / "t" / f"site{site}" / "metrics.jsonl" for site in range(3)))
     assert [r["round"] for r in records] == [0, 1, 2]  # site 0's ledger alone: rounds 0..2
 
 
@@ -129,10 +130,11 @@ def test_churn_commits_every_document_once(corpus, tmp_path, store_address):
     assert len(records) == STEPS // 2 + 1  # round 0 (the start) and one per outer step
 
     found = audit(records)
-    assert found["committed"] == found["committed_once"] > 0 and found["missing"] == [], found
+    assert found["committed"] == found["committed_once"] > 0 and found["lost"] == [], found
     assert not (found["twice"] or found["held_twice"] or found["committed_and_held"] or found["broken_chains"]), found
+    assert not found["leases_off_bound"] and all(e["never"] == 0 for e in found["epochs"]), found
     print(f"\ndocuments committed exactly once: {found['committed_once']}/{found['committed']}; "
-          f"handed out {found['handed_end']}, held at the end {found['held']}")
+          f"dealt {found['dealt']}, held at the end {found['held']}")
 
     excluded = next(r for r in records if r["excluded"])
     assert excluded["excluded"] == [0] and "0" not in excluded["committed"] and excluded["given_back"]
@@ -145,7 +147,7 @@ def test_churn_commits_every_document_once(corpus, tmp_path, store_address):
     # Tokens per round: every contributing site commits exactly what the fault-free run commits per
     # site (inner_steps x global_batch x seq_len), plus, after a (re)start, its first input token.
     per_round = tree["diloco"]["inner_steps"] * tree["train"]["global_batch"] * tree["data"]["seq_len"]
-    lengths = _lengths(tree, found["handed_end"])
+    lengths = _lengths(tree, found["dealt"])
     for before, r in zip(records, records[1:]):
         for site in r["committed"]:
             # a site back from a start or restart packs from an empty buffer: its first token is only an input

@@ -1,72 +1,62 @@
-"""Data as a shared ledger: who reads which documents of the run's order, round by round.
+"""Data as a shared ledger: which corpus documents each rank reads, round by round.
 
-The train order (shuffled per epoch, zeroband/data/loader.py) is addressed by a global document
-index d = epoch x N + j (N train documents, j the position in that epoch's order) and cut into
-numbered spans of `span_docs` documents; a span never crosses an epoch (an epoch's last span may be
-shorter). A *piece* is a half-open range [start, end) of global indices: a span, or what is left of
-one that a member started and did not commit.
+The unit is the corpus document. The train order is shuffled per epoch (zeroband/data/loader.py),
+and a document is addressed by its global index d = epoch x N + j (N train documents, j its
+position in that epoch's permutation), so each epoch's indices are the N corpus documents once
+each. The ledger deals the indices out in order: one cursor (`dealt`, the first index never dealt)
+that only moves forward, so every document of an epoch is dealt once before any document of the
+next one, and the order of documents never depends on who joined or left. A *piece* is a
+half-open range [start, end) of global indices.
 
-Each member site holds a lease per data-parallel rank: the pieces that rank reads next, in order.
-At a round's commit every site applies the same `Ledger.commit` to the same inputs (the round's
-members, who contributed, who was excluded, and each contributor's position per rank), so all sites
-hold the same ledger without a leader:
+Each member site holds a lease per data-parallel rank: the pieces that rank reads next, oldest
+first. At a round's commit every site applies the same `Ledger.commit` to the same inputs (the
+round's members, who contributed, who was excluded, and each contributor's position per rank),
+so all sites hold the same ledger without a leader:
 - "committed" means trained into the outer step that round: the tokens a contributor's ranks
   trained on (were targets in a row) since the last commit. A rank reports its position as
   (documents all of whose tokens were trained, tokens trained of the next one); whole documents
   are committed, and a document cut by the round's end commits the tokens trained so far and is
   noted in `skips`: whoever reads it next starts at that token. So a document packed across a
   round boundary is neither lost nor read twice, wherever its tail goes;
-- a member that was assigned documents and did not contribute (died, left out, joined this round)
+- a member that was dealt documents and did not contribute (died, left out, joined this round)
   or was excluded from the average (zeroband/comm/reduce.py: its local progress is replaced by the
-  average, so its reads were trained into nothing) gives its whole lease back to the front of the
-  queue, dealt out again before any new span;
-- every member of the round is then topped up (`assign`) so that each of its ranks holds at least
-  `target` unread documents for the next round.
+  average, so its reads were trained into nothing) gives its whole lease back (`returned`);
+- then every rank of every member is brought to exactly `want` unread documents, the round's
+  lease size: a lease over it gives its newest documents back, one under it is dealt the
+  difference, given-back documents (oldest first) before the cursor's. A join therefore takes its
+  share from what was given back or never dealt, and nobody else's lease grows.
+
+The bound: after every commit each member's rank holds exactly `want` = max(`target`, 2 x the
+most documents any rank read that round) documents, whatever the churn (a rank that read r
+documents in a round holds 2r for the next: leases follow the text). Documents dealt and not yet
+committed are those leases plus the given-back ones, so the cursor runs ahead of what was trained
+by at most that much: a document of epoch e+1 is dealt only once every document of epoch e was
+committed or is held, and held ones are read first (leases are kept sorted).
 
 Why the positions: a round trains a fixed number of tokens, and documents differ in length, so
 how many documents a rank consumes in a round depends on the text; no function of the membership
-alone can know it. Each rank reports two integers with the round (train.py), and nothing else
-crosses sites for data. Fault-free, the order is dealt like the old fixed slots, interleaved.
+alone can know it. Each rank reports two integers with the round, and nothing else crosses sites
+for data. `SharedData` (zeroband/membership/data.py) is the ledger's side of the round protocol
+(`RoundParticipant`): the membership calls it on the main thread before each vote and at each commit.
+This module is pure: no torch, no store, no process.
+
+`round` counts the commits the ledger applied: it travels with the ledger (checkpoints, the
+hand-over to joiners), so the run's round numbers go on across a full stop and relaunch, while the
+membership's own round clock starts again with a fresh store. Each commit's record names the state
+it started from (`parent`) and the one it made (`digest`), so `audit` follows the run's one chain of
+commits through restarts (`chain`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
 Piece = tuple[int, int]  # [start, end) global document indices
 Position = tuple[int, int]  # (documents wholly trained, tokens trained of the next one) of a lease
-
-
-def span_piece(span: int, span_docs: int, epoch_docs: int) -> Piece:
-    """The documents of span `span`: spans are numbered through the epochs, none crosses one."""
-    per_epoch = math.ceil(epoch_docs / span_docs)
-    epoch, k = divmod(span, per_epoch)
-    start = epoch * epoch_docs + k * span_docs
-    return start, min(start + span_docs, (epoch + 1) * epoch_docs)
-
-
-def assign(next_span: int, members: list[int], round: int, spans_per_member: int) -> dict[int, list[int]]:
-    """The next `spans_per_member` x len(members) unread spans split among `members`: dealt one at a
-    time in member order, starting at member `round % n` so no member is always first. Pure: the same
-    for every caller that agrees on the members (the round's decision)."""
-    ordered = sorted(members)
-    n = len(ordered)
-    out: dict[int, list[int]] = {m: [] for m in ordered}
-    for i in range(spans_per_member * n):
-        out[ordered[(i + round) % n]].append(next_span + i)
-    return out
-
-
-def split_over_ranks(pieces: list[Piece], ranks: int) -> list[list[Piece]]:
-    """A site's pieces over its data-parallel ranks: piece i to rank i % ranks (deterministic)."""
-    return [pieces[r::ranks] for r in range(ranks)]
+Record = dict[str, Any]
 
 
 def take_docs(lease: list[Piece], n: int) -> tuple[list[Piece], list[Piece]]:
@@ -88,6 +78,17 @@ def docs_in(pieces: list[Piece]) -> int:
     return sum(end - start for start, end in pieces)
 
 
+def merged(pieces: list[Piece]) -> list[Piece]:
+    """`pieces` sorted, touching ones joined: the same documents, oldest first, in fewest pieces."""
+    out: list[Piece] = []
+    for start, end in sorted(pieces):
+        if out and out[-1][1] == start:
+            out[-1] = (out[-1][0], end)
+        elif end > start:
+            out.append((start, end))
+    return out
+
+
 def as_position(read: int | Position | list[int]) -> Position:
     """A rank's report: a bare count of documents (whole ones only) or (documents, tokens of the next)."""
     return (int(read), 0) if isinstance(read, int) else (int(read[0]), int(read[1]))
@@ -95,50 +96,51 @@ def as_position(read: int | Position | list[int]) -> Position:
 
 @dataclass
 class Ledger:
-    """The run's data position, identical on every site: the next span never handed out, pieces
-    given back and not yet handed out again, and each member site's unread lease per rank."""
+    """The run's data position, identical on every site: the first document never dealt, pieces
+    given back and not yet dealt again, and each member site's unread lease per rank."""
 
-    span_docs: int
     epoch_docs: int
     ranks: int  # data-parallel ranks per site
-    target: int  # unread documents each rank should hold after a top-up
-    next_span: int = 0
+    target: int  # the least unread documents each rank holds after a commit
+    round: int = 0  # commits applied: the run's round number, through restarts
+    dealt: int = 0  # global index of the first document never dealt (epoch: dealt // epoch_docs)
     returned: list[Piece] = field(default_factory=list)
     leases: dict[int, list[list[Piece]]] = field(default_factory=dict)  # site -> per rank
     skips: dict[int, int] = field(default_factory=dict)  # document -> its tokens already committed
 
     # ------------------------------------------------------------------ the round's update
-    def commit(self, round: int, members: list[int], reads: dict[int, list[Any]],
-               excluded: list[int] | tuple[int, ...] = ()) -> dict[str, Any]:
-        """Apply round `round`: `reads` maps each member that contributed to its position per rank
+    def commit(self, members: list[int], reads: dict[int, list[Any]], excluded: list[int] | tuple[int, ...] = (),
+               protocol_round: int | None = None) -> Record:
+        """Apply the next round: `reads` maps each member that contributed to its position per rank
         (`as_position`); every other lease holder, and every site in `excluded`, gives its lease
-        back. Then top up `members`. Returns the record of what happened (documents committed whole
-        per site, tokens of cut documents, pieces given back, the new leases)."""
+        back. Then every rank of `members` holds `want` documents (`deal_to`). Returns the record
+        of what happened (documents committed whole per site, tokens of cut documents, pieces given
+        back, the new leases); `protocol_round`: the membership's round, noted in it."""
+        parent = self.digest()
         committed: dict[int, list[Piece]] = {}
         partial: dict[int, list[list[int]]] = {}
         resumed: dict[int, int] = {}  # committed documents whose reading started at a token > 0
         given_back: list[Piece] = []
         for site in sorted(self.leases):
             if site in reads and site not in excluded:
-                committed[site], partial[site], rests = [], [], []
-                for lease, read in zip(self.leases[site], reads[site], strict=True):
-                    rest = self._commit_rank(lease, as_position(read), committed[site], partial[site], resumed)
-                    rests.append(rest)
-                self.leases[site] = rests
+                committed[site], partial[site] = [], []
+                self.leases[site] = [self._commit_rank(lease, as_position(read), committed[site], partial[site], resumed)
+                                     for lease, read in zip(self.leases[site], reads[site], strict=True)]
             else:
                 given_back += [p for lease in self.leases.pop(site) for p in lease]
-        self.returned = sorted(given_back + self.returned)  # the oldest documents first
-        # a rank that read r documents this round should hold 2r for the next: leases follow the text
-        most = max((as_position(n)[0] for r in reads.values() for n in r), default=0)
-        handed = self.top_up(round, members, max(self.target, 2 * most))
-        return {"round": round, "members": sorted(members),
-                "reads": {str(s): [list(as_position(n)) for n in r] for s, r in sorted(reads.items())},
-                "excluded": sorted(excluded), "committed": {str(s): p for s, p in committed.items()},
-                "partial": {str(s): p for s, p in partial.items() if p}, "resumed": {str(d): k for d, k in resumed.items()},
-                "skips": {str(d): k for d, k in sorted(self.skips.items())}, "given_back": sorted(given_back),
-                "handed": {str(s): p for s, p in handed.items()}, "returned": list(self.returned),
-                "leases": {str(s): ls for s, ls in self.leases.items()}, "handed_end": self.handed_end,
-                "digest": self.digest()}
+        self.returned = merged(given_back + self.returned)
+        want = max(self.target, 2 * max((as_position(n)[0] for r in reads.values() for n in r), default=0))
+        handed = self.deal_to(members, want)
+        record = {"round": self.round, "protocol_round": protocol_round, "members": sorted(members),
+                  "reads": {str(s): [list(as_position(n)) for n in r] for s, r in sorted(reads.items())},
+                  "excluded": sorted(excluded), "committed": {str(s): merged(p) for s, p in committed.items()},
+                  "partial": {str(s): p for s, p in partial.items() if p}, "resumed": {str(d): k for d, k in resumed.items()},
+                  "skips": {str(d): k for d, k in sorted(self.skips.items())}, "given_back": merged(given_back),
+                  "handed": {str(s): p for s, p in handed.items()}, "returned": list(self.returned),
+                  "leases": {str(s): ls for s, ls in sorted(self.leases.items())}, "want": want,
+                  "dealt": self.dealt, "epoch_docs": self.epoch_docs, "parent": parent}
+        self.round += 1
+        return {**record, "digest": self.digest()}
 
     def _commit_rank(self, lease: list[Piece], read: Position, committed: list[Piece], partial: list[list[int]],
                      resumed: dict[int, int]) -> list[Piece]:
@@ -156,71 +158,144 @@ class Ledger:
             self.skips[rest[0][0]] = tokens
         return rest
 
+    def deal(self, n: int) -> list[Piece]:
+        """The next `n` documents to deal: given-back ones first (oldest first), then the cursor's."""
+        taken, self.returned = take_docs(self.returned, min(n, docs_in(self.returned)))
+        if (fresh := n - docs_in(taken)) > 0:
+            taken.append((self.dealt, self.dealt + fresh))
+            self.dealt += fresh
+        return taken
+
+    def deal_to(self, members: list[int], want: int) -> dict[int, list[Piece]]:
+        """Every rank of `members` to exactly `want` unread documents: a lease over it gives its newest
+        documents back first, then the ones under it are dealt the difference (`deal`), member by
+        member from member `round % n` on, so no member always gets the oldest. Returns what each
+        member received."""
+        for m in members:
+            self.leases.setdefault(m, [[] for _ in range(self.ranks)])
+        for ranks in self.leases.values():
+            for k, lease in enumerate(ranks):
+                ranks[k], extra = take_docs(lease, min(want, docs_in(lease)))
+                self.returned = merged(self.returned + extra)
+        ordered = sorted(members)
+        ordered = ordered[self.round % len(ordered):] + ordered[:self.round % len(ordered)] if ordered else []
+        handed: dict[int, list[Piece]] = {}
+        for m in ordered:
+            for k, lease in enumerate(self.leases[m]):
+                got = self.deal(want - docs_in(lease))
+                self.leases[m][k] = merged(lease + got)
+                handed[m] = merged(handed.get(m, []) + got)
+        return {m: p for m, p in sorted(handed.items()) if p}
+
     def digest(self) -> str:
         """16 hex digits of the ledger's state: equal on every site that applied the same commits."""
         return hashlib.sha256(json.dumps(self.state_dict(), sort_keys=True).encode()).hexdigest()[:16]
-
-    @property
-    def handed_end(self) -> int:
-        """One past the last document ever handed out: every one before it is committed, leased or given back."""
-        return span_piece(self.next_span - 1, self.span_docs, self.epoch_docs)[1] if self.next_span else 0
-
-    def top_up(self, round: int, members: list[int], target: int | None = None) -> dict[int, list[Piece]]:
-        """Give every member enough documents that each of its ranks holds `target` unread ones:
-        first the pieces given back, then new spans (`assign`). Returns what each member received."""
-        target = self.target if target is None else target
-        for m in members:
-            self.leases.setdefault(m, [[] for _ in range(self.ranks)])
-        handed: dict[int, list[Piece]] = {m: [] for m in sorted(members)}
-        while any(docs_in(lease) < target for m in members for lease in self.leases[m]):
-            # one pass: one more piece for every rank of every member, given-back pieces first
-            slots = assign(0, members, round, self.ranks)
-            queue = self.returned[: len(members) * self.ranks]
-            self.returned = self.returned[len(queue):]
-            fresh = len(members) * self.ranks - len(queue)
-            queue += [span_piece(s, self.span_docs, self.epoch_docs) for s in range(self.next_span, self.next_span + fresh)]
-            self.next_span += fresh
-            for m, ids in slots.items():
-                pieces = [queue[i] for i in ids]
-                handed[m] += pieces
-                for lease, extra in zip(self.leases[m], split_over_ranks(pieces, self.ranks)):
-                    lease.extend(extra)
-        return {m: p for m, p in handed.items() if p}
 
     def lease(self, site: int, rank: int) -> list[Piece]:
         return list(self.leases.get(site, [[]] * self.ranks)[rank])
 
     def lease_skips(self, lease: list[Piece]) -> dict[int, int]:
         """The documents of `lease` that an earlier reader cut at a round's end: doc -> first token to read."""
-        return {a: self.skips[a] for a, _ in lease if a in self.skips}
+        return {d: k for d, k in self.skips.items() if any(a <= d < b for a, b in lease)}
 
     # ------------------------------------------------------------------ checkpoints and hand-over
     def state_dict(self) -> dict[str, Any]:
-        return {"span_docs": self.span_docs, "epoch_docs": self.epoch_docs, "ranks": self.ranks,
-                "next_span": self.next_span, "returned": [list(p) for p in self.returned],
+        return {"epoch_docs": self.epoch_docs, "ranks": self.ranks, "round": self.round, "dealt": self.dealt,
+                "returned": [list(p) for p in self.returned],
                 "skips": {str(d): k for d, k in sorted(self.skips.items())},
-                "leases": {str(s): [[list(p) for p in lease] for lease in ls] for s, ls in self.leases.items()}}
+                "leases": {str(s): [[list(p) for p in lease] for lease in ls] for s, ls in sorted(self.leases.items())}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        for key in ("span_docs", "epoch_docs", "ranks"):
+        for key in ("epoch_docs", "ranks"):
             if state[key] != getattr(self, key):
                 raise ValueError(f"the saved data ledger has {key}={state[key]} but this run has {getattr(self, key)}; "
                                  "its positions mean other documents")
-        self.next_span = int(state["next_span"])
+        self.round = int(state.get("round", 0))
+        self.dealt = int(state["dealt"]) if "dealt" in state else dealt_of_spans(state)
         self.returned = [(int(a), int(b)) for a, b in state["returned"]]
         self.skips = {int(d): int(k) for d, k in state.get("skips", {}).items()}
         self.leases = {int(s): [[(int(a), int(b)) for a, b in lease] for lease in ls]
                        for s, ls in state["leases"].items()}
 
 
-def audit(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """What a run's "ledger" records (one per round, rounds 0..n, as `Ledger.commit` returns them)
-    prove about its data: every document handed out (before `handed_end`) is committed whole once
-    or still held (leased or given back) once, and each document's trained tokens chain without a
-    gap or an overlap: [0, k1) [k1, k2) ... up to its end (committed) or its skip (held). Pure."""
+def dealt_of_spans(state: dict[str, Any]) -> int:
+    """`Ledger.dealt` of a checkpoint from before it (numbered spans of `span_docs`, none crossing an
+    epoch): one past the last span's end. The pieces it holds are global indices either way."""
+    n, span, spans = int(state["epoch_docs"]), int(state["span_docs"]), int(state["next_span"])
+    if spans == 0:
+        return 0
+    per_epoch = -(-n // span)
+    epoch, k = divmod(spans - 1, per_epoch)
+    return min(epoch * n + (k + 1) * span, (epoch + 1) * n)
+
+
+# ---------------------------------------------------------------------- what the records prove
+def commit_inputs(record: Record) -> str:
+    """What a commit was applied to (the state it started from and the round's reports): two records
+    with the same inputs must hold the same result on every site."""
+    keys = ("round", "parent", "members", "reads", "excluded")
+    return json.dumps({k: record.get(k) for k in keys}, sort_keys=True)
+
+
+def chain(records: list[Record]) -> tuple[list[Record], dict[str, list[int]]]:
+    """The run's one line of commits among every site's records (duplicates, restarts included): from
+    the newest round back through each record's `parent`. Also what did not fit on it, by round:
+    "differing" (sites that applied the same inputs and got different ledgers: a bug), "superseded"
+    (commits a relaunch from an older checkpoint undid: their training was rolled back with them),
+    "missing" (rounds nobody logged). Pure."""
+    by_digest: dict[str, Record] = {}
+    results: dict[str, set[str]] = {}
+    for r in records:
+        by_digest.setdefault(r["digest"], r)
+        results.setdefault(commit_inputs(r), set()).add(r["digest"])
+    differing = sorted({json.loads(k)["round"] for k, digests in results.items() if len(digests) > 1})
+    line: list[Record] = []
+    missing: list[int] = []
+    # the newest record written (a branch a relaunch undid was written before it), then the highest round
+    tip = max(by_digest.values(), key=lambda r: (r.get("time", 0), r["round"], r["digest"]), default=None)
+    while tip is not None:
+        line.append(tip)
+        parent = by_digest.get(tip.get("parent", ""))
+        if parent is None and tip["round"] > 0:  # nobody logged the round before: go on from the newest older one
+            older = [r for r in by_digest.values() if r["round"] < tip["round"]]
+            parent = max(older, key=lambda r: (r["round"], r["digest"]), default=None)
+            missing += range(parent["round"] + 1 if parent else 0, tip["round"])
+        tip = parent
+    line.reverse()
+    on_line = {r["digest"] for r in line}
+    superseded = sorted({r["round"] for r in by_digest.values() if r["digest"] not in on_line} - set(differing))
+    return line, {"differing": differing, "superseded": superseded, "missing": sorted(missing)}
+
+
+def epoch_table(committed: dict[int, int], held: set[int], dealt: int, n: int) -> list[dict[str, Any]]:
+    """Per epoch of the corpus (N documents, each once per epoch): documents read once, more than
+    once, held (dealt, read next by their holder), never (neither, in an epoch the cursor has left:
+    unread while a later epoch is read) and not yet dealt."""
+    rows = []
+    for epoch in range(max(dealt - 1, 0) // n + 1):
+        docs = range(epoch * n, (epoch + 1) * n)
+        read = [committed.get(d, 0) for d in docs]
+        kept = sum(1 for d in docs if d in held and not committed.get(d))
+        undealt = max(0, (epoch + 1) * n - max(dealt, epoch * n))
+        rows.append({"epoch": epoch, "documents": n, "once": read.count(1), "twice": sum(1 for k in read if k > 1),
+                     "held": kept, "never": n - undealt - kept - sum(1 for k in read if k), "not_dealt": undealt})
+    return rows
+
+
+def audit(records: list[Record]) -> dict[str, Any]:
+    """What a run's "ledger" records prove about its data, on the run's line of commits (`chain`):
+    per epoch, documents read once, twice, never (`epoch_table`); every document dealt (before
+    `dealt`) committed whole once or still held once; each document's trained tokens chaining
+    without a gap or an overlap: [0, k1) [k1, k2) ... up to its end (committed) or its skip (held);
+    and every lease within the round's bound (`want` documents per rank). Pure."""
+    line, off = chain(records)
+    if not line:
+        return {"rounds": 0}
     whole: dict[int, int] = {}
     chains: dict[int, list[tuple[int, int]]] = {}  # doc -> token ranges trained (-1: to its end)
-    for r in records:
+    lease_max: list[int] = []
+    over: list[int] = []
+    for r in line:
         for pieces in r["committed"].values():
             for a, b in pieces:
                 for d in range(a, b):
@@ -229,95 +304,27 @@ def audit(records: list[dict[str, Any]]) -> dict[str, Any]:
         for fragments in r.get("partial", {}).values():
             for d, k0, k1 in fragments:
                 chains.setdefault(d, []).append((k0, k1))
-    last = records[-1]
+        sizes = [docs_in(lease) for ls in r["leases"].values() for lease in ls]
+        lease_max.append(max(sizes, default=0))
+        if any(s != r["want"] for s in sizes):
+            over.append(r["round"])
+    last = line[-1]
     held_pieces = list(last["returned"]) + [p for ls in last["leases"].values() for lease in ls for p in lease]
     held = [d for a, b in held_pieces for d in range(a, b)]
     skips = {int(d): k for d, k in last.get("skips", {}).items()}
-    end = int(last["handed_end"])
     broken = []
     for d, ranges in chains.items():
         ranges.sort(key=lambda x: (x[0], x[1] == -1))
         stop = -1 if whole.get(d) else skips.get(d, 0)
         if [k0 for k0, _ in ranges] != [0] + [k1 for _, k1 in ranges[:-1]] or ranges[-1][1] != stop:
             broken.append(d)
-    return {"committed": len(whole), "committed_once": sum(1 for n in whole.values() if n == 1),
+    dealt = int(last["dealt"])
+    return {"rounds": len(line), "first_round": line[0]["round"], "last_round": last["round"], **off,
+            "committed": len(whole), "committed_once": sum(1 for n in whole.values() if n == 1),
             "twice": sorted(d for d, n in whole.items() if n > 1), "held": len(held),
             "held_twice": sorted({d for d in held if held.count(d) > 1}) if len(held) != len(set(held)) else [],
             "committed_and_held": sorted(set(whole) & set(held)),
-            "missing": sorted(set(range(end)) - set(whole) - set(held)),
-            "broken_chains": sorted(broken), "handed_end": end}
+            "lost": sorted(set(range(dealt)) - set(whole) - set(held)), "broken_chains": sorted(broken),
+            "dealt": dealt, "epochs": epoch_table(whole, set(held), dealt, int(last["epoch_docs"])),
+            "lease_max": lease_max, "want_max": max(r["want"] for r in line), "leases_off_bound": over}
 
-
-class SharedData:
-    """One rank's side of the ledger in an elastic run: it follows the membership's events.
-
-    "decision" (every attempt, before its vote): this rank writes its position in its lease (two
-    integers, `Position`) to the run's store, signed; a member's vote comes after it, so every member
-    that commits has written it. "commit": every member reads the contributors' positions and who
-    the committed average excluded, applies the same `Ledger.commit`, and this rank reads its new
-    lease. A joiner takes the ledger from a peer with the rest of the run's state
-    (`register_state_dict_fn`, compared by digest like the outer state); checkpoints hold it too.
-    """
-
-    def __init__(self, loader: Any, ledger: Ledger, site: int, rank: int, store: Any, prefix: str,
-                 outer: Any = None) -> None:
-        self.loader, self.ledger, self.site, self.rank = loader, ledger, site, rank
-        self.store, self.prefix, self.outer = store, prefix, outer
-
-    @classmethod
-    def for_run(cls, cfg: Any, world: Any, loader: Any, outer: Any) -> SharedData | None:
-        """The shared ledger of an elastic DiLoCo run (None for any other run: fixed slots, as before)."""
-        membership = getattr(outer, "membership", None)
-        if cfg.diloco is None or not cfg.diloco.elastic or membership is None:
-            return None
-        span = cfg.data.span_docs
-        ledger = Ledger(span, loader.train_documents, world.ranks_per_site, target=4 * span)
-        shared = cls(loader, ledger, world.site_rank, world.rank, membership.signed, membership.prefix, outer)
-        membership.register_state_dict_fn("ledger", shared.load_state_dict, shared.state_dict, shared.checksum)
-        return shared
-
-    def _key(self, round: int, site: int, rank: int) -> str:
-        return f"{self.prefix}ledger/r{round}/s{site}/k{rank}"
-
-    def on_event(self, event: dict[str, Any]) -> dict[str, Any] | None:
-        """Follow one membership event; the "ledger" record to log after a commit, else None."""
-        if event["event"] == "decision":
-            docs, tokens = self.loader.lease_position
-            self.store.set(self._key(event["round"], self.site, self.rank), f"{docs},{tokens}")
-        elif event["event"] == "commit":
-            round, members = event["round"], event["members"]
-            contributors = [m for m in members if m not in event.get("joined", [])]
-            reads = {m: [self._read(round, m, k) for k in range(self.ledger.ranks)] for m in contributors}
-            record = self.ledger.commit(round, members, reads, self._excluded(members) if contributors else [])
-            if self.site in members:
-                lease = self.ledger.lease(self.site, self.rank)
-                self.loader.set_lease(lease, self.ledger.lease_skips(lease))
-            return {"event": "ledger", **record}
-        return None
-
-    def _read(self, round: int, site: int, rank: int) -> Position:
-        docs, _, tokens = self.store.get(self._key(round, site, rank)).decode().partition(",")
-        return int(docs), int(tokens or 0)
-
-    def _excluded(self, members: list[int]) -> list[int]:
-        """Members whose pseudo-gradient the committed average left out (the last reduce, by group
-        index = position in `members`). Rank groups of a site may exclude differently (each checks
-        its own shard's bytes): the site takes their union, so every rank of every site agrees."""
-        result = getattr(self.outer, "last_reduce", None)
-        mine = set() if result is None else {members[i] for i in result.excluded_sites}
-        topology = getattr(self.outer, "topology", None)
-        if topology is not None and topology.world.ranks_per_site > 1:
-            flags = torch.tensor([1.0 if m in mine else 0.0 for m in members], device=topology.world.device)
-            topology.site_all_reduce(flags, op=dist.ReduceOp.MAX)
-            mine = {m for m, f in zip(members, flags.tolist()) if f > 0}
-        return sorted(mine)
-
-    def checksum(self) -> list[Any]:
-        """The ledger's state as bytes, for the hand-over's digest comparison across members."""
-        return [torch.frombuffer(bytearray(self.ledger.digest().encode()), dtype=torch.uint8)]
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.ledger.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.ledger.load_state_dict(state)

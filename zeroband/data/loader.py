@@ -425,7 +425,7 @@ class PackedBatches:
     def _lease_error(self, read: int) -> DataError:
         return DataError(
             f"rank {self.dp_rank} read all {read} documents the data ledger leased to it before the round ended. "
-            "Fix: raise data.span_docs (each rank is leased at least 4 spans ahead)"
+            "Fix: raise data.span_docs (each rank is leased at least 4 x span_docs documents ahead)"
         )
 
     # ---------------------------------------------------------------------------------------- leases

@@ -12,9 +12,9 @@ in a new generation with the same pseudo-gradients, never applying a partial res
 - Join: a site that starts while a run is going on waits for the next boundary, receives the state
   dicts registered with `register_state_dict_fn` (the outer state, progress, schedule: what a
   checkpoint saves) from a live peer over the global group, checks the outer state by checksum
-  against every member, and trains from there. Sites keep fixed slots
-  (`site_rank` < `site_count`), and a slot's documents belong to it alone, so no shard is read by
-  two sites; a re-joining slot continues from the data position it last published.
+  against every member, and trains from there. Sites keep fixed slots (`site_rank` <
+  `site_count`); which documents each reads is the data ledger's (zeroband/data/ledger.py), a
+  `RoundParticipant` called before each vote and at each commit (`add_participant`).
 - Leave (SIGTERM): the site writes `leave/<site>`, so nobody waits for its heartbeat to time out.
 - End: the members that commit the round after which the run is over (`run_end`, the outer loop's
   rule) publish it (`complete`, signed). A site without the run's state (starting, restarted, or
@@ -49,7 +49,15 @@ from zeroband.comm.link import LinkPolicy
 from zeroband.config import DilocoConfig, SitesConfig
 from zeroband.membership.base import Event, EventLog
 from zeroband.membership.heartbeat import Heartbeat, Liveness, heartbeat_key, leave_key
-from zeroband.membership.rounds import POLL_S, Decision, LeftBehind, RoundCoordinator, RunComplete, run_over
+from zeroband.membership.rounds import (
+    POLL_S,
+    Decision,
+    LeftBehind,
+    RoundCoordinator,
+    RoundParticipant,
+    RunComplete,
+    run_over,
+)
 from zeroband.mesh import Topology
 from zeroband.store.client import open_store, store_failures_named
 from zeroband.trust.auth import SECRET_FIX, PeerRefused, Verdict, admission
@@ -119,7 +127,9 @@ class ElasticAttempt:
         m, decision = self.member, self.decision
         m.watch.check = None  # this attempt's waits are over
         bound = None if m.group is None else m.group.settle_bound()  # None: it failed, its vote aborts
-        with store_failures_named(m.sites.store):  # the commit reads the store too (the data positions)
+        with store_failures_named(m.sites.store):  # the participants write and read the store too
+            for participant in m.participants:  # before the site's vote: its ranks agree on it in `_site_ok`
+                participant.before_vote(m.round, self.number, decision)
             verdict = m.rounds.vote_and_verdict(m.round, self.number, decision, m._site_ok(not self.failed),
                                                 m.sites.timeout_s, bound)
             if verdict == "commit":
@@ -175,6 +185,7 @@ class ElasticMembership:
         self.round = 0
         self.may_retry = True
         self.handed: dict[str, tuple[Callable[[Any], None], Callable[[], Any]]] = {}
+        self.participants: list[RoundParticipant] = []  # called before each vote and at each commit
         self.events = EventLog(self.world.site_rank)
 
     # ------------------------------------------------------------------ the protocol's small parts
@@ -193,6 +204,9 @@ class ElasticMembership:
 
     def attach(self, sink: Callable[[Event], None]) -> None:
         self.events.attach(sink)
+
+    def add_participant(self, participant: RoundParticipant) -> None:
+        self.participants.append(participant)
 
     def emit(self, event: str, **fields: Any) -> Event:
         return self.events.emit(event, round=self.round, **fields)
@@ -386,6 +400,8 @@ class ElasticMembership:
             self.rounds.mark_committed(self.round)
         self.emit("commit", attempt=attempt, members=decision.members, generation=decision.generation,
                   joined=decision.fresh)
+        for participant in self.participants:
+            participant.on_commit(self.round, decision)
         self.round += 1
         if (step := self.run_end()) is not None:  # every member publishes it: any one of them suffices
             self.rounds.mark_complete(self.round - 1, step, self.total_steps)

@@ -31,7 +31,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch.distributed as dist
 
@@ -85,6 +85,18 @@ class Decision:
     @classmethod
     def from_json(cls, raw: bytes | str) -> Decision:
         return cls(**json.loads(raw))
+
+
+class RoundParticipant(Protocol):
+    """State that moves with the rounds (the data ledger, zeroband/data/ledger.py): the membership
+    calls it on every rank, on the main thread, where site collectives are safe."""
+
+    def before_vote(self, round: int, attempt: int, decision: Decision) -> None:
+        """Before this site votes on `attempt` (once every rank returned here): what the commit will
+        read from this rank must be in the store now."""
+
+    def on_commit(self, round: int, decision: Decision) -> None:
+        """Round `round` was committed by `decision`'s members (the verdict is read, the step applied)."""
 
 
 @dataclass

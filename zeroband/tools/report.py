@@ -1,5 +1,6 @@
 """Summaries of finished runs, read back from their metrics.jsonl files: a table and a loss plot,
-and (`python -m zeroband.tools.report data RUN_DIR`) what the data ledger's records prove."""
+and (`python -m zeroband.tools.report data RUN_DIR`) what the data ledger's records prove, per
+epoch of the corpus."""
 
 from __future__ import annotations
 
@@ -110,35 +111,45 @@ def run_report(run_dir: Path, ckpt_dir: Path, name: str, wall_s: float) -> str:
 
 
 # ------------------------------------------------------------------ the data ledger (elastic runs)
-def ledger_rounds(metrics_paths: Iterable[Path]) -> tuple[list[dict[str, Any]], list[int]]:
-    """The data ledger's record of each round (zeroband/data/ledger.py) from every site's metrics,
-    in round order, and the rounds where two sites logged different ledgers (by digest)."""
-    by_round: dict[int, dict[str, Any]] = {}
-    differ = set()
-    for path in metrics_paths:
-        for r in (r for r in read_metrics(path) if r["kind"] == "data"):
-            if by_round.setdefault(r["round"], r)["digest"] != r["digest"]:
-                differ.add(r["round"])
-    return [by_round[k] for k in sorted(by_round)], sorted(differ)
+def ledger_records(metrics_paths: Iterable[Path]) -> list[dict[str, Any]]:
+    """Every data ledger record (zeroband/data/ledger.py) of every site's metrics, restarts included."""
+    return [r for path in metrics_paths for r in read_metrics(path) if r["kind"] == "data"]
 
 
 def data_audit(metrics_paths: Iterable[Path]) -> dict[str, Any]:
-    """`ledger.audit` of a run's merged ledger records, with the rounds nobody logged and the
-    rounds whose ledgers differ between sites (both should be empty)."""
-    rounds, differ = ledger_rounds(metrics_paths)
-    if not rounds:
-        return {"ledger_rounds": 0}
-    numbers = [r["round"] for r in rounds]
-    return {**audit(rounds), "ledger_rounds": len(rounds), "ledger_rounds_differing": differ,
-            "ledger_rounds_missing": sorted(set(range(numbers[-1] + 1)) - set(numbers))}
+    """`ledger.audit` of a run's records from every site: the run's one line of commits through its
+    restarts, per epoch of the corpus."""
+    return audit(ledger_records(metrics_paths))
 
 
 def data_line(d: dict[str, Any]) -> str:
-    if not d.get("ledger_rounds"):
+    if not d.get("rounds"):
         return "-"
-    return (f"{d['committed_once']} / {d['committed']} (twice {len(d['twice'])}, lost {len(d['missing'])}, "
-            f"token chains broken {len(d['broken_chains'])}; {d['ledger_rounds']} rounds, unlogged "
-            f"{d['ledger_rounds_missing']}, ledgers differing {d['ledger_rounds_differing']})")
+    return (f"{d['committed_once']} / {d['committed']} (twice {len(d['twice'])}, lost {len(d['lost'])}, "
+            f"token chains broken {len(d['broken_chains'])}; rounds {d['first_round']}-{d['last_round']}, unlogged "
+            f"{d['missing']}, ledgers differing {d['differing']}, undone by a relaunch {len(d['superseded'])})")
+
+
+def epoch_lines(d: dict[str, Any]) -> list[str]:
+    """The per-epoch table and the lease sizes over the rounds, as `report data` prints them."""
+    lines = ["| epoch | documents | read once | twice | never | held (read next) | not dealt yet |",
+             "|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += [f"| {e['epoch']} | {e['documents']} | {e['once']} | {e['twice']} | {e['never']} | {e['held']} | "
+              f"{e['not_dealt']} |" for e in d["epochs"]]
+    sizes = d["lease_max"]
+    every = max(1, len(sizes) // 20)
+    lines.append(f"lease per rank (documents; bound: the round's want, at most {d['want_max']}), by round from "
+                 f"{d['first_round']}, every {every}: {sizes[::every]}; off the bound in rounds {d['leases_off_bound']}")
+    return lines
+
+
+def data_clean(d: dict[str, Any]) -> bool:
+    """No document read twice or lost, no epoch left unread behind a later one, no chain broken, the
+    sites' ledgers equal, every round logged, every lease within its bound."""
+    keys = ("twice", "lost", "broken_chains", "held_twice", "committed_and_held", "differing", "missing",
+            "leases_off_bound")
+    return bool(d.get("rounds")) and not any(d.get(k) for k in keys) and not any(
+        e["never"] or e["twice"] for e in d["epochs"])
 
 
 def main(argv: list[str]) -> int:
@@ -149,11 +160,11 @@ def main(argv: list[str]) -> int:
     paths = sorted(Path(argv[1]).glob("site*/metrics.jsonl"))
     d = data_audit(paths)
     print(f"data ledger of {len(paths)} sites: documents committed exactly once / committed: {data_line(d)}")
-    if d.get("ledger_rounds"):
-        print(f"handed out {d['handed_end']} documents of the order; still leased or given back: {d['held']}")
-    clean = not any(d.get(k) for k in ("twice", "missing", "broken_chains", "held_twice", "committed_and_held",
-                                       "ledger_rounds_differing", "ledger_rounds_missing"))
-    return 0 if clean and d.get("ledger_rounds") else 1
+    if d.get("rounds"):
+        print(f"dealt {d['dealt']} documents of the order ({len(d['epochs'])} epochs); still leased or given back: "
+              f"{d['held']}")
+        print("\n".join(epoch_lines(d)))
+    return 0 if data_clean(d) else 1
 
 
 if __name__ == "__main__":
