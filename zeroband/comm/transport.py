@@ -683,7 +683,9 @@ class Transport:
             del socks[peer][result.chosen:]
 
     def _dial(self, address: tuple[str, int], dst: int, stream: int, deadline: float) -> socket.socket:
-        """Retried until the deadline: a listener under a flood may drop our handshake once."""
+        """Dialed again until the deadline whenever a handshake fails or is not admitted (no ADMIT: the
+        listener dropped it, e.g. at its deadline or restarting), so the acceptor never waits on a
+        connection its dialer thinks is up."""
         while True:
             try:
                 return dial(address, self.key, self.rank, dst, stream, self.streams)
