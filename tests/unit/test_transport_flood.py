@@ -89,7 +89,7 @@ def test_a_proven_connection_survives_a_flood_from_its_own_address_and_one_not_y
     proven.sendall(hello)
     nonce = _read(proven, ANSWER)[:16]
     waiting = _connect_from(HONEST, _address(t))
-    assert _flood(t, 600, "127.0.0.1") == _flood(t, 600, FLOODER) == 600
+    assert _flood(t, 300, "127.0.0.1") == _flood(t, 300, FLOODER) == 300
     proven.sendall(tp.confirm_tag(t.key, hello, nonce))
     assert _read(proven, ADMIT) == tp.admit_tag(t.key, hello, nonce)
     late = tp.make_hello(t.key, 2, 0, 0, 1, b"m" * 16)
