@@ -395,10 +395,14 @@ class _Acceptor:
         self.sock.close()
 
 
-def dial(address: tuple[str, int], key: bytes, me: int, dst: int, stream: int, streams: int) -> socket.socket:
+def dial(address: tuple[str, int], key: bytes, me: int, dst: int, stream: int, streams: int,
+         admit_s: float = HELLO_DEADLINE_S) -> socket.socket:
     """One authenticated connection to `dst` (the dialer's side of the handshake), returned once the
     acceptor said it admitted it; raises OSError or TransportError when it fails (`Transport._dial`
-    then dials again)."""
+    then dials again). Each step waits HELLO_DEADLINE_S at most, ADMIT `admit_s`: an acceptor that
+    drops a connection closes it, which ends the wait at once, so a longer wait only spares a
+    connection the acceptor took but answered late (given up, it would leave the acceptor holding
+    a socket its dialer closed)."""
     sock = socket.create_connection(address, timeout=HELLO_DEADLINE_S)
     try:
         hello = make_hello(key, me, dst, stream, streams, secrets.token_bytes(16))
@@ -408,6 +412,7 @@ def dial(address: tuple[str, int], key: bytes, me: int, dst: int, stream: int, s
         if not hmac.compare_digest(tag, answer_tag(key, hello, nonce)):
             raise TransportError(f"site {dst} answered the handshake without the shared secret")
         sock.sendall(confirm_tag(key, hello, nonce))
+        sock.settimeout(max(admit_s, HELLO_DEADLINE_S))
         if not hmac.compare_digest(_read_exact(sock, ADMIT), admit_tag(key, hello, nonce)):
             raise TransportError(f"site {dst} admitted the connection without the shared secret")
         sock.settimeout(None)
@@ -688,7 +693,7 @@ class Transport:
         connection its dialer thinks is up."""
         while True:
             try:
-                return dial(address, self.key, self.rank, dst, stream, self.streams)
+                return dial(address, self.key, self.rank, dst, stream, self.streams, deadline - time.monotonic())
             except (OSError, TransportError) as e:
                 if time.monotonic() > deadline:
                     raise PeerTimeout(f"connecting the group: site {dst} at {address[0]}:{address[1]} refused or "
