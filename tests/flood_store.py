@@ -1,6 +1,7 @@
 """A stranger's flood of a TCP port (issue 23 item 5), as its own process (stdlib only, so it starts fast).
 
     python tests/flood_store.py HOST PORT [--conns 20000] [--wave 5000] [--stall 600] [--forever]
+                                          [--rate 2000] [--source 127.0.0.2] [--empty] [--seconds 60]
 
 - `--stall` connections each send 1 byte and then say nothing, held open the whole time (one the
   target closes is replaced at the next wave);
@@ -8,7 +9,9 @@
   is complete, then reset (SO_LINGER 0: no TIME_WAIT on either side eats the ephemeral ports). This
   process raises its RLIMIT_NOFILE soft limit to the hard one; where that is under conns + stall
   (20,000 here), the connections cannot all be open at once, hence the waves.
-- `--forever`: waves until SIGTERM.
+- `--forever`: waves until SIGTERM (or `--seconds`, a bound on the whole flood);
+- `--rate`: wave connections paced to this many per second (default: as fast as they open);
+  `--source`: the local address they are opened from; `--empty`: they send nothing.
 
 Prints one JSON line when done: connections opened and failed, waves, and the peak held at once.
 """
@@ -26,12 +29,15 @@ import sys
 import time
 
 
-def _open(addr: tuple[str, int], payload: bytes) -> socket.socket | None:
+def _open(addr: tuple[str, int], payload: bytes, source: str | None = None) -> socket.socket | None:
     s = socket.socket()
     s.settimeout(1.0)
     try:
+        if source:
+            s.bind((source, 0))
         s.connect(addr)
-        s.send(payload)
+        if payload:
+            s.send(payload)
         return s
     except OSError:
         s.close()
@@ -78,6 +84,10 @@ def main() -> int:
     parser.add_argument("--wave", type=int, default=5000)
     parser.add_argument("--stall", type=int, default=600)
     parser.add_argument("--forever", action="store_true")
+    parser.add_argument("--rate", type=float, default=0.0)
+    parser.add_argument("--source", default=None)
+    parser.add_argument("--empty", action="store_true")
+    parser.add_argument("--seconds", type=float, default=float("inf"))
     args = parser.parse_args()
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
@@ -87,14 +97,17 @@ def main() -> int:
     stats = {"opened": 0, "failed": 0, "waves": 0, "stalled": 0, "peak_open": 0, "nofile": hard}
     stalled: list[socket.socket] = []
     t0 = time.monotonic()
-    while not stop and (args.forever or stats["opened"] < args.conns):
+    payload = b"" if args.empty else b"\x00" * 8
+    while not stop and (args.forever or stats["opened"] < args.conns) and time.monotonic() - t0 < args.seconds:
         stalled = _alive(stalled)
-        while len(stalled) < args.stall and (s := _open(addr, b"\x00")) is not None:
+        while len(stalled) < args.stall and (s := _open(addr, b"\x00", args.source)) is not None:
             stalled.append(s)
             stats["stalled"] += 1
         wave = []
         for _ in range(min(args.wave, args.conns - stats["opened"]) if not args.forever else args.wave):
-            s = _open(addr, b"\x00" * 8)
+            if args.rate:  # the n-th connection no earlier than n / rate after the start
+                time.sleep(max(0.0, t0 + (stats["opened"] + stats["failed"]) / args.rate - time.monotonic()))
+            s = _open(addr, payload, args.source)
             if s is None:
                 stats["failed"] += 1
                 if not wave:

@@ -18,6 +18,10 @@ here): the 8-byte connections go in waves of WAVE, each closed before the next, 
 open at once; the 600 stalled ones per port stay open. The sites are paced (test side only) so
 that their exchanges run while the flood is on: the first statistics exchange waits until the flood
 started, the second until it finished, the later ones until the stalled connections are in place.
+
+`test_sites_train_when_a_flood_outpaces_the_round_trip` (issue 35 item 2) floods one listener while
+the other site's connections cross a real round trip (zeroband/wan/relay.py): a peer is pending for
+about a round trip, and a flood of more than 64 connections per round trip used to evict it.
 """
 
 from __future__ import annotations
@@ -157,3 +161,66 @@ def test_sites_keep_training_through_connection_floods_on_every_port(corpus, tmp
     a, b = final_params(tree, 0, 8, SECRET), final_params(tree, 1, 8, SECRET)
     assert all(torch.equal(a[k], b[k]) for k in a)
     print(f"flood: {seen}")
+
+
+# ------------------------------------------------ a flood against a link with a real round trip
+DELAY_S, RATE = 0.05, 2000  # one way; empty connections a second (issue 35 item 2)
+
+
+def _train_across_a_delay(tree: dict) -> dict:
+    """A site whose cross-site connections cross a real round trip: site 1 dials site 0 through a
+    relay adding DELAY_S each way (from 127.0.0.3), and site 0, once it listens, has a process flood
+    its transport listener from 127.0.0.2 with RATE empty connections a second until it finished.
+    The transport is the real one; only the address site 1 dials is the relay's (test side only)."""
+    import json
+    import subprocess
+    import sys
+
+    from zeroband.comm.transport import Transport
+    from zeroband.wan.relay import DelayRelay
+
+    honest, held, floods = Transport.connect, [], []
+
+    def connect(self: Transport, addresses: dict[int, str]) -> None:
+        if self.rank == 0:
+            host, port = self.address.rsplit(":", 1)
+            floods.append(subprocess.Popen([sys.executable, str(Path(__file__).parents[1] / "flood_store.py"), host, port,
+                                            "--conns", "0", "--wave", "500", "--stall", "0", "--forever",
+                                            "--seconds", "100", "--rate", str(RATE), "--source", "127.0.0.2", "--empty"],
+                                           stdout=subprocess.PIPE, text=True))
+            while self.acceptor.refused < 128:  # the flood is on before site 1 can come
+                time.sleep(0.02)
+        else:
+            host, port = addresses[0].rsplit(":", 1)
+            held.append(DelayRelay((host, int(port)), DELAY_S, source="127.0.0.3"))
+            addresses = {**addresses, 0: "{}:{}".format(*held[-1].address)}
+        honest(self, addresses)
+
+    Transport.connect = connect  # type: ignore[method-assign]
+    try:
+        out = _train(tree)
+    finally:
+        for flood in floods:
+            flood.terminate()
+        stats = [json.loads(flood.communicate(timeout=20)[0]) for flood in floods]
+        for relay in held:
+            relay.close()
+    return {"steps": out["steps"], "flood": stats}
+
+
+def test_sites_train_when_a_flood_outpaces_the_round_trip(corpus, tmp_path):
+    """Issue 35 item 2: more than 64 empty connections per round trip (here 2,000/s asked against
+    100 ms) used to evict site 1's handshake every time, before and after its valid hello; site 1
+    never learnt it and site 0 blamed it ("site 1 did not connect"). Now both sites connect through
+    the flood and train to the same parameters."""
+    tree = tiny_overrides(corpus, tmp_path, train={"steps": 4, "global_batch": 2, "micro_batch": 2})
+    tree["diloco"] = {"inner_steps": 2}
+    tree["sites"] = {"store": f"tcp://127.0.0.1:{free_port()}", "timeout_s": 30, "streams": 2}
+    start = time.monotonic()
+    out = run_sites(_train_across_a_delay, 2, 1, (tree,), env={"ZEROBAND_SECRET": SECRET, "GLOO_SOCKET_IFNAME": "lo"},
+                    timeout=110)
+    [stats] = out[(0, 0)]["flood"]
+    print(f"trained in {time.monotonic() - start:.1f} s; flood {stats}: {stats['opened'] / stats['seconds']:.0f}/s")
+    assert [out[(s, 0)]["steps"] for s in (0, 1)] == [4, 4]
+    a, b = final_params(tree, 0, 4, SECRET), final_params(tree, 1, 4, SECRET)
+    assert all(torch.equal(a[k], b[k]) for k in a)

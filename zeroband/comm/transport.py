@@ -11,16 +11,26 @@ Setup (once per group, i.e. per incarnation or elastic generation; `Transport.co
 - for each pair, the higher rank dials the lower one `streams` times (one connection per stream);
 - handshake, all fixed sizes: the dialer sends HELLO (src, dst, stream, streams, its nonce, HMAC);
   the acceptor checks it and answers (its nonce, HMAC over the hello and both nonces); the dialer
-  checks that and sends CONFIRM (HMAC over the hello and the acceptor's nonce). Both sides proved
-  the key over the other's fresh nonce, so a recorded handshake cannot be replayed. The key is the
-  secret's `transport` subkey bound to the group's prefix (run, incarnation, generation, shard);
-  without a secret (sites.insecure) it is a public constant: unkeyed, with the same bounds.
+  checks that and sends CONFIRM (HMAC over the hello and the acceptor's nonce); the acceptor checks
+  that and sends ADMIT (HMAC, its own label, over the hello and both nonces) as it takes the
+  connection. Both sides proved the key over the other's fresh nonce, so a recorded handshake cannot
+  be replayed. The dialer returns only once ADMIT verified: a connection the acceptor dropped, for
+  whatever reason, is dialed again (`Transport._dial`) instead of being waited for in vain. The key
+  is the secret's `transport` subkey bound to the group's prefix (run, incarnation, generation,
+  shard); without a secret (sites.insecure) it is a public constant: unkeyed, with the same bounds.
 
 Bounds on what a stranger can cost (`_Acceptor`): one selector thread accepts without blocking and
 reads at most HELLO then CONFIRM bytes from a connection that has not authenticated; it closes one
-that has not finished within HELLO_DEADLINE_S, one that fails a check, and, when MAX_PENDING are
-pending, the oldest of them (a stalled connection is always the oldest, so a real peer that
-answers in time displaces it). No thread per connection, no buffer beyond the fixed sizes.
+that has not finished within HELLO_DEADLINE_S and one that fails a check. A connection whose HELLO
+verified (and is not a replay of one seen before) is proven: it holds the sender's slot (src,
+stream), one each, and no stranger's connection ever evicts it. Unproven ones are bounded:
+MAX_PENDING_PER_SOURCE per source address and MAX_PENDING in all; a new one evicts the oldest
+unproven one of its own source when that source is at its cap, else, when the pool is full, of the
+source holding the most (`to_evict`). A flood from one host thus only evicts its own connections,
+whatever its rate against the round trip a real peer needs (issue 35 item 2: before, the oldest of
+all gave way, so 64 empty connections per round trip kept a real peer out). No thread per
+connection, no buffer beyond the fixed sizes. When connecting fails after this listener refused
+many connections, the error names that flood (counts, main sources), not only the missing sites.
 
 After setup every message is framed as (tag, total bytes) + payload; the receiver refuses a total
 larger than the buffer it posted (no allocation sized by the peer). Matching is gloo's: FIFO per
@@ -57,12 +67,17 @@ from zeroband.watchdog import PeerTimeout, TransportError, TransportTimeout
 log = logging.getLogger(__name__)
 
 LABEL = b"zeroband-transport-v1"
-MAGIC = b"ZBT1"
+MAGIC = b"ZBT2"  # 2: the acceptor answers CONFIRM with ADMIT
 HELLO = struct.Struct("!4sIIII16s32s")  # magic, src, dst, stream, streams, nonce, HMAC: 68 bytes
-ANSWER, CONFIRM = 16 + 32, 32  # acceptor's nonce + HMAC; dialer's HMAC
+ANSWER, CONFIRM, ADMIT = 16 + 32, 32, 32  # acceptor's nonce + HMAC; dialer's HMAC; acceptor's HMAC
 HEADER = struct.Struct("!QQ")  # message tag, total bytes of the message
 HELLO_DEADLINE_S = 3.0  # an unauthenticated connection's whole handshake
-MAX_PENDING = 64  # unauthenticated connections held at once
+MAX_PENDING = 64  # unproven connections (no verified hello yet) held at once
+MAX_PENDING_PER_SOURCE = 16  # of which from one source address
+SEEN_HELLOS = 4096  # verified hellos remembered, to refuse a replayed one (only key holders add any)
+REFUSED_SOURCES = 256  # source addresses counted apart in the refusals (the rest: "others")
+FLOOD_REFUSED = MAX_PENDING  # refusals that make a connect error name the flood
+BACKLOG = 128  # the kernel's queue of connections not yet accepted
 MIN_SLICE = 1 << 16  # smaller messages use fewer streams
 BROADCAST_TAG, ALLREDUCE_TAG = 1 << 40, (1 << 40) + 1  # above every tag of comm/group.py
 PROBE_LIMIT_S = 30.0  # a probe's step may block this long, plus twice sites.probe_s (the transfer's tail)
@@ -98,6 +113,10 @@ def answer_tag(key: bytes, hello: bytes, nonce: bytes) -> bytes:
 
 def confirm_tag(key: bytes, hello: bytes, nonce: bytes) -> bytes:
     return _mac(key, b"confirm", hello, nonce)
+
+
+def admit_tag(key: bytes, hello: bytes, nonce: bytes) -> bytes:
+    return _mac(key, b"admit", hello, nonce)
 
 
 def slices(total: int, streams: int) -> list[tuple[int, int]]:
@@ -192,11 +211,25 @@ class Then:
 
 
 # ------------------------------------------------------------------------------- the listener
-class _Pending:
-    """An accepted connection that has not authenticated: what it sent so far, fixed-size only."""
+def to_evict(unproven: dict[str, int], source: str) -> str | None:
+    """The source address whose oldest unproven connection gives way so that a new one from `source`
+    can be held (None: there is room). `unproven` counts them per source. A source at its own cap
+    gives way itself; when the pool is full, the source holding the most does (ties: the newcomer's
+    own, then the first listed). A flood from one address therefore only ever evicts its own."""
+    if unproven.get(source, 0) >= MAX_PENDING_PER_SOURCE:
+        return source
+    if sum(unproven.values()) < MAX_PENDING or not unproven:
+        return None
+    return max(unproven, key=lambda s: (unproven[s], s == source))
 
-    def __init__(self, deadline: float) -> None:
-        self.deadline, self.data, self.hello, self.nonce, self.who = deadline, b"", b"", b"", (0, 0)
+
+class _Pending:
+    """An accepted connection that has not authenticated: what it sent so far, fixed-size only.
+    `hello` is set once its hello verified: it is then proven (see `_Acceptor`)."""
+
+    def __init__(self, deadline: float, source: str) -> None:
+        self.deadline, self.source = deadline, source
+        self.data, self.hello, self.nonce, self.who = b"", b"", b"", (0, 0)
 
 
 class _Acceptor:
@@ -206,14 +239,19 @@ class _Acceptor:
     def __init__(self, host: str, key: bytes, me: int, size: int, streams: int,
                  admit: Callable[[int, int, socket.socket], None]) -> None:
         self.key, self.me, self.size, self.streams, self.admit = key, me, size, streams, admit
-        self.sock = socket.create_server((host, 0), backlog=128)
+        self.sock = socket.create_server((host, 0), backlog=BACKLOG)
         self.sock.setblocking(False)
         self.address = self.sock.getsockname()[:2]
-        self.pending: OrderedDict[socket.socket, _Pending] = OrderedDict()
+        self.pending: OrderedDict[socket.socket, _Pending] = OrderedDict()  # all of them, oldest first
+        self.unproven: dict[str, OrderedDict[socket.socket, None]] = {}  # per source address, oldest first
+        self.proven: dict[tuple[int, int], socket.socket] = {}  # (src, stream) -> its pending connection
+        self.seen: OrderedDict[bytes, None] = OrderedDict()  # MACs of the hellos verified (replays refused)
         self.selector = selectors.DefaultSelector()
         self.selector.register(self.sock, selectors.EVENT_READ)
         self.closed = False
-        self.refused = 0  # connections closed unauthenticated (for tests and logs)
+        self.refused = 0  # connections closed unauthenticated (for tests and the connect error)
+        self.refused_from: dict[str, int] = {}  # of which per source address (REFUSED_SOURCES at most)
+        self.lock = threading.Lock()  # `refused_from` is read by the connecting thread
         self.thread = threading.Thread(target=self._loop, name="zeroband-transport-accept", daemon=True)
         self.thread.start()
 
@@ -231,21 +269,30 @@ class _Acceptor:
             self._expire(time.monotonic())
 
     def _accept_all(self) -> None:
-        """Every connection the kernel queued, without blocking; when the pool is full the oldest
-        pending one makes room (fds stay bounded whatever a stranger opens)."""
+        """Every connection the kernel queued, without blocking; when its source or the pool is full
+        an unproven one makes room (`to_evict`: fds stay bounded whatever a stranger opens)."""
         for _ in range(1024):  # then let the pending ones speak
             try:
-                conn, _ = self.sock.accept()
+                conn, peer = self.sock.accept()
             except BlockingIOError:
                 return
             except OSError:  # EMFILE and the like: free a slot, try again on the next wakeup
-                self._drop_oldest()
+                counts = self._counts()
+                self._evict(max(counts, key=counts.__getitem__, default=None))
                 return
-            if len(self.pending) >= MAX_PENDING:
-                self._drop_oldest()
+            source = peer[0]
+            self._evict(to_evict(self._counts(), source))
             conn.setblocking(False)
-            self.pending[conn] = _Pending(time.monotonic() + HELLO_DEADLINE_S)
+            self.pending[conn] = _Pending(time.monotonic() + HELLO_DEADLINE_S, source)
+            self.unproven.setdefault(source, OrderedDict())[conn] = None
             self.selector.register(conn, selectors.EVENT_READ)
+
+    def _counts(self) -> dict[str, int]:
+        return {source: len(conns) for source, conns in self.unproven.items()}
+
+    def _evict(self, source: str | None) -> None:
+        if source is not None:
+            self._close(next(iter(self.unproven[source])))
 
     def _read(self, conn: socket.socket) -> None:
         p = self.pending[conn]
@@ -266,9 +313,9 @@ class _Acceptor:
         """A complete hello (answer it) or confirm (admit the connection); anything else closes it."""
         if not p.hello:
             who = check_hello(self.key, p.data, self.me, self.size, self.streams)
-            if who is None:
+            if who is None or p.data[-32:] in self.seen:  # a replayed hello proves nothing
                 return self._close(conn)
-            p.hello, p.who, p.nonce, p.data = p.data, who, secrets.token_bytes(16), b""
+            self._prove(conn, p, who)
             try:
                 conn.send(p.nonce + answer_tag(self.key, p.hello, p.nonce))  # 48 bytes: fits a fresh socket
             except OSError:
@@ -278,8 +325,28 @@ class _Acceptor:
             return self._close(conn)
         self.selector.unregister(conn)
         del self.pending[conn]
+        del self.proven[p.who]
+        try:
+            conn.send(admit_tag(self.key, p.hello, p.nonce))  # 32 bytes, the first the socket sends after 48
+        except OSError:
+            conn.close()
+            return
         conn.setblocking(True)
         self.admit(*p.who, conn)
+
+    def _prove(self, conn: socket.socket, p: _Pending, who: tuple[int, int]) -> None:
+        """`conn` sent a fresh hello under the key: no unproven one may evict it any more. One per
+        (src, stream): an earlier one for the same slot is from an attempt its dialer gave up on."""
+        self.seen[p.data[-32:]] = None
+        if len(self.seen) > SEEN_HELLOS:
+            self.seen.popitem(last=False)
+        del self.unproven[p.source][conn]
+        if not self.unproven[p.source]:
+            del self.unproven[p.source]
+        p.hello, p.who, p.nonce, p.data = p.data, who, secrets.token_bytes(16), b""
+        if who in self.proven:
+            self._close(self.proven[who])
+        self.proven[who] = conn
 
     def _expire(self, now: float) -> None:
         while self.pending:
@@ -288,18 +355,35 @@ class _Acceptor:
                 return
             self._close(conn)
 
-    def _drop_oldest(self) -> None:
-        if self.pending:
-            self._close(next(iter(self.pending)))
-
     def _close(self, conn: socket.socket) -> None:
-        self.refused += 1
-        self.pending.pop(conn, None)
+        p = self.pending.pop(conn, None)
+        if p is not None:
+            self._count_refusal(p.source)
+            if p.hello and self.proven.get(p.who) is conn:
+                del self.proven[p.who]
+            elif not p.hello:
+                del self.unproven[p.source][conn]
+                if not self.unproven[p.source]:
+                    del self.unproven[p.source]
         try:
             self.selector.unregister(conn)
         except (KeyError, ValueError):
             pass
         conn.close()
+
+    def _count_refusal(self, source: str) -> None:
+        self.refused += 1
+        if source not in self.refused_from and len(self.refused_from) >= REFUSED_SOURCES:
+            source = "others"
+        with self.lock:
+            self.refused_from[source] = self.refused_from.get(source, 0) + 1
+
+    def refusals(self) -> str:
+        """The connections refused so far and their main sources, for an error line."""
+        with self.lock:
+            top = sorted(self.refused_from.items(), key=lambda item: -item[1])[:3]
+        return f"{self.refused:,} connections that did not authenticate (from " + ", ".join(
+            f"{source}: {count:,}" for source, count in top) + ")"
 
     def close(self) -> None:
         self.closed = True
@@ -311,9 +395,14 @@ class _Acceptor:
         self.sock.close()
 
 
-def dial(address: tuple[str, int], key: bytes, me: int, dst: int, stream: int, streams: int) -> socket.socket:
-    """One authenticated connection to `dst` (the dialer's side of the handshake); raises OSError or
-    TransportError when it fails."""
+def dial(address: tuple[str, int], key: bytes, me: int, dst: int, stream: int, streams: int,
+         admit_s: float = HELLO_DEADLINE_S) -> socket.socket:
+    """One authenticated connection to `dst` (the dialer's side of the handshake), returned once the
+    acceptor said it admitted it; raises OSError or TransportError when it fails (`Transport._dial`
+    then dials again). Each step waits HELLO_DEADLINE_S at most, ADMIT `admit_s`: an acceptor that
+    drops a connection closes it, which ends the wait at once, so a longer wait only spares a
+    connection the acceptor took but answered late (given up, it would leave the acceptor holding
+    a socket its dialer closed)."""
     sock = socket.create_connection(address, timeout=HELLO_DEADLINE_S)
     try:
         hello = make_hello(key, me, dst, stream, streams, secrets.token_bytes(16))
@@ -323,6 +412,9 @@ def dial(address: tuple[str, int], key: bytes, me: int, dst: int, stream: int, s
         if not hmac.compare_digest(tag, answer_tag(key, hello, nonce)):
             raise TransportError(f"site {dst} answered the handshake without the shared secret")
         sock.sendall(confirm_tag(key, hello, nonce))
+        sock.settimeout(max(admit_s, HELLO_DEADLINE_S))
+        if not hmac.compare_digest(_read_exact(sock, ADMIT), admit_tag(key, hello, nonce)):
+            raise TransportError(f"site {dst} admitted the connection without the shared secret")
         sock.settimeout(None)
         return sock
     except BaseException:
@@ -511,10 +603,12 @@ class Transport:
 
     def _admit(self, src: int, stream: int, sock: socket.socket) -> None:
         with self.cond:
-            slots = self.accepted.setdefault(src, {})
-            if stream in slots or src in self.peers:  # only a key holder gets here: keep the first
+            if src in self.peers:  # the group formed already
                 sock.close()
                 return
+            slots = self.accepted.setdefault(src, {})
+            if stream in slots:  # only a key holder gets here: its dialer gave up on the older one
+                slots[stream].close()
             slots[stream] = sock
             self.cond.notify_all()
 
@@ -533,8 +627,7 @@ class Transport:
                 while missing := [s for s in range(self.rank + 1, self.size)
                                   if len(self.accepted.get(s, {})) < self.streams]:
                     if time.monotonic() > deadline:
-                        raise PeerTimeout(f"connecting the group: {_names(missing)} did not connect within "
-                                          f"{self.timeout_s:g} s (sites.timeout_s)")
+                        raise PeerTimeout(self._missing(missing))
                     self.cond.wait(0.1)
                 for src, slots in self.accepted.items():
                     socks[src] = [slots.pop(k) for k in range(self.streams)]
@@ -546,6 +639,15 @@ class Transport:
             raise
         for peer, conns in socks.items():
             self.peers[peer] = _Peer(peer, conns)
+
+    def _missing(self, missing: list[int]) -> str:
+        """Why connecting failed on the accepting side: a flood when this listener refused one, else
+        the sites that did not come."""
+        waited = f"{_names(missing)} did not connect within {self.timeout_s:g} s (sites.timeout_s)"
+        if self.acceptor.refused < FLOOD_REFUSED:
+            return f"connecting the group: {waited}"
+        return (f"connecting the group under a connection flood: this listener refused {self.acceptor.refusals()}, "
+                f"and {waited}")
 
     def _measure(self, socks: dict[int, list[socket.socket]]) -> None:
         """Probe every peer's link at once (comm/link.py `probe`: the higher rank initiates, on every
@@ -586,10 +688,12 @@ class Transport:
             del socks[peer][result.chosen:]
 
     def _dial(self, address: tuple[str, int], dst: int, stream: int, deadline: float) -> socket.socket:
-        """Retried until the deadline: a listener under a flood may drop our handshake once."""
+        """Dialed again until the deadline whenever a handshake fails or is not admitted (no ADMIT: the
+        listener dropped it, e.g. at its deadline or restarting), so the acceptor never waits on a
+        connection its dialer thinks is up."""
         while True:
             try:
-                return dial(address, self.key, self.rank, dst, stream, self.streams)
+                return dial(address, self.key, self.rank, dst, stream, self.streams, deadline - time.monotonic())
             except (OSError, TransportError) as e:
                 if time.monotonic() > deadline:
                     raise PeerTimeout(f"connecting the group: site {dst} at {address[0]}:{address[1]} refused or "

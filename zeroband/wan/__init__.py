@@ -1,4 +1,5 @@
-"""WAN emulation on one Linux machine: network namespaces per site, rate/delay/jitter/loss links."""
+"""WAN emulation on one Linux machine: network namespaces per site, rate/delay/jitter/loss links;
+a delaying TCP relay for one peer's connections (relay.py)."""
 
 from zeroband.wan.emulator import WanEmulator, cleanup_stale, netem_available
 
