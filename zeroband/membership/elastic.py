@@ -55,7 +55,14 @@ from zeroband.mesh import Topology
 from zeroband.store.client import open_store, store_failures_named
 from zeroband.trust.auth import SECRET_FIX, PeerRefused, Verdict, admission
 from zeroband.trust.mac import WireAuth
-from zeroband.trust.signed import KeepingStore, Ledger, SignedStore, StoreInterference, incarnation_key, run_incarnation
+from zeroband.trust.signed import (
+    KeepingStore,
+    Ledger,
+    SignedStore,
+    StoreInterference,
+    incarnation_key,
+    run_incarnation,
+)
 from zeroband.watchdog import Watch, read_by_all
 
 log = logging.getLogger(__name__)
