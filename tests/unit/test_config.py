@@ -209,6 +209,17 @@ def test_a_secret_file_is_read_only_if_it_is_a_regular_0600_file_of_this_user(tm
     os.mkfifo(tmp_path / "fifo", 0o600)  # not a regular file: refused without blocking on the open
     with pytest.raises(ValueError, match="is not a regular file"):
         read_secret_file(tmp_path / "fifo")
+    # The launcher's launch.secret goes through the same checks (zeroband/tools/launch.py).
+    from zeroband.config import validate_config
+    from zeroband.tools.launch import local_secret_env
+
+    cfg = validate_config({"name": "r", "output_dir": str(tmp_path), "diloco": {"inner_steps": 2}})
+    cfg.run_dir.mkdir(parents=True)
+    (cfg.run_dir / "launch.secret").symlink_to(good)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("ZEROBAND_SECRET", raising=False)
+        with pytest.raises(ConfigError, match="is a symlink"):
+            local_secret_env(cfg)
     if os.geteuid() != 0:
         pytest.skip("a file of another owner needs root to make (os.chown)")
     os.chown(good, 4242, -1)

@@ -56,6 +56,7 @@ from zeroband.store.client import open_store, store_failures_named
 from zeroband.trust.auth import SECRET_FIX, PeerRefused, Verdict, admission
 from zeroband.trust.mac import WireAuth
 from zeroband.trust.signed import (
+    INCARNATION_ENV,
     KeepingStore,
     Ledger,
     SignedStore,
@@ -158,6 +159,11 @@ class ElasticMembership:
         self.auth = WireAuth.from_secret(self.secret, run_name)  # seals all-reduce messages
         # and, independently keyed, the protocol's store values (the ledger's too: `self.signed`)
         sign_key = incarnation_key(self.auth.subkey("store"), incarnation)
+        if self.secret is not None and not incarnation and self.world.rank == 0:
+            log.warning("%s is unset: this run's signed store values verify in every launch of run %r, so values "
+                        "recorded from an earlier launch (its `complete`) can be replayed into this one; `zeroband "
+                        "launch` sets it, else export one fresh value on every site at each launch", INCARNATION_ENV,
+                        run_name, extra={"event": "incarnation_unset"})
         # what we write is kept and written back if deleted (by the polls and the heartbeat thread)
         # room for a round's values and its group's (admission, gloo addresses) beside the data
         # positions a commit reads back: an evicted position is never written back once deleted
