@@ -159,6 +159,7 @@ class ElasticMembership:
         self.auth = WireAuth.from_secret(self.secret, run_name)  # seals all-reduce messages
         # and, independently keyed, the protocol's store values (the ledger's too: `self.signed`)
         sign_key = incarnation_key(self.auth.subkey("store"), incarnation)
+        self.sign_key = sign_key  # for a SignedStore on another connection: bound to this launch alike
         if self.secret is not None and not incarnation and self.world.rank == 0:
             log.warning("%s is unset: this run's signed store values verify in every launch of run %r, so values "
                         "recorded from an earlier launch (its `complete`) can be replayed into this one; `zeroband "
