@@ -390,7 +390,7 @@ def resume_checkpoint(root: Path, resume: str, secret: RunSecret | bytes | None 
     when there are checkpoints but none of them verifies (a crash loop would make no progress)."""
     refused: list[str] = []
     found = find_checkpoint(root, resume, secret, allow_unsigned, owner=owner, refused=refused)
-    if found is None and resume == "auto" and step_dirs(root):
+    if found is None and refused:  # checkpoints, and none verifies (auto: explicit ones raise)
         names = ", ".join(p.name for p, _ in step_dirs(root))
         raise CheckpointError(
             f"no checkpoint under {root} passes verification ({names}; the newest: {refused[0]}). Fix: restore "
