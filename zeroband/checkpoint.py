@@ -24,6 +24,12 @@ disk, so a save killed at any moment leaves the previous checkpoint untouched an
 Saving the same step again first renames the old copy to `step_000100.old/` (the finder accepts
 it), so there is no moment without a valid checkpoint. Loading verifies the manifest first.
 
+A signed manifest names its owner, the run (its name) and the site that saved it (`Owner`), under
+the signature: a resume loads only its own run's and site's checkpoints, an export any site's of
+its run, so one run's signed checkpoint is not another's (the secret may be shared between runs:
+the launcher's launch.secret is). Not the launch (incarnation): a resume is a new launch and
+must still load them.
+
 Every manifest carries the `run_id` of the run that wrote it (new at a fresh start, kept across
 resumes). Pruning only ever deletes older checkpoints of the same run, never the one just written.
 A fresh start moves the previous run's checkpoints aside with its metrics (zeroband/rundir.py).
@@ -70,6 +76,7 @@ log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 SIGNATURE = "signature"
+OWNER = "owner"
 SIGN_LABEL = "zeroband-checkpoint-v1"
 ASIDE = ".old"  # the previous copy of a step, while a new copy of the same step is being sealed
 _STEP_DIR = re.compile(r"step_(\d+)(\.old)?")
@@ -83,6 +90,18 @@ class Stateful(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@dataclass(frozen=True)
+class Owner:
+    """Whose state a checkpoint holds: the run's name and the site that saved it (None: any site of
+    the run, for an export: every site holds the same model)."""
+
+    run: str
+    site: int | None = None
+
+    def meta(self) -> dict[str, Any]:
+        return {OWNER: {"run": self.run, "site": self.site}}
 
 
 @dataclass(frozen=True)
@@ -261,17 +280,20 @@ class SecretNeeded(CheckpointError):
 
 
 def check_trust(path: Path, manifest: dict[str, Any], secret: RunSecret | bytes | None, own_root: Path | None,
-                allow_unsigned: bool = False, require_signature: bool = False) -> None:
+                allow_unsigned: bool = False, require_signature: bool = False, owner: Owner | None = None) -> None:
     """Refuse (CheckpointError, one line) a checkpoint whose author we cannot vouch for; see the module doc.
     A signature that fails is refused always, and one we hold no secret to check needs allow_unsigned;
     an unsigned checkpoint is refused with a secret set or from elsewhere. `require_signature`: its
-    run signed every checkpoint (a multi-site run has a secret), so a missing signature was stripped."""
+    run signed every checkpoint (a multi-site run has a secret), so a missing signature was stripped.
+    `owner`: whose a signed checkpoint must be (`check_owner`)."""
     signature = manifest.get(SIGNATURE)
     if secret is not None and signature is not None:
         mac = signature.get("mac", "") if isinstance(signature, dict) else ""
         if not hmac.compare_digest(str(mac), manifest_mac(signing_key(secret), manifest)):
             raise CheckpointError(f"{path}: manifest signature does not verify under the run's secret "
                                   "(tampered, or signed with another secret); refusing to load it")
+        if owner is not None:
+            check_owner(path, manifest, owner)
         return
     if allow_unsigned:
         return
@@ -286,6 +308,18 @@ def check_trust(path: Path, manifest: dict[str, Any], secret: RunSecret | bytes 
         raise CheckpointError(f"{path}: no secret to verify who wrote it, and it is outside this run's checkpoint "
                               f"directory {own_root}; loading a checkpoint can run its author's code. Fix: "
                               f"{SUPPLY_SECRET}, or --checkpoint.allow_unsigned true if you trust it")
+
+
+def check_owner(path: Path, manifest: dict[str, Any], owner: Owner) -> None:
+    """A signed manifest's owner must be `owner` (its site too, unless `owner.site` is None)."""
+    named = manifest.get(OWNER)
+    run, site = (named.get("run"), named.get("site")) if isinstance(named, dict) else (None, None)
+    if run == owner.run and (owner.site is None or site == owner.site):
+        return
+    theirs = f"run {run!r} site {site}" if run is not None else "no run (it names no owner)"
+    raise CheckpointError(f"{path}: signed for {theirs}, not for run {owner.run!r} site {owner.site}; a checkpoint "
+                          "resumes only the run and site that saved it (to start from its weights: `zeroband "
+                          "export` it, then model.init_from)")
 
 
 def verify_checkpoint(path: Path) -> dict[str, Any]:
@@ -315,46 +349,51 @@ def verify_checkpoint(path: Path) -> dict[str, Any]:
 
 
 def verify_trusted(path: Path, secret: RunSecret | bytes | None, own_root: Path | None, allow_unsigned: bool = False,
-                   require_signature: bool = False) -> dict[str, Any]:
+                   require_signature: bool = False, owner: Owner | None = None) -> dict[str, Any]:
     """The manifest of a checkpoint that is complete and whose author we trust (check_trust)."""
     manifest = verify_checkpoint(path)
-    check_trust(path, manifest, secret, own_root, allow_unsigned, require_signature)
+    check_trust(path, manifest, secret, own_root, allow_unsigned, require_signature, owner)
     return manifest
 
 
 def find_checkpoint(root: Path, resume: str, secret: RunSecret | bytes | None = None, allow_unsigned: bool = False,
-                    require_signature: bool = False) -> CheckpointInfo | None:
+                    require_signature: bool = False, owner: Owner | None = None,
+                    refused: list[str] | None = None) -> CheckpointInfo | None:
     """Resolve `checkpoint.resume`: 'none', 'auto' (newest valid under root) or an explicit path.
-    Only checkpoints that pass `check_trust` (root being the run's own directory) are returned."""
+    Only checkpoints that pass `check_trust` (root being the run's own directory) are returned;
+    why each newer one did not is logged and appended to `refused`, for the caller's one line."""
     if resume == "none":
         return None
     if resume != "auto":
         path = Path(resume)
         if not path.is_dir():
             raise CheckpointError(f"checkpoint.resume={resume!r} is not a directory")
-        manifest = verify_trusted(path, secret, root, allow_unsigned, require_signature)
+        manifest = verify_trusted(path, secret, root, allow_unsigned, require_signature, owner)
         return CheckpointInfo(path, manifest["step"], manifest)
     for path, _ in step_dirs(root):
         try:
-            manifest = verify_trusted(path, secret, root, allow_unsigned, require_signature)
+            manifest = verify_trusted(path, secret, root, allow_unsigned, require_signature, owner)
         except SecretNeeded:
             raise  # every signed checkpoint would fail alike: falling back to an older one hides why
         except CheckpointError as e:
             log.warning("skipping unusable checkpoint: %s", e)
+            if refused is not None:
+                refused.append(str(e))
             continue
         return CheckpointInfo(path, manifest["step"], manifest)
     return None
 
 
 def resume_checkpoint(root: Path, resume: str, secret: RunSecret | bytes | None = None,
-                      allow_unsigned: bool = False) -> CheckpointInfo | None:
+                      allow_unsigned: bool = False, owner: Owner | None = None) -> CheckpointInfo | None:
     """`find_checkpoint` for a training start: auto-resume refuses to silently start from step 0
     when there are checkpoints but none of them verifies (a crash loop would make no progress)."""
-    found = find_checkpoint(root, resume, secret, allow_unsigned)
-    if found is None and resume == "auto" and step_dirs(root):
+    refused: list[str] = []
+    found = find_checkpoint(root, resume, secret, allow_unsigned, owner=owner, refused=refused)
+    if found is None and refused:  # checkpoints, and none verifies (auto: explicit ones raise)
         names = ", ".join(p.name for p, _ in step_dirs(root))
         raise CheckpointError(
-            f"no checkpoint under {root} passes verification ({names}; reasons logged above). Fix: restore "
+            f"no checkpoint under {root} passes verification ({names}; the newest: {refused[0]}). Fix: restore "
             "a good copy, resume a specific one with --checkpoint.resume PATH, or start fresh with "
             "--checkpoint.resume none (moves these aside)"
         )

@@ -51,9 +51,10 @@ def signs_every_checkpoint(cfg: Config) -> bool:
 
 class Checkpointer:
     def __init__(self, cfg: Config, root: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 stateful: dict[str, ckpt.Stateful], secret: RunSecret | None = None) -> None:
+                 stateful: dict[str, ckpt.Stateful], secret: RunSecret | None = None, site: int = 0) -> None:
         self.cfg, self.root, self.model, self.optimizer, self.stateful = cfg, root, model, optimizer, stateful
         self.secret = secret  # the run's, resolved once at start (trust/secret.py): signs every checkpoint
+        self.owner = ckpt.Owner(cfg.name, site)  # named in every manifest, under the signature
         self.run_id = ""
         self.saved_at: int | None = None
 
@@ -65,6 +66,7 @@ class Checkpointer:
 
     def save(self, step: int) -> None:
         ckpt.save_checkpoint(self.root, step, self.model, self.optimizer, self.stateful,
-                             {**checkpoint_meta(self.cfg), "run_id": self.run_id}, self.cfg.checkpoint.keep_last,
+                             {**checkpoint_meta(self.cfg), "run_id": self.run_id, **self.owner.meta()},
+                             self.cfg.checkpoint.keep_last,
                              secret=self.secret)
         self.saved_at = step

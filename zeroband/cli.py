@@ -98,8 +98,10 @@ def _launch_locked(args: argparse.Namespace, rest: list[str], cfg: Config, log_d
         store_secret_env,
     )
     from zeroband.tools.report import plot_losses, read_metrics, summarise_site
+    from zeroband.trust.signed import fresh_incarnation_env
 
     site_env, secret_file = local_secret_env(cfg)
+    site_env = {**site_env, **fresh_incarnation_env()}  # this launch's: its store values verify in no other
     if cfg.sites.insecure:
         print("zeroband launch: WARNING: sites.insecure = true: cross-site messages are NOT authenticated; anyone "
               "who can reach the store or the sites' ports can join the run or forge its messages", file=sys.stderr)

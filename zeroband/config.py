@@ -7,11 +7,13 @@ names each offending key, what was wrong, and how to fix it.
 from __future__ import annotations
 
 import difflib
+import errno
 import hashlib
 import inspect
 import json
 import os
 import re
+import stat
 import sys
 import warnings
 from pathlib import Path
@@ -446,17 +448,28 @@ def refuse_moved_keys(raw: dict[str, Any]) -> None:
 
 
 def read_secret_file(path: Path) -> str:
-    """The secret in `path` (surrounding whitespace dropped); refused when others may read it."""
+    """The secret in `path` (surrounding whitespace dropped). Refused unless it is a regular file,
+    not a symlink (one could point at another user's file, or be re-pointed by whoever owns its
+    directory), owned by this user (a file someone else owns is a secret someone else chose) and
+    readable by nobody else. Checked on the open descriptor: what is checked is what is read."""
+    where = f"sites.secret_file {str(path)!r}"
     try:
-        mode = path.stat().st_mode
-        text = path.read_text().strip()
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as e:
-        raise ValueError(f"sites.secret_file {str(path)!r} cannot be read: {e.strerror}") from None
-    if mode & 0o077:
-        raise ValueError(f"sites.secret_file {str(path)!r} is readable by other users (mode {mode & 0o777:o}); "
-                         f"run `chmod 600 {path}`")
+        why = "is a symlink; point sites.secret_file at the file itself" if e.errno == errno.ELOOP else e.strerror
+        raise ValueError(f"{where} cannot be read: {why}") from None
+    with os.fdopen(fd) as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{where} is not a regular file; put the secret in a file of mode 0600")
+        if st.st_uid != os.geteuid():
+            raise ValueError(f"{where} is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()}); "
+                             "write the secret to a file of your own, mode 0600")
+        if st.st_mode & 0o077:
+            raise ValueError(f"{where} is readable by other users (mode {st.st_mode & 0o777:o}); run `chmod 600 {path}`")
+        text = f.read().strip()
     if not text:
-        raise ValueError(f"sites.secret_file {str(path)!r} is empty")
+        raise ValueError(f"{where} is empty")
     return text
 
 

@@ -36,8 +36,8 @@ def load_for_export(cfg: Config, checkpoint_path: Path, secret: RunSecret | Unre
     if not checkpoint_path.is_dir():
         raise ckpt.CheckpointError(f"--checkpoint {checkpoint_path}: no such directory; pass a step_* directory "
                                    f"(e.g. under {cfg.checkpoint_dir}), or leave it out for the newest")
-    manifest = ckpt.verify_trusted(checkpoint_path, secret, cfg.checkpoint_dir,
-                                   cfg.checkpoint.allow_unsigned, signs_every_checkpoint(cfg))
+    manifest = ckpt.verify_trusted(checkpoint_path, secret, cfg.checkpoint_dir, cfg.checkpoint.allow_unsigned,
+                                   signs_every_checkpoint(cfg), ckpt.Owner(cfg.name))
     info = ckpt.CheckpointInfo(checkpoint_path, manifest["step"], manifest)
 
     ckpt.check_compatible(info, checkpoint_meta(cfg), manifest["world_size"])
@@ -53,11 +53,15 @@ def latest_checkpoint(cfg: Config, secret: RunSecret | None) -> Path:
     from zeroband.checkpointer import signs_every_checkpoint
 
     roots = [cfg.checkpoint_dir] + sorted(cfg.checkpoint_dir.glob("site*"))
+    refused: list[str] = []  # why each checkpoint was not usable: a tampered one is named as such
     for root in roots:
         info = ckpt.find_checkpoint(root, "auto", secret, cfg.checkpoint.allow_unsigned,
-                                    signs_every_checkpoint(cfg))
+                                    signs_every_checkpoint(cfg), ckpt.Owner(cfg.name), refused)
         if info is not None:
             return info.path
+    if refused:
+        more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
+        raise ckpt.CheckpointError(f"no checkpoint under {cfg.checkpoint_dir} can be exported: {refused[0]}{more}")
     raise FileNotFoundError(f"no complete checkpoint under {cfg.checkpoint_dir}; train first (zeroband train "
                             "CONFIG) or pass --checkpoint PATH, with the same config and overrides as the training")
 

@@ -232,7 +232,8 @@ def build_run(cfg: Config, world: World, topology: Topology, group: GlobalGroup 
     stateful: dict[str, ckpt.Stateful] = {"scheduler": scheduler, "data": train_data, "outer": outer, "progress": progress, "clock": clock}
     if ledger is not None:
         stateful["ledger"] = ledger
-    checkpointer = wrap.checkpointer(Checkpointer(cfg, ckpt_root, model, optimizer, stateful, topology.secret))
+    checkpointer = wrap.checkpointer(Checkpointer(cfg, ckpt_root, model, optimizer, stateful, topology.secret,
+                                                world.site_rank))
     return Run(cfg, world, topology, model, optimizer, scheduler, train_data, eval_set, val_data.bytes_per_token,
                outer, progress, clock, run_dir, ckpt_root, checkpointer, group, ledger=ledger)
 
@@ -253,7 +254,8 @@ def shared_data(cfg: Config, topology: Topology, loader: PackedBatches, outer: O
 def resume_or_start(run: Run) -> ckpt.CheckpointInfo | None:
     """Load the newest valid checkpoint if there is one (returned), else make the sites agree."""
     found = agreed_checkpoint(run, ckpt.resume_checkpoint(run.ckpt_root, run.cfg.checkpoint.resume,
-                                                          run.topology.secret, run.cfg.checkpoint.allow_unsigned))
+                                                          run.topology.secret, run.cfg.checkpoint.allow_unsigned,
+                                                          run.checkpointer.owner))
     if found is not None:
         run.changes = resume_changes(run, found)
         ckpt.check_compatible(found, checkpoint_meta(run.cfg), run.world.ranks_per_site, reshardable(run.cfg))
@@ -335,7 +337,8 @@ def agreed_checkpoint(run: Run, found: ckpt.CheckpointInfo | None) -> ckpt.Check
 
 
 def trusted_manifest(run: Run, path: Path) -> dict[str, Any]:
-    return ckpt.verify_trusted(path, run.topology.secret, run.ckpt_root, run.cfg.checkpoint.allow_unsigned)
+    return ckpt.verify_trusted(path, run.topology.secret, run.ckpt_root, run.cfg.checkpoint.allow_unsigned,
+                               owner=run.checkpointer.owner)
 
 
 def verified_steps(run: Run, found: ckpt.CheckpointInfo | None) -> list[int]:
@@ -530,7 +533,8 @@ def on_nonfinite(run: Run, metrics: MetricsLogger, loss: float, grad_norm: float
     checkpoint with the data stream left where it is. Returns the rollbacks used so far."""
     step = run.progress.step + 1
     metrics.log(step, {"loss": loss, "grad_norm": grad_norm}, "nonfinite")
-    good = ckpt.find_checkpoint(run.ckpt_root, "auto", run.topology.secret, run.cfg.checkpoint.allow_unsigned)
+    good = ckpt.find_checkpoint(run.ckpt_root, "auto", run.topology.secret, run.cfg.checkpoint.allow_unsigned,
+                                owner=run.checkpointer.owner)
     good = good if good is not None and good.manifest.get("run_id") == run.run_id else None
     if run.cfg.train.on_nonfinite == "rollback" and good is not None and rollbacks < run.cfg.train.max_rollbacks:
         # Everything but the data position (and the wall clock): replaying the same batches would diverge again.

@@ -274,3 +274,32 @@ def test_fixed_run_on_etcd_restarts(corpus, tmp_path):
             _finished_alike({s: out[(s, 0)] for s in (0, 1)}, tree, steps, trained)
     finally:
         cluster.stop()
+
+
+def test_a_finished_runs_complete_replayed_into_a_fresh_store_stops_no_new_run(corpus, tmp_path):
+    """Issue 35: the `complete` key recorded from a finished launch (same run name, same
+    launch.secret), written into a fresh store, made both sites of a new launch exit 0 with nothing
+    trained. It is written here where the old layout read it and under the new launch's own key;
+    signed for its own launch only (trust/signed.py `incarnation_key`), it reads as absent and the
+    new launch trains every round."""
+    import json
+
+    from tests.helpers import elastic_tree, outer_records
+    from tests.multiproc import free_port
+    from zeroband.store.client import open_store
+    from zeroband.trust.mac import WireAuth
+    from zeroband.trust.signed import INCARNATION_ENV, SignedStore, incarnation_key
+
+    address = f"tcp://127.0.0.1:{free_port()}"
+    host = open_store(address, True, timedelta(seconds=60))
+    tree = elastic_tree(corpus, tmp_path, address, steps=4, sites={"insecure": False})
+    key = WireAuth.from_secret(unit_tier.SECRET.encode(), tree["name"]).subkey("store")
+    elastic, end = f"zeroband/{tree['name']}/elastic/", json.dumps({"steps": 4, "step": 4, "round": 2})
+    recorded = SignedStore(host, incarnation_key(key, "finished01")).seal(f"{elastic}finished01/complete", end)
+    host.set(f"{elastic}complete", SignedStore(host, key).seal(f"{elastic}complete", end))  # a launch without an id
+    host.set(f"{elastic}fresh0002/complete", recorded)
+    run_sites(_train, 2, 1, (tree,), env={"ZEROBAND_SECRET": unit_tier.SECRET, INCARNATION_ENV: "fresh0002"},
+              timeout=60)
+    for s in (0, 1):
+        assert [(r["step"], r["sites_used"]) for r in outer_records(tmp_path, s)] == [(2, 2), (4, 2)]
+    del host

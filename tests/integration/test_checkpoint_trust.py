@@ -145,3 +145,46 @@ def test_tampered_manifest_is_refused(signed, tmp_path):
     (added / "dcp" / "__0.metadata").write_bytes(pickle.dumps(_RunsCode(tmp_path / "marker")))
     with pytest.raises(CheckpointError, match="not listed in the manifest"):
         verify_trusted(added, SECRET.encode(), signed["root"])
+
+
+def test_a_signed_checkpoint_resumes_only_its_own_run_and_site(signed, corpus, tmp_path):
+    """Issue 35: signatures did not name the run or site, so run A's signed checkpoint (the
+    launcher's launch.secret may sign many runs) loaded as run B's. The manifest names its owner
+    under the signature: a resume takes only its own run and site, an export any site of its run."""
+    from zeroband.checkpoint import Owner, manifest_mac, signing_key
+
+    original = step_dir(signed["root"], 4)
+    assert json.loads((original / MANIFEST).read_text())["owner"] == {"run": "t", "site": 0}
+    for owner in (Owner("t", 0), Owner("t")):
+        verify_trusted(original, SECRET.encode(), None, owner=owner)
+    with pytest.raises(CheckpointError, match="signed for run 't' site 0, not for run 't' site 1"):
+        verify_trusted(original, SECRET.encode(), None, owner=Owner("t", 1))
+    # One that names no owner (signed by hand, or before owners were named) is no run's.
+    ownerless = shutil.copytree(original, tmp_path / "ownerless")
+    manifest = json.loads((ownerless / MANIFEST).read_text())
+    del manifest["owner"]
+    manifest["signature"]["mac"] = manifest_mac(signing_key(SECRET.encode()), manifest)
+    (ownerless / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="signed for no run"):
+        verify_trusted(ownerless, SECRET.encode(), None, owner=Owner("t"))
+    # The real resume: run "b", same secret, pointed at run "t"'s checkpoint.
+    other = tiny_overrides(corpus, tmp_path / "b", name="b", train={"steps": 4}, checkpoint={"interval": 2})
+    assert "signed for run 't' site 0, not for run 'b' site 0" in _resume_error(other, original, ENV)
+
+
+def test_export_names_a_signature_failure(signed, tmp_path):
+    """Issue 35: a tampered signed checkpoint made `zeroband export` say "no complete checkpoint
+    ... train first"; it now says why the checkpoint was refused."""
+    from zeroband.config import validate_config
+    from zeroband.export import export
+    from zeroband.trust.secret import RunSecret
+
+    root = shutil.copytree(signed["root"], tmp_path / "checkpoints")
+    for step in (2, 4):
+        manifest = json.loads((step_dir(root, step) / MANIFEST).read_text())
+        manifest["step"] += 100  # any edit of a signed field
+        (step_dir(root, step) / MANIFEST).write_text(json.dumps(manifest))
+    cfg = validate_config({**signed["tree"], "checkpoint": {**signed["tree"]["checkpoint"], "dir": str(root)}})
+    with pytest.raises(CheckpointError, match=r"can be exported: .*step_000000004: manifest signature does not "
+                                              r"verify under the run's secret .*\(and 1 more\)"):
+        export(cfg, None, tmp_path / "hf", secret=RunSecret(SECRET.encode(), "the test"))

@@ -397,3 +397,25 @@ def test_a_lone_site_keeps_its_leave_notice_up_for_three_of_its_polls():
     from zeroband.membership.elastic import linger_tail_s
 
     assert linger_tail_s(2.0, 0.1) == 2.0 and linger_tail_s(2.0, 2.4) == pytest.approx(7.2)
+
+
+def test_a_value_signed_in_one_incarnation_is_refused_in_another(monkeypatch):
+    """Issue 35: a signature bound a value to its key only, so a `complete` (or a ledger position)
+    recorded from an earlier launch verified in a new one. Under `incarnation_key` the same key and
+    bytes verify only in the launch that wrote them; an unbound value is refused as well."""
+    import torch.distributed as dist
+
+    from zeroband.config import ConfigError
+    from zeroband.trust.signed import INCARNATION_ENV, SignedStore, incarnation_key, run_incarnation
+
+    store, key, name = dist.HashStore(), b"k" * 32, "zeroband/r/elastic/complete"
+    old, new = (SignedStore(store, incarnation_key(key, i)) for i in ("launch-one", "launch-two"))
+    old.set(name, b'{"steps": 4, "step": 4, "round": 2}')
+    assert old.read(name) is not None and new.read(name) is None and new.refused == {name: "bad-mac"}
+    SignedStore(store, incarnation_key(key, "")).set(name, b"x")  # a launch without an id: the bare key
+    assert new.read(name) is None and incarnation_key(key, "") == key and incarnation_key(None, "a") is None
+    monkeypatch.setenv(INCARNATION_ENV, "a/../b")  # part of store keys: refused, naming the variable
+    with pytest.raises(ConfigError, match=INCARNATION_ENV):
+        run_incarnation()
+    monkeypatch.delenv(INCARNATION_ENV)
+    assert run_incarnation() == ""

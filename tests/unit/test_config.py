@@ -1,3 +1,5 @@
+import os
+
 import pytest
 
 from zeroband.config import ConfigError, load_config, parse_overrides
@@ -185,3 +187,41 @@ def test_span_docs_has_a_default_and_a_one_line_error():
     assert load_config(None).data.span_docs == 64
     with pytest.raises(ConfigError, match=r"data.span_docs: Input should be greater than 0 \(got 0\)"):
         load_config(None, ["--data.span_docs", "0"])
+
+
+def test_a_secret_file_is_read_only_if_it_is_a_regular_0600_file_of_this_user(tmp_path):
+    """Issue 35: sites.secret_file (and the launcher's launch.secret, read alike) was used whoever
+    owned it and through a symlink. Each refusal is one line naming the field and the fix."""
+    from zeroband.config import read_secret_file
+
+    good = tmp_path / "zb.secret"
+    good.write_text("a-secret-of-enough-length-0123\n")
+    good.chmod(0o600)
+    assert read_secret_file(good) == "a-secret-of-enough-length-0123"
+    link = tmp_path / "link.secret"
+    link.symlink_to(good)
+    with pytest.raises(ValueError, match="sites.secret_file .* is a symlink; point sites.secret_file at the file"):
+        read_secret_file(link)
+    good.chmod(0o640)
+    with pytest.raises(ValueError, match=r"readable by other users \(mode 640\); run `chmod 600"):
+        read_secret_file(good)
+    good.chmod(0o600)
+    os.mkfifo(tmp_path / "fifo", 0o600)  # not a regular file: refused without blocking on the open
+    with pytest.raises(ValueError, match="is not a regular file"):
+        read_secret_file(tmp_path / "fifo")
+    # The launcher's launch.secret goes through the same checks (zeroband/tools/launch.py).
+    from zeroband.config import validate_config
+    from zeroband.tools.launch import local_secret_env
+
+    cfg = validate_config({"name": "r", "output_dir": str(tmp_path), "diloco": {"inner_steps": 2}})
+    cfg.run_dir.mkdir(parents=True)
+    (cfg.run_dir / "launch.secret").symlink_to(good)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("ZEROBAND_SECRET", raising=False)
+        with pytest.raises(ConfigError, match="is a symlink"):
+            local_secret_env(cfg)
+    if os.geteuid() != 0:
+        pytest.skip("a file of another owner needs root to make (os.chown)")
+    os.chown(good, 4242, -1)
+    with pytest.raises(ValueError, match="owned by uid 4242, not by this user"):
+        read_secret_file(good)

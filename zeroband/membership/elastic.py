@@ -27,7 +27,8 @@ in a new generation with the same pseudo-gradients, never applying a partial res
 - Events: every decision the site acts on is also a structured record (`attach(sink)`; the loop
   writes them to metrics.jsonl as kind "membership", shapes in docs/architecture.md).
 - Trust: members of a new generation admit each other with a challenge-response on the shared
-  secret and compare config fingerprints (zeroband/trust/auth.py) before forming groups.
+  secret and compare config fingerprints (zeroband/trust/auth.py) before forming groups. Every
+  store value is signed for this launch only ($ZEROBAND_INCARNATION, trust/signed.py).
 """
 
 from __future__ import annotations
@@ -62,7 +63,15 @@ from zeroband.mesh import Topology
 from zeroband.store.client import open_store, store_failures_named
 from zeroband.trust.auth import SECRET_FIX, PeerRefused, Verdict, admission
 from zeroband.trust.mac import WireAuth
-from zeroband.trust.signed import KeepingStore, Ledger, SignedStore, StoreInterference
+from zeroband.trust.signed import (
+    INCARNATION_ENV,
+    KeepingStore,
+    Ledger,
+    SignedStore,
+    StoreInterference,
+    incarnation_key,
+    run_incarnation,
+)
 from zeroband.watchdog import Watch, read_by_all
 
 log = logging.getLogger(__name__)
@@ -151,11 +160,21 @@ class ElasticMembership:
         self.total_steps, self.run_end = total_steps, run_end
         self.cfg, self.sites, self.topology, self.world, self.fingerprint = cfg, sites, topology, topology.world, fingerprint
         self.checksums: list[Callable[[], list[torch.Tensor]]] = []  # what must agree after a hand-over
-        self.prefix = f"zeroband/{run_name}/elastic/"
+        # this launch's keys only: under its own prefix (a persistent store's earlier launches are
+        # never read) and signed under its own key (a value copied from one is refused: trust/signed.py)
+        incarnation = run_incarnation()
+        self.prefix = f"zeroband/{run_name}/elastic/" + (f"{incarnation}/" if incarnation else "")
         slots = range(self.world.site_count)
         self.secret = topology.secret
         self.auth = WireAuth.from_secret(self.secret, run_name)  # seals all-reduce messages
-        sign_key = self.auth.subkey("store")  # and, independently keyed, the protocol's store values
+        # and, independently keyed, the protocol's store values (the ledger's too: `self.signed`)
+        sign_key = incarnation_key(self.auth.subkey("store"), incarnation)
+        self.sign_key = sign_key  # for a SignedStore on another connection: bound to this launch alike
+        if self.secret is not None and not incarnation and self.world.rank == 0:
+            log.warning("%s is unset: this run's signed store values verify in every launch of run %r, so values "
+                        "recorded from an earlier launch (its `complete`) can be replayed into this one; `zeroband "
+                        "launch` sets it, else export one fresh value on every site at each launch", INCARNATION_ENV,
+                        run_name, extra={"event": "incarnation_unset"})
         # what we write is kept and written back if deleted (by the polls and the heartbeat thread)
         # room for a round's values and its group's (admission, gloo addresses) beside the data
         # positions a commit reads back: an evicted position is never written back once deleted

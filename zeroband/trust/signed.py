@@ -10,6 +10,12 @@ writer (`compare_set`). Only the generation counter stays a bare `add`: it merel
 numbers, and the number a generation uses travels inside the signed member list.
 
 Without a secret (`key=None`, sites.insecure) values are stored as they are.
+
+Incarnation: an elastic run's keys are signed under `incarnation_key(K, id)`, a key of this launch
+of the run only (`ZEROBAND_INCARNATION`, minted afresh by every `zeroband launch`; the same for a
+site restarted within it), so the MAC binds (incarnation, key, value): a value recorded from an
+earlier launch (its `complete`, ledger positions, member lists) never verifies in a new one.
+Everything that signs through the run's SignedStore is bound alike, whatever keys it writes.
 """
 
 from __future__ import annotations
@@ -17,6 +23,9 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import os
+import re
+import secrets
 import threading
 import time
 from collections import OrderedDict
@@ -32,6 +41,34 @@ log = logging.getLogger(__name__)
 
 LABEL = b"zeroband-store-v1"
 MAC_HEX = 64
+
+
+INCARNATION_ENV = "ZEROBAND_INCARNATION"
+_INCARNATION = re.compile(r"[A-Za-z0-9_-]{8,64}")
+
+
+def run_incarnation() -> str:
+    """This launch's id ($ZEROBAND_INCARNATION; "" when unset: values are bound to their key only).
+    It is part of store keys, so it is refused unless it is 8-64 URL-safe characters."""
+    value = os.environ.get(INCARNATION_ENV, "")
+    if value and not _INCARNATION.fullmatch(value):
+        from zeroband.config import ConfigError  # config sits above trust/: imported only to raise its error
+
+        raise ConfigError(f"{INCARNATION_ENV}: use 8-64 characters from A-Z a-z 0-9 _ - (e.g. `python -c 'import "
+                          "secrets; print(secrets.token_hex(16))'`), fresh at each launch, the same on every site")
+    return value
+
+
+def fresh_incarnation_env() -> dict[str, str]:
+    """A new launch's environment entry: every site it starts (and restarts) gets the same fresh id."""
+    return {INCARNATION_ENV: secrets.token_hex(16)}
+
+
+def incarnation_key(key: bytes | None, incarnation: str) -> bytes | None:
+    """The store-signing key of one incarnation: a value signed under it verifies in no other."""
+    if key is None or not incarnation:
+        return key
+    return hmac.new(key, frame(LABEL, b"incarnation", incarnation.encode()), hashlib.sha256).digest()
 
 
 class ForgedValue(TrustError):
