@@ -209,3 +209,59 @@ def test_plan_vs_every_measured_wan_row(tmp_path: Path, capsys: pytest.CaptureFi
     rows = json.loads(wan.read_text())["results"]
     assert sum(line.startswith("| DiLoCo") or line.startswith("| DP") for line in text.splitlines()) == len(rows)
     assert "mean |error|" in text and capsys.readouterr().out.count("# zeroband plan vs") == 2
+
+
+# ------------------------------------------------------------------------------- the recommended H (issue 33)
+
+
+def test_h_for_utilisation_by_hand() -> None:
+    from zeroband.tools.plan import h_for_utilisation
+
+    # blocking: H x 1 s / (H x 1 s + 2 s) >= 0.95  <=>  H >= 0.95 x 2 / 0.05 = 38
+    assert h_for_utilisation(1.0, 2.0, 0.95) == 38
+    assert h_for_utilisation(1.0, 2.01, 0.95) == 39
+    # overlapped: H x 1 s / max(H x 1 s, 2 s) >= 0.95  <=>  H >= 1.9
+    assert h_for_utilisation(1.0, 2.0, 0.95, overlap=True) == 2
+    assert h_for_utilisation(1.0, 0.0, 0.95) == 1  # a free sync: any H
+
+
+def test_recommend_h_keeps_the_outer_steps_floor() -> None:
+    from zeroband.tools.plan import MIN_OUTER_STEPS, recommend_h
+
+    assert MIN_OUTER_STEPS == 20
+    h, why = recommend_h(5000, 1.0, 2.0)
+    assert h == 250  # 5000 / 20
+    assert "the largest H keeping >= 20 outer steps over 5000 steps" in why
+    assert "H >= 38 reaches 95% compute utilisation" in why and "docs/results/large_h.md" in why
+    # H must divide train.steps and checkpoint.interval: 88000 / 20 = 4400, but 5000 % 4400 != 0 -> 1000
+    assert recommend_h(88000, 1.0, 2.0, period=5000)[0] == 1000
+    assert recommend_h(4999, 1.0, 2.0)[0] == 1  # 4999 is prime: only H = 1 divides it below 249
+
+
+def test_recommend_h_says_when_the_link_misses_the_target() -> None:
+    from zeroband.tools.plan import recommend_h
+
+    # 1000 steps -> H = 50 (20 outer steps); a 100 s sync over 1 s steps: 50 / 150 = 33.3%; 95% needs H >= 1900
+    h, why = recommend_h(1000, 1.0, 100.0)
+    assert h == 50 and "reaches only 33.3% compute utilisation" in why and "95% needs H >= 1900" in why
+    assert "more than the run's 1000 steps" in why
+    h, why = recommend_h(10, 1.0, 0.1)  # fewer steps than the floor: H = 1 keeps the most
+    assert h == 1 and "no H keeps >= 20 outer steps over 10 steps" in why
+
+
+def test_h_warning_when_the_config_keeps_too_few_outer_steps() -> None:
+    from zeroband.tools.plan import h_warning
+
+    assert h_warning(500, 88000) is None  # 176 outer steps
+    line = h_warning(500, 5000)  # 10 outer steps
+    assert line is not None and "leaves 10 outer steps" in line and "--diloco.inner_steps" in line
+
+
+def test_plan_config_prints_the_recommended_h(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "short.toml"  # the 1B config, shortened to 5000 steps: its H = 500 keeps 10 outer steps
+    config.write_text(Path("configs/1B.toml").read_text().replace("steps = 50000", "steps = 5000"))
+    assert cli_main(["plan", str(config), "--sites", "2", "--gbps", "1", "--latency-ms", "50", "--step-time", "1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    rec = [line for line in out if line.startswith("recommended H: ")]
+    assert len(rec) == 1 and rec[0].startswith("recommended H: 250 (the largest H keeping >= 20 outer steps over 5000")
+    assert any(line.startswith("warning: diloco.inner_steps=500 leaves 10 outer steps") for line in out)

@@ -204,6 +204,61 @@ def predict_data_parallel(p: PlanInput) -> Prediction:
     return predict(replace(p, inner_steps=1, dtype="fp32", overlap=False))
 
 
+# ------------------------------------------------------------------------------- the recommended H
+
+# Fewest outer steps a run should keep. 20 is the regime of the large-H study
+# (scripts/experiments/large_h.py, docs/results/large_h.md): runs of >= 20 outer steps. It stays the
+# floor until that study's results say otherwise.
+MIN_OUTER_STEPS = 20
+TARGET_UTILISATION = 0.95  # the compute utilisation the recommendation reports the H for
+STUDY = "docs/results/large_h.md"
+
+
+def h_for_utilisation(step_time_s: float, sync_time_s: float, target: float, overlap: bool = False) -> int:
+    """Smallest H whose compute utilisation reaches `target` (< 1): blocking H t / (H t + c) >= u, so
+    H >= u c / ((1 - u) t); overlapped H t / max(H t, c) >= u, so H >= u c / t."""
+    need = target * sync_time_s / (step_time_s if overlap else (1 - target) * step_time_s)
+    return max(1, math.ceil(need - 1e-9))  # 1e-9: an exact quotient is not pushed one H up by rounding
+
+
+def valid_h(steps: int, most: int, period: int = 0) -> int:
+    """Largest H <= most that divides train.steps (the run ends on an outer step) and `period`
+    (checkpoint.interval, when set: checkpoints sit on outer boundaries); 0 when none."""
+    return next((h for h in range(min(most, steps), 0, -1) if steps % h == 0 and (not period or period % h == 0)), 0)
+
+
+def recommend_h(steps: int, step_time_s: float, sync_time_s: float, min_outer_steps: int = MIN_OUTER_STEPS,
+                target_util: float = TARGET_UTILISATION, overlap: bool = False, period: int = 0) -> tuple[int, str]:
+    """(H, why): the largest H that keeps `min_outer_steps` outer steps over `steps` inner steps, beside
+    the H at which one sync of `sync_time_s` costs no more than the utilisation target. Pure."""
+    h = valid_h(steps, steps // min_outer_steps, period)
+    fits = f", dividing checkpoint.interval={period}" if period else ""
+    if h == 0:
+        h = 1  # the most outer steps there are
+        keep = f"no H keeps >= {min_outer_steps} outer steps over {steps} steps{fits}; H = 1 keeps the most"
+    else:
+        keep = f"the largest H keeping >= {min_outer_steps} outer steps over {steps} steps{fits}"
+    h_util = h_for_utilisation(step_time_s, sync_time_s, target_util, overlap)
+    if h_util <= h:
+        link = f"H >= {h_util} reaches {target_util:.0%} compute utilisation on this link"
+    else:
+        outer = f"{steps // h_util} outer steps" if h_util <= steps else f"more than the run's {steps} steps"
+        link = (f"it reaches only {utilisation(h * step_time_s, sync_time_s, overlap):.1%} compute utilisation on "
+                f"this link, {target_util:.0%} needs H >= {h_util} ({outer}): overlap, a smaller wire format or a "
+                "faster link")
+    return h, f"{keep}; {link}; floor {min_outer_steps}: the regime of {STUDY}, until that study says otherwise"
+
+
+def h_warning(inner_steps: int, steps: int, min_outer_steps: int = MIN_OUTER_STEPS) -> str | None:
+    """One line when the config's own H leaves fewer outer steps than the floor; None otherwise."""
+    outer = steps // inner_steps
+    if outer >= min_outer_steps:
+        return None
+    return (f"warning: diloco.inner_steps={inner_steps} leaves {outer} outer step{'s' if outer != 1 else ''} over "
+            f"train.steps={steps}, under the {min_outer_steps} of the measured regime ({STUDY}): set "
+            "--diloco.inner_steps to the recommended H")
+
+
 # ------------------------------------------------------------------------------- tables and the CLI
 
 
@@ -324,6 +379,8 @@ class ConfigPlan:
     tokens_per_step: int
     step_source: str
     notes: tuple[str, ...]
+    steps: int = 0  # train.steps
+    period: int = 0  # checkpoint.interval: H must divide it as well (0: checkpoints only at the end)
 
 
 def measured_tokens_s(data: dict[str, Any], preset: str | None) -> tuple[float, str] | None:
@@ -388,7 +445,8 @@ def plan_from_config(path: str, args: argparse.Namespace) -> ConfigPlan:
                      d.overlap or args.overlap, not args.no_tcp_ramp, args.mtu, **link, piece_mb=d.piece_mb,
                      wait_factor=s.wait_factor, timeout_floor_s=s.timeout_floor_s, timeout_s=s.timeout_s)
     pieces = max(1, math.ceil(params * 4 / (d.piece_mb * 2**20)))
-    return ConfigPlan(plan, cfg.model.preset or f"{params / 1e6:.0f}M", d.piece_mb, pieces, tokens, source, tuple(notes))
+    return ConfigPlan(plan, cfg.model.preset or f"{params / 1e6:.0f}M", d.piece_mb, pieces, tokens, source, tuple(notes),
+                      cfg.train.steps, cfg.checkpoint.interval)
 
 
 def config_plan_text(path: str, cp: ConfigPlan) -> str:
@@ -397,7 +455,16 @@ def config_plan_text(path: str, cp: ConfigPlan) -> str:
     head = [f"{path}: model {cp.model} ({size} params), H={p.inner_steps}, wire {p.dtype}, piece {cp.piece_mb:g} MB "
             f"({cp.pieces} piece{'s' if cp.pieces > 1 else ''} per all-reduce), {cp.tokens_per_step:,} tokens per step per site",
             f"  step time {p.step_time_s:.3g} s: {cp.step_source}", *(f"  note: {n}" for n in cp.notes)]
-    return "\n".join(head) + "\n" + prediction_text(p, predict(p))
+    pred = predict(p)
+    return "\n".join([*head, prediction_text(p, pred), *h_lines(cp, pred)])
+
+
+def h_lines(cp: ConfigPlan, pred: Prediction) -> list[str]:
+    """The recommended H with its reason, and a warning when the config's own H keeps too few outer steps."""
+    p = cp.plan
+    h, why = recommend_h(cp.steps, p.step_time_s, pred.comm_s, overlap=p.overlap, period=cp.period)
+    warning = h_warning(p.inner_steps, cp.steps)
+    return [f"recommended H: {h} ({why})", *([warning] if warning else [])]
 
 
 # ------------------------------------------------------------------------------- checked against benchmarks/wan.json
