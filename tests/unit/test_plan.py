@@ -58,17 +58,18 @@ def test_prediction_by_hand() -> None:
     assert pred.payload_bytes == pytest.approx(2e9)
     assert pred.wire_bytes == pytest.approx(3e9)  # x 2(4-1)/4
     assert pred.bandwidth_s == pytest.approx(24.0)
-    assert pred.latency_s == pytest.approx(0.15)  # statistics round trip + last byte: 3 x 50 ms, any S
-    assert pred.comm_s == pytest.approx(24.15)
+    # 4 one-way delays, any S: statistics, the scatter's last byte, the review, the all-gather's last byte
+    assert pred.latency_s == pytest.approx(0.2)
+    assert pred.comm_s == pytest.approx(24.2)
     assert pred.compute_s == pytest.approx(600.0)
-    assert pred.utilisation == pytest.approx(600 / 624.15)
+    assert pred.utilisation == pytest.approx(600 / 624.2)
     assert pred.traffic_reduction == pytest.approx(1000.0)
     assert predict(PlanInput(1e9, 1.2, 4, 1.0, 50.0, 500, "fp16", overlap=True, tcp_ramp=False)).utilisation == 1.0
-    # per-step fp32 data parallel: 1.5 x 4e9 B / 1.25e8 B/s + 0.15 s per step
-    assert pred.dp_comm_s == pytest.approx(48.15)
-    assert pred.dp_utilisation == pytest.approx(1.2 / 49.35)
+    # per-step fp32 data parallel: 1.5 x 4e9 B / 1.25e8 B/s + 0.2 s per step
+    assert pred.dp_comm_s == pytest.approx(48.2)
+    assert pred.dp_utilisation == pytest.approx(1.2 / 49.4)
     dp = predict_data_parallel(p)
-    assert dp.comm_s == pytest.approx(48.15) and dp.utilisation == pytest.approx(1.2 / 49.35)
+    assert dp.comm_s == pytest.approx(48.2) and dp.utilisation == pytest.approx(1.2 / 49.4)
 
 
 def test_tcp_ramp_by_hand() -> None:
@@ -78,7 +79,23 @@ def test_tcp_ramp_by_hand() -> None:
     assert ramp_seconds(50_000, 12.5e6, 0.1, 9000) == pytest.approx(0.1 - 50_000 / 12.5e6)  # one short round
     assert ramp_seconds(1e9, 1e6, 0.01, 9000) == 0.0  # BDP below the initial window: no ramp
     with_ramp = predict(PlanInput(1e9, 1.2, 4, 1.0, 50.0, 500, "fp16", tcp_ramp=True))
-    assert with_ramp.ramp_s > 0 and with_ramp.comm_s == pytest.approx(24.15 + with_ramp.ramp_s)
+    assert with_ramp.ramp_s > 0 and with_ramp.comm_s == pytest.approx(24.2 + with_ramp.ramp_s)
+    # from a window that survived the idle: 1 MB in flight, one round of 1 MB below the 1.25 MB BDP
+    assert ramp_seconds(1e9, 12.5e6, 0.1, 9000, start_bytes=1e6) == pytest.approx(0.1 - 1e6 / 12.5e6)
+
+
+def test_restart_window_halves_per_retransmission_timeout() -> None:
+    from zeroband.tools.plan import restart_window
+
+    # RTT 100 ms: timeout 300 ms. An idle up to one timeout keeps the window (Linux restarts only past it);
+    # 1 s is 4 timeouts begun: 3 halvings of 8 MB; minutes of inner steps: the initial window
+    assert restart_window(0.3, 0.1, 8e6, 89_480) == 8e6
+    assert restart_window(0.31, 0.1, 8e6, 89_480) == 4e6
+    assert restart_window(1.0, 0.1, 8e6, 89_480) == 1e6
+    assert restart_window(600.0, 0.1, 8e6, 89_480) == 89_480
+    # in a prediction: a blocking round of 5 x 0.05 s idles 0.25 s, under the 300 ms timeout: no ramp
+    short = predict(PlanInput(1e9, 0.05, 4, 1.0, 50.0, 5, "fp16", tcp_ramp=True))
+    assert short.ramp_s == 0.0
 
 
 WINDOW = 4194304 * 2 // 3  # 2,796,202 B in flight per stream: 2/3 of tcp_wmem max (comm/link.py)
@@ -128,7 +145,7 @@ def test_cli_single_prediction(capsys: pytest.CaptureFixture[str]) -> None:
             "--inner-steps", "500", "--dtype", "fp16", "--no-tcp-ramp"]
     assert cli_main(argv) == 0
     out = capsys.readouterr().out
-    assert "24.150 s" in out and "96.13%" in out and "1000x" in out
+    assert "24.200 s" in out and "96.12%" in out and "1000x" in out
     assert cli_main([*argv, "--overlap"]) == 0
     assert "100.00%" in capsys.readouterr().out
 
