@@ -282,3 +282,19 @@ def test_plan_config_prints_the_recommended_h(tmp_path: Path, capsys: pytest.Cap
     rec = [line for line in out if line.startswith("recommended H: ")]
     assert len(rec) == 1 and rec[0].startswith("recommended H: 250 (the largest H keeping >= 20 outer steps over 5000")
     assert any(line.startswith("warning: diloco.inner_steps=500 leaves 10 outer steps") for line in out)
+
+
+def test_slow_start_restarts_only_for_loss_based_senders() -> None:
+    from zeroband.tools.plan import link_run_prediction, restarts_slow_start
+
+    cubic = {"net.ipv4.tcp_congestion_control": "cubic", "net.ipv4.tcp_slow_start_after_idle": "1"}
+    assert restarts_slow_start(cubic)
+    assert not restarts_slow_start(cubic | {"net.ipv4.tcp_slow_start_after_idle": "0"})
+    assert not restarts_slow_start(cubic | {"net.ipv4.tcp_congestion_control": "bbr"})  # Linux skips it for BBR
+    assert not restarts_slow_start(None)  # not recorded: the emulator's 0
+    # a --streams row: 20,000 fp32 values -> 40 kB of fp16 between 2 sites, 1 stream, 20 Mbit/s, 100 ms RTT:
+    # 40,000 x 8 / 20e6 = 0.016 s + 4 one-way delays of 50 ms; after 5 s idle a cubic sender restarts from
+    # 10 x 8948 B, more than the 40 kB: one round of 0.1 - 40,000 / 2.5e6 s more
+    row = {"numel": 20_000, "rate_mbit": 20.0, "rtt_ms": 100.0, "streams_used": 1, "idle_s": 5.0, "mtu": 9000}
+    assert link_run_prediction(row, WINDOW) == pytest.approx(0.016 + 0.2)
+    assert link_run_prediction(row | {"tcp": cubic}, WINDOW) == pytest.approx(0.016 + 0.2 + 0.1 - 0.016)
