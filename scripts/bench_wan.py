@@ -469,8 +469,8 @@ def render(data: dict[str, Any]) -> str:
         f"({2 * meta['delay_ms']:g} ms RTT), jitter {meta['jitter_ms']:g} ms, loss {meta['loss_pct']:g}%, MTU {meta['mtu']}, "
         f"backend {meta['backend']}",
         f"Host settings the rows need beside them: TCP in the sites' namespaces {tcp_words(meta.get('tcp'))}. "
-        "A site on Linux's defaults (cubic, tcp_slow_start_after_idle = 1) restarts slow start at every outer step: "
-        "see the idle rows of the streams table below.",
+        "Sites on other settings (Linux's defaults: cubic, tcp_slow_start_after_idle = 1) are measured in the idle "
+        "rows of the streams table below.",
         f"DiLoCo H={meta['inner_steps']} x {meta['outer_steps']} rounds (+1 for overlapped); data parallel syncs "
         f"every step, reported every {meta['dp_steps']} steps (its H column); {meta['tokens_per_step']} tokens per "
         f"step per site. Sweep rates: {meta['sweep_rates'] or 'none'}. "
