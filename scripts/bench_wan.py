@@ -3,7 +3,7 @@
     flock /tmp/zeroband-bench.lock python scripts/bench_wan.py --out benchmarks  # full run, ~19 min
     python scripts/bench_wan.py --quick --out /tmp/wan                      # CI smoke test, < 60 s
     flock /tmp/zeroband-bench.lock python scripts/bench_wan.py --ceiling --out benchmarks  # emulator ceiling, ~1 min
-    flock /tmp/zeroband-test.lock python scripts/bench_wan.py --streams --out benchmarks  # streams vs 1, ~5 min
+    flock /tmp/zeroband-test.lock python scripts/bench_wan.py --streams --out benchmarks  # streams, idle, TCP, ~10 min
 
 Every row is a real multi-site run: S torchrun jobs (`zeroband.tools.launch.launch_sites`), each site in
 its own network namespace behind a fresh emulated link (`WanLink`: per-site uplink rate, one-way
@@ -124,8 +124,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
                    help="only measure what the emulator carries (link probes, no training); other rows kept")
     p.add_argument("--ceiling-seconds", type=float, default=3.0, help="timed transfer per --ceiling probe")
     p.add_argument("--streams", dest="streams_check", action="store_true",
-                   help="the outer all-reduce alone (scripts/wan/link_allreduce.py) with sites.streams auto and 1, at "
-                        "500 Mbit/s / 200 ms (a 300 MB fp16 step) and 20 Mbit/s / 100 ms (the demo model's); kept beside the rows")
+                   help="the outer all-reduce alone (scripts/wan/link_allreduce.py, STREAMS_RUNS): sites.streams auto and 1 at "
+                        "500 Mbit/s / 200 ms (a 300 MB fp16 step) and 20 Mbit/s / 100 ms (the demo model's), idle "
+                        "between rounds with slow start after idle on and off, a small payload; kept beside the rows")
     args, extra = p.parse_known_args(argv)
     return _defaults(args), extra
 
@@ -467,6 +468,9 @@ def render(data: dict[str, Any]) -> str:
         f"ranks, link {meta['rate_mbit']:g} Mbit/s per site uplink, {meta['delay_ms']:g} ms one-way "
         f"({2 * meta['delay_ms']:g} ms RTT), jitter {meta['jitter_ms']:g} ms, loss {meta['loss_pct']:g}%, MTU {meta['mtu']}, "
         f"backend {meta['backend']}",
+        f"Host settings the rows need beside them: TCP in the sites' namespaces {tcp_words(meta.get('tcp'))}. "
+        "Sites on other settings (Linux's defaults: cubic, tcp_slow_start_after_idle = 1) are measured in the idle "
+        "rows of the streams table below.",
         f"DiLoCo H={meta['inner_steps']} x {meta['outer_steps']} rounds (+1 for overlapped); data parallel syncs "
         f"every step, reported every {meta['dp_steps']} steps (its H column); {meta['tokens_per_step']} tokens per "
         f"step per site. Sweep rates: {meta['sweep_rates'] or 'none'}. "
@@ -641,11 +645,37 @@ def update_section(args: argparse.Namespace, key: str, rows: list[dict[str, Any]
 
 # ---------------------------------------------------------------------------------- streams per peer
 KEPT = ("ceiling", "streams")  # measured apart (--ceiling, --streams): kept when the rows are re-measured
-STREAMS_RUNS = [(500.0, 100.0, 150_000_000), (20.0, 50.0, 1_787_008)]  # (Mbit/s, one-way ms, fp32 values)
+
+
+@dataclass(frozen=True)
+class LinkRun:
+    """One --streams run: the outer all-reduce alone on an emulated link, 3 rounds."""
+
+    rate_mbit: float
+    delay_ms: float  # one-way
+    numel: int  # fp32 values of the pseudo-gradient
+    streams: str  # sites.streams
+    idle_s: float = 0.0  # the link idles this long before each round, as between outer steps
+    slow_start_after_idle: bool = False  # the namespaces' net.ipv4.tcp_slow_start_after_idle
+    congestion: str | None = None  # the namespaces' tcp_congestion_control (None: the host's)
+
+
+STREAMS_RUNS = [
+    LinkRun(500.0, 100.0, 150_000_000, "auto"), LinkRun(500.0, 100.0, 150_000_000, "1"),
+    LinkRun(20.0, 50.0, 1_787_008, "auto"), LinkRun(20.0, 50.0, 1_787_008, "1"),
+    # slow-start restarts: 5 s of inner steps between outer steps, with Linux's default and without
+    LinkRun(500.0, 100.0, 150_000_000, "auto", 5.0, True), LinkRun(500.0, 100.0, 150_000_000, "auto", 5.0, False),
+    # and with cubic, Linux's default (a namespace may pick it only if tcp_allowed_congestion_control lists it)
+    LinkRun(500.0, 100.0, 150_000_000, "auto", 5.0, True, "cubic"),
+    LinkRun(500.0, 100.0, 150_000_000, "auto", 5.0, False, "cubic"),
+    # a small payload on a long link: the round trips of a step dominate
+    LinkRun(500.0, 100.0, 1_787_008, "auto"),
+]
 
 
 def measure_streams(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Per link, the same all-reduce with sites.streams auto (probe, then choose_streams) and 1."""
+    """Each STREAMS_RUNS link: the all-reduce through scripts/wan/link_allreduce.py, with the TCP
+    settings its namespaces ran with."""
     import importlib.util
 
     from zeroband.wan import WanEmulator
@@ -655,48 +685,78 @@ def measure_streams(args: argparse.Namespace) -> list[dict[str, Any]]:
     worker = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(worker)
     rows = []
-    for rate, delay, numel in STREAMS_RUNS:
-        for streams in ("auto", "1"):
-            with WanEmulator(2, rate_mbit=rate, delay_ms=delay, mtu=args.mtu, backend="tun") as wan:
-                out = worker.run_pair(wan, ["--streams", streams, "--numel", str(numel), "--rounds", "3"], args.timeout)
-            rows.append(streams_row(rate, delay, numel, streams, out))
-            r = rows[-1]
-            print(f"{rate:g} Mbit/s, {2 * delay:g} ms, streams {streams} -> {r['streams_used']}: {r['seconds']:.2f} s, "
-                  f"{100 * r['bw_over_rate']:.0f}% of the rate, bound {r['wait_bound_s']:.1f} s", flush=True)
+    allowed = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control").read_text().split()
+    for run in STREAMS_RUNS:
+        if run.congestion and run.congestion not in allowed:
+            print(f"{run}: skipped, {run.congestion} is not in net.ipv4.tcp_allowed_congestion_control {allowed} "
+                  "(a namespace may not pick it)", flush=True)
+            continue
+        load = load_average()
+        with WanEmulator(2, rate_mbit=run.rate_mbit, delay_ms=run.delay_ms, mtu=args.mtu, backend="tun",
+                         slow_start_after_idle=run.slow_start_after_idle, congestion=run.congestion) as wan:
+            tcp = wan.tcp_settings(0)
+            out = worker.run_pair(wan, ["--streams", run.streams, "--numel", str(run.numel), "--rounds", "3",
+                                        "--idle-s", str(run.idle_s)], args.timeout)
+        rows.append(streams_row(run, out) | {"tcp": tcp, "loadavg_start": load, "mtu": args.mtu})
+        r = rows[-1]
+        print(f"{run}: {r['streams_used']} streams, {r['seconds']:.2f} s, {100 * r['bw_over_rate']:.0f}% of the rate, "
+              f"bound {r['wait_bound_s']:.1f} s, {tcp}, load {load:.1f}", flush=True)
     return rows
 
 
-def streams_row(rate: float, delay: float, numel: int, streams: str, out: list[list[dict[str, Any]]]) -> dict[str, Any]:
+def streams_row(run: LinkRun, out: list[list[dict[str, Any]]]) -> dict[str, Any]:
     """Rounds 2.. (round 1 also ramps the windows up), per round the faster site's seconds (the one that
     waited only for the network: both enter together, a site's own CPU work delays only itself)."""
     rounds = [min(site[k]["seconds"] for site in out) for k in range(1, len(out[0]) - 1)]
     first, link = out[0][0], out[0][-1]["link"][0]
     seconds = statistics.fmean(rounds)
-    return {"rate_mbit": rate, "rtt_ms": 2 * delay, "numel": numel, "streams": streams,
-            "streams_used": link["streams_used"], "probe_rtt_ms": link["rtt_ms"], "probe_mbit": link["steady_mbit"],
-            "payload_bytes": first["payload_bytes"], "wire_bytes": first["wire_bytes"], "seconds": seconds,
-            "rounds_s": rounds, "bw_over_rate": first["wire_bytes"] * 8 / seconds / (rate * 1e6),
+    return {"rate_mbit": run.rate_mbit, "rtt_ms": 2 * run.delay_ms, "numel": run.numel, "streams": run.streams,
+            "idle_s": run.idle_s, "streams_used": link["streams_used"], "probe_rtt_ms": link["rtt_ms"],
+            "probe_mbit": link["steady_mbit"], "payload_bytes": first["payload_bytes"], "wire_bytes": first["wire_bytes"],
+            "seconds": seconds, "rounds_s": rounds, "bw_over_rate": first["wire_bytes"] * 8 / seconds / (run.rate_mbit * 1e6),
             "wait_bound_s": max(site[k]["wait_bound_s"] for site in out for k in range(len(site) - 1))}
 
 
 def streams_markdown(rows: list[dict[str, Any]]) -> str:
     table = [[f"{r['rate_mbit']:g}", f"{r['rtt_ms']:g}", f"{r['payload_bytes'] / 1e6:.1f}", r["streams"], r["streams_used"],
-              f"{r['probe_rtt_ms']:.0f}", f"{r['probe_mbit']:.0f}", f"{r['seconds']:.2f}", f"{100 * r['bw_over_rate']:.0f}%",
-              f"{r['wait_bound_s']:.1f}"] for r in rows]
+              f"{r.get('idle_s', 0.0):g}", tcp_note(r), f"{r['probe_rtt_ms']:.0f}", f"{r['probe_mbit']:.0f}",
+              f"{r['seconds']:.2f}", f"{100 * r['bw_over_rate']:.0f}%", f"{r['wait_bound_s']:.1f}",
+              f"{r['loadavg_start']:.1f}" if "loadavg_start" in r else "-"] for r in rows]
     return "\n\n".join([
-        "### Streams per peer: the outer all-reduce alone (issue 27)", (
+        "### Streams per peer: the outer all-reduce alone (issues 27, 33)", (
             "2 sites in the TUN emulator, one fp16 outer all-reduce of a pseudo-gradient through `reduce_across_sites` "
             "(statistics, review, pieces) on zeroband's transport, 3 rounds, rounds 2-3 reported. `sites.streams` auto: "
             "the group dials 16 connections per peer, probes the link on them at connect (authenticated pings, then "
             "a timed transfer) and keeps those that cover the measured bandwidth-delay product (comm/link.py "
             "choose_streams); 1: one connection, probed on. seconds = mean over rounds of the faster site's time "
             "(both enter together); BW / rate = bytes this site sent (payload, no TCP/IP headers) / seconds / link "
-            "rate, so the 3 round trips of a step (statistics, review, last piece) count against it. bound = the "
+            "rate, so the 4 one-way delays of a step (statistics, the scatter's last byte, review, the all-gather's last "
+            "byte) count against it. idle s before: the link idles this long before each round, as it does for the "
+            "inner steps between outer steps (0: rounds back to back). TCP: the namespaces' "
+            "net.ipv4.tcp_congestion_control and net.ipv4.tcp_slow_start_after_idle (Linux's default 1 restarts a "
+            "loss-based sender from its initial window after an idle longer than its retransmission timeout; the "
+            "emulator sets 0 unless a row asks for 1; the host's own settings are not changed). bound = the "
             "longest link-derived wait bound of the step (the review's, as for the whole scatter at fp32). 300 MB = "
             "the fp16 outer step of a 150M-parameter model; 3.6 MB = the demo preset's (the rows above). Regenerate "
             "(keeps the rows above): `flock /tmp/zeroband-test.lock python scripts/bench_wan.py --streams --out benchmarks`."),
-        markdown_table(["rate Mbit/s", "RTT ms", "payload MB", "sites.streams", "streams used", "probe RTT ms",
-                        "probe Mbit/s", "seconds", "BW / rate", "bound s"], table)])
+        markdown_table(["rate Mbit/s", "RTT ms", "payload MB", "sites.streams", "streams used", "idle s before",
+                        "TCP (congestion, slow start after idle)", "probe RTT ms", "probe Mbit/s", "seconds",
+                        "BW / rate", "bound s", "load (1-min avg)"], table)])
+
+
+def tcp_words(tcp: dict[str, str] | None) -> str:
+    """The TCP settings a run recorded, for the report; older runs did not record them."""
+    if not tcp:
+        return "not recorded (the emulator's tcp_slow_start_after_idle = 0, the host's congestion control)"
+    return ", ".join(f"{k} = {v}" for k, v in tcp.items())
+
+
+def tcp_note(row: dict[str, Any]) -> str:
+    """The namespaces' congestion control and tcp_slow_start_after_idle, as the row recorded them."""
+    tcp = row.get("tcp")
+    if not tcp:
+        return "not recorded"
+    return f"{tcp.get('net.ipv4.tcp_congestion_control', '?')}, {tcp.get('net.ipv4.tcp_slow_start_after_idle', '?')}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -719,7 +779,8 @@ def main(argv: list[str] | None = None) -> int:
             "quick": args.quick, "pin_cpus": args.pin_cpus, "extra_overrides": extra, "chatter_bytes_per_s": chatter, "cores": os.cpu_count(),
             "loadavg_start": load_start, "loadavg_end": load_average(),
             # sites.streams auto: the streams the probe keeps on this link (comm/link.py choose_streams)
-            "streams": streams_for(args.rate_mbit * 1e6, 2 * args.delay_ms / 1e3), "window_bytes": kernel_window()}
+            "streams": streams_for(args.rate_mbit * 1e6, 2 * args.delay_ms / 1e3), "window_bytes": kernel_window(),
+            "tcp": site_tcp()}
     for m in results:
         m["predicted"] = predicted(meta, m)
     if args.from_raw:
@@ -732,6 +793,13 @@ def main(argv: list[str] | None = None) -> int:
     if plot(results, args.out / "wan.png") is not None:
         say_written(args.out / "wan.png")
     return 0
+
+
+def site_tcp() -> dict[str, str]:
+    """The TCP settings the rows' site namespaces run with: the host's congestion control (a new
+    namespace inherits it) and the emulator's tcp_slow_start_after_idle (0)."""
+    congestion = Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
+    return {"net.ipv4.tcp_congestion_control": congestion, "net.ipv4.tcp_slow_start_after_idle": "0"}
 
 
 def backend_name(args: argparse.Namespace) -> str:

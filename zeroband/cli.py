@@ -5,7 +5,8 @@
     zeroband launch CONFIG --sites S --nproc W     S sites x W ranks on this machine (DiLoCo;
                                                    --nproc 2,1,1: a rank count per site)
     zeroband export CONFIG [--checkpoint P] [--out DIR]   Hugging Face Llama directory
-    zeroband plan [CONFIG | --params N ...] [--table]    predict WAN sync cost and utilisation
+    zeroband plan [CONFIG | --params N ...] [--table]    predict WAN sync cost and utilisation;
+                                                   with CONFIG also the recommended H
 """
 
 from __future__ import annotations

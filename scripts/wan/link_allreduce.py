@@ -43,6 +43,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--numel", type=int, default=1_000_000, help="fp32 values of the pseudo-gradient")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--wire", default="fp16", help="diloco.comm_dtype")
+    p.add_argument("--idle-s", type=float, default=0.0,
+                   help="seconds the link idles before each round (the inner steps between outer steps)")
     p.add_argument("--piece-mb", type=float, default=4.0, help="diloco.piece_mb")
     p.add_argument("--probe-s", type=float, default=3.0, help="sites.probe_s")
     p.add_argument("--floor-s", type=float, default=10.0, help="sites.timeout_floor_s")
@@ -57,6 +59,9 @@ def main(argv: list[str] | None = None) -> None:
                              policy=policy)
     values = torch.randn(args.numel, generator=torch.Generator().manual_seed(args.site))
     for k in range(args.rounds):
+        if args.idle_s:
+            group.gather_scalars([0.0])  # both sites start the idle period together
+            time.sleep(args.idle_s)
         step = partial(reduce_across_sites, [values.clone()], SiteStats(1.0, 0.0), group, args.wire,
                        int(args.piece_mb * (1 << 20)))
         t0 = time.perf_counter()

@@ -190,3 +190,15 @@ def test_a_slow_live_link_is_never_declared_dead() -> None:
             # the round's longest wait: the review's statistics, bounded as for the whole scatter at fp32
             assert r["seconds"] > 2.0 and r["wait_bound_s"] == pytest.approx(wait_bound(4e6, measured, 3.0, 0.5, 60)), r
             assert r["wait_bound_s"] > 10.0, r
+
+
+def test_site_tcp_settings_are_per_namespace() -> None:
+    """The sites run with tcp_slow_start_after_idle 0 unless asked for Linux's default 1; the host's own
+    setting is left as it was (both are per namespace)."""
+    host = Path("/proc/sys/net/ipv4/tcp_slow_start_after_idle").read_text().strip()
+    with WanEmulator(2, rate_mbit=None) as wan:
+        assert wan.tcp_settings(1)["net.ipv4.tcp_slow_start_after_idle"] == "0"
+    with WanEmulator(2, rate_mbit=None, slow_start_after_idle=True) as wan:
+        tcp = wan.tcp_settings(0)
+        assert tcp["net.ipv4.tcp_slow_start_after_idle"] == "1" and tcp["net.ipv4.tcp_congestion_control"]
+    assert Path("/proc/sys/net/ipv4/tcp_slow_start_after_idle").read_text().strip() == host

@@ -58,17 +58,18 @@ def test_prediction_by_hand() -> None:
     assert pred.payload_bytes == pytest.approx(2e9)
     assert pred.wire_bytes == pytest.approx(3e9)  # x 2(4-1)/4
     assert pred.bandwidth_s == pytest.approx(24.0)
-    assert pred.latency_s == pytest.approx(0.15)  # statistics round trip + last byte: 3 x 50 ms, any S
-    assert pred.comm_s == pytest.approx(24.15)
+    # 4 one-way delays, any S: statistics, the scatter's last byte, the review, the all-gather's last byte
+    assert pred.latency_s == pytest.approx(0.2)
+    assert pred.comm_s == pytest.approx(24.2)
     assert pred.compute_s == pytest.approx(600.0)
-    assert pred.utilisation == pytest.approx(600 / 624.15)
+    assert pred.utilisation == pytest.approx(600 / 624.2)
     assert pred.traffic_reduction == pytest.approx(1000.0)
     assert predict(PlanInput(1e9, 1.2, 4, 1.0, 50.0, 500, "fp16", overlap=True, tcp_ramp=False)).utilisation == 1.0
-    # per-step fp32 data parallel: 1.5 x 4e9 B / 1.25e8 B/s + 0.15 s per step
-    assert pred.dp_comm_s == pytest.approx(48.15)
-    assert pred.dp_utilisation == pytest.approx(1.2 / 49.35)
+    # per-step fp32 data parallel: 1.5 x 4e9 B / 1.25e8 B/s + 0.2 s per step
+    assert pred.dp_comm_s == pytest.approx(48.2)
+    assert pred.dp_utilisation == pytest.approx(1.2 / 49.4)
     dp = predict_data_parallel(p)
-    assert dp.comm_s == pytest.approx(48.15) and dp.utilisation == pytest.approx(1.2 / 49.35)
+    assert dp.comm_s == pytest.approx(48.2) and dp.utilisation == pytest.approx(1.2 / 49.4)
 
 
 def test_tcp_ramp_by_hand() -> None:
@@ -78,7 +79,23 @@ def test_tcp_ramp_by_hand() -> None:
     assert ramp_seconds(50_000, 12.5e6, 0.1, 9000) == pytest.approx(0.1 - 50_000 / 12.5e6)  # one short round
     assert ramp_seconds(1e9, 1e6, 0.01, 9000) == 0.0  # BDP below the initial window: no ramp
     with_ramp = predict(PlanInput(1e9, 1.2, 4, 1.0, 50.0, 500, "fp16", tcp_ramp=True))
-    assert with_ramp.ramp_s > 0 and with_ramp.comm_s == pytest.approx(24.15 + with_ramp.ramp_s)
+    assert with_ramp.ramp_s > 0 and with_ramp.comm_s == pytest.approx(24.2 + with_ramp.ramp_s)
+    # from a window that survived the idle: 1 MB in flight, one round of 1 MB below the 1.25 MB BDP
+    assert ramp_seconds(1e9, 12.5e6, 0.1, 9000, start_bytes=1e6) == pytest.approx(0.1 - 1e6 / 12.5e6)
+
+
+def test_restart_window_halves_per_retransmission_timeout() -> None:
+    from zeroband.tools.plan import restart_window
+
+    # RTT 100 ms: timeout 300 ms. An idle up to one timeout keeps the window (Linux restarts only past it);
+    # 1 s is 4 timeouts begun: 3 halvings of 8 MB; minutes of inner steps: the initial window
+    assert restart_window(0.3, 0.1, 8e6, 89_480) == 8e6
+    assert restart_window(0.31, 0.1, 8e6, 89_480) == 4e6
+    assert restart_window(1.0, 0.1, 8e6, 89_480) == 1e6
+    assert restart_window(600.0, 0.1, 8e6, 89_480) == 89_480
+    # in a prediction: a blocking round of 5 x 0.05 s idles 0.25 s, under the 300 ms timeout: no ramp
+    short = predict(PlanInput(1e9, 0.05, 4, 1.0, 50.0, 5, "fp16", tcp_ramp=True))
+    assert short.ramp_s == 0.0
 
 
 WINDOW = 4194304 * 2 // 3  # 2,796,202 B in flight per stream: 2/3 of tcp_wmem max (comm/link.py)
@@ -128,7 +145,7 @@ def test_cli_single_prediction(capsys: pytest.CaptureFixture[str]) -> None:
             "--inner-steps", "500", "--dtype", "fp16", "--no-tcp-ramp"]
     assert cli_main(argv) == 0
     out = capsys.readouterr().out
-    assert "24.150 s" in out and "96.13%" in out and "1000x" in out
+    assert "24.200 s" in out and "96.12%" in out and "1000x" in out
     assert cli_main([*argv, "--overlap"]) == 0
     assert "100.00%" in capsys.readouterr().out
 
@@ -209,3 +226,75 @@ def test_plan_vs_every_measured_wan_row(tmp_path: Path, capsys: pytest.CaptureFi
     rows = json.loads(wan.read_text())["results"]
     assert sum(line.startswith("| DiLoCo") or line.startswith("| DP") for line in text.splitlines()) == len(rows)
     assert "mean |error|" in text and capsys.readouterr().out.count("# zeroband plan vs") == 2
+
+
+# ------------------------------------------------------------------------------- the recommended H (issue 33)
+
+
+def test_h_for_utilisation_by_hand() -> None:
+    from zeroband.tools.plan import h_for_utilisation
+
+    # blocking: H x 1 s / (H x 1 s + 2 s) >= 0.95  <=>  H >= 0.95 x 2 / 0.05 = 38
+    assert h_for_utilisation(1.0, 2.0, 0.95) == 38
+    assert h_for_utilisation(1.0, 2.01, 0.95) == 39
+    # overlapped: H x 1 s / max(H x 1 s, 2 s) >= 0.95  <=>  H >= 1.9
+    assert h_for_utilisation(1.0, 2.0, 0.95, overlap=True) == 2
+    assert h_for_utilisation(1.0, 0.0, 0.95) == 1  # a free sync: any H
+
+
+def test_recommend_h_keeps_the_outer_steps_floor() -> None:
+    from zeroband.tools.plan import MIN_OUTER_STEPS, recommend_h
+
+    assert MIN_OUTER_STEPS == 20
+    h, why = recommend_h(5000, 1.0, 2.0)
+    assert h == 250  # 5000 / 20
+    assert "the largest H keeping >= 20 outer steps over 5000 steps" in why
+    assert "H >= 38 reaches 95% compute utilisation" in why and "docs/results/large_h.md" in why
+    # H must divide train.steps and checkpoint.interval: 88000 / 20 = 4400, but 5000 % 4400 != 0 -> 1000
+    assert recommend_h(88000, 1.0, 2.0, period=5000)[0] == 1000
+    assert recommend_h(4999, 1.0, 2.0)[0] == 1  # 4999 is prime: only H = 1 divides it below 249
+
+
+def test_recommend_h_says_when_the_link_misses_the_target() -> None:
+    from zeroband.tools.plan import recommend_h
+
+    # 1000 steps -> H = 50 (20 outer steps); a 100 s sync over 1 s steps: 50 / 150 = 33.3%; 95% needs H >= 1900
+    h, why = recommend_h(1000, 1.0, 100.0)
+    assert h == 50 and "reaches only 33.3% compute utilisation" in why and "95% needs H >= 1900" in why
+    assert "more than the run's 1000 steps" in why
+    h, why = recommend_h(10, 1.0, 0.1)  # fewer steps than the floor: H = 1 keeps the most
+    assert h == 1 and "no H keeps >= 20 outer steps over 10 steps" in why
+
+
+def test_h_warning_when_the_config_keeps_too_few_outer_steps() -> None:
+    from zeroband.tools.plan import h_warning
+
+    assert h_warning(500, 88000) is None  # 176 outer steps
+    line = h_warning(500, 5000)  # 10 outer steps
+    assert line is not None and "leaves 10 outer steps" in line and "--diloco.inner_steps" in line
+
+
+def test_plan_config_prints_the_recommended_h(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "short.toml"  # the 1B config, shortened to 5000 steps: its H = 500 keeps 10 outer steps
+    config.write_text(Path("configs/1B.toml").read_text().replace("steps = 50000", "steps = 5000"))
+    assert cli_main(["plan", str(config), "--sites", "2", "--gbps", "1", "--latency-ms", "50", "--step-time", "1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    rec = [line for line in out if line.startswith("recommended H: ")]
+    assert len(rec) == 1 and rec[0].startswith("recommended H: 250 (the largest H keeping >= 20 outer steps over 5000")
+    assert any(line.startswith("warning: diloco.inner_steps=500 leaves 10 outer steps") for line in out)
+
+
+def test_slow_start_restarts_only_for_loss_based_senders() -> None:
+    from zeroband.tools.plan import link_run_prediction, restarts_slow_start
+
+    cubic = {"net.ipv4.tcp_congestion_control": "cubic", "net.ipv4.tcp_slow_start_after_idle": "1"}
+    assert restarts_slow_start(cubic)
+    assert not restarts_slow_start(cubic | {"net.ipv4.tcp_slow_start_after_idle": "0"})
+    assert not restarts_slow_start(cubic | {"net.ipv4.tcp_congestion_control": "bbr"})  # Linux skips it for BBR
+    assert not restarts_slow_start(None)  # not recorded: the emulator's 0
+    # a --streams row: 20,000 fp32 values -> 40 kB of fp16 between 2 sites, 1 stream, 20 Mbit/s, 100 ms RTT:
+    # 40,000 x 8 / 20e6 = 0.016 s + 4 one-way delays of 50 ms; after 5 s idle a cubic sender restarts from
+    # 10 x 8948 B, more than the 40 kB: one round of 0.1 - 40,000 / 2.5e6 s more
+    row = {"numel": 20_000, "rate_mbit": 20.0, "rtt_ms": 100.0, "streams_used": 1, "idle_s": 5.0, "mtu": 9000}
+    assert link_run_prediction(row, WINDOW) == pytest.approx(0.016 + 0.2)
+    assert link_run_prediction(row | {"tcp": cubic}, WINDOW) == pytest.approx(0.016 + 0.2 + 0.1 - 0.016)

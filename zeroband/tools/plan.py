@@ -11,14 +11,18 @@ site moves the whole model's payload whatever W is):
   RTT) is zeroband/comm/link.py's link model: one TCP stream keeps at most one kernel window in
   flight, and the streams per peer default to those that cover the bandwidth-delay product
   (`streams_for`, at most 16), as the cross-site transport chooses them;
-  + latency: 3 one-way delays whatever S: one round trip for the site statistics that precede
-  every average (gloo sends a message once the receiver has announced its buffer), then the
-  payload's messages are all posted at once, so only the last byte's one-way delay adds (no
-  per-hop latency as in a ring)
-  + TCP ramp (optional, on by default): Linux restarts slow start after an idle connection
-  (tcp_slow_start_after_idle=1), so every sync begins at an initial window of 10 segments that
-  doubles per round trip (on every stream); each such round that carries less than a
-  bandwidth-delay product costs RTT - carried/throughput extra seconds;
+  + latency: 4 one-way delays whatever S (ONE_WAY_DELAYS; zeroband's transport pushes a message
+  without waiting for the receiver to announce its buffer): the site statistics that precede every
+  average, the scatter's last byte, the review of what every source sent (comm/reduce.py: it waits
+  for the whole scatter, so the all-gather cannot start before it), the all-gather's last byte;
+  the payload's messages within a phase are all posted at once, so no per-hop latency as in a ring
+  + TCP ramp (optional, on by default: Linux's tcp_slow_start_after_idle = 1 with a loss-based
+  congestion control such as cubic; BBR, or the setting at 0, keeps the window: --no-tcp-ramp): a
+  sender idle for more than a retransmission timeout (RTT + 200 ms) halves its window per timeout,
+  down to the initial 10 segments (`restart_window`), so after the inner steps of a round every
+  sync starts from the initial window on every stream and doubles it per round trip; each such
+  round that carries less than a bandwidth-delay product costs RTT - carried/throughput extra
+  seconds (the review's pause between scatter and all-gather is shorter than a timeout);
 - inner compute per round T_c = H x step time;
 - utilisation: blocking T_c / (T_c + T_comm); overlapped T_c / max(T_c, T_comm) (the average of
   round k travels while round k+1 computes; only what does not fit is waited for);
@@ -52,6 +56,12 @@ from zeroband.config import DilocoConfig, SitesConfig
 
 DTYPE_BYTES: dict[str, float] = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0 + 2 / 128, "int4": 0.5 + 2 / 64}
 INITIAL_WINDOW_SEGMENTS = 10  # Linux initcwnd
+RTO_MIN_S = 0.2  # Linux TCP_RTO_MIN: a steady link's retransmission timeout is about RTT + 200 ms
+# One-way delays on the critical path of one all-reduce (comm/reduce.py, comm/direct.py; zeroband's
+# transport pushes every message without waiting for the receiver): the site statistics, the
+# scatter's last byte, the review of what every source sent (it waits for the whole scatter), the
+# all-gather's last byte.
+ONE_WAY_DELAYS = 4
 IP_TCP_HEADERS = 52  # IPv4 20 + TCP 20 + timestamps option 12
 
 # The --table assumptions: H100 dense bf16 peak x 40% MFU; step time = 6 N x tokens per step /
@@ -144,11 +154,14 @@ def traffic_reduction(inner_steps: int, dtype: str) -> float:
     return inner_steps * 4.0 / dtype_bytes(dtype)
 
 
-def ramp_seconds(nbytes: float, rate_bytes_s: float, rtt_s: float, mtu: int, streams: int = 1) -> float:
-    """Extra seconds slow start costs a transfer of nbytes that starts from the initial window of
-    each of `streams` streams; `rate_bytes_s` is what the streams deliver once ramped up."""
+def ramp_seconds(nbytes: float, rate_bytes_s: float, rtt_s: float, mtu: int, streams: int = 1,
+                 start_bytes: float | None = None) -> float:
+    """Extra seconds slow start costs a transfer of nbytes that starts from `start_bytes` in flight
+    over all streams (default: the initial window of each of `streams` streams); `rate_bytes_s` is
+    what the streams deliver once ramped up."""
     mss = mtu - IP_TCP_HEADERS
-    bdp, cwnd, left, extra = rate_bytes_s * rtt_s, streams * INITIAL_WINDOW_SEGMENTS * mss, nbytes, 0.0
+    cwnd = streams * INITIAL_WINDOW_SEGMENTS * mss if start_bytes is None else start_bytes
+    bdp, left, extra = rate_bytes_s * rtt_s, nbytes, 0.0
     while left > 0 and cwnd < bdp:
         carried = min(cwnd, left)
         extra += rtt_s - carried / rate_bytes_s
@@ -157,17 +170,32 @@ def ramp_seconds(nbytes: float, rate_bytes_s: float, rtt_s: float, mtu: int, str
     return extra
 
 
+def restart_window(idle_s: float, rtt_s: float, steady_bytes: float, initial_bytes: float) -> float:
+    """Bytes in flight a sender restarts with after `idle_s` without sending (Linux tcp_cwnd_restart,
+    tcp_slow_start_after_idle = 1, a loss-based congestion control): an idle up to one retransmission
+    timeout (RTT + 200 ms on a steady link) changes nothing; each further timeout halves the window,
+    down to the initial window. Idle seconds between outer steps are many timeouts: the initial window."""
+    halvings = max(0, math.ceil(idle_s / (rtt_s + RTO_MIN_S)) - 1)
+    return max(initial_bytes, steady_bytes / 2.0 ** min(halvings, 64))
+
+
 def link_of(p: PlanInput) -> Link:
     """The link model of the plan: RTT = 2 x one-way, the uplink's rate, the streams and window."""
     rtt, rate = 2 * p.latency_ms / 1e3, p.gbps * 1e9
     return Link(rtt, rate, p.streams or streams_for(rate, rtt, p.window_bytes), p.window_bytes)
 
 
-def comm_seconds(wire_bytes: float, p: PlanInput) -> tuple[float, float, float]:
-    """(bandwidth, latency, ramp) seconds of one all-reduce sending wire_bytes per site."""
+def comm_seconds(wire_bytes: float, p: PlanInput, idle_s: float = math.inf) -> tuple[float, float, float]:
+    """(bandwidth, latency, ramp) seconds of one all-reduce sending wire_bytes per site, after the link
+    idled `idle_s` (the inner steps since the last sync)."""
     link = link_of(p)
-    latency = 1.5 * link.rtt_s  # statistics round trip + the last byte's one-way delay
-    ramp = ramp_seconds(wire_bytes, throughput(link) / 8, link.rtt_s, p.mtu, link.streams) if p.tcp_ramp else 0.0
+    latency = ONE_WAY_DELAYS * link.rtt_s / 2
+    ramp = 0.0
+    if p.tcp_ramp:
+        rate = throughput(link) / 8
+        initial = link.streams * INITIAL_WINDOW_SEGMENTS * (p.mtu - IP_TCP_HEADERS)
+        start = restart_window(idle_s, link.rtt_s, rate * link.rtt_s, initial)
+        ramp = ramp_seconds(wire_bytes, rate, link.rtt_s, p.mtu, link.streams, start)
     return transfer_s(wire_bytes, link), latency, ramp
 
 
@@ -184,10 +212,12 @@ def predict(p: PlanInput) -> Prediction:
         raise ValueError("sites must be >= 2")
     payload = p.params * dtype_bytes(p.dtype)
     wire = ring_factor(p.sites) * payload
-    bw_s, lat_s, ramp_s = comm_seconds(wire, p)
-    comm = bw_s + lat_s + ramp_s
     compute = p.inner_steps * p.step_time_s
-    dp_comm = sum(comm_seconds(ring_factor(p.sites) * p.params * 4.0, p))
+    bw_s, lat_s, ramp_s = comm_seconds(wire, p, compute)
+    if p.overlap:  # the link idles only for what of the round the all-reduce leaves
+        bw_s, lat_s, ramp_s = comm_seconds(wire, p, max(0.0, compute - bw_s - lat_s))
+    comm = bw_s + lat_s + ramp_s
+    dp_comm = sum(comm_seconds(ring_factor(p.sites) * p.params * 4.0, p, p.step_time_s))
     link = link_of(p)
     piece_wait, sync_wait = wait_bounds(wire, p)
     return Prediction(
@@ -202,6 +232,61 @@ def predict(p: PlanInput) -> Prediction:
 def predict_data_parallel(p: PlanInput) -> Prediction:
     """Per-step fp32 data parallel as a 'DiLoCo' with H = 1, blocking, fp32."""
     return predict(replace(p, inner_steps=1, dtype="fp32", overlap=False))
+
+
+# ------------------------------------------------------------------------------- the recommended H
+
+# Fewest outer steps a run should keep. 20 is the regime of the large-H study
+# (scripts/experiments/large_h.py, docs/results/large_h.md): runs of >= 20 outer steps. It stays the
+# floor until that study's results say otherwise.
+MIN_OUTER_STEPS = 20
+TARGET_UTILISATION = 0.95  # the compute utilisation the recommendation reports the H for
+STUDY = "docs/results/large_h.md"
+
+
+def h_for_utilisation(step_time_s: float, sync_time_s: float, target: float, overlap: bool = False) -> int:
+    """Smallest H whose compute utilisation reaches `target` (< 1): blocking H t / (H t + c) >= u, so
+    H >= u c / ((1 - u) t); overlapped H t / max(H t, c) >= u, so H >= u c / t."""
+    need = target * sync_time_s / (step_time_s if overlap else (1 - target) * step_time_s)
+    return max(1, math.ceil(need - 1e-9))  # 1e-9: an exact quotient is not pushed one H up by rounding
+
+
+def valid_h(steps: int, most: int, period: int = 0) -> int:
+    """Largest H <= most that divides train.steps (the run ends on an outer step) and `period`
+    (checkpoint.interval, when set: checkpoints sit on outer boundaries); 0 when none."""
+    return next((h for h in range(min(most, steps), 0, -1) if steps % h == 0 and (not period or period % h == 0)), 0)
+
+
+def recommend_h(steps: int, step_time_s: float, sync_time_s: float, min_outer_steps: int = MIN_OUTER_STEPS,
+                target_util: float = TARGET_UTILISATION, overlap: bool = False, period: int = 0) -> tuple[int, str]:
+    """(H, why): the largest H that keeps `min_outer_steps` outer steps over `steps` inner steps, beside
+    the H at which one sync of `sync_time_s` costs no more than the utilisation target. Pure."""
+    h = valid_h(steps, steps // min_outer_steps, period)
+    fits = f", dividing checkpoint.interval={period}" if period else ""
+    if h == 0:
+        h = 1  # the most outer steps there are
+        keep = f"no H keeps >= {min_outer_steps} outer steps over {steps} steps{fits}; H = 1 keeps the most"
+    else:
+        keep = f"the largest H keeping >= {min_outer_steps} outer steps over {steps} steps{fits}"
+    h_util = h_for_utilisation(step_time_s, sync_time_s, target_util, overlap)
+    if h_util <= h:
+        link = f"H >= {h_util} reaches {target_util:.0%} compute utilisation on this link"
+    else:
+        outer = f"{steps // h_util} outer steps" if h_util <= steps else f"more than the run's {steps} steps"
+        link = (f"it reaches only {utilisation(h * step_time_s, sync_time_s, overlap):.1%} compute utilisation on "
+                f"this link, {target_util:.0%} needs H >= {h_util} ({outer}): overlap, a smaller wire format or a "
+                "faster link")
+    return h, f"{keep}; {link}; floor {min_outer_steps}: the regime of {STUDY}, until that study says otherwise"
+
+
+def h_warning(inner_steps: int, steps: int, min_outer_steps: int = MIN_OUTER_STEPS) -> str | None:
+    """One line when the config's own H leaves fewer outer steps than the floor; None otherwise."""
+    outer = steps // inner_steps
+    if outer >= min_outer_steps:
+        return None
+    return (f"warning: diloco.inner_steps={inner_steps} leaves {outer} outer step{'s' if outer != 1 else ''} over "
+            f"train.steps={steps}, under the {min_outer_steps} of the measured regime ({STUDY}): set "
+            "--diloco.inner_steps to the recommended H")
 
 
 # ------------------------------------------------------------------------------- tables and the CLI
@@ -324,6 +409,8 @@ class ConfigPlan:
     tokens_per_step: int
     step_source: str
     notes: tuple[str, ...]
+    steps: int = 0  # train.steps
+    period: int = 0  # checkpoint.interval: H must divide it as well (0: checkpoints only at the end)
 
 
 def measured_tokens_s(data: dict[str, Any], preset: str | None) -> tuple[float, str] | None:
@@ -388,7 +475,8 @@ def plan_from_config(path: str, args: argparse.Namespace) -> ConfigPlan:
                      d.overlap or args.overlap, not args.no_tcp_ramp, args.mtu, **link, piece_mb=d.piece_mb,
                      wait_factor=s.wait_factor, timeout_floor_s=s.timeout_floor_s, timeout_s=s.timeout_s)
     pieces = max(1, math.ceil(params * 4 / (d.piece_mb * 2**20)))
-    return ConfigPlan(plan, cfg.model.preset or f"{params / 1e6:.0f}M", d.piece_mb, pieces, tokens, source, tuple(notes))
+    return ConfigPlan(plan, cfg.model.preset or f"{params / 1e6:.0f}M", d.piece_mb, pieces, tokens, source, tuple(notes),
+                      cfg.train.steps, cfg.checkpoint.interval)
 
 
 def config_plan_text(path: str, cp: ConfigPlan) -> str:
@@ -397,7 +485,16 @@ def config_plan_text(path: str, cp: ConfigPlan) -> str:
     head = [f"{path}: model {cp.model} ({size} params), H={p.inner_steps}, wire {p.dtype}, piece {cp.piece_mb:g} MB "
             f"({cp.pieces} piece{'s' if cp.pieces > 1 else ''} per all-reduce), {cp.tokens_per_step:,} tokens per step per site",
             f"  step time {p.step_time_s:.3g} s: {cp.step_source}", *(f"  note: {n}" for n in cp.notes)]
-    return "\n".join(head) + "\n" + prediction_text(p, predict(p))
+    pred = predict(p)
+    return "\n".join([*head, prediction_text(p, pred), *h_lines(cp, pred)])
+
+
+def h_lines(cp: ConfigPlan, pred: Prediction) -> list[str]:
+    """The recommended H with its reason, and a warning when the config's own H keeps too few outer steps."""
+    p = cp.plan
+    h, why = recommend_h(cp.steps, p.step_time_s, pred.comm_s, overlap=p.overlap, period=cp.period)
+    warning = h_warning(p.inner_steps, cp.steps)
+    return [f"recommended H: {h} ({why})", *([warning] if warning else [])]
 
 
 # ------------------------------------------------------------------------------- checked against benchmarks/wan.json
@@ -405,10 +502,11 @@ def config_plan_text(path: str, cp: ConfigPlan) -> str:
 
 def wan_prediction(meta: dict[str, Any], m: dict[str, Any]) -> dict[str, Any]:
     """This planner's prediction for one measured WAN row (scripts/bench_wan.py), from the row's own
-    measured compute per step and the run's streams and window (before they were recorded: one
-    stream, Linux's default window); TCP ramp off (the emulator disables slow start after idle)."""
+    measured compute per step and the run's streams, window and TCP settings (before they were
+    recorded: one stream, Linux's default window, the emulator's tcp_slow_start_after_idle = 0)."""
     p = PlanInput(m["shard_params"] * meta["nproc"], m["compute_s_per_step"], meta["sites"], m["rate_mbit"] / 1e3,
-                  meta["delay_ms"], m["inner_steps"], m["dtype"], m["overlap"], False, meta["mtu"],
+                  meta["delay_ms"], m["inner_steps"], m["dtype"], m["overlap"], restarts_slow_start(meta.get("tcp")),
+                  meta["mtu"],
                   streams=meta.get("streams", 1), window_bytes=meta.get("window_bytes", DEFAULT_WINDOW))
     if m["mode"] == "data_parallel":
         step = predict_data_parallel(p)
@@ -418,6 +516,55 @@ def wan_prediction(meta: dict[str, Any], m: dict[str, Any]) -> dict[str, Any]:
         comm = max(0.0, pred.comm_s - pred.compute_s) if m["overlap"] else pred.comm_s  # overlapped: the wait
         util = pred.utilisation
     return {"comm_s": comm, "utilisation": util}
+
+
+def restarts_slow_start(tcp: dict[str, str] | None) -> bool:
+    """Whether a row's senders restart slow start after idle: tcp_slow_start_after_idle = 1 and a
+    loss-based congestion control (Linux skips the restart for BBR, which keeps its own model of the
+    link). Not recorded: the emulator's setting, 0."""
+    tcp = tcp or {}
+    return (tcp.get("net.ipv4.tcp_slow_start_after_idle") == "1"
+            and tcp.get("net.ipv4.tcp_congestion_control") != "bbr")
+
+
+def tcp_text(tcp: dict[str, str] | None) -> str:
+    """A row's TCP settings in words."""
+    if not tcp:
+        return "not recorded (the emulator's tcp_slow_start_after_idle = 0)"
+    return ", ".join(f"{k.rsplit('.', 1)[-1]} = {v}" for k, v in tcp.items())
+
+
+def link_run_prediction(r: dict[str, Any], window_bytes: int) -> float:
+    """Predicted seconds of one all-reduce of a --streams row (bench_wan.py): fp16, 2 sites, the
+    streams the run used, after the row's idle seconds."""
+    p = PlanInput(float(r["numel"]), r.get("idle_s", 0.0), 2, r["rate_mbit"] / 1e3, r["rtt_ms"] / 2, 1, "fp16",
+                  tcp_ramp=restarts_slow_start(r.get("tcp")), mtu=r.get("mtu", 9000), streams=r["streams_used"],
+                  window_bytes=window_bytes)
+    return predict(p).comm_s
+
+
+def link_run_table(data: dict[str, Any]) -> list[str]:
+    """Prediction vs the measured all-reduce-alone rows (wan.json's "streams"), with the mean error."""
+    runs = [r for r in data.get("streams", []) if "tcp" in r]  # rows measured since the settings are recorded
+    if not runs:
+        return []
+    window = data["meta"].get("window_bytes", DEFAULT_WINDOW)
+    rows, errs = [], []
+    for r in runs:
+        pred = link_run_prediction(r, window)
+        errs.append(abs(pred - r["seconds"]) / r["seconds"])
+        rows.append([f"{r['rate_mbit']:g}", f"{r['rtt_ms']:g}", f"{r['payload_bytes'] / 1e6:.1f}", r["streams_used"],
+                     f"{r.get('idle_s', 0.0):g}", ", ".join(r["tcp"].values()), f"{r['seconds']:.3f}", f"{pred:.3f}",
+                     f"{100 * (pred - r['seconds']) / r['seconds']:+.1f}%"])
+    headers = ["rate Mbit/s", "RTT ms", "payload MB", "streams used", "idle s before", "TCP", "seconds measured",
+               "seconds predicted", "error"]
+    return ["", "## The outer all-reduce alone", "", "The `--streams` rows of the same file (scripts/wan/link_allreduce.py: "
+            "`reduce_across_sites` of an fp16 pseudo-gradient between 2 sites, the faster site's seconds per round). "
+            "Predicted: `predict` with the row's rate, RTT, payload, streams used, idle seconds before the round and "
+            "TCP settings (slow start restarts only with tcp_slow_start_after_idle = 1 and a loss-based congestion "
+            "control).", "", markdown(headers, rows), "",
+            f"Error over the {len(runs)} rows: mean |error| {100 * sum(errs) / len(errs):.1f}% "
+            f"(max {100 * max(errs):.1f}%)."]
 
 
 def _rel(pred: float, measured: float) -> float | None:
@@ -447,10 +594,10 @@ def wan_table(data: dict[str, Any], source: str) -> str:
     return "\n".join([
         "# zeroband plan vs the measured WAN rows", "", f"Measured: `{source}` ({meta['preset']} preset, "
         f"{meta['params']:,} params, {meta['sites']} sites x {meta['nproc']} rank, {meta['delay_ms']:g} ms one-way, "
-        f"MTU {meta['mtu']}, emulated link `{meta['backend']}`). Predicted: `zeroband.tools.plan.predict` with each row's "
-        "measured compute per step, rate, delay and MTU, no TCP slow start (the emulator turns it off). "
+        f"MTU {meta['mtu']}, emulated link `{meta['backend']}`, TCP {tcp_text(meta.get('tcp'))}). Predicted: "
+        "`zeroband.tools.plan.predict` with each row's measured compute per step, rate, delay, MTU and TCP settings. "
         "Overlapped rows compare the predicted wait, max(0, T_comm - H x step), with the measured wait.", "",
-        markdown(headers, rows), "", summary, "",
+        markdown(headers, rows), "", summary, *link_run_table(data), "",
         "Regenerate: `zeroband plan --vs-wan benchmarks/wan.json --write docs/results/plan_vs_wan.md`."])
 
 
@@ -473,7 +620,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--inner-steps", type=int, default=500, help="H")
     p.add_argument("--dtype", default="fp16", choices=sorted(DTYPE_BYTES))
     p.add_argument("--overlap", action="store_true", help="overlapped outer step")
-    p.add_argument("--no-tcp-ramp", action="store_true", help="leave TCP slow start out of the model")
+    p.add_argument("--no-tcp-ramp", action="store_true",
+                   help="leave TCP slow start out of the model: the sites set net.ipv4.tcp_slow_start_after_idle=0 or "
+                        "run BBR (default: Linux's defaults, cubic with slow start after every idle)")
     p.add_argument("--mtu", type=int, default=1500)
     p.add_argument("--streams", type=int, default=None,
                    help="TCP streams per peer (default: enough to cover the bandwidth-delay product, at most 16)")

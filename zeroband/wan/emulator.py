@@ -120,12 +120,16 @@ class WanEmulator:
     def __init__(
         self, sites: int, rate_mbit: float | None, delay_ms: float = 0, jitter_ms: float = 0,
         loss_pct: float = 0, mtu: int = 9000, name: str = "zb", backend: str = "auto",
+        slow_start_after_idle: bool = False, congestion: str | None = None,
     ) -> None:
         if not 1 <= sites <= 250:
             raise ValueError("sites must be in 1..250")
         self.sites, self.rate_mbit, self.mtu, self.name = sites, rate_mbit, mtu, name
         self.delay_ms, self.jitter_ms, self.loss_pct = delay_ms, jitter_ms, loss_pct
         self.requested_backend = backend
+        # TCP inside the sites' namespaces: net.ipv4.tcp_slow_start_after_idle (Linux's default is 1;
+        # off by default here, as a tuned WAN site sets it) and tcp_congestion_control (None: the host's)
+        self.slow_start_after_idle, self.congestion = slow_start_after_idle, congestion
         self.backend = ""
         self._k = next(_instances)
         self.tag = f"{name}-{os.getpid()}-{self._k}"
@@ -164,6 +168,12 @@ class WanEmulator:
         out = ip("-n", self.site_ns(i), "-j", "-s", "link", "show", "dev", IFNAME).stdout
         stats = json.loads(out)[0]["stats64"]
         return {"tx_bytes": stats["tx"]["bytes"], "rx_bytes": stats["rx"]["bytes"]}
+
+    def tcp_settings(self, i: int = 0) -> dict[str, str]:
+        """The TCP settings site i's connections run with, read back from inside its namespace."""
+        keys = ("net.ipv4.tcp_congestion_control", "net.ipv4.tcp_slow_start_after_idle")
+        out = _run(["ip", "netns", "exec", self.site_ns(i), "sysctl", *keys], check=False).stdout
+        return dict(line.replace(" ", "").split("=", 1) for line in out.splitlines() if "=" in line)
 
     # ----- lifecycle ----------------------------------------------------------------------
     def __enter__(self) -> WanEmulator:
@@ -233,9 +243,13 @@ class WanEmulator:
         ns = self.site_ns(i)
         # no IPv6: router solicitations would otherwise show up in the byte counters
         _run(["ip", "netns", "exec", ns, "sysctl", "-qw", f"net.ipv6.conf.{IFNAME}.disable_ipv6=1"], check=False)
-        # Long-haul tuning a WAN site would apply: an idle connection between outer steps keeps its
-        # congestion window instead of slow-starting again every round.
-        _run(["ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv4.tcp_slow_start_after_idle=0"], check=False)
+        # Long-haul tuning a WAN site would apply (unless asked for Linux's default): an idle connection
+        # between outer steps keeps its congestion window instead of slow-starting again every round.
+        # Both settings are per namespace: the host's own are never touched.
+        ssai = f"net.ipv4.tcp_slow_start_after_idle={int(self.slow_start_after_idle)}"
+        _run(["ip", "netns", "exec", ns, "sysctl", "-qw", ssai], check=False)
+        if self.congestion:
+            _run(["ip", "netns", "exec", ns, "sysctl", "-qw", f"net.ipv4.tcp_congestion_control={self.congestion}"])
         ip("-n", ns, "addr", "add", f"{self.site_ip(i)}/{SUBNET_PREFIX}", "dev", IFNAME)
         ip("-n", ns, "link", "set", IFNAME, "mtu", str(self.mtu), "up")
         qdisc = self._qdisc()
