@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -196,28 +197,57 @@ def launch_sites(
         def env(site: int) -> dict:
             return {**(site_env or {}), **net_env(site)}
 
-        procs = _start_sites(config, sites, ranks_of(nproc, sites), overrides, log_dir, store, pinned, env)
+        procs, tees = _start_sites(config, sites, ranks_of(nproc, sites), overrides, log_dir, store, pinned, env)
         if on_started is not None:
             on_started(procs)
-        return Supervisor(procs, log_dir, progress, grace_s, policy, store_proc).run(timeout_s)
+        return Supervisor(procs, log_dir, progress, grace_s, policy, store_proc, tees).run(timeout_s)
 
 
 def site_identity(site: int, sites: int) -> list[str]:
     return ["--sites.site_rank", str(site), "--sites.site_count", str(sites)]
 
 
-def _start_sites(config, sites, nproc, overrides, log_dir, store, wrap, site_env) -> list[subprocess.Popen]:
+def _start_sites(config, sites, nproc, overrides, log_dir, store, wrap, site_env,
+                 ) -> tuple[list[subprocess.Popen], list[LogTee]]:
     log_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # busy-waiting threads starve the other sites
-    procs = []
+    procs, tees = [], []
     for site in range(sites):
-        with open(log_dir / f"site{site}.log", "w") as log_file:  # the child keeps its own descriptor
-            command = site_command(config, site, sites, nproc[site], store, overrides)
-            cmd = wrap(site, seams.current().site_command(command, site))
-            procs.append(subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT,
-                                          env={**env, **site_env(site)}, start_new_session=True))
-    return procs
+        command = site_command(config, site, sites, nproc[site], store, overrides)
+        cmd = wrap(site, seams.current().site_command(command, site))
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      env={**env, **site_env(site)}, start_new_session=True))
+        tees.append(LogTee(procs[-1], log_dir / f"site{site}.log"))
+    return procs, tees
+
+
+class LogTee:
+    """A site's output into its log file, its last lines also kept here: the launcher names a failed
+    rank's own error from them even when the log's disk is full (the error may be ENOSPC)."""
+
+    KEEP = 400  # lines: a traceback and torchrun's report after it fit
+
+    def __init__(self, proc: subprocess.Popen, path: Path) -> None:
+        self.tail: deque[str] = deque(maxlen=self.KEEP)
+        path.write_bytes(b"")
+        self.thread = threading.Thread(target=self._copy, args=(proc.stdout, path), name="zeroband-site-log",
+                                       daemon=True)
+        self.thread.start()
+
+    def _copy(self, stream: Any, path: Path) -> None:
+        with open(path, "ab", buffering=0) as log_file:
+            for raw in iter(stream.readline, b""):
+                self.tail.append(raw.decode(errors="replace"))
+                try:
+                    log_file.write(raw)
+                except OSError:  # a full or read-only disk: the tail here still has it
+                    pass
+
+    def text(self, wait_s: float = 2.0) -> str:
+        """The last lines, once the site's output ended (or after wait_s: a helper holds it open)."""
+        self.thread.join(wait_s)
+        return "".join(self.tail)
 
 
 @dataclass(frozen=True)
@@ -330,8 +360,10 @@ class Supervisor:
     every site's process group, and never leaves a site behind."""
 
     def __init__(self, procs: list[subprocess.Popen], log_dir: Path, progress: Path | None, grace_s: float,
-                 policy: SupervisePolicy, store: subprocess.Popen | None = None) -> None:
+                 policy: SupervisePolicy, store: subprocess.Popen | None = None, tees: list[LogTee] | None = None,
+                 ) -> None:
         self.procs, self.log_dir, self.grace_s, self.policy = procs, log_dir, grace_s, policy
+        self.tees = tees
         self.store, self.store_seen = store, None if store is None else SiteSeen()
         self.progress = progress
         self.offset = progress.stat().st_size if progress is not None and progress.is_file() else 0
@@ -360,7 +392,10 @@ class Supervisor:
                 failed = self.decision.failed
                 self.failure = _failure_text(self.seen, failed[0], self.policy) if failed else self.decision.why
         finally:
-            self._stop_all(self.signum or signal.SIGTERM)
+            if self.signum is not None:  # every site's exit from here on is the launcher's doing
+                self.stopping = {s for s, v in enumerate(self.seen) if v.code is None}
+            # SIGHUP (a closed terminal) as SIGTERM: the ranks leave on SIGTERM, and die of SIGHUP
+            self._stop_all(signal.SIGTERM if self.signum in (None, signal.SIGHUP) else self.signum)
             self._observe()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
@@ -418,7 +453,7 @@ class Supervisor:
             _say(f"the coordination store (pid {store.pid}) exited ({exit_text(code)})")
         elif (stopped := stopped_process(store.pid)) is not None and not old.stopped:
             self.store_seen = SiteSeen(None, now, True)
-            _say(f"the coordination store (pid {store.pid}) is stopped: process {stopped} (SIGSTOP): every site's store call waits on it; "
+            _say(f"the coordination store (pid {store.pid}) is stopped: process {stopped} is in state T (SIGSTOP): every site's store call waits on it; "
                  f"it has failed unless it resumes within {self.policy.frozen_after_s:g} s")
         elif stopped is None and old.stopped:
             self.store_seen = SiteSeen()
@@ -429,7 +464,7 @@ class Supervisor:
         if code == 0 or site in self.stopping:
             _say(f"site {site} {'finished' if code == 0 else 'stopped'} ({exit_text(code)})")
             return ""
-        text = (self.log_dir / f"site{site}.log").read_text(errors="replace")
+        text = self.tees[site].text() if self.tees else (self.log_dir / f"site{site}.log").read_text(errors="replace")
         error = last_error_line(text) if text.strip() else ""  # killed before it wrote anything
         _say(f"site {site} failed ({exit_text(code)})" + (f": {error}" if error else ""))
         return error
