@@ -93,3 +93,20 @@ def test_full_and_read_only_disks_stop_the_save_with_one_line(small_disk: Path):
     assert "ENOSPC" in filled and "step_000000001.tmp" in filled and "\n" not in filled, filled
     assert "EROFS" in ro and str(read_only / "ckpt") in ro and "\n" not in ro, ro
     assert not list((small_disk / "ckpt").glob("step_*[0-9]")), "no step may be sealed"
+
+
+def test_the_launcher_names_a_ranks_error_its_full_disk_kept_out_of_the_log(small_disk: Path):
+    """The site's log is on the full disk too: the launcher still names the rank's own error line
+    (from the tail it keeps), not torchrun's line after it."""
+    import sys
+
+    from zeroband.tools.launch import LogTee, SupervisePolicy, Supervisor
+
+    (small_disk / "filler").write_bytes(b"\0" * DISK_BYTES)  # tmpfs refuses the rest: ENOSPC
+    error = "zeroband: error: cannot save step 4: no space left on the device of /c (ENOSPC)"
+    code = f"import sys; print('Traceback (most recent call last):'); print({error!r}); sys.exit(2)"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    tee = LogTee(proc, small_disk / "site0.log")
+    out = Supervisor([proc], small_disk, None, 5.0, SupervisePolicy(5, None, 5), tees=[tee]).run(20)
+    assert list(out) == [2] and out.failure == f"site 0 failed first (exit code 2): {error}", out.failure
+    assert error not in (small_disk / "site0.log").read_text(), "the disk was meant to be full"
