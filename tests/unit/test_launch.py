@@ -50,6 +50,20 @@ def test_decide_names_the_first_failure_and_bounds_the_rest():
     assert decide([done, SiteSeen(0, 60.0)], 10_000.0, fixed) is None  # all exited: nothing to stop
 
 
+def test_decide_stops_every_site_once_the_store_exited_or_stayed_frozen():
+    from zeroband.tools.launch import SiteSeen, SupervisePolicy, decide
+
+    policy, running = SupervisePolicy(10, None, 600), SiteSeen()
+    assert decide([running, running], 100.0, policy, SiteSeen()) is None
+    assert decide([running, running], 109.0, policy, SiteSeen(None, 100.0, stopped=True)) is None
+    d = decide([running, running], 110.0, policy, SiteSeen(None, 100.0, stopped=True))
+    assert d.stop == (0, 1) and d.failed == () and d.why.startswith("the coordination store is frozen: stopped "
+                                                                     "(SIGSTOP) for 10 s")
+    d = decide([running, SiteSeen(0, 50.0)], 100.0, policy, SiteSeen(-9, 99.0))
+    assert d.stop == (0,) and d.why == "the coordination store exited (killed by SIGKILL); no site can go on without it"
+    assert decide([SiteSeen(0, 50.0)], 100.0, policy, SiteSeen(-9, 99.0)) is None  # nobody left to stop
+
+
 def test_policy_bound_follows_the_config():
     from zeroband.config import validate_config
     from zeroband.tools.launch import SupervisePolicy
@@ -197,3 +211,14 @@ def test_a_store_that_starts_slowly_is_named_within_the_bound():
     assert time.monotonic() - t0 < 1.5 + 2.0  # the wrapper and its sleep die with it (their own session)
     assert "did not start within 1.5 s (sites.timeout_s); it printed nothing yet" in str(failed.value)
     assert "\n" not in str(failed.value)
+
+
+def test_a_signalled_torchrun_job_exits_0_only_when_every_rank_did():
+    from zeroband.torchrun import FIRST_FAILURE, signalled
+
+    assert signalled("SIGTERM", [0, 0]) == ("zeroband.torchrun: SIGTERM: every rank (2) exited cleanly", 0)
+    line, code = signalled("SIGTERM", [0, 2])
+    assert line.startswith(f"{FIRST_FAILURE} rank 1 (local rank 1), exit code 2") and code == 2
+    assert signalled("SIGTERM", [-9])[1] == 128 + 9
+    assert signalled("SIGINT", [None])[1] == 128 + 2 and "still running after SIGINT" in signalled("SIGINT", [None])[0]
+    assert signalled("SIGTERM", []) == ("zeroband.torchrun: SIGTERM before any rank started", 128 + 15)
