@@ -76,9 +76,8 @@ def test_sigterm_to_agent_process_group_or_launcher_leaves_cleanly(corpus, tmp_p
         agent1, trainer1 = _site_processes(proc.pid, 1)
         t0 = time.monotonic()
         os.kill(agent2, signal.SIGTERM)  # as `kill <agent>`: torchrun passes it on to the trainer's group
-        assert _gone_within(agent2, 60), "site 2 did not leave"
         os.killpg(os.getpgid(trainer1), signal.SIGTERM)  # the trainer and its forwarder alike
-        assert _gone_within(agent1, 60), "site 1 did not leave"
+        assert _gone_within(agent2, 60) and _gone_within(agent1, 60), "site 2 or site 1 did not leave"
         proc.send_signal(signal.SIGTERM)  # the launcher passes it on to site 0's agent
         proc.wait(90)
         took = time.monotonic() - t0
@@ -87,8 +86,8 @@ def test_sigterm_to_agent_process_group_or_launcher_leaves_cleanly(corpus, tmp_p
             proc.kill()
     said = err_path.read_text()
     assert proc.returncode == 128 + signal.SIGTERM, said
-    for site in (2, 1, 0):
-        assert f"site {site} finished (exit code 0)" in said, said
+    for site, how in ((2, "finished"), (1, "finished"), (0, "stopped")):  # 0: by the launcher
+        assert f"site {site} {how} (exit code 0)" in said, said
         text = (logs / f"site{site}.log").read_text(errors="replace")
         assert "SIGTERM: leaving at step" in text, text[-3000:]
         if site != 1:  # the agent got the signal too (site 1's agent only saw its rank exit 0)

@@ -462,7 +462,8 @@ class Supervisor:
     def _report_exit(self, site: int, code: int) -> str:
         """Print the exit; returns the error line of a failure."""
         if code == 0 or site in self.stopping:
-            _say(f"site {site} {'finished' if code == 0 else 'stopped'} ({exit_text(code)})")
+            # a site that left cleanly when stopped exits 0 too: "stopped" says whose doing it was
+            _say(f"site {site} {'stopped' if site in self.stopping else 'finished'} ({exit_text(code)})")
             return ""
         text = self.tees[site].text() if self.tees else (self.log_dir / f"site{site}.log").read_text(errors="replace")
         error = last_error_line(text) if text.strip() else ""  # killed before it wrote anything
