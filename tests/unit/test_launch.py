@@ -209,8 +209,14 @@ def test_a_store_that_starts_slowly_is_named_within_the_bound():
         with store_process(["127.0.0.1", free_port()], slow, timeout_s=1.5):
             pass
     assert time.monotonic() - t0 < 1.5 + 2.0  # the wrapper and its sleep die with it (their own session)
-    assert "did not start within 1.5 s (sites.timeout_s); it printed nothing yet" in str(failed.value)
+    assert "did not start within 1.5 s (max(sites.timeout_s, 60 s)); it printed nothing yet" in str(failed.value)
     assert "\n" not in str(failed.value)
+
+
+def test_the_store_start_is_bounded_by_sites_timeout_never_under_a_minute():
+    from zeroband.tools.launch import store_start_bound
+
+    assert store_start_bound(600.0) == 600.0 and store_start_bound(4.0) == 60.0
 
 
 def test_a_signalled_torchrun_job_exits_0_only_when_every_rank_did():

@@ -82,7 +82,7 @@ def site_network(sites: int, wan: WanLink | None, store_env: dict[str, str] | No
 
     The coordination store runs in its own process (not in a site), so any site may die; `store_env`
     hands it the run's secret (its guard then admits only connections that prove it). It must be up
-    within `timeout_s` (sites.timeout_s).
+    within `timeout_s` (`store_start_bound`).
     """
     if wan is None:
         port = free_port()
@@ -100,6 +100,15 @@ def site_network(sites: int, wan: WanLink | None, store_env: dict[str, str] | No
 
 class StoreDidNotStart(RuntimeError):
     """The launcher's coordination store did not start; the message is one line naming why."""
+
+
+STORE_START_MIN_S = 60.0  # the store imports torch: seconds, more on a loaded machine, whatever the network
+
+
+def store_start_bound(timeout_s: float) -> float:
+    """How long the launcher waits for its store to listen: sites.timeout_s (600 s by default), never
+    under STORE_START_MIN_S: a run's short network bound must not fail a slow import."""
+    return max(timeout_s, STORE_START_MIN_S)
 
 
 @contextmanager
@@ -149,8 +158,8 @@ def _wait_for_line(proc: subprocess.Popen, marker: str, timeout_s: float, what: 
             return
         seen.append(line.strip())
     said = f"its last line: {seen[-1]}" if seen else "it printed nothing yet (a loaded machine: still importing torch?)"
-    raise StoreDidNotStart(f"{what} (pid {proc.pid}) did not start within {timeout_s:g} s (sites.timeout_s); {said}. "
-                           "Fix: raise sites.timeout_s, or give the machine fewer jobs")
+    raise StoreDidNotStart(f"{what} (pid {proc.pid}) did not start within {timeout_s:g} s (max(sites.timeout_s, "
+                           f"{STORE_START_MIN_S:g} s)); {said}. Fix: raise sites.timeout_s, or give the machine fewer jobs")
 
 
 def site_cpus(sites: int) -> list[str]:
@@ -190,7 +199,8 @@ def launch_sites(
         policy = SupervisePolicy.from_config(load_config(config, [*overrides, *site_identity(0, sites)]))
     cpus = site_cpus(sites) if pin_cpus else None
     store_env = store_env if store_env is not None else site_env
-    with site_network(sites, wan, store_env, policy.finish_grace_s) as (store, wrap, net_env, store_proc):
+    start_s = store_start_bound(policy.finish_grace_s)  # finish_grace_s is sites.timeout_s
+    with site_network(sites, wan, store_env, start_s) as (store, wrap, net_env, store_proc):
         def pinned(site: int, cmd: list[str]) -> list[str]:
             return wrap(site, cmd if cpus is None else ["taskset", "-c", cpus[site], *cmd])
 
