@@ -565,8 +565,11 @@ class GracefulStop:
         return bool(flag.item())
 
     def uninstall(self) -> None:
+        """The previous handler back, unless this site is leaving: a further SIGTERM must not cut its
+        leave notice or last checkpoint short (PR_SET_PDEATHSIG sends one per thread of an agent
+        killed outright; torchrun and SLURM follow up with SIGKILL after their grace anyway)."""
         if self.previous is not None:
-            signal.signal(signal.SIGTERM, self.previous)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN if self.requested else self.previous)
 
 
 def main(argv: list[str] | None = None) -> int:

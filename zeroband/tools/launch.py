@@ -402,8 +402,8 @@ class Supervisor:
                 failed = self.decision.failed
                 self.failure = _failure_text(self.seen, failed[0], self.policy) if failed else self.decision.why
         finally:
-            if self.signum is not None:  # every site's exit from here on is the launcher's doing
-                self.stopping = {s for s, v in enumerate(self.seen) if v.code is None}
+            if self.signum is not None:  # every running site's exit from here on is the launcher's doing
+                self.stopping = {s for s, p in enumerate(self.procs) if p.poll() is None}
             # SIGHUP (a closed terminal) as SIGTERM: the ranks leave on SIGTERM, and die of SIGHUP
             self._stop_all(signal.SIGTERM if self.signum in (None, signal.SIGHUP) else self.signum)
             self._observe()
