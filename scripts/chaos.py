@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import shlex
 import shutil
@@ -382,9 +383,21 @@ class Controller:
         f.restored_at = time.time()
 
     def inject_term(self, f: Fault) -> None:
+        """SIGTERM to every process group of the site, as SLURM signals a job step: the agent's (as
+        `zeroband launch` does; torchrun passes it on to its ranks' groups) and each rank's, store
+        forwarder included (as torchrun does). The trainer pid alone would spare the forwarder."""
         self.expected_exit[f.site] = f
-        pids = self.sites[f.site].signal_workers(signal.SIGTERM)
-        self.log(f"fault {f.index} term: SIGTERM site {f.site} workers {pids}")
+        site = self.sites[f.site]
+        inc = site.current
+        groups: set[int] = set()
+        for pid in [*([inc.proc.pid] if inc else []), *site.workers()]:
+            try:
+                if (group := os.getpgid(pid)) not in groups:
+                    os.killpg(group, signal.SIGTERM)
+                    groups.add(group)
+            except ProcessLookupError:  # it ended meanwhile
+                pass
+        self.log(f"fault {f.index} term: SIGTERM site {f.site} process groups {sorted(groups)}")
         f.restored_at = time.time()
 
     def inject_hang(self, f: Fault) -> None:

@@ -197,21 +197,74 @@ def save_checkpoint(
     With a `secret`, the manifest is signed with it."""
     rank, world = dist.get_rank(), dist.get_world_size()
     final, tmp = step_dir(root, step), Path(str(step_dir(root, step)) + ".tmp")
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    # every rank decides alike (nothing is written yet): none waits at a barrier for one that refused
+    needed = world * state_bytes({"model": model_sd, "optim": optim_sd})
+    read_only, free = disk_space(root)
+    if problem := storage_problem(root, needed, read_only, free + tree_bytes(tmp)):  # tmp: a killed save's, removed below
+        raise CheckpointError(f"cannot save step {step}: {problem}")
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # leftover of a save that was killed
         tmp.mkdir(parents=True)
     dist.barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "dcp"))
-    own = {name: obj.state_dict() for name, obj in extras.items()}
-    own["rng"] = rng_state()
-    torch.save(own, tmp / f"rank_{rank:05d}.pt")
+    try:
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "dcp"))
+        own = {name: obj.state_dict() for name, obj in extras.items()}
+        own["rng"] = rng_state()
+        torch.save(own, tmp / f"rank_{rank:05d}.pt")
+    except (OSError, RuntimeError, CheckpointException) as e:  # a disk that filled (or went read-only) meanwhile
+        # the estimate is short of what is left to write (rank files, metadata): under FULL_BELOW free is full
+        if problem := storage_problem(tmp, max(needed - tree_bytes(tmp), FULL_BELOW), *disk_space(tmp)):
+            raise CheckpointError(f"cannot save step {step}: {problem}") from None
+        raise e
     dist.barrier()
     if rank == 0:
         _seal(tmp, final, step, world, meta, secret)
         _prune(root, keep_last, meta.get("run_id", ""), step)
     dist.barrier()
     return final
+
+
+FULL_BELOW = 1 << 20  # bytes: a save that failed with less than this free failed for want of space
+
+
+def state_bytes(state: Any) -> int:
+    """The bytes of the tensors (this rank's shards) in a nested state dict: what a save writes, roughly."""
+    if isinstance(state, dict):
+        return sum(state_bytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(state_bytes(v) for v in state)
+    if isinstance(state, torch.Tensor):
+        local = state.to_local() if hasattr(state, "to_local") else state
+        return local.numel() * local.element_size()
+    return 0
+
+
+def tree_bytes(path: Path) -> int:
+    """The bytes of the files under `path` (0 where there is none)."""
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else 0
+
+
+def disk_space(path: Path) -> tuple[bool, int]:
+    """(read-only, bytes free to this user) of the file system that holds `path`, or would."""
+    where = path
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    st = os.statvfs(where)
+    free = st.f_bfree if os.geteuid() == 0 else st.f_bavail  # root may use the reserved blocks
+    return bool(st.f_flag & os.ST_RDONLY), free * st.f_frsize
+
+
+def storage_problem(path: Path, needed: int, read_only: bool, free: int) -> str:
+    """Why `path` cannot take `needed` more bytes, in one line naming the fix ("": it can). Pure."""
+    fix = "Fix: set checkpoint.dir to a disk that"
+    if read_only:
+        return (f"{path} is on a read-only file system (EROFS); the save needs {needed:,} bytes there. {fix} is "
+                "writable, or remount it read-write")
+    if free < needed:
+        return (f"no space left on the device of {path} (ENOSPC): the save needs {needed:,} bytes, {free:,} are free. "
+                f"{fix} has room, or free space (checkpoint.keep_last lower)")
+    return ""
 
 
 def _seal(tmp: Path, final: Path, step: int, world: int, meta: dict[str, Any], secret: RunSecret | bytes | None) -> None:

@@ -92,6 +92,7 @@ def _cmd_launch(args: argparse.Namespace, rest: list[str]) -> int:
 def _launch_locked(args: argparse.Namespace, rest: list[str], cfg: Config, log_dir: Path) -> int:
     from zeroband.tools.launch import (
         Stopped,
+        StoreDidNotStart,
         SupervisePolicy,
         WanLink,
         launch_sites,
@@ -119,7 +120,10 @@ def _launch_locked(args: argparse.Namespace, rest: list[str], cfg: Config, log_d
     except Stopped as e:
         print(f"zeroband launch: {e}", file=sys.stderr)
         return 128 + e.signum
-    if any(codes):  # each exit was printed as it happened, with its error line
+    except StoreDidNotStart as e:
+        print(f"zeroband launch: {e}", file=sys.stderr)
+        return 1
+    if any(codes) or codes.failure:  # sites stopped for a failed store may have exited 0  # each exit was printed as it happened, with its error line
         print(f"zeroband launch: {codes.failure or 'a site failed'}; full logs in {log_dir}/", file=sys.stderr)
         return 1
     series = {f"site{s}": read_metrics(cfg.run_dir / f"site{s}" / "metrics.jsonl") for s in range(args.sites)}

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import threading
@@ -51,6 +52,7 @@ from zeroband.step import (
     validation_metrics,
 )
 from zeroband.store.client import StoreUnreachable
+from zeroband.store.guard import die_with_parent
 from zeroband.trust.auth import TrustError
 from zeroband.trust.secret import RunSecret, resolve_secret
 from zeroband.watchdog import Interrupted, PeerLost, PeerTimeout, request_stop
@@ -589,12 +591,17 @@ class GracefulStop:
         return bool(flag.item())
 
     def uninstall(self) -> None:
+        """The previous handler back, unless this site is leaving: a further SIGTERM must not cut its
+        leave notice or last checkpoint short (PR_SET_PDEATHSIG sends one per thread of an agent
+        killed outright; torchrun and SLURM follow up with SIGKILL after their grace anyway)."""
         if self.previous is not None:
-            signal.signal(signal.SIGTERM, self.previous)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN if self.requested else self.previous)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun rank: an agent killed outright is a SIGTERM, so it leaves
+        die_with_parent(os.getppid(), signal.SIGTERM)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     path = argv.pop(0) if argv and not argv[0].startswith("--") else None
     try:

@@ -406,14 +406,25 @@ def _listen(host: str, port: int, retry_s: float = 10.0) -> socket.socket:
             time.sleep(0.1)
 
 
-def _die_with_parent(parent: int) -> None:
-    """SIGKILL this process when its parent dies (Linux), so the port is free the moment it is."""
+def die_with_parent(parent: int, sig: int = signal.SIGKILL) -> None:
+    """`sig` to this process when its parent dies (Linux PR_SET_PDEATHSIG), so that nothing outlives
+    its supervisor: a port is free, a run.lock released the moment it is. It fires when the parent
+    *thread* that started this process ends: call it only where that thread lives as long."""
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        ctypes.CDLL(None, use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
-        return  # elsewhere the ppid poll in main() does it, within half a second
-    if os.getppid() != parent:
-        os._exit(0)
+        return  # elsewhere a ppid poll does it (main() below: within half a second)
+    if os.getppid() != parent:  # the parent died before the prctl
+        os.kill(os.getpid(), sig)
+
+
+def outlive_signals() -> None:
+    """A helper of a process (its forwarder, its store's guard) ignores the signals that stop it:
+    SIGTERM to the helper's whole process group (torchrun's agent, SLURM, a terminal's SIGINT or
+    SIGHUP) must not cut the connection its parent still needs for its leave notice; the helper
+    ends after its parent instead (the ppid poll, PR_SET_PDEATHSIG), or by SIGKILL."""
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def _raise_fd_limit() -> None:
@@ -435,6 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     key = bytes.fromhex(sys.stdin.readline().strip()) if args.auth or args.forward else None
     parent = os.getppid()
+    outlive_signals()
     if args.forward:
         # no PDEATHSIG: it fires when the *thread* that started us ends, and a forwarder outlives
         # the (heartbeat) thread that may have opened it; the ppid poll below ends it instead
@@ -443,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
         threading.Thread(target=fwd.serve, daemon=True).start()
         print(f"forwarder listening on 127.0.0.1:{fwd.port}", flush=True)
     else:
-        _die_with_parent(parent)
+        die_with_parent(parent)
         _raise_fd_limit()
         guard = StoreGuard(args.host, args.port, args.backend_port, key).start()
         print(f"guard listening on {args.host}:{guard.port}", flush=True)

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -74,60 +75,91 @@ class WanLink:
 
 
 @contextmanager
-def site_network(sites: int, wan: WanLink | None, store_env: dict[str, str] | None = None,
-                 ) -> Iterator[tuple[str, Callable[[int, list[str]], list[str]], Callable[[int], dict]]]:
-    """(store address, command wrapper, extra env) for plain loopback or an emulated WAN.
+def site_network(sites: int, wan: WanLink | None, store_env: dict[str, str] | None = None, timeout_s: float = 60.0,
+                 ) -> Iterator[tuple[str, Callable[[int, list[str]], list[str]], Callable[[int], dict], subprocess.Popen]]:
+    """(store address, command wrapper, extra env, the store's process) for plain loopback or an
+    emulated WAN.
 
     The coordination store runs in its own process (not in a site), so any site may die; `store_env`
-    hands it the run's secret (its guard then admits only connections that prove it).
+    hands it the run's secret (its guard then admits only connections that prove it). It must be up
+    within `timeout_s` (`store_start_bound`).
     """
     if wan is None:
         port = free_port()
         # gloo listens on the address the host name resolves to unless told an interface.
         gloo = {} if "GLOO_SOCKET_IFNAME" in os.environ else {"GLOO_SOCKET_IFNAME": "lo"}
-        with store_process(["127.0.0.1", port], lambda cmd: cmd, store_env):
-            yield f"tcp://127.0.0.1:{port}", lambda site, cmd: cmd, lambda site: gloo
+        with store_process(["127.0.0.1", port], lambda cmd: cmd, store_env, timeout_s) as store:
+            yield f"tcp://127.0.0.1:{port}", lambda site, cmd: cmd, lambda site: gloo, store
         return
     from zeroband.wan import WanEmulator
 
     with WanEmulator(sites, wan.rate_mbit, wan.delay_ms, wan.jitter_ms, wan.loss_pct, wan.mtu) as emu:
-        with store_process([emu.site_ip(0), 29600], lambda cmd: emu.wrap(0, cmd), store_env):
-            yield emu.store_url(29600), emu.wrap, emu.env
+        with store_process([emu.site_ip(0), 29600], lambda cmd: emu.wrap(0, cmd), store_env, timeout_s) as store:
+            yield emu.store_url(29600), emu.wrap, emu.env, store
+
+
+class StoreDidNotStart(RuntimeError):
+    """The launcher's coordination store did not start; the message is one line naming why."""
+
+
+STORE_START_MIN_S = 60.0  # the store imports torch: seconds, more on a loaded machine, whatever the network
+
+
+def store_start_bound(timeout_s: float) -> float:
+    """How long the launcher waits for its store to listen: sites.timeout_s (600 s by default), never
+    under STORE_START_MIN_S: a run's short network bound must not fail a slow import."""
+    return max(timeout_s, STORE_START_MIN_S)
 
 
 @contextmanager
 def store_process(where: list, wrap: Callable[[list[str]], list[str]], env: dict[str, str] | None = None,
                   timeout_s: float = 60.0) -> Iterator[subprocess.Popen]:
+    """The store server, up (StoreDidNotStart after `timeout_s` otherwise), stopped on the way out.
+    In a session of its own: a signal to the launcher's process group (a terminal's ^C, SLURM) must
+    not end it while the sites still leave through it; it exits with the launcher (ppid poll)."""
     host, port = where
     cmd = wrap([sys.executable, "-m", "zeroband.store.server", "--host", str(host), "--port", str(port)])
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, **(env or {})})
+                            env={**os.environ, **(env or {})}, start_new_session=True)
     try:
-        _wait_for_line(proc, "store listening", timeout_s)
+        _wait_for_line(proc, "store listening", timeout_s, f"the coordination store on {host}:{port}")
         yield proc
     finally:
-        proc.terminate()
+        for sig in (signal.SIGTERM, signal.SIGCONT):  # SIGCONT: a stopped store acts on it
+            _killpg(proc.pid, sig)
         try:
             proc.wait(10)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            _killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
-def _wait_for_line(proc: subprocess.Popen, marker: str, timeout_s: float) -> None:
-    """Read the process's output until `marker` (warnings may come first), EOF or the deadline."""
-    deadline, seen, out = time.monotonic() + timeout_s, [], proc.stdout
+def _wait_for_line(proc: subprocess.Popen, marker: str, timeout_s: float, what: str) -> None:
+    """Read the process's output until `marker` (warnings may come first), EOF or the deadline;
+    a line every LOG_EVERY_S while it waits."""
+    from zeroband.watchdog import LOG_EVERY_S
+
+    start, out = time.monotonic(), proc.stdout
+    seen: list[str] = []
+    deadline, next_log = start + timeout_s, start + LOG_EVERY_S
     assert out is not None  # started with stdout=PIPE
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([out], [], [], max(0.0, deadline - time.monotonic()))
+    while (now := time.monotonic()) < deadline:
+        if now >= next_log:
+            _say(f"zeroband launch: waiting {now - start:.0f} s for {what} (pid {proc.pid}) to start")
+            next_log = now + LOG_EVERY_S
+        ready, _, _ = select.select([out], [], [], max(0.0, min(deadline, next_log) - now))
         if not ready:
-            break
+            continue
         line = out.readline()
         if not line:  # EOF: the server died
-            break
+            raise StoreDidNotStart(f"{what} (pid {proc.pid}) exited ({exit_text(proc.wait())}) before it listened"
+                                   + (f": {seen[-1]}" if seen else ", printing nothing"))
         if marker in line:
             return
         seen.append(line.strip())
-    raise RuntimeError(f"coordination store did not start within {timeout_s:.0f} s: {' | '.join(seen[-5:])}")
+    said = f"its last line: {seen[-1]}" if seen else "it printed nothing yet (a loaded machine: still importing torch?)"
+    raise StoreDidNotStart(f"{what} (pid {proc.pid}) did not start within {timeout_s:g} s (max(sites.timeout_s, "
+                           f"{STORE_START_MIN_S:g} s)); {said}. Fix: raise sites.timeout_s, or give the machine fewer jobs")
 
 
 def site_cpus(sites: int) -> list[str]:
@@ -142,7 +174,7 @@ def site_cpus(sites: int) -> list[str]:
 
 
 class Stopped(RuntimeError):
-    """The launcher got SIGTERM/SIGINT; every site was stopped before this was raised."""
+    """The launcher got SIGTERM/SIGINT/SIGHUP; every site was stopped before this was raised."""
 
     def __init__(self, signum: int) -> None:
         self.signum = signum
@@ -161,40 +193,71 @@ def launch_sites(
     (site 0's) printed as it grows. A site that fails (or freezes) ends the others as `policy` says
     (default: `SupervisePolicy.from_config` of this config). `site_env`: extra environment of every
     site (the run-local secret: never on argv); `store_env` the store's (default: `site_env`).
-    SIGTERM/SIGINT are forwarded to every site, which get `grace_s` to exit before SIGKILL, then
+    SIGTERM/SIGINT/SIGHUP are forwarded to every site, which get `grace_s` to exit before SIGKILL, then
     `Stopped` is raised (the store is stopped on the way out)."""
     if policy is None:
         policy = SupervisePolicy.from_config(load_config(config, [*overrides, *site_identity(0, sites)]))
     cpus = site_cpus(sites) if pin_cpus else None
-    with site_network(sites, wan, store_env if store_env is not None else site_env) as (store, wrap, net_env):
+    store_env = store_env if store_env is not None else site_env
+    start_s = store_start_bound(policy.finish_grace_s)  # finish_grace_s is sites.timeout_s
+    with site_network(sites, wan, store_env, start_s) as (store, wrap, net_env, store_proc):
         def pinned(site: int, cmd: list[str]) -> list[str]:
             return wrap(site, cmd if cpus is None else ["taskset", "-c", cpus[site], *cmd])
 
         def env(site: int) -> dict:
             return {**(site_env or {}), **net_env(site)}
 
-        procs = _start_sites(config, sites, ranks_of(nproc, sites), overrides, log_dir, store, pinned, env)
+        procs, tees = _start_sites(config, sites, ranks_of(nproc, sites), overrides, log_dir, store, pinned, env)
         if on_started is not None:
             on_started(procs)
-        return Supervisor(procs, log_dir, progress, grace_s, policy).run(timeout_s)
+        return Supervisor(procs, log_dir, progress, grace_s, policy, store_proc, tees).run(timeout_s)
 
 
 def site_identity(site: int, sites: int) -> list[str]:
     return ["--sites.site_rank", str(site), "--sites.site_count", str(sites)]
 
 
-def _start_sites(config, sites, nproc, overrides, log_dir, store, wrap, site_env) -> list[subprocess.Popen]:
+def _start_sites(config, sites, nproc, overrides, log_dir, store, wrap, site_env,
+                 ) -> tuple[list[subprocess.Popen], list[LogTee]]:
     log_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # busy-waiting threads starve the other sites
-    procs = []
+    procs, tees = [], []
     for site in range(sites):
-        with open(log_dir / f"site{site}.log", "w") as log_file:  # the child keeps its own descriptor
-            command = site_command(config, site, sites, nproc[site], store, overrides)
-            cmd = wrap(site, seams.current().site_command(command, site))
-            procs.append(subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT,
-                                          env={**env, **site_env(site)}, start_new_session=True))
-    return procs
+        command = site_command(config, site, sites, nproc[site], store, overrides)
+        cmd = wrap(site, seams.current().site_command(command, site))
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      env={**env, **site_env(site)}, start_new_session=True))
+        tees.append(LogTee(procs[-1], log_dir / f"site{site}.log"))
+    return procs, tees
+
+
+class LogTee:
+    """A site's output into its log file, its last lines also kept here: the launcher names a failed
+    rank's own error from them even when the log's disk is full (the error may be ENOSPC)."""
+
+    KEEP = 400  # lines: a traceback and torchrun's report after it fit
+
+    def __init__(self, proc: subprocess.Popen, path: Path) -> None:
+        self.tail: deque[str] = deque(maxlen=self.KEEP)
+        path.write_bytes(b"")
+        self.thread = threading.Thread(target=self._copy, args=(proc.stdout, path), name="zeroband-site-log",
+                                       daemon=True)
+        self.thread.start()
+
+    def _copy(self, stream: Any, path: Path) -> None:
+        with open(path, "ab", buffering=0) as log_file:
+            for raw in iter(stream.readline, b""):
+                self.tail.append(raw.decode(errors="replace"))
+                try:
+                    log_file.write(raw)
+                except OSError:  # a full or read-only disk: the tail here still has it
+                    pass
+
+    def text(self, wait_s: float = 2.0) -> str:
+        """The last lines, once the site's output ended (or after wait_s: a helper holds it open)."""
+        self.thread.join(wait_s)
+        return "".join(self.tail)
 
 
 @dataclass(frozen=True)
@@ -245,8 +308,10 @@ def failure_time(seen: SiteSeen, policy: SupervisePolicy) -> float | None:
     return None
 
 
-def decide(sites: list[SiteSeen], now: float, policy: SupervisePolicy) -> Decision | None:
-    """Whom to stop now (None: keep watching). Pure: the Supervisor acts on it."""
+def decide(sites: list[SiteSeen], now: float, policy: SupervisePolicy, store: SiteSeen | None = None,
+           ) -> Decision | None:
+    """Whom to stop now (None: keep watching). `store`: the coordination store's process, seen as a
+    site is (None: not the launcher's). Pure: the Supervisor acts on it."""
     fails = {s: t for s, v in enumerate(sites) if (t := failure_time(v, policy)) is not None and t <= now}
     failed = tuple(sorted(fails, key=lambda s: (fails[s], s)))
     alive = [s for s, v in enumerate(sites) if v.code is None]
@@ -254,6 +319,8 @@ def decide(sites: list[SiteSeen], now: float, policy: SupervisePolicy) -> Decisi
     why = _failure_text(sites, failed[0], policy) if failed else ""
     if not alive:
         return None
+    if store is not None and (lost := store_failure(store, now, policy)):  # no site can go on without it
+        return Decision(tuple(alive), failed, lost)
     if not running:  # only frozen sites are left: nobody else will finish
         return Decision(tuple(alive), failed, why)
     # The grace runs from the moment the site exited or stopped: a fixed run cannot go on without it.
@@ -276,6 +343,17 @@ def _failure_text(sites: list[SiteSeen], site: int, policy: SupervisePolicy) -> 
     return f"site {site} failed first ({exit_text(v.code)})" + (f": {v.error}" if v.error else "")
 
 
+def store_failure(store: SiteSeen, now: float, policy: SupervisePolicy) -> str:
+    """Why the coordination store has failed by `now` ("": it has not): it exited, or it has been
+    stopped (SIGSTOP) for frozen_after_s; every site's store call waits on it."""
+    if store.code is not None:
+        return f"the coordination store exited ({exit_text(store.code)}); no site can go on without it"
+    if store.stopped and store.since is not None and now >= store.since + policy.frozen_after_s:
+        return (f"the coordination store is frozen: stopped (SIGSTOP) for {policy.frozen_after_s:g} s "
+                "(min(sites.timeout_s, diloco.dead_after_s)); every site's store call waits on it")
+    return ""
+
+
 def exit_text(code: int) -> str:
     return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
 
@@ -288,12 +366,15 @@ class Outcome(list):
 
 class Supervisor:
     """Watches the sites: prints site 0's progress, every site's "waiting for site N" lines, stops
-    and exits as they happen; applies `decide`; forwards SIGTERM/SIGINT to every site's process
-    group, and never leaves a site behind."""
+    and exits as they happen (the store's too); applies `decide`; forwards SIGTERM/SIGINT/SIGHUP to
+    every site's process group, and never leaves a site behind."""
 
     def __init__(self, procs: list[subprocess.Popen], log_dir: Path, progress: Path | None, grace_s: float,
-                 policy: SupervisePolicy) -> None:
+                 policy: SupervisePolicy, store: subprocess.Popen | None = None, tees: list[LogTee] | None = None,
+                 ) -> None:
         self.procs, self.log_dir, self.grace_s, self.policy = procs, log_dir, grace_s, policy
+        self.tees = tees
+        self.store, self.store_seen = store, None if store is None else SiteSeen()
         self.progress = progress
         self.offset = progress.stat().st_size if progress is not None and progress.is_file() else 0
         self.seen = [SiteSeen() for _ in procs]
@@ -311,7 +392,7 @@ class Supervisor:
                 if deadline is not None and time.monotonic() > deadline:
                     raise TimeoutError(f"sites still running after {timeout_s:.0f} s")
                 self._observe()
-                self.decision = decide(self.seen, time.monotonic(), self.policy)
+                self.decision = decide(self.seen, time.monotonic(), self.policy, self.store_seen)
                 if self.decision is None:
                     time.sleep(0.5)
             if self.decision is not None:
@@ -321,7 +402,10 @@ class Supervisor:
                 failed = self.decision.failed
                 self.failure = _failure_text(self.seen, failed[0], self.policy) if failed else self.decision.why
         finally:
-            self._stop_all(self.signum or signal.SIGTERM)
+            if self.signum is not None:  # every running site's exit from here on is the launcher's doing
+                self.stopping = {s for s, p in enumerate(self.procs) if p.poll() is None}
+            # SIGHUP (a closed terminal) as SIGTERM: the ranks leave on SIGTERM, and die of SIGHUP
+            self._stop_all(signal.SIGTERM if self.signum in (None, signal.SIGHUP) else self.signum)
             self._observe()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
@@ -342,13 +426,15 @@ class Supervisor:
         def handle(signum: int, frame: Any) -> None:
             self.signum = signum
 
-        return {sig: signal.signal(sig, handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+        # SIGHUP: the terminal closed; the sites must not go on unsupervised
+        return {sig: signal.signal(sig, handle) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
 
     def _observe(self) -> None:
         """Update `seen` and print what happened since the last look."""
         for line in self._new_progress():
             print(line, flush=True)
         now = time.monotonic()
+        self._observe_store(now)
         for site, p in enumerate(self.procs):
             for line in self._new_waits(site):
                 _say(f"site {site}: {line}")
@@ -367,12 +453,29 @@ class Supervisor:
                 self.seen[site] = SiteSeen()
                 _say(f"site {site} resumed")
 
+    def _observe_store(self, now: float) -> None:
+        """The store's process, watched as a site's is: its exit, its stop and resumption, each said once."""
+        old, store = self.store_seen, self.store
+        if old is None or store is None or old.code is not None:
+            return
+        if (code := store.poll()) is not None:
+            self.store_seen = SiteSeen(code, now)
+            _say(f"the coordination store (pid {store.pid}) exited ({exit_text(code)})")
+        elif (stopped := stopped_process(store.pid)) is not None and not old.stopped:
+            self.store_seen = SiteSeen(None, now, True)
+            _say(f"the coordination store (pid {store.pid}) is stopped: process {stopped} is in state T (SIGSTOP): every site's store call waits on it; "
+                 f"it has failed unless it resumes within {self.policy.frozen_after_s:g} s")
+        elif stopped is None and old.stopped:
+            self.store_seen = SiteSeen()
+            _say("the coordination store resumed")
+
     def _report_exit(self, site: int, code: int) -> str:
         """Print the exit; returns the error line of a failure."""
         if code == 0 or site in self.stopping:
-            _say(f"site {site} {'finished' if code == 0 else 'stopped'} ({exit_text(code)})")
+            # a site that left cleanly when stopped exits 0 too: "stopped" says whose doing it was
+            _say(f"site {site} {'stopped' if site in self.stopping else 'finished'} ({exit_text(code)})")
             return ""
-        text = (self.log_dir / f"site{site}.log").read_text(errors="replace")
+        text = self.tees[site].text() if self.tees else (self.log_dir / f"site{site}.log").read_text(errors="replace")
         error = last_error_line(text) if text.strip() else ""  # killed before it wrote anything
         _say(f"site {site} failed ({exit_text(code)})" + (f": {error}" if error else ""))
         return error
@@ -408,6 +511,10 @@ class Supervisor:
         SIGKILL to whatever of the tree is left after grace_s."""
         running = [p for p in self.procs if p.poll() is None]
         trees = [descendants(p.pid) for p in running]
+        if self.store is not None:  # a stopped store resumes: the sites leave through it
+            for pid in [self.store.pid, *descendants(self.store.pid)]:
+                if proc_state(pid) == "T":
+                    _kill(pid, signal.SIGCONT)
         for p, tree in zip(running, trees):
             _killpg(p.pid, sig)
             for pid in [p.pid, *tree]:
@@ -590,14 +697,15 @@ class TerminalFilter:
 
 def run_job(cmd: list[str], log_path: Path, env: dict[str, str] | None = None) -> tuple[int, bool]:
     """Run `cmd` (a torchrun job): its output goes to `log_path` and, through `TerminalFilter`, to
-    this terminal. SIGTERM is passed on; SIGINT reaches the job from the terminal itself.
+    this terminal. SIGTERM and SIGHUP (a closed terminal) are passed on as SIGTERM; SIGINT reaches
+    the job from the terminal itself.
     Returns (exit status, whether output was held back)."""
     import selectors
 
     log_path.parent.mkdir(parents=True, exist_ok=True)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     previous = {signal.SIGINT: signal.signal(signal.SIGINT, lambda *_: None),
-                signal.SIGTERM: signal.signal(signal.SIGTERM, lambda *_: proc.terminate())}
+                **{sig: signal.signal(sig, lambda *_: proc.terminate()) for sig in (signal.SIGTERM, signal.SIGHUP)}}
     filt, sel = TerminalFilter(), selectors.DefaultSelector()
     assert proc.stdout is not None and proc.stderr is not None  # both PIPE
     outs = {proc.stdout.fileno(): sys.stdout.buffer, proc.stderr.fileno(): sys.stderr.buffer}
