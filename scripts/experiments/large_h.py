@@ -41,6 +41,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench_common import output_dir  # noqa: E402
 from convergence import Spec, base_tree, config_tree, machine, mean_std, source_commit  # noqa: E402
 from exp_data import DEFAULT_CACHE, prepare_tokenizer  # noqa: E402
 
@@ -616,7 +617,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nice", type=int, default=19, help="niceness of the runs")
     p.add_argument("--report", action="store_true", help="write the report from the rows so far, run nothing")
     p.add_argument("--quick", action="store_true", help="tiny groups into --out: checks the pipeline, not the method")
-    p.add_argument("--out", type=Path, default=RESULTS, help="where large_h.{md,json,png} and runs/ go")
+    p.add_argument("--out", type=Path, default=None,
+                   help="where large_h.{md,json,png} and large_h/runs/ go (default: docs/results; --quick: a temporary one)")
     p.add_argument("--shared-corpus", type=Path, default=PROSE_V2_DEFAULT, help="prose-v2.jsonl.xz")
     p.add_argument("--corpus", type=Path, default=None, help="any jsonl corpus instead of the prose-v2 sample")
     p.add_argument("--cache", type=Path, default=DEFAULT_CACHE / "large_h", help="corpus sample, tokenizer")
@@ -628,6 +630,7 @@ def main(argv: list[str] | None = None) -> int:
         return child_main([args.one, *args.more])
     if args.quick:
         quick_groups()
+    args.out = output_dir(args.out, "large_h", quick=True) if args.quick else args.out or RESULTS
     corpus = args.corpus or sample_corpus(args.cache, args.shared_corpus)
     ctx: dict[str, Any] = {"corpus": corpus, "tokenizer": prepare_tokenizer(corpus, VOCAB, 0.02, args.cache),
                            "out": args.out, "runs": args.out / "large_h" / "runs", "commit": source_commit(),
