@@ -260,6 +260,13 @@ def device_name(quick: bool, default: str, dry_run: bool) -> str:
 
 
 def commit(args: Any) -> str:
+    """The CPU machine's commit: the COMMIT marker first, since the device's copy may carry a .git of its
+    own whose HEAD is a snapshot of the transferred tree, not a commit of this project."""
+    if args.commit:
+        return args.commit
+    for marker in (Path(args.data) / "COMMIT", REPO / ".whl" / "COMMIT"):  # written on the CPU machine
+        if marker.is_file():
+            return f"{marker.read_text().strip()} (from {marker.parent.name}/COMMIT)"
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10)
         if head.returncode == 0:
@@ -268,11 +275,6 @@ def commit(args: Any) -> str:
             return head.stdout.strip()[:12] + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         pass
-    if args.commit:
-        return args.commit
-    for marker in (Path(args.data) / "COMMIT", REPO / ".whl" / "COMMIT"):  # written on the CPU machine
-        if marker.is_file():
-            return f"{marker.read_text().strip()} (from {marker.parent.name}/COMMIT)"
     return "unknown (no .git)"
 
 

@@ -375,7 +375,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--corpus", type=Path, default=None, help="--quick: a jsonl corpus with a text field (its conv and shipped rows need one)")
     p.add_argument("--cache-dir", type=Path, default=Path(tempfile.gettempdir()) / "zeroband-gpu-suite",
                    help="decompressed corpus and trained tokenizers")
-    p.add_argument("--commit", default=None, help="the commit to name where the checkout has no .git")
+    p.add_argument("--commit", default=None, help="the commit the rows name (default: .gpudata/COMMIT or .whl/COMMIT, else git)")
     p.add_argument("--prepare", action="store_true", help="write --data: the corpus and both tokenizers (CPU machine)")
     p.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
