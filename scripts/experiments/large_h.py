@@ -32,6 +32,7 @@ import math
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -430,7 +431,8 @@ def params(dims: dict[str, int]) -> int:
 
 
 def summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per group: single, tuned DP and every DiLoCo row, each as mean / std / seeds / gap / vs DP."""
+    """Per group: single, tuned DP and every DiLoCo row, each as mean / std / seeds / gap / vs DP.
+    Gap closed and vs DP pair seeds: each seed's row against the same seed's one site and DP."""
     tuned = tuned_lrs(rows)
     out: dict[str, dict[str, Any]] = {}
     for g in GROUPS:
@@ -443,8 +445,8 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         single = stats.get("single")
         dp = stats.get(f"dp_lr{lr:g}") if lr is not None else None
         for s in stats.values():
-            s["gap_closed"] = gap(s["mean"], single, dp)
-            s["vs_dp_pct"] = 100 * (s["mean"] - dp["mean"]) / dp["mean"] if dp else None
+            s["gap_closed"] = gap(s, single, dp)
+            s["vs_dp_pct"] = vs_dp(s, dp)
         out[g.name] = {"group": asdict(g), "params": params(MODELS[g.model].dims), "tuned_dp_lr": lr, "rows": stats,
                        "planned": sum(1 for r in plan(tuned) if r.group == g.name), "done": len(mine)}
     return out
@@ -454,15 +456,33 @@ def stat(rs: list[dict[str, Any]]) -> dict[str, Any]:
     m, sd = mean_std([r["val_loss"] for r in rs])
     r0 = rs[0]
     return {"mean": m, "std": sd, "seeds": sorted(r["seed"] for r in rs), "h": r0["h"], "method": r0["method"],
+            "by_seed": {r["seed"]: r["val_loss"] for r in rs},
             "outer_steps": r0["outer_steps"], "outer": {k: r0[k] for k in ("outer_lr", "outer_momentum",
                                                                           "outer_momentum_warmup")},
             "wire_mib": r0["wire_bytes"] / 2**20, "commits": sorted({r["commit"] for r in rs})}
 
 
-def gap(loss: float, single: dict | None, dp: dict | None) -> float | None:
-    if not single or not dp or single["mean"] == dp["mean"]:
+def paired(*rows: dict[str, Any] | None) -> list[int]:
+    """The seeds every given row has (rows compared on the same seeds only: seed s fixes the initial
+    weights and the data order, so the seed-to-seed spread cancels in a paired difference)."""
+    if not rows or any(r is None for r in rows):
+        return []
+    return sorted(set.intersection(*[set(r["by_seed"]) for r in rows if r is not None]))
+
+
+def gap(row: dict[str, Any], single: dict | None, dp: dict | None) -> float | None:
+    seeds = [s for s in paired(row, single, dp) if single and dp and single["by_seed"][s] != dp["by_seed"][s]]
+    if not seeds or single is None or dp is None:
         return None
-    return (single["mean"] - loss) / (single["mean"] - dp["mean"])
+    return statistics.fmean((single["by_seed"][s] - row["by_seed"][s]) / (single["by_seed"][s] - dp["by_seed"][s])
+                            for s in seeds)
+
+
+def vs_dp(row: dict[str, Any], dp: dict | None) -> float | None:
+    seeds = paired(row, dp)
+    if not seeds or dp is None:
+        return None
+    return statistics.fmean(100 * (row["by_seed"][s] - dp["by_seed"][s]) / dp["by_seed"][s] for s in seeds)
 
 
 def pct(x: float | None, digits: int = 0) -> str:
@@ -484,26 +504,29 @@ def group_table(s: dict[str, Any]) -> list[str]:
 
 
 def verdicts(summ: dict[str, Any]) -> list[str]:
-    """Per (group, H): the best outer setting, and whether the defaults are within its seed spread."""
+    """Per (group, H), on the seeds every outer setting has: the best setting, and the defaults'
+    paired difference to it; worse only if the mean difference exceeds twice its standard error
+    (the GPU suite's rule, scripts/gpu_suite.py `not_worse`)."""
     out = []
     for name, s in summ.items():
         for h in s["group"]["hs"]:
             cand = {n: r for n, r in s["rows"].items() if r["method"] == "diloco" and r["h"] == h}
-            if len(cand) < 4:
-                continue
-            best = min(cand, key=lambda n: cand[n]["mean"])
             d = cand.get(f"defaults_h{h}")
-            spread = max(cand[best]["std"], d["std"] if d else 0.0)
-            seeds = min(len(r["seeds"]) for r in cand.values())
-            if d is None:
+            seeds = paired(*cand.values())
+            if len(cand) < 4 or d is None or not seeds:
                 continue
-            diff = d["mean"] - cand[best]["mean"]
-            if seeds > 1:
-                verdict = f"{'within' if diff <= spread else 'NOT within'} the seed spread {spread:.4f}"
+            means = {n: statistics.fmean(r["by_seed"][x] for x in seeds) for n, r in cand.items()}
+            best = min(means, key=means.__getitem__)
+            diff, sd = mean_std([d["by_seed"][x] - cand[best]["by_seed"][x] for x in seeds])
+            se2 = 2 * sd / len(seeds) ** 0.5
+            if best == f"defaults_h{h}":
+                verdict = "the defaults are the best"
+            elif len(seeds) > 1:
+                verdict = f"{'not worse' if diff <= se2 else 'WORSE'} (2 SE {se2:.4f})"
             else:
                 verdict = "one seed so far: no spread to judge by"
-            out.append(f"- {name}, H = {h} ({seeds} seed{'s' if seeds > 1 else ''}): best `{best}` "
-                       f"{cand[best]['mean']:.4f}; defaults {d['mean']:.4f} (+{diff:.4f}), {verdict}.")
+            out.append(f"- {name}, H = {h} (seeds {', '.join(map(str, seeds))}): best `{best}` {means[best]:.4f}; "
+                       f"defaults {means[f'defaults_h{h}']:.4f} (paired difference {diff:+.4f}), {verdict}.")
     return out
 
 
@@ -578,8 +601,11 @@ def write_report(ctx: dict[str, Any]) -> None:
              f"Machine: {machine()}, runs at nice 19 beside other work (the load changes wall time only: every row is "
              f"deterministic). {len(rows)} runs of {sum(s['planned'] for s in summ.values())} planned are done"
              + (f"; {stale} row files of other code versions are ignored" if stale else "") + ".", "",
-             "Gap closed = (one site - row) / (one site - tuned data parallel), on mean validation loss; vs tuned DP = "
-             "the row's loss relative to tuned data parallel's. Every row is kept, the losing ones too.", "",
+             "Gap closed = (one site - row) / (one site - tuned data parallel) in validation loss, and vs tuned DP = the "
+             "row's loss relative to tuned data parallel's, each taken per seed against the same seed's one site and "
+             "DP, then averaged over the row's seeds (a seed fixes the initial weights and the data order). Verdicts "
+             "compare settings on the seeds all of them have: worse only if the paired mean difference exceeds twice "
+             "its standard error. Every row is kept, the losing ones too.", "",
              "## Verdicts: the defaults against the best outer setting", "", *(verdicts(summ) or ["(pending)"]), "",
              "## The trend with model size (seed 0)", "", *size_trend(summ), "", plot(rows, summ, out), ""]
     for name, s in summ.items():
