@@ -11,6 +11,7 @@ import faulthandler
 import functools
 import importlib
 import logging
+import math
 import multiprocessing as mp
 import os
 import pickle
@@ -97,6 +98,7 @@ def fork_site(fn: Callable, args: tuple, site: int, sites: int, log: Path) -> in
 
 def _child(fn: Callable, env: dict[str, str], queue: Any, key: tuple[int, int], args: tuple, faults: str) -> None:
     os.environ.update(env)
+    faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)  # _collect: a hung rank's stacks
     # One intra-op thread per forked rank, the outer step's included (it takes the cores / local
     # ranks): libgomp cannot start a wider team in a process forked after the test process had one,
     # and the child hangs in its first parallel region. torchrun's ranks are fresh processes.
@@ -152,10 +154,18 @@ class Died:
     exitcode: int | None
 
 
+# When pytest-timeout ends the running test (tests/conftest.py sets it): a run of ranks gives up
+# REPORT_S before, so a hang fails with every rank's error and the hung ranks' stacks, not only the
+# test process's own.
+test_deadline = math.inf
+REPORT_S = 10.0
+
+
 def _collect(procs: list, queue: Any, timeout: float, allow_death: bool) -> dict:
     results: dict = {}
     errors: list[str] = []
-    deadline = time.monotonic() + timeout
+    began = time.monotonic()
+    deadline = min(began + timeout, test_deadline - REPORT_S)
     keys = [p._zb_key for p in procs]
     while len(results) < len(procs) and time.monotonic() < deadline:
         try:
@@ -167,12 +177,17 @@ def _collect(procs: list, queue: Any, timeout: float, allow_death: bool) -> dict
         results[key] = pickle.loads(value) if status == "ok" else value
         if status == "error":
             errors.append(f"site {key[0]} rank {key[1]}: {value}")
+    hung = [p for p in procs if p.is_alive() and time.monotonic() >= deadline]
+    for p in hung:
+        os.kill(p.pid, signal.SIGUSR1)  # its threads' stacks, on the test's captured stderr
+    time.sleep(1.0 if hung else 0.0)
     for p in procs:
         p.join(timeout=0 if time.monotonic() > deadline else 5)
         if p.is_alive():
             p.kill()
             p.join()
-            errors.append(f"site {p._zb_key[0]} rank {p._zb_key[1]} hung: still running after {timeout:.0f} s")
+            errors.append(f"site {p._zb_key[0]} rank {p._zb_key[1]} hung: still running after "
+                          f"{time.monotonic() - began:.0f} s (its stacks are in the captured stderr)")
         elif p._zb_key not in results:
             results[p._zb_key] = Died(p.exitcode)
             if not allow_death:
