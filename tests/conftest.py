@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import os
+import time
 
 import pytest
 
@@ -56,6 +58,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         item.add_marker(tier)
         if item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(TIMEOUT_S[tier]))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """When pytest-timeout will end this test (its setup, call and teardown): tests/multiproc.py stops
+    waiting for ranks before then and reports them, stacks and all."""
+    from tests import multiproc
+
+    marker = item.get_closest_marker("timeout")
+    multiproc.test_deadline = time.monotonic() + float(marker.args[0]) if marker and marker.args else math.inf
 
 
 @pytest.fixture

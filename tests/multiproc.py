@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import faulthandler
 import functools
+import gc
 import importlib
 import logging
+import math
 import multiprocessing as mp
 import os
 import pickle
@@ -19,7 +21,8 @@ import signal
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,9 +30,10 @@ from typing import Any
 from zeroband.tools.launch import free_port  # noqa: F401  (the tests import it from here)
 
 # Imported lazily by the first run in a process (data loading, the loss plot, nn.init under a device
-# context), seconds per fresh process: imported here once, before forking, every forked rank inherits them,
-# as it inherits torch. The code under test runs unchanged (its own imports are then no-ops).
-PRELOADED = ("datasets", "matplotlib.pyplot", "torch._dynamo")
+# context, the trainer itself: compiled from source where bytecode is not written), seconds per fresh
+# process: imported here once, before forking, every forked rank inherits them, as it inherits torch. The
+# code under test runs unchanged (its own imports are then no-ops).
+PRELOADED = ("datasets", "matplotlib.pyplot", "torch._dynamo", "zeroband.train")
 
 
 @functools.cache
@@ -39,6 +43,18 @@ def preload() -> None:
             importlib.import_module(name)
         except ImportError:  # optional (matplotlib): the run imports it, or does without, as before
             pass
+
+
+@contextmanager
+def frozen_heap() -> Iterator[None]:
+    """Fork inside: the children inherit this process's heap frozen (gc.freeze), so their collections
+    (mesh.shutdown runs two) never walk it, nor copy its pages by touching every object: ~0.6 s of
+    CPU per rank. This process thaws it at once and collects as before."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def fork_event() -> Any:
@@ -70,7 +86,8 @@ def fork_site(fn: Callable, args: tuple, site: int, sites: int, log: Path) -> in
     group of its own (what a launcher's session is: `os.killpg` ends it whole); its output goes to
     `log`, with its log records (INFO) and, on SIGUSR1, the stacks of its threads. Returns its pid: the caller signals it and reaps it (os.waitpid). Exit 0 when fn returns."""
     preload()
-    pid = os.fork()
+    with frozen_heap():
+        pid = os.fork()
     if pid:
         return pid
     code = 1
@@ -97,6 +114,7 @@ def fork_site(fn: Callable, args: tuple, site: int, sites: int, log: Path) -> in
 
 def _child(fn: Callable, env: dict[str, str], queue: Any, key: tuple[int, int], args: tuple, faults: str) -> None:
     os.environ.update(env)
+    faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)  # _collect: a hung rank's stacks
     # One intra-op thread per forked rank, the outer step's included (it takes the cores / local
     # ranks): libgomp cannot start a wider team in a process forked after the test process had one,
     # and the child hangs in its first parallel region. torchrun's ranks are fresh processes.
@@ -132,16 +150,17 @@ def run_sites(
     queue = ctx.Queue()
     store_port = free_port()
     procs = []
-    for site in range(sites):
-        master_port = free_port()
-        site_ranks = ranks if isinstance(ranks, int) else ranks[site]
-        for rank in range(site_ranks):
-            child_env = {**rank_env(site, sites, rank, site_ranks, master_port, store_port),
-                         **(env or {}), **((site_env or {}).get(site, {}))}
-            p = ctx.Process(target=_child, args=(fn, child_env, queue, (site, rank), args, faults), daemon=True)
-            p._zb_key = (site, rank)
-            p.start()
-            procs.append(p)
+    with frozen_heap():
+        for site in range(sites):
+            master_port = free_port()
+            site_ranks = ranks if isinstance(ranks, int) else ranks[site]
+            for rank in range(site_ranks):
+                child_env = {**rank_env(site, sites, rank, site_ranks, master_port, store_port),
+                             **(env or {}), **((site_env or {}).get(site, {}))}
+                p = ctx.Process(target=_child, args=(fn, child_env, queue, (site, rank), args, faults), daemon=True)
+                p._zb_key = (site, rank)
+                p.start()
+                procs.append(p)
     return _collect(procs, queue, timeout, allow_death)
 
 
@@ -152,10 +171,18 @@ class Died:
     exitcode: int | None
 
 
+# When pytest-timeout ends the running test (tests/conftest.py sets it): a run of ranks gives up
+# REPORT_S before, so a hang fails with every rank's error and the hung ranks' stacks, not only the
+# test process's own.
+test_deadline = math.inf
+REPORT_S = 10.0
+
+
 def _collect(procs: list, queue: Any, timeout: float, allow_death: bool) -> dict:
     results: dict = {}
     errors: list[str] = []
-    deadline = time.monotonic() + timeout
+    began = time.monotonic()
+    deadline = min(began + timeout, test_deadline - REPORT_S)
     keys = [p._zb_key for p in procs]
     while len(results) < len(procs) and time.monotonic() < deadline:
         try:
@@ -167,12 +194,17 @@ def _collect(procs: list, queue: Any, timeout: float, allow_death: bool) -> dict
         results[key] = pickle.loads(value) if status == "ok" else value
         if status == "error":
             errors.append(f"site {key[0]} rank {key[1]}: {value}")
+    hung = [p for p in procs if p.is_alive() and time.monotonic() >= deadline]
+    for p in hung:
+        os.kill(p.pid, signal.SIGUSR1)  # its threads' stacks, on the test's captured stderr
+    time.sleep(1.0 if hung else 0.0)
     for p in procs:
         p.join(timeout=0 if time.monotonic() > deadline else 5)
         if p.is_alive():
             p.kill()
             p.join()
-            errors.append(f"site {p._zb_key[0]} rank {p._zb_key[1]} hung: still running after {timeout:.0f} s")
+            errors.append(f"site {p._zb_key[0]} rank {p._zb_key[1]} hung: still running after "
+                          f"{time.monotonic() - began:.0f} s (its stacks are in the captured stderr)")
         elif p._zb_key not in results:
             results[p._zb_key] = Died(p.exitcode)
             if not allow_death:

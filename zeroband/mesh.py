@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import gc
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -195,12 +196,27 @@ def _forget_dtensor_caches() -> None:
 
     debug._clear_sharding_prop_cache()
     getattr(_redistribute, "clear_redistribute_planner_cache", lambda: None)()
-    for obj in gc.get_objects():
+    for obj in [*gc.get_objects(), *_module_level_objects("torch.distributed")]:
         # type(), not isinstance(): isinstance reads __class__, and torch.distributed.reduce_op's
         # __getattribute__ warns (FutureWarning) on any attribute read.
         if type(obj) is functools._lru_cache_wrapper and str(getattr(obj, "__module__", "")).startswith(
                 "torch.distributed"):
             obj.cache_clear()
+
+
+def _module_level_objects(package: str) -> list[object]:
+    """The globals of `package`'s loaded modules and the attributes of their classes (a static or class
+    method's function): objects made at import. gc.get_objects() misses them where the importing
+    process froze its heap (gc.freeze) before forking this one, as tests/multiproc.py does."""
+    found: list[object] = []
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == package or name.startswith(package + ".")):
+            continue
+        for value in list(vars(module).values()):
+            found.append(value)
+            if issubclass(type(value), type):  # a class (not isinstance: see _forget_dtensor_caches)
+                found.extend(v.__func__ if type(v) in (staticmethod, classmethod) else v for v in vars(value).values())
+    return found
 
 
 def gloo_threads() -> list[str]:

@@ -327,6 +327,13 @@ class Pool:
                 del self.running[key]
         return done
 
+    def wait(self, at_most_s: float) -> None:
+        """Until a run ends (its row is then written and the next run started at once, not up to a
+        poll later: --quick's runs last seconds) or `at_most_s` passed."""
+        deadline = time.monotonic() + at_most_s
+        while time.monotonic() < deadline and all(proc.poll() is None for proc, _, _ in self.running.values()):
+            time.sleep(0.1)
+
     def stop_all(self) -> None:
         """Budget spent: end the children; their checkpoints stay for the next invocation."""
         for proc, _, _ in self.running.values():
@@ -381,7 +388,7 @@ def schedule(args: argparse.Namespace, ctx: dict[str, Any]) -> None:
         if not pool.running:
             print("nothing left to run" + (f" ({len(failed)} failed: see the logs)" if failed else ""))
             return
-        time.sleep(5)
+        pool.wait(min(5.0, max(deadline - time.time(), 0.0)))
 
 
 def code_version(ctx: dict[str, Any], nice: int) -> str:

@@ -298,16 +298,20 @@ class Ledger:
         with self.lock:
             self.values.pop(key, None)
 
-    def restore(self, store: dist.Store, only: str | None = None) -> int:
-        """Write back every kept value (or the one of key `only`) whose key is missing; the number restored."""
+    def restore(self, store: dist.Store, only: str | None = None, overwritten: bool = False) -> int:
+        """Write back every kept value (or the one of key `only`) whose key is missing; the number restored.
+        `overwritten`: also every one whose key now holds another value, for keys this process alone
+        writes (Republisher's): any other value there is a forgery."""
         with self.lock:
             kept = [(k, v) for k, v in self.values.items() if only is None or k == only]
-        if not kept or store.check([k for k, _ in kept]):
+        if not kept or (not overwritten and store.check([k for k, _ in kept])):
             return 0  # one round trip in the common case: nothing is missing
         n = 0
         for key, raw in kept:
-            if not store.check([key]):
-                store.compare_set(key, "", raw)  # type: ignore[arg-type]  # only into an empty key (a newer value stays); the stub says str, c10d takes bytes
+            now = store.compare_set(key, ABSENT, NEVER)  # type: ignore[arg-type]  # a read that never writes (SignedStore.lookup); the stub says str, c10d takes bytes
+            if now == ABSENT or (overwritten and now != raw):
+                # only into an empty key or over the very value read (a newer value stays)
+                store.compare_set(key, "" if now == ABSENT else now, raw)  # type: ignore[arg-type]  # the stub says str, c10d takes bytes
                 n += 1
         if n:
             with self.lock:
@@ -355,8 +359,8 @@ class KeepingStore(dist.Store):
             self.ledger.keep(key, value.encode() if isinstance(value, str) else value)
 
     def set(self, key: str, value: str | bytes) -> None:
+        self._keep(key, value)  # first: a Republisher between the two never writes the previous value back
         self.inner.set(key, value)  # type: ignore[arg-type]  # torch's Store stub says str; c10d stores take bytes
-        self._keep(key, value)
 
     def get(self, key: str) -> bytes:
         return self.inner.get(key)
@@ -395,12 +399,17 @@ class KeepingStore(dist.Store):
 
 
 class Republisher:
-    """A daemon thread that writes the ledger's deleted values back every `interval_s`, on its own store
-    connection (the main one may sit in a blocking get inside gloo's rendezvous, or in training),
-    for as long as a peer may still read them: until `keep_s` (sites.timeout_s, after which a peer
-    waiting for them has given up anyway) after the newest value was kept. The fixed mode's start
-    (incarnation nonces, arrival marks, admission values, gloo addresses, resume offers) uses it; the
-    elastic mode restores from its heartbeat thread and its polls instead.
+    """A daemon thread that writes the ledger's deleted or overwritten values back every `interval_s`, on
+    its own store connection (the main one may sit in a blocking get inside gloo's rendezvous, or in
+    training), for as long as a peer may still read them: until `keep_s` (sites.timeout_s, after which
+    a peer waiting for them has given up anyway) after the newest value was kept. The fixed mode's
+    start (incarnation nonces, arrival marks, admission values, gloo addresses, resume offers) uses
+    it; the elastic mode restores from its heartbeat thread and its polls instead.
+
+    Overwritten ones too: `exchange` re-writes a value of its own only while it waits, and a site
+    returns once it has read its peers', so an outsider who overwrote it after that left a slower
+    peer reading "not yet" until its timeout. Each of these keys names its site and rank (under this
+    start's own prefix), so this process is its only writer and any other value there is forged.
 
     Exit is deterministic: the connection is opened by the caller (`start`), so the thread never
     connects (a c10d connect retries in C++ for up to the store's timeout); the thread makes only
@@ -427,7 +436,7 @@ class Republisher:
             if time.monotonic() - self.ledger.kept_at > self.keep_s:
                 continue  # nobody still waits for these values: no store traffic
             try:
-                self.ledger.restore(store)
+                self.ledger.restore(store, overwritten=True)
             except Exception as e:  # the store is gone (the run is ending): stop re-publishing
                 log.debug("re-publishing kept store values stopped: %s", e)
                 return
