@@ -11,6 +11,7 @@ import hashlib
 import secrets
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any, TypeVar, cast
 
@@ -232,6 +233,8 @@ def new_global_group(
     watch.current = "every site (connecting the group)"
     built = watch.run(build, "rendezvous")
     links = built.links if isinstance(built, Transport) else {}
+    if isinstance(built, Transport) and built.tls is not None:
+        auth = replace(auth, tags=False)  # TLS 1.3 authenticates (and encrypts) every byte already
     pg = seams.current().pg(built, site_rank)  # as built, unless a test wraps it (zeroband/seams.py)
     group = GlobalGroup(pg, site_rank, site_count, store, watch, prefix, auth, links, policy)
     group.rendezvous = sealed  # a Python store must outlive the C++ group that may call it (nccl)
