@@ -1,5 +1,4 @@
-"""Real training runs under a capture of their cross-site traffic (tests/unit/test_confidentiality.py
-`Capture`): with a secret, no sample of what a site handed its transport (the start broadcast: the
+"""Real training runs under a capture of their cross-site traffic (tests/attackers.py `Capture`): with a secret, no sample of what a site handed its transport (the start broadcast: the
 model; the pseudo-gradients; statistics; an elastic hand-over) appears on the wire, in the fixed and
 the elastic mode; under `sites.insecure`, the control, every sample does. Every comm_dtype is
 covered by the unit tier (in-process sites); here fp16 (fixed) and int8 (elastic).
@@ -11,9 +10,9 @@ from datetime import timedelta
 
 import pytest
 
+from tests.attackers import Capture, seen
 from tests.helpers import _train, elastic_tree, tiny_overrides
 from tests.multiproc import free_port, run_sites
-from tests.unit.test_confidentiality import Capture, seen
 from zeroband.store.client import open_store
 
 SECRET = "confidentiality-tests-secret-0123456789"

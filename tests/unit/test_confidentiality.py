@@ -1,6 +1,6 @@
 """Nothing a site sends to another crosses the wire in the clear (issue 35 item 1: TLS 1.3).
 
-A `Capture` records both sides of the traffic: every connection a transport dials crosses a relay
+A `Capture` (tests/attackers.py) records both sides of the traffic: every connection a transport dials crosses a relay
 in the test's own process (zeroband/wan/relay.py, no delay) that keeps each direction's bytes, and
 every message handed to a transport is sampled (32-byte windows inside each stream's slice, before
 it is sent). The attacker's view is the relay's: a sample found in it is plaintext on the wire.
@@ -13,71 +13,18 @@ from __future__ import annotations
 
 import threading
 import typing
-from collections.abc import Callable
-from typing import Any
 
 import pytest
 import torch
 
+from tests.attackers import Capture, seen
 from tests.unit.test_transport import KEY
 from zeroband.comm.group import GlobalGroup
 from zeroband.comm.reduce import SiteStats, reduce_across_sites
-from zeroband.comm.transport import Transport, as_bytes, slices
+from zeroband.comm.transport import Transport
 from zeroband.config import DilocoConfig
-from zeroband.wan.relay import DelayRelay
 
-WINDOW = 32  # bytes of a sample: a random match in ciphertext has probability ~ length / 2**256
-PER_SLICE = 4  # samples per stream slice of a message
 WIRES = typing.get_args(DilocoConfig.model_fields["comm_dtype"].annotation)
-
-
-class Capture:
-    """Patches `Transport` (this process, until `close`): dials cross a tapping relay, sends are sampled."""
-
-    def __init__(self) -> None:
-        self.streams: dict[int, bytearray] = {}  # (connection, direction) -> the bytes, in order
-        self.samples: list[bytes] = []
-        self.relays: list[DelayRelay] = []
-        self.lock = threading.Lock()
-        self.honest = Transport.connect, Transport.send
-        Transport.connect = lambda transport, addresses: self._connect(transport, addresses)  # type: ignore[method-assign]
-        Transport.send = lambda transport, tensors, dst, tag: self._send(transport, tensors, dst, tag)  # type: ignore[method-assign]
-
-    def _tap(self, src: Any, data: bytes) -> None:
-        with self.lock:
-            self.streams.setdefault(id(src), bytearray()).extend(data)
-
-    def _connect(self, transport: Transport, addresses: dict[int, str]) -> None:
-        tapped = dict(addresses)
-        for dst in range(transport.rank):  # the lower ranks are those this member dials
-            host, port = addresses[dst].rsplit(":", 1)
-            self.relays.append(DelayRelay((host, int(port)), 0.0, tap=self._tap))
-            tapped[dst] = "{}:{}".format(*self.relays[-1].address)
-        self.honest[0](transport, tapped)
-
-    def _send(self, transport: Transport, tensors: list[torch.Tensor], dst: int, tag: int) -> Any:
-        data = bytes(as_bytes(tensors[0]))
-        cuts = slices(len(data), transport.peers[dst].streams)
-        with self.lock:
-            for offset, n in cuts:
-                if n >= WINDOW:
-                    spots = {offset + (n - WINDOW) * j // max(1, PER_SLICE - 1) for j in range(PER_SLICE)}
-                    self.samples += [data[at : at + WINDOW] for at in sorted(spots)]
-        return self.honest[1](transport, tensors, dst, tag)
-
-    def wire(self) -> list[bytes]:
-        with self.lock:
-            return [bytes(s) for s in self.streams.values()]
-
-    def close(self) -> None:
-        Transport.connect, Transport.send = self.honest  # type: ignore[method-assign]
-        for relay in self.relays:
-            relay.close()
-
-
-def seen(samples: list[bytes], wire: list[bytes]) -> int:
-    """How many samples appear somewhere in the captured bytes."""
-    return sum(any(s in stream for stream in wire) for s in samples)
 
 
 def _site(group: GlobalGroup, model: torch.Tensor, grads: list[torch.Tensor], wire: str, errors: list) -> None:
@@ -89,8 +36,7 @@ def _site(group: GlobalGroup, model: torch.Tensor, grads: list[torch.Tensor], wi
         errors.append(e)
 
 
-def exchange_under(capture_key: bytes | None, wire: str, run: Callable[[list[GlobalGroup]], None] | None = None
-                   ) -> tuple[list[bytes], list[bytes]]:
+def exchange_under(capture_key: bytes | None, wire: str) -> tuple[list[bytes], list[bytes]]:
     """Two in-process sites (2 streams each way) broadcast a model with a known pattern and
     all-reduce pseudo-gradients as `wire`, under a capture: (samples, captured streams)."""
     capture = Capture()

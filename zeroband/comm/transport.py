@@ -584,7 +584,9 @@ class _Peer:
                 r.work.part_done()
                 r = None
         except (OSError, TransportError) as e:
-            error = TransportError(f"connection to site {self.rank}: {e}")
+            error = TransportError(f"connection to site {self.rank}: " + (
+                f"a TLS record failed authentication ({e.reason}): altered, replayed, cut or injected on the "
+                "way (an on-path attacker or a corrupting link)" if isinstance(e, ssl.SSLError) else str(e)))
             self.fail(error)
             if r is not None:  # claimed by this stream, so no longer among the posted ones `fail` ends
                 r.work.fail(self.error or error)  # the first error, which `fail` just kept
