@@ -245,20 +245,8 @@ class TLSChannel:
             with self.lock:
                 self.incoming.write(memoryview(self.raw)[:got])
 
-    def settimeout(self, value: float | None) -> None:
-        self.sock.settimeout(value)
-
-    def setsockopt(self, level: int, option: int, value: int) -> None:
-        self.sock.setsockopt(level, option, value)
-
-    def getsockopt(self, level: int, option: int) -> int:
-        return self.sock.getsockopt(level, option)
-
-    def shutdown(self, how: int) -> None:
-        self.sock.shutdown(how)
-
-    def close(self) -> None:
-        self.sock.close()
+    def __getattr__(self, name: str) -> Any:  # settimeout, setsockopt, shutdown, close: the socket's
+        return getattr(self.sock, name)
 
 
 Conn = socket.socket | TLSChannel  # a connection of the transport: TLS, or plain under sites.insecure
@@ -725,7 +713,7 @@ class Transport:
 
     def _measure(self, socks: dict[int, list[Conn]]) -> None:
         """Probe every peer's link at once (comm/link.py `probe`: the higher rank initiates, on every
-        dialed stream, authenticated with the group's key) and keep the streams it chose; the rest
+        dialed stream, inside its TLS session) and keep the streams it chose; the rest
         are closed. Without a probe (probe_s 0) every dialed stream is kept."""
         if self.probe_s <= 0 or not socks:
             return
@@ -737,7 +725,7 @@ class Transport:
             try:
                 for sock in conns:
                     sock.settimeout(limit)
-                results[peer] = probe(conns, None, self.rank > peer, cap_s=self.probe_s,
+                results[peer] = probe(conns, self.rank > peer, cap_s=self.probe_s,
                                       choose=lambda r: choose_streams(self.want, r))
                 for sock in conns:
                     sock.settimeout(None)
