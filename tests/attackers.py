@@ -121,12 +121,19 @@ class Capture:
         Transport.send = lambda t, tensors, dst, tag: self._send(t, tensors, dst, tag)  # type: ignore[method-assign]
 
     def _tap(self, src: Any, data: bytes) -> bytes | None:
+        if not data:  # the end of a stream
+            return None
         with self.lock:
             stream = self.streams.setdefault(id(src), bytearray())
             offset = len(stream)
             stream.extend(data)
-            to_target = all(src.getpeername() != r.target for r in self.relays)
-        return self.rewrite(to_target, offset, data) if self.rewrite and data else None
+        if self.rewrite is None:
+            return None
+        try:
+            to_target = src.getpeername() not in {r.target for r in self.relays}  # not from a dialed site
+        except OSError:  # closed meanwhile
+            return None
+        return self.rewrite(to_target, offset, data)
 
     def _connect(self, transport: Any, addresses: dict[int, str]) -> None:
         from zeroband.wan.relay import DelayRelay
