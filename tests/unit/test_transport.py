@@ -150,15 +150,16 @@ def test_an_oversize_frame_fails_the_receive_without_allocating():
     sock.close()
 
 
-def test_a_silent_connection_is_closed_at_the_hello_deadline(monkeypatch):
+def test_a_silent_connection_is_closed_at_the_hello_deadline_and_no_tls_at_once(monkeypatch):
     monkeypatch.setattr(tp, "HELLO_DEADLINE_S", 0.5)
     t, _ = _listener_alone()
-    silent = socket.create_connection(_address(t))
-    silent.sendall(b"Z")  # one byte of a hello, then nothing
-    silent.settimeout(5)
-    start = time.monotonic()
-    assert silent.recv(100) == b""  # closed by the listener
-    assert 0.3 < time.monotonic() - start < 2.0
+    for first, after in ((b"\x16", (0.3, 2.0)), (b"Z", (0.0, 0.3))):  # a TLS record's first byte; no TLS
+        silent = socket.create_connection(_address(t))
+        silent.sendall(first)  # then nothing
+        silent.settimeout(5)
+        start = time.monotonic()
+        assert silent.recv(100) == b""  # closed by the listener
+        assert after[0] <= time.monotonic() - start < after[1]
 
 
 def test_stalled_connections_stay_bounded_and_never_keep_a_real_peer_out():
@@ -169,7 +170,7 @@ def test_stalled_connections_stay_bounded_and_never_keep_a_real_peer_out():
     stalled = []
     for _ in range(600):
         s = socket.create_connection(_address(t))
-        s.sendall(b"Z")
+        s.sendall(b"\x16")  # the first byte of a TLS record, then nothing
         stalled.append(s)
     time.sleep(0.3)
     assert len(t.acceptor.pending) <= tp.MAX_PENDING

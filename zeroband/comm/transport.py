@@ -82,6 +82,7 @@ BACKLOG = 128  # the kernel's queue of connections not yet accepted
 MIN_SLICE = 1 << 16  # smaller messages use fewer streams
 TLS_CHUNK = 1 << 18  # plaintext bytes encrypted per lock hold; also the raw bytes read per receive
 HANDSHAKE_READ = 1 << 14  # raw bytes an unproven connection may hand the TLS engine per read
+TLS_HANDSHAKE = 0x16  # the first byte of a TLS handshake record (a ClientHello's)
 BROADCAST_TAG, ALLREDUCE_TAG = 1 << 40, (1 << 40) + 1  # above every tag of comm/group.py
 PROBE_LIMIT_S = 30.0  # a probe's step may block this long, plus twice sites.probe_s (the transfer's tail)
 JOIN_S = 5.0  # how long closing waits for each of a peer's threads (woken by the shutdown, they end at once)
@@ -253,14 +254,15 @@ Conn = socket.socket | TLSChannel  # a connection of the transport: TLS, or plai
 
 
 class _Pending:
-    """An accepted connection that has not authenticated: its TLS engine (None: sites.insecure) and the
-    bytes of its hello read so far (fixed size only)."""
+    """An accepted connection that has not authenticated: its TLS engine (made at its first byte, if
+    that starts a TLS handshake record; always None under sites.insecure) and the bytes of its hello
+    read so far (fixed size only)."""
 
-    def __init__(self, deadline: float, source: str, tls: GroupTLS | None) -> None:
+    def __init__(self, deadline: float, source: str, secure: bool) -> None:
         self.deadline, self.source, self.data, self.spoke = deadline, source, b"", False
         self.incoming, self.outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
-        self.tls = tls.server.wrap_bio(self.incoming, self.outgoing, server_side=True) if tls else None
-        self.shaken = tls is None  # the TLS handshake completed (the peer proved the secret)
+        self.tls: ssl.SSLObject | None = None
+        self.shaken = not secure  # the TLS handshake completed (the peer proved the secret)
 
 
 class _Acceptor:
@@ -312,7 +314,7 @@ class _Acceptor:
             source = peer[0]
             self._evict(to_evict(self._counts(), source))
             conn.setblocking(False)
-            self.pending[conn] = _Pending(time.monotonic() + HELLO_DEADLINE_S, source, self.tls)
+            self.pending[conn] = _Pending(time.monotonic() + HELLO_DEADLINE_S, source, self.tls is not None)
             self.unproven.setdefault(source, OrderedDict())[conn] = None
             self.selector.register(conn, selectors.EVENT_READ)
 
@@ -331,18 +333,22 @@ class _Acceptor:
         answered with ADMIT and the connection handed over. Any failure closes it."""
         p = self.pending[conn]
         try:
-            chunk = conn.recv(HANDSHAKE_READ if p.tls else HELLO.size - len(p.data))
+            chunk = conn.recv(HELLO.size - len(p.data) if self.tls is None else HANDSHAKE_READ)
             if not chunk:
                 return self._close(conn)
             p.spoke = True
-            if p.tls is None:
+            if self.tls is None:
                 p.data += chunk
             else:
+                if p.tls is None:  # its first bytes: no engine is made for what is no TLS handshake
+                    if chunk[0] != TLS_HANDSHAKE:
+                        return self._close(conn)
+                    p.tls = self.tls.server.wrap_bio(p.incoming, p.outgoing, server_side=True)
                 p.incoming.write(chunk)
                 if not p.shaken:
                     try:
                         p.tls.do_handshake()
-                        p.shaken = p.tls.getpeercert(binary_form=True) == cast(GroupTLS, self.tls).cert
+                        p.shaken = p.tls.getpeercert(binary_form=True) == self.tls.cert
                         if not p.shaken:
                             return self._close(conn)
                     except ssl.SSLWantReadError:
