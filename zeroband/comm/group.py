@@ -44,8 +44,8 @@ class GlobalGroup:
     `watched(fn, what)` runs blocking cross-site work on a helper thread so that the caller logs
     while it waits and gives up at the deadline with a message naming the phase and the site.
 
-    `auth` seals the messages of `post_scalars`, the broadcasts and comm/direct.py (trust/mac.py)
-    under the session key this group's admission agreed (zeroband/membership/base.py
+    On nccl, `auth` seals the messages of `post_scalars`, the broadcasts and comm/direct.py
+    (trust/mac.py; on the TLS transport it adds no tag: TLS authenticates every byte) under the session key this group's admission agreed (zeroband/membership/base.py
     `admit_group`: new at every start and generation); `prefix` (the group's store prefix: run,
     generation, shard) and the call counter `next_call()` bind each message to this group and this
     call, so a message from an earlier round or incarnation does not verify.
