@@ -78,3 +78,9 @@ def test_the_capture_sees_every_sample_without_a_secret():
     """The control: sites.insecure sends plaintext, and the capture finds every sample in it."""
     samples, captured = exchange_under(None, "fp16")
     assert len(samples) > 100 and seen(samples, captured) == len(samples)
+
+
+def test_the_wire_formats_are_read_from_the_config():
+    """The parametrization above takes diloco.comm_dtype's values from the config; if that stops being
+    a Literal (e.g. a codec registry), this fails rather than the tests above silently running none."""
+    assert {"fp32", "fp16", "bf16", "int8"} <= set(WIRES)
