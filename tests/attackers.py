@@ -1,47 +1,18 @@
-"""Rogue behaviour for tests/integration/test_attacks.py, all on the test side: wrapped process groups and codecs
-that a malicious or broken site would run, and a forger that writes store values without the secret.
+"""Rogue behaviour for tests/integration/test_attacks*.py, all on the test side: codecs that a malicious or
+broken site would run, an on-path attacker on the transport's bytes (`Capture`), and a forger that writes
+store values without the secret.
 Nothing here is a hook in production code."""
 
 from __future__ import annotations
 
 import json
-import zlib
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
-
-
-class ReplayingPG:
-    """A process group that, once `replay` is set, re-sends the bytes it sent earlier on the same
-    (destination, tag) instead of the new ones: a message replayed from an earlier round."""
-
-    def __init__(self, pg: dist.ProcessGroup) -> None:
-        self.pg, self.replay, self.recorded = pg, False, {}
-
-    def send(self, bufs: list[torch.Tensor], dst: int, tag: int) -> Any:
-        if self.replay and (dst, tag) in self.recorded:
-            bufs = [self.recorded[dst, tag]]
-        else:
-            self.recorded.setdefault((dst, tag), bufs[0].clone())
-        return self.pg.send(bufs, dst, tag)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.pg, name)
-
-
-class TruncatingPG:
-    """A process group whose sends lose their last `drop` bytes: a short (wrong-size) message."""
-
-    def __init__(self, pg: dist.ProcessGroup, drop: int = 8) -> None:
-        self.pg, self.drop = pg, drop
-
-    def send(self, bufs: list[torch.Tensor], dst: int, tag: int) -> Any:
-        return self.pg.send([bufs[0][: -self.drop].clone()], dst, tag)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.pg, name)
 
 
 @dataclass(frozen=True)
@@ -127,103 +98,95 @@ def forge_leaves(store: dist.Store, prefix: str, sites: int, stop: Any) -> int:
     return writes
 
 
-# ---------------------------------------------------------------------- on-path attacks (issue 23, items 1-2)
-def crc_neutral_delta(floats: int = 40) -> bytes:
-    """A delta over `floats` fp32 values that flips the sign of some of them and leaves CRC32 unchanged
-    wherever it is XORed into a message: CRC32 is linear over GF(2), crc(m ^ d) = crc(m) ^ crc(d) ^
-    crc(0...0), so any set of sign bits whose CRC contributions XOR to zero will do; 40 candidates in
-    a 32-bit space always contain one (Gaussian elimination). Its contribution is the polynomial of
-    the delta times x^k modulo CRC32's generator, and shifting a multiple of it keeps it a multiple:
-    the same delta at any offset, or at many, keeps the CRC."""
-    n, zero = 4 * floats, zlib.crc32(bytes(4 * floats))
+# ---------------------------------------------------------------------- on-path attacks on the transport's bytes
+class Capture:
+    """The path between sites, in this (forked) process until `close`: every connection a `Transport`
+    dials crosses a relay (zeroband/wan/relay.py, no delay) that keeps each direction's bytes in
+    `streams` and, with `rewrite(to_target, offset, chunk)`, sends what it returns in place of a
+    chunk (None: the chunk as it is). `samples`: 32-byte windows of every message handed to a
+    transport, inside each stream's slice (plaintext that would be readable if it crossed as is)."""
 
-    def sign_flips(mask: int) -> bytes:
-        d = bytearray(n)
-        for i in range(floats):
-            d[4 * i + 3] = 0x80 if mask >> i & 1 else 0  # the sign bit of little-endian fp32 value i
-        return bytes(d)
+    WINDOW, PER_SLICE = 32, 4
 
-    basis: dict[int, tuple[int, int]] = {}  # leading bit -> (CRC contribution, which sign bits)
-    for i in range(floats):
-        c, mask = zlib.crc32(sign_flips(1 << i)) ^ zero, 1 << i
-        while c:
-            top = c.bit_length() - 1
-            if top not in basis:
-                basis[top] = (c, mask)
-                break
-            c, mask = c ^ basis[top][0], mask ^ basis[top][1]
-        else:
-            return sign_flips(mask)
-    raise AssertionError("unreachable: more candidates than CRC bits")
+    def __init__(self, rewrite: Callable[[bool, int, bytes], bytes | None] | None = None) -> None:
+        from zeroband.comm.transport import Transport
 
+        self.rewrite, self.transport = rewrite, Transport
+        self.streams: dict[int, bytearray] = {}  # per (connection, direction): the bytes, in order
+        self.samples: list[bytes] = []
+        self.relays: list[Any] = []
+        self.lock = threading.Lock()
+        self.honest = Transport.connect, Transport.send
+        Transport.connect = lambda t, addresses: self._connect(t, addresses)  # type: ignore[method-assign]
+        Transport.send = lambda t, tensors, dst, tag: self._send(t, tensors, dst, tag)  # type: ignore[method-assign]
 
-class BroadcastTamperer:
-    """On the path into a site: XORs `delta` into the first broadcast it receives of at least
-    `len(delta)` bytes, once gloo delivered it (what a forwarder on the WAN link would rewrite).
-    `report` gets the number of values changed and whether the region's CRC32 stayed the same."""
+    def _tap(self, src: Any, data: bytes) -> bytes | None:
+        if not data:  # the end of a stream
+            return None
+        with self.lock:
+            stream = self.streams.setdefault(id(src), bytearray())
+            offset = len(stream)
+            stream.extend(data)
+        if self.rewrite is None:
+            return None
+        try:
+            to_target = src.getpeername() not in {r.target for r in self.relays}  # not from a dialed site
+        except OSError:  # closed meanwhile
+            return None
+        return self.rewrite(to_target, offset, data)
 
-    def __init__(self, pg: dist.ProcessGroup, rank: int, delta: bytes, report: dict) -> None:
-        self.pg, self.rank, self.delta, self.report = pg, rank, delta, report
+    def _connect(self, transport: Any, addresses: dict[int, str]) -> None:
+        from zeroband.wan.relay import DelayRelay
 
-    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Any:
-        work = self.pg.broadcast(tensors, opts)
-        buf = tensors[0].view(torch.uint8).view(-1)  # the bytes as they came off the wire
-        if opts.rootRank == self.rank or "flipped" in self.report or buf.numel() < len(self.delta):
-            return work
-        return _ThenTamper(work, buf[: len(self.delta)], self.delta, self.report)
+        tapped = dict(addresses)
+        for dst in range(transport.rank):  # the lower ranks are those this member dials
+            host, port = addresses[dst].rsplit(":", 1)
+            self.relays.append(DelayRelay((host, int(port)), 0.0, tap=self._tap))
+            tapped[dst] = "{}:{}".format(*self.relays[-1].address)
+        self.honest[0](transport, tapped)
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.pg, name)
+    def _send(self, transport: Any, tensors: list[torch.Tensor], dst: int, tag: int) -> Any:
+        from zeroband.comm.transport import as_bytes, slices
 
+        data, w, k = bytes(as_bytes(tensors[0])), self.WINDOW, self.PER_SLICE
+        with self.lock:
+            for offset, n in slices(len(data), transport.peers[dst].streams):
+                if n >= w:
+                    spots = {offset + (n - w) * j // (k - 1) for j in range(k)}
+                    self.samples += [data[at : at + w] for at in sorted(spots)]
+        return self.honest[1](transport, tensors, dst, tag)
 
-@dataclass
-class _ThenTamper:
-    work: Any
-    region: torch.Tensor
-    delta: bytes
-    report: dict
+    def wire(self) -> list[bytes]:
+        with self.lock:
+            return [bytes(s) for s in self.streams.values()]
 
-    def wait(self, *args: Any) -> Any:
-        out = self.work.wait(*args)
-        before = zlib.crc32(self.region.numpy())
-        self.region.bitwise_xor_(torch.frombuffer(bytearray(self.delta), dtype=torch.uint8))
-        self.report.update(flipped=sum(b != 0 for b in self.delta[3::4]), crc_kept=zlib.crc32(self.region.numpy()) == before)
-        return out
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.work, name)
-
-
-def tamper_start_broadcast(repeats: int = 48) -> dict:
-    """Make every global group this (forked) process builds receive broadcasts through a tamperer with
-    `repeats` copies of `crc_neutral_delta()` back to back (the process-group seam, zeroband/seams.py).
-    Returns its report (filled in later)."""
-    from zeroband import seams
-
-    report, delta = {}, crc_neutral_delta() * repeats
-    seams.use(seams.Seams(pg=lambda pg, rank: BroadcastTamperer(pg, rank, delta, report)))
-    return report
+    def close(self) -> None:
+        self.transport.connect, self.transport.send = self.honest
+        for relay in self.relays:
+            relay.close()
 
 
-class WireTap:
-    """On the path out of a site: keeps a copy of every message it sends, by (round, destination,
-    tag) (`round` is set by the caller), and sends `swap(key, sealed bytes)` instead where that
-    returns a tensor (a replayed or forged message)."""
+def seen(samples: list[bytes], wire: list[bytes]) -> int:
+    """How many samples appear somewhere in the captured bytes."""
+    return sum(any(s in stream for stream in wire) for s in samples)
 
-    def __init__(self, pg: dist.ProcessGroup, swap: Any = None) -> None:
-        self.pg, self.swap, self.round, self.sent, self.kept = pg, swap, 0, {}, []
 
-    def send(self, bufs: list[torch.Tensor], dst: int, tag: int) -> Any:
-        key = (self.round, dst, tag)
-        self.sent[key] = bufs[0].clone()
-        other = self.swap(key, bufs[0]) if self.swap else None
-        if other is not None:
-            self.kept.append(other)  # gloo reads it until the send completes
-            bufs = [other]
-        return self.pg.send(bufs, dst, tag)
+def on_path(how: str, to_target: bool, after: int, recorded: bytes = b"") -> Callable[[bool, int, bytes], bytes | None]:
+    """A `Capture` rewrite: once, on the first chunk in the given direction (to the dialed site, or
+    back) that starts at or past byte `after` of its connection (past the TLS handshake), "alter"
+    flips one byte, "replay" sends the chunk twice, "drop" loses it, "inject" sends `recorded` (bytes
+    of another connection: an earlier incarnation's) before it."""
+    done: list[bool] = []
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.pg, name)
+    def rewrite(towards: bool, offset: int, chunk: bytes) -> bytes | None:
+        if done or towards != to_target or offset < after:
+            return None
+        done.append(True)
+        if how == "alter":
+            return chunk[:-1] + bytes([chunk[-1] ^ 0x01])
+        return {"replay": chunk + chunk, "drop": b"", "inject": recorded + chunk}[how]
+
+    return rewrite
 
 
 class ReplayingStore(dist.Store):

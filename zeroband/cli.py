@@ -105,8 +105,9 @@ def _launch_locked(args: argparse.Namespace, rest: list[str], cfg: Config, log_d
     site_env, secret_file = local_secret_env(cfg)
     site_env = {**site_env, **fresh_incarnation_env()}  # this launch's: its store values verify in no other
     if cfg.sites.insecure:
-        print("zeroband launch: WARNING: sites.insecure = true: cross-site messages are NOT authenticated; anyone "
-              "who can reach the store or the sites' ports can join the run or forge its messages", file=sys.stderr)
+        print("zeroband launch: WARNING: sites.insecure = true: cross-site messages are NOT authenticated nor "
+              "encrypted; anyone who can reach the store or the sites' ports can join the run or forge its "
+              "messages, and anyone on the path reads the model", file=sys.stderr)
     policy = SupervisePolicy.from_config(cfg)
     shape = f"x {args.nproc}" if isinstance(args.nproc, int) else f"of {','.join(map(str, args.nproc))}"
     print(f"starting {args.sites} sites {shape} ranks; logs in {log_dir}/"

@@ -377,8 +377,8 @@ class SitesConfig(Section):
     # host_store is true, else by someone else, e.g. `zeroband launch`) or etcd://h1:p1,h2:p2,h3:p3.
     store: str = "tcp://127.0.0.1:29600"
     host_store: bool = True
-    # Shared secret that authenticates every cross-site message (admission, store values, all-reduce
-    # payloads); or ZEROBAND_SECRET. Never written to disk.
+    # Shared secret that authenticates every cross-site message (admission, store values) and keys the
+    # TLS 1.3 of every cross-site connection (payloads encrypted); or ZEROBAND_SECRET. Never written to disk.
     secret: str | None = Field(None, repr=False, exclude=True)
     # Or a file holding it (mode 0600); never on the command line, where `ps` shows it to everyone.
     secret_file: str | None = None

@@ -156,8 +156,8 @@ class MetricsLogger:
             self.wandb.finish()
 
 
-SITES_INSECURE_EFFECT = ("cross-site messages are NOT authenticated: anyone who can reach the store or the sites' "
-                         "ports can join the run or forge its messages")
+SITES_INSECURE_EFFECT = ("cross-site messages are NOT authenticated nor encrypted: anyone who can reach the store or "
+                         "the sites' ports can join the run or forge its messages, and anyone on the path reads the model")
 
 
 def insecure_choices(cfg: Config, unauthenticated: bool) -> dict[str, str]:

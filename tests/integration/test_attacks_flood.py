@@ -129,7 +129,7 @@ def _stall(port: tuple[str, int]) -> list[socket.socket]:
     for _ in range(STALLED):
         try:
             s = socket.create_connection(port, timeout=1.0)
-            s.send(b"Z")
+            s.send(b"\x16")  # the first byte of a TLS handshake record, then nothing
             held.append(s)
         except OSError:
             pass

@@ -1,10 +1,11 @@
 """The cross-site transport (zeroband/comm/transport.py) in one process over loopback: real sockets,
-real threads, the real handshake; the peers that misbehave are raw sockets driven from the test."""
+real threads, the real TLS handshake; the peers that misbehave are raw sockets driven from the test."""
 
 from __future__ import annotations
 
 import os
 import socket
+import ssl
 import threading
 import time
 
@@ -14,6 +15,7 @@ import torch.distributed as dist
 
 from zeroband.comm import transport as tp
 from zeroband.comm.transport import HEADER, Transport, TransportError, dial, slices
+from zeroband.trust.tls import group_tls
 from zeroband.watchdog import PeerTimeout
 
 KEY = b"k" * 32
@@ -106,18 +108,37 @@ def _address(t: Transport) -> tuple[str, int]:
     return host, int(port)
 
 
-def test_a_hello_under_another_secret_is_refused():
+def test_a_dialer_without_the_groups_key_is_refused():
+    """TLS 1.3 with the group's certificate on both ends: another secret, or the right secret for
+    another group (incarnation, generation), fails the handshake on both sides; a client that
+    trusts anything and shows no certificate completes its side, then reads the refusal."""
+    t, _ = _listener_alone()
+    for key in (tp.group_key(b"w" * 32, "test/gen0/"), tp.group_key(KEY, "test/gen1/")):
+        with pytest.raises(ssl.SSLCertVerificationError):
+            dial(_address(t), group_tls(key), 1, 0, 0, 1)
+    anything = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    anything.check_hostname, anything.verify_mode = False, ssl.CERT_NONE
+    with socket.create_connection(_address(t)) as raw, anything.wrap_socket(raw) as stranger:
+        stranger.sendall(tp.make_hello(1, 0, 0, 1))
+        with pytest.raises(ssl.SSLError, match="CERTIFICATE_REQUIRED"):
+            stranger.recv(100)
+    assert t.peers == {} and t.acceptor.refused == 3
+
+
+def test_plaintext_is_refused_by_a_tls_listener_and_tls_is_refused_by_an_insecure_one():
     t, _ = _listener_alone()
     with pytest.raises(TransportError, match="closed by the peer"):
-        dial(_address(t), tp.group_key(b"w" * 32, "test/gen0/"), 1, 0, 0, 1)
-    with pytest.raises(TransportError, match="closed by the peer"):  # the right secret, another group
-        dial(_address(t), tp.group_key(KEY, "test/gen1/"), 1, 0, 0, 1)
-    assert t.peers == {} and t.acceptor.refused == 2
+        dial(_address(t), None, 1, 0, 0, 1)  # a plain hello is no TLS record
+    insecure = Transport(0, 2, "test/gen0/", None, 10, host="127.0.0.1")
+    with pytest.raises((TransportError, OSError)):
+        dial(_address(insecure), t.tls, 1, 0, 0, 1)
+    assert t.acceptor.refused == insecure.acceptor.refused == 1
+    insecure.close()
 
 
 def test_an_oversize_frame_fails_the_receive_without_allocating():
     t, th = _listener_alone()
-    sock = dial(_address(t), t.key, 1, 0, 0, 1)
+    sock = dial(_address(t), t.tls, 1, 0, 0, 1)
     th.join(5)
     buf = torch.zeros(10, dtype=torch.uint8)
     work = t.recv([buf], 1, 4)
@@ -129,15 +150,16 @@ def test_an_oversize_frame_fails_the_receive_without_allocating():
     sock.close()
 
 
-def test_a_silent_connection_is_closed_at_the_hello_deadline(monkeypatch):
+def test_a_silent_connection_is_closed_at_the_hello_deadline_and_no_tls_at_once(monkeypatch):
     monkeypatch.setattr(tp, "HELLO_DEADLINE_S", 0.5)
     t, _ = _listener_alone()
-    silent = socket.create_connection(_address(t))
-    silent.sendall(b"Z")  # one byte of a hello, then nothing
-    silent.settimeout(5)
-    start = time.monotonic()
-    assert silent.recv(100) == b""  # closed by the listener
-    assert 0.3 < time.monotonic() - start < 2.0
+    for first, after in ((b"\x16", (0.3, 2.0)), (b"Z", (0.0, 0.3))):  # a TLS record's first byte; no TLS
+        silent = socket.create_connection(_address(t))
+        silent.sendall(first)  # then nothing
+        silent.settimeout(5)
+        start = time.monotonic()
+        assert silent.recv(100) == b""  # closed by the listener
+        assert after[0] <= time.monotonic() - start < after[1]
 
 
 def test_stalled_connections_stay_bounded_and_never_keep_a_real_peer_out():
@@ -148,13 +170,13 @@ def test_stalled_connections_stay_bounded_and_never_keep_a_real_peer_out():
     stalled = []
     for _ in range(600):
         s = socket.create_connection(_address(t))
-        s.sendall(b"Z")
+        s.sendall(b"\x16")  # the first byte of a TLS record, then nothing
         stalled.append(s)
     time.sleep(0.3)
     assert len(t.acceptor.pending) <= tp.MAX_PENDING
     listener_fds = len(os.listdir("/proc/self/fd")) - fds_before - len(stalled)
     assert listener_fds <= tp.MAX_PENDING + 1, listener_fds
-    sock = dial(_address(t), t.key, 1, 0, 0, 1)
+    sock = dial(_address(t), t.tls, 1, 0, 0, 1)
     th.join(5)
     assert not th.is_alive() and 1 in t.peers
     sock.sendall(HEADER.pack(2, 3) + b"abc")

@@ -4,6 +4,7 @@ Before, the transport's listener held 64 unauthenticated connections and evicted
 `dial` returned once it had sent CONFIRM: a peer stays pending for about a round trip, so more
 than 64 empty connections per round trip (from one host, no secret) evicted it every time, after
 its valid hello too, and the dialer never learnt it; the acceptor then blamed the honest site.
+Now a connection proves the secret by its TLS handshake (trust/tls.py) and is admitted at once.
 
 Loopback gives each party its own source address (127.0.0.2 floods, 127.0.0.3 is the honest peer;
 bind before connect). The round trip is real: the honest peer crosses zeroband/wan/relay.py's
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import json
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -27,7 +29,8 @@ import torch
 
 from tests.unit.test_transport import KEY, _address
 from zeroband.comm import transport as tp
-from zeroband.comm.transport import ADMIT, ANSWER, Transport, TransportError, dial, to_evict
+from zeroband.comm.transport import Transport, TransportError, dial, to_evict
+from zeroband.trust.tls import group_tls
 from zeroband.wan.relay import DelayRelay
 from zeroband.watchdog import PeerTimeout
 
@@ -72,50 +75,76 @@ def test_to_evict_takes_from_the_source_holding_the_most_never_from_a_small_one(
     assert to_evict(even, "10.0.0.5") == "10.0.0.5" and to_evict(even, "new") == "10.0.0.0"
 
 
-def test_a_proven_connection_survives_a_flood_from_its_own_address_and_one_not_yet_proven_another(monkeypatch):
-    """Two honest handshakes by hand: one has sent its hello (proven) and floods from its own
-    address follow; the other has only connected from another address while a flood from a third
-    one fills the pool. Both then finish and are admitted, and the listener never held more
-    unproven connections than its caps."""
+class _HandDialer:
+    """The dialer's side of a TLS handshake, one step at a time, from `source`."""
+
+    def __init__(self, t: Transport, source: str) -> None:
+        self.sock = _connect_from(source, _address(t))
+        self.incoming, self.outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+        assert t.tls is not None
+        self.tls = t.tls.client.wrap_bio(self.incoming, self.outgoing)
+
+    def client_hello(self) -> None:
+        with pytest.raises(ssl.SSLWantReadError):
+            self.tls.do_handshake()
+        self.sock.sendall(self.outgoing.read())
+
+    def server_flight(self) -> None:
+        """Reads the acceptor's flight until the handshake is done on this side; its last flight
+        (certificate, finished) stays unsent."""
+        while True:
+            self.incoming.write(self.sock.recv(1 << 14))
+            try:
+                return self.tls.do_handshake()
+            except ssl.SSLWantReadError:
+                pass
+
+    def finish(self, src: int) -> bytes:
+        """Sends the last flight and the hello; returns the acceptor's answer, decrypted."""
+        self.tls.write(tp.make_hello(src, 0, 0, 1))
+        self.sock.sendall(self.outgoing.read())
+        while True:
+            self.incoming.write(self.sock.recv(1 << 14))
+            try:
+                return self.tls.read(tp.ADMIT.size)
+            except ssl.SSLWantReadError:
+                pass
+
+
+def test_a_connection_in_its_handshake_survives_a_flood_from_its_own_address_and_one_silent_another(monkeypatch):
+    """Two honest handshakes by hand: one has sent its ClientHello and floods from its own address
+    follow (they evict their own empty connections first); the other has only connected from
+    another address while a flood from a third one fills the pool. Both then finish and are
+    admitted, and the listener never held more unproven connections than its caps."""
     monkeypatch.setattr(tp, "HELLO_DEADLINE_S", 60.0)  # the honest steps wait for the flood: no deadline then
     t = Transport(0, 3, PREFIX, KEY, 10, host="127.0.0.1")
-    proven = _connect_from("127.0.0.1", _address(t))
-    hello = tp.make_hello(t.key, 1, 0, 0, 1, b"n" * 16)
-    proven.sendall(hello)
-    nonce = tp._read_exact(proven, ANSWER)[:16]
-    waiting = _connect_from(HONEST, _address(t))
+    started, waiting = _HandDialer(t, "127.0.0.1"), _HandDialer(t, HONEST)
+    started.client_hello()
+    started.server_flight()
     assert _flood(t, 300, "127.0.0.1") == _flood(t, 300, FLOODER) == 300
-    proven.sendall(tp.confirm_tag(t.key, hello, nonce))
-    assert tp._read_exact(proven, ADMIT) == tp.admit_tag(t.key, hello, nonce)
-    late = tp.make_hello(t.key, 2, 0, 0, 1, b"m" * 16)
-    waiting.sendall(late)
-    nonce = tp._read_exact(waiting, ANSWER)[:16]
-    waiting.sendall(tp.confirm_tag(t.key, late, nonce))
-    assert tp._read_exact(waiting, ADMIT) == tp.admit_tag(t.key, late, nonce)
+    assert started.finish(1) == tp.ADMIT.pack(tp.MAGIC, 0)
+    waiting.client_hello()
+    waiting.server_flight()
+    assert waiting.finish(2) == tp.ADMIT.pack(tp.MAGIC, 0)
     with t.cond:  # handed over right after ADMIT was sent
         assert t.cond.wait_for(lambda: sorted(t.accepted) == [1, 2], 10)
-    replay = _connect_from(FLOODER, _address(t))  # a recorded hello proves nothing: refused at once
-    replay.sendall(late)
-    assert replay.recv(100) == b""
     t.close()
 
 
-def test_dial_fails_when_the_acceptor_drops_the_connection_after_confirm():
+def test_dial_fails_when_the_acceptor_drops_the_connection_after_the_hello():
     """Before, `dial` returned once CONFIRM was sent: a connection dropped then was waited for until
     sites.timeout_s. Now it waits for ADMIT, so it fails, and `Transport._dial` dials again."""
-    server = socket.create_server(("127.0.0.1", 0))
+    server, tls = socket.create_server(("127.0.0.1", 0)), group_tls(tp.group_key(KEY, PREFIX))
 
     def accept_and_drop() -> None:
         conn, _ = server.accept()
-        hello = tp._read_exact(conn, tp.HELLO.size)
-        conn.sendall(b"a" * 16 + tp.answer_tag(KEY, hello, b"a" * 16))
-        tp._read_exact(conn, tp.CONFIRM)
-        conn.close()
+        with tls.server.wrap_socket(conn, server_side=True) as wrapped:
+            wrapped.recv(tp.HELLO.size)
 
     th = threading.Thread(target=accept_and_drop, daemon=True)
     th.start()
     with pytest.raises(TransportError, match="closed by the peer"):
-        dial(server.getsockname()[:2], KEY, 1, 0, 0, 1)
+        dial(server.getsockname()[:2], tls, 1, 0, 0, 1)
     th.join(5)
     server.close()
 
@@ -155,7 +184,7 @@ def test_every_site_connects_across_a_real_round_trip_under_a_flood(delay_s, rat
         connect_s, refused = time.monotonic() - start, group[0].acceptor.refused - refused
         assert not errors, errors
         assert connect_s >= 8 * delay_s  # the round trip was real: each of the 2 dials to site 0 crosses the
-        # relay 4 times (hello, answer, confirm, admit) before the next starts
+        # relay 4 times (ClientHello, the acceptor's flight, the dialer's with the hello, ADMIT) before the next starts
         assert all(sorted(t.peers) == [r for r in range(3) if r != t.rank] for t in group)
         assert group[0].peers[1].streams == group[0].peers[2].streams == 2
         values = [torch.tensor([1e16, 1.0, -3.5], dtype=torch.float64) * (r + 1) for r in range(3)]

@@ -132,8 +132,9 @@ class DirectExchange:
     early hides that round trip behind whatever the caller does next, e.g. the statistics
     exchange); `run` then scatters, reduces, shares and gathers.
 
-    Every message is sealed with the group's `auth` (trust/mac.py) and opened before it is decoded:
-    a forged, replayed or truncated message raises WireAuthError here, in Python.
+    On the TLS transport every byte is authenticated by TLS (a forged, replayed or truncated record
+    fails its connection). On nccl every message is sealed with the group's `auth` (trust/mac.py)
+    and opened before it is decoded: such a message raises WireAuthError here, in Python.
 
     `parts` (comm/timing.py) receives the seconds spent encoding, sealing and opening (mac),
     waiting for peers and handing messages to the transport (network_wait), decoding and summing (decode) and checking what peers sent

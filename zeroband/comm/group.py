@@ -11,6 +11,7 @@ import hashlib
 import secrets
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any, TypeVar, cast
 
@@ -43,8 +44,8 @@ class GlobalGroup:
     `watched(fn, what)` runs blocking cross-site work on a helper thread so that the caller logs
     while it waits and gives up at the deadline with a message naming the phase and the site.
 
-    `auth` seals the messages of `post_scalars`, the broadcasts and comm/direct.py (trust/mac.py)
-    under the session key this group's admission agreed (zeroband/membership/base.py
+    On nccl, `auth` seals the messages of `post_scalars`, the broadcasts and comm/direct.py
+    (trust/mac.py; on the TLS transport it adds no tag: TLS authenticates every byte) under the session key this group's admission agreed (zeroband/membership/base.py
     `admit_group`: new at every start and generation); `prefix` (the group's store prefix: run,
     generation, shard) and the call counter `next_call()` bind each message to this group and this
     call, so a message from an earlier round or incarnation does not verify.
@@ -232,6 +233,8 @@ def new_global_group(
     watch.current = "every site (connecting the group)"
     built = watch.run(build, "rendezvous")
     links = built.links if isinstance(built, Transport) else {}
+    if isinstance(built, Transport) and built.tls is not None:
+        auth = replace(auth, tags=False)  # TLS 1.3 authenticates (and encrypts) every byte already
     pg = seams.current().pg(built, site_rank)  # as built, unless a test wraps it (zeroband/seams.py)
     group = GlobalGroup(pg, site_rank, site_count, store, watch, prefix, auth, links, policy)
     group.rendezvous = sealed  # a Python store must outlive the C++ group that may call it (nccl)

@@ -12,7 +12,7 @@ windows (`streams_for`). `zeroband plan`, the WAN benchmark and the cross-site t
 the link through these functions, so a prediction, a measurement and a timeout use one arithmetic.
 
 `probe` measures a link between two peers that already hold connected streams (the transport's,
-at admission and after each membership change; or the emulator's, in tests): authenticated small
+at admission and after each membership change, inside their TLS sessions; or the emulator's, in tests): small
 ping-pongs for the RTT, then a timed transfer over every stream for the throughput. `wait_bound`
 turns the measured link and a payload into the bound of one cross-site wait.
 
@@ -22,10 +22,8 @@ Units: rates in bits per second, windows and payloads in bytes, times in seconds
 from __future__ import annotations
 
 import argparse
-import hmac
 import json
 import math
-import os
 import secrets
 import socket
 import statistics
@@ -191,12 +189,10 @@ class Stream(Protocol):
 
 
 class ProbeError(ConnectionError):
-    """The peer answered a probe with a message that failed authentication, or hung up."""
+    """The peer answered a probe with another message than the protocol's next one, or hung up."""
 
 
-PROBE_LABEL = b"zeroband-link-probe-v1"
 NONCE_BYTES = 16
-TAG_BYTES = 32
 CHUNK = 256 << 10  # bytes per framed piece of the timed transfer
 PING = struct.Struct("!cQ16s")  # kind, sequence, session nonce
 REPORT = struct.Struct("!cQddd16s")  # kind, bytes, seconds, median RTT, steady bits/s, session nonce
@@ -247,12 +243,6 @@ class LinkProbe:
         return rec
 
 
-def _tag(key: bytes | None, body: bytes) -> bytes:
-    return hmac.digest(key, PROBE_LABEL + body, "sha256") if key else b""
-
-
-def _send(stream: Stream, key: bytes | None, body: bytes) -> None:
-    stream.sendall(body + _tag(key, body))
 
 
 def _recv_exact(stream: Stream, n: int) -> bytes:
@@ -266,31 +256,30 @@ def _recv_exact(stream: Stream, n: int) -> bytes:
     return bytes(buf)
 
 
-def _recv(stream: Stream, key: bytes | None, size: int, kind: bytes) -> bytes:
-    """One tagged message of `size` body bytes; raises ProbeError unless its tag and kind check."""
-    msg = _recv_exact(stream, size + (TAG_BYTES if key else 0))
-    body, tag = msg[:size], msg[size:]
-    if not hmac.compare_digest(_tag(key, body), tag) or body[:1] != kind:
-        raise ProbeError(f"link probe: a {kind.decode()!r} message from the peer failed authentication "
-                         "(another secret, or not a zeroband peer)")
+def _recv(stream: Stream, size: int, kind: bytes) -> bytes:
+    """One message of `size` bytes; raises ProbeError unless it is of the `kind` expected."""
+    body = _recv_exact(stream, size)
+    if body[:1] != kind:
+        raise ProbeError(f"link probe: the peer sent something else than a {kind.decode()!r} message "
+                         "(not a zeroband peer, or another version)")
     return body
 
 
-def _pings(stream: Stream, key: bytes | None, nonce: bytes, count: int, initiator: bool) -> list[float]:
+def _pings(stream: Stream, nonce: bytes, count: int, initiator: bool) -> list[float]:
     """`count` ping-pongs on one stream; the initiator times them. Each message is bound to the
     session nonce and its sequence number, so a recorded answer cannot stand in for a fresh one."""
     rtts = []
     for seq in range(count):
         if initiator:
             t0 = time.perf_counter()
-            _send(stream, key, PING.pack(b"P", seq, nonce))
-            if PING.unpack(_recv(stream, key, PING.size, b"Q"))[1:] != (seq, nonce):
+            stream.sendall(PING.pack(b"P", seq, nonce))
+            if PING.unpack(_recv(stream, PING.size, b"Q"))[1:] != (seq, nonce):
                 raise ProbeError("link probe: the peer answered another ping")
             rtts.append(time.perf_counter() - t0)
         else:
-            if PING.unpack(_recv(stream, key, PING.size, b"P"))[1:] != (seq, nonce):
+            if PING.unpack(_recv(stream, PING.size, b"P"))[1:] != (seq, nonce):
                 raise ProbeError("link probe: out-of-order ping")
-            _send(stream, key, PING.pack(b"Q", seq, nonce))
+            stream.sendall(PING.pack(b"Q", seq, nonce))
     return rtts
 
 
@@ -359,65 +348,64 @@ def transfer_rates(events: list[tuple[float, int]]) -> tuple[int, float, float]:
     return total, t1 - t0, late * 8 / (t1 - mid) if t1 > mid else 0.0
 
 
-def probe(streams: Sequence[Stream], key: bytes | None, initiator: bool, seconds: float = 2.0, pings: int = 5,
+def probe(streams: Sequence[Stream], initiator: bool, seconds: float = 2.0, pings: int = 5,
           window_bytes: int | None = None, cap_s: float | None = None,
           choose: Callable[[LinkProbe], int] | None = None) -> LinkProbe:
     """Measure the link to one peer; both peers call it at once on the same connected `streams`.
 
     The initiator pings `pings` times on the first stream (RTT), then sends framed pieces on every
     stream for `seconds`; the responder answers the pings, receives, and returns the transfer's
-    timing in a tagged report, so both sides return the same measurement. `key` authenticates
-    every control message (HMAC-SHA256 under a fresh session nonce; None: sites.insecure). The
-    caller bounds each stream's blocking with its socket timeout.
+    timing in a report, so both sides return the same measurement. Over the transport the streams
+    are TLS sessions, which authenticate every message; the session nonce only ties the answers to
+    this probe. The caller bounds each stream's blocking with its socket timeout.
 
     `cap_s`: the initiator sends for `probe_seconds(RTT, cap_s)` instead of `seconds`. `choose`
     (both sides pass one, or neither): the initiator's choice of streams from the measurement,
-    sent to the responder in a last tagged message; both return it as `chosen`."""
+    sent to the responder in a last message; both return it as `chosen`."""
     first, window = streams[0], window_bytes or kernel_window()
     if initiator:
         nonce = secrets.token_bytes(NONCE_BYTES)
-        _send(first, key, PING.pack(b"H", len(streams), nonce))
+        first.sendall(PING.pack(b"H", len(streams), nonce))
     else:
-        kind, count, nonce = PING.unpack(_recv(first, key, PING.size, b"H"))
+        kind, count, nonce = PING.unpack(_recv(first, PING.size, b"H"))
         if count != len(streams):
             raise ProbeError(f"link probe: the peer probes {count} streams, this side holds {len(streams)}")
-    rtts = _pings(first, key, nonce, pings, initiator)
+    rtts = _pings(first, nonce, pings, initiator)
     if initiator:
         rtt, rtt_min = statistics.median(rtts), min(rtts)
         seconds = seconds if cap_s is None else probe_seconds(rtt, cap_s)
-        _send(first, key, PING.pack(b"T", pings, nonce) + TIMES.pack(rtt, rtt_min))
+        first.sendall(PING.pack(b"T", pings, nonce) + TIMES.pack(rtt, rtt_min))
         errors: list[BaseException] = []
         _in_threads(_send_for, [(s, seconds, errors) for s in streams])
         if errors:
             raise errors[0]
-        kind, nbytes, secs, _, steady, got_nonce = REPORT.unpack(_recv(first, key, REPORT.size, b"R"))
+        kind, nbytes, secs, _, steady, got_nonce = REPORT.unpack(_recv(first, REPORT.size, b"R"))
         if got_nonce != nonce:
             raise ProbeError("link probe: the report answers another probe")
     else:
-        rtt, rtt_min = TIMES.unpack(_recv(first, key, PING.size + TIMES.size, b"T")[PING.size:])
+        rtt, rtt_min = TIMES.unpack(_recv(first, PING.size + TIMES.size, b"T")[PING.size:])
         events: list[tuple[float, int]] = []
         errors = []
         _in_threads(_recv_frames, [(s, events, errors) for s in streams])
         if errors:
             raise errors[0]
         nbytes, secs, steady = transfer_rates(events)
-        _send(first, key, REPORT.pack(b"R", nbytes, secs, rtt, steady, nonce))
+        first.sendall(REPORT.pack(b"R", nbytes, secs, rtt, steady, nonce))
     mean = nbytes * 8 / secs if secs else 0.0
     result = LinkProbe(rtt, rtt_min, pings, len(streams), window, nbytes, secs, mean, steady)
     if choose is None:
         return result
     if initiator:
         chosen = choose(result)
-        _send(first, key, PING.pack(b"C", chosen, nonce))
+        first.sendall(PING.pack(b"C", chosen, nonce))
     else:
-        kind, chosen, got_nonce = PING.unpack(_recv(first, key, PING.size, b"C"))
+        kind, chosen, got_nonce = PING.unpack(_recv(first, PING.size, b"C"))
         if got_nonce != nonce or not 1 <= chosen <= len(streams):
             raise ProbeError(f"link probe: the peer chose {chosen} of {len(streams)} streams, or answered another probe")
     return replace(result, chosen=chosen)
 
 
 # ------------------------------------------------------------------ command line (inside a namespace)
-KEY_ENV = "ZB_LINK_KEY"  # hex; the environment, not argv, where `ps` would show it
 
 
 def _connect_all(role: str, host: str, port: int, streams: int, timeout_s: float) -> list[socket.socket]:
@@ -445,10 +433,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seconds", type=float, default=2.0, help="length of the timed transfer")
     p.add_argument("--timeout", type=float, default=60.0)
     args = p.parse_args(argv)
-    key = bytes.fromhex(os.environ[KEY_ENV]) if os.environ.get(KEY_ENV) else None
     conns = _connect_all(args.role, args.host, args.port, args.streams, args.timeout)
     try:
-        result = probe(conns, key, initiator=args.role == "client", seconds=args.seconds)
+        result = probe(conns, initiator=args.role == "client", seconds=args.seconds)
     finally:
         for c in conns:
             c.close()

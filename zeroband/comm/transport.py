@@ -1,4 +1,4 @@
-"""The cross-site transport: authenticated TCP connections that zeroband owns, in place of gloo's.
+"""The cross-site transport: TLS 1.3 connections that zeroband owns, in place of gloo's.
 
 Why not gloo: its listener keeps an fd and a pair per connection that sends 8 bytes, and aborts
 the process when the fds run out (`accept: Too many open files`, SIGABRT: 20,000 connections in
@@ -9,24 +9,24 @@ Setup (once per group, i.e. per incarnation or elastic generation; `Transport.co
 - every member listens on the configured address (`listen_host`) with an ephemeral port, published
   through the store (signed with the secret, comm/group.py);
 - for each pair, the higher rank dials the lower one `streams` times (one connection per stream);
-- handshake, all fixed sizes: the dialer sends HELLO (src, dst, stream, streams, its nonce, HMAC);
-  the acceptor checks it and answers (its nonce, HMAC over the hello and both nonces); the dialer
-  checks that and sends CONFIRM (HMAC over the hello and the acceptor's nonce); the acceptor checks
-  that and sends ADMIT (HMAC, its own label, over the hello and both nonces) as it takes the
-  connection. Both sides proved the key over the other's fresh nonce, so a recorded handshake cannot
-  be replayed. The dialer returns only once ADMIT verified: a connection the acceptor dropped, for
-  whatever reason, is dialed again (`Transport._dial`) instead of being waited for in vain. The key
-  is the secret's `transport` subkey bound to the group's prefix (run, incarnation, generation,
-  shard); without a secret (sites.insecure) it is a public constant: unkeyed, with the same bounds.
+- each connection runs TLS 1.3 with mutual authentication under the group's certificate
+  (trust/tls.py: derived from the secret's `transport` subkey bound to the group's prefix: run,
+  incarnation, generation, shard), pinned on both ends; then, inside it, the dialer sends HELLO
+  (src, dst, stream, streams) and the acceptor, once it checked it, answers ADMIT (its rank) as it
+  takes the connection. The dialer returns only once ADMIT arrived: a connection the acceptor
+  dropped, for whatever reason, is dialed again (`Transport._dial`) instead of being waited for in
+  vain. Without a secret (sites.insecure) the same HELLO and ADMIT go in plain TCP: unauthenticated
+  and unencrypted, with the same bounds.
 
 Bounds on what a stranger can cost (`_Acceptor`): one selector thread accepts without blocking and
-reads at most HELLO then CONFIRM bytes from a connection that has not authenticated; it closes one
-that has not finished within HELLO_DEADLINE_S and one that fails a check. A connection whose HELLO
-verified (and is not a replay of one seen before) is proven: it holds the sender's slot (src,
-stream), one each, and no stranger's connection ever evicts it. Unproven ones are bounded:
-MAX_PENDING_PER_SOURCE per source address and MAX_PENDING in all; a new one evicts the oldest
-unproven one of its own source when that source is at its cap, else, when the pool is full, of the
-source holding the most (`to_evict`). A flood from one host thus only evicts its own connections,
+hands at most HANDSHAKE_READ bytes per read to the TLS engine of a connection that has not
+authenticated (no thread, no buffer of its own); it closes one that has not finished its handshake
+and hello within HELLO_DEADLINE_S and one that fails a check. A connection that completed both is
+admitted at once: it leaves the unproven pool, so no stranger's connection ever evicts it.
+Unproven ones are bounded: MAX_PENDING_PER_SOURCE per source address and MAX_PENDING in all; a new
+one evicts an unproven one of its own source when that source is at its cap, else, when the pool
+is full, of the source holding the most (`to_evict`); of a source, the oldest that never sent a
+byte goes first, so a peer in the middle of its handshake outlives a flood of empty connections. A flood from one host thus only evicts its own connections,
 whatever its rate against the round trip a real peer needs (issue 35 item 2: before, the oldest of
 all gave way, so 64 empty connections per round trip kept a real peer out). No thread per
 connection, no buffer beyond the fixed sizes. When connecting fails after this listener refused
@@ -36,20 +36,21 @@ After setup every message is framed as (tag, total bytes) + payload; the receive
 larger than the buffer it posted (no allocation sized by the peer). Matching is gloo's: FIFO per
 (peer, tag). With `streams` > 1 a message is cut into contiguous slices (`slices`), slice k sent
 on stream k and written into the receiver's buffer at its offset: the same bytes arrive, so the
-results are bitwise those of one stream. Message contents are sealed end to end by trust/mac.py;
-this layer only decides who may hold a connection.
+results are bitwise those of one stream. TLS encrypts and authenticates every byte, in order, per
+connection: nothing can be read, altered, replayed, reordered or moved to another stream or pair.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hmac
 import logging
 import os
 import queue
-import secrets
 import selectors
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -62,61 +63,46 @@ import torch
 import torch.distributed as dist
 
 from zeroband.comm.link import AUTO, LinkProbe, ProbeError, choose_streams, dial_streams, probe
+from zeroband.trust.tls import GroupTLS, group_tls
 from zeroband.watchdog import PeerTimeout, TransportError, TransportTimeout
 
 log = logging.getLogger(__name__)
 
 LABEL = b"zeroband-transport-v1"
-MAGIC = b"ZBT2"  # 2: the acceptor answers CONFIRM with ADMIT
-HELLO = struct.Struct("!4sIIII16s32s")  # magic, src, dst, stream, streams, nonce, HMAC: 68 bytes
-ANSWER, CONFIRM, ADMIT = 16 + 32, 32, 32  # acceptor's nonce + HMAC; dialer's HMAC; acceptor's HMAC
+MAGIC = b"ZBT3"  # 3: over TLS 1.3; the hello and the admission are records of the TLS session
+HELLO = struct.Struct("!4sIIII")  # magic, src, dst, stream, streams: 20 bytes
+ADMIT = struct.Struct("!4sI")  # magic, the acceptor's rank
 HEADER = struct.Struct("!QQ")  # message tag, total bytes of the message
 HELLO_DEADLINE_S = 3.0  # an unauthenticated connection's whole handshake
-MAX_PENDING = 64  # unproven connections (no verified hello yet) held at once
+MAX_PENDING = 64  # unproven connections (TLS handshake and hello not done yet) held at once
 MAX_PENDING_PER_SOURCE = 16  # of which from one source address
-SEEN_HELLOS = 4096  # verified hellos remembered, to refuse a replayed one (only key holders add any)
 REFUSED_SOURCES = 256  # source addresses counted apart in the refusals (the rest: "others")
 FLOOD_REFUSED = MAX_PENDING  # refusals that make a connect error name the flood
 BACKLOG = 128  # the kernel's queue of connections not yet accepted
 MIN_SLICE = 1 << 16  # smaller messages use fewer streams
+TLS_CHUNK = 1 << 18  # plaintext bytes encrypted per lock hold; also the raw bytes read per receive
+HANDSHAKE_READ = 1 << 14  # raw bytes an unproven connection may hand the TLS engine per read
+TLS_HANDSHAKE = 0x16  # the first byte of a TLS handshake record (a ClientHello's)
 BROADCAST_TAG, ALLREDUCE_TAG = 1 << 40, (1 << 40) + 1  # above every tag of comm/group.py
 PROBE_LIMIT_S = 30.0  # a probe's step may block this long, plus twice sites.probe_s (the transfer's tail)
 JOIN_S = 5.0  # how long closing waits for each of a peer's threads (woken by the shutdown, they end at once)
-INSECURE_KEY = b"zeroband-transport-insecure"  # sites.insecure: anyone can compute it (bounds still hold)
 
 
 # ----------------------------------------------------------------------------------- pure helpers
-def group_key(subkey: bytes | None, prefix: str) -> bytes:
-    """The handshake key of one group: the secret's transport subkey bound to the group's prefix."""
-    return hmac.digest(subkey or INSECURE_KEY, LABEL + b"|" + prefix.encode(), "sha256")
+def group_key(subkey: bytes, prefix: str) -> bytes:
+    """The TLS key of one group: the secret's transport subkey bound to the group's prefix."""
+    return hmac.digest(subkey, LABEL + b"|" + prefix.encode(), "sha256")
 
 
-def _mac(key: bytes, *parts: bytes) -> bytes:
-    return hmac.digest(key, b"|".join([LABEL, *parts]), "sha256")
+def make_hello(src: int, dst: int, stream: int, streams: int) -> bytes:
+    return HELLO.pack(MAGIC, src, dst, stream, streams)
 
 
-def make_hello(key: bytes, src: int, dst: int, stream: int, streams: int, nonce: bytes) -> bytes:
-    body = HELLO.pack(MAGIC, src, dst, stream, streams, nonce, bytes(32))[:-32]
-    return body + _mac(key, b"hello", body)
-
-
-def check_hello(key: bytes, data: bytes, me: int, size: int, streams: int) -> tuple[int, int] | None:
-    """(source rank, stream) of a valid hello to `me`, else None."""
-    magic, src, dst, stream, their_streams, _, tag = HELLO.unpack(data)
+def check_hello(data: bytes, me: int, size: int, streams: int) -> tuple[int, int] | None:
+    """(source rank, stream) of a well-formed hello to `me`, else None."""
+    magic, src, dst, stream, their_streams = HELLO.unpack(data)
     ok = magic == MAGIC and dst == me and me < src < size and stream < streams == their_streams
-    return (src, stream) if ok and hmac.compare_digest(tag, _mac(key, b"hello", data[:-32])) else None
-
-
-def answer_tag(key: bytes, hello: bytes, nonce: bytes) -> bytes:
-    return _mac(key, b"answer", hello, nonce)
-
-
-def confirm_tag(key: bytes, hello: bytes, nonce: bytes) -> bytes:
-    return _mac(key, b"confirm", hello, nonce)
-
-
-def admit_tag(key: bytes, hello: bytes, nonce: bytes) -> bytes:
-    return _mac(key, b"admit", hello, nonce)
+    return (src, stream) if ok else None
 
 
 def slices(total: int, streams: int) -> list[tuple[int, int]]:
@@ -223,29 +209,74 @@ def to_evict(unproven: dict[str, int], source: str) -> str | None:
     return max(unproven, key=lambda s: (unproven[s], s == source))
 
 
-class _Pending:
-    """An accepted connection that has not authenticated: what it sent so far, fixed-size only.
-    `hello` is set once its hello verified: it is then proven (see `_Acceptor`)."""
+class TLSChannel:
+    """One transport connection under TLS 1.3: the socket carries the records, an `ssl.SSLObject` over
+    memory BIOs does the crypto. OpenSSL's SSL object must not be used by two threads at once, and
+    each stream has a sender and a receiver thread: the crypto runs under `lock`, the blocking socket
+    calls outside it. Quacks like the socket for everything the transport and the probe use."""
 
-    def __init__(self, deadline: float, source: str) -> None:
-        self.deadline, self.source = deadline, source
-        self.data, self.hello, self.nonce, self.who = b"", b"", b"", (0, 0)
+    def __init__(self, sock: socket.socket, tls: ssl.SSLObject, incoming: ssl.MemoryBIO,
+                 outgoing: ssl.MemoryBIO) -> None:
+        self.sock, self.tls, self.incoming, self.outgoing = sock, tls, incoming, outgoing
+        self.lock = threading.Lock()
+        self.raw = bytearray(TLS_CHUNK)  # only the one receiving thread reads into it
+
+    def sendall(self, data: bytes | memoryview) -> None:
+        view = memoryview(data).cast("B")
+        for start in range(0, len(view), TLS_CHUNK):
+            with self.lock:
+                self.tls.write(view[start : start + TLS_CHUNK])
+                records = self.outgoing.read()
+            self.sock.sendall(records)
+
+    def recv_into(self, view: memoryview, nbytes: int = 0) -> int:
+        """Up to `nbytes` (or len(view)) decrypted bytes into `view`; 0 once the peer closed."""
+        n = min(nbytes or len(view), len(view))
+        while True:
+            with self.lock:
+                try:
+                    return cast(int, self.tls.read(n, view))  # with a buffer: the count read
+                except ssl.SSLWantReadError:
+                    pass
+                except ssl.SSLZeroReturnError:
+                    return 0
+            got = self.sock.recv_into(self.raw)
+            if got == 0:
+                return 0
+            with self.lock:
+                self.incoming.write(memoryview(self.raw)[:got])
+
+    def __getattr__(self, name: str) -> Any:  # settimeout, setsockopt, shutdown, close: the socket's
+        return getattr(self.sock, name)
+
+
+Conn = socket.socket | TLSChannel  # a connection of the transport: TLS, or plain under sites.insecure
+
+
+class _Pending:
+    """An accepted connection that has not authenticated: its TLS engine (made at its first byte, if
+    that starts a TLS handshake record; always None under sites.insecure) and the bytes of its hello
+    read so far (fixed size only)."""
+
+    def __init__(self, deadline: float, source: str, secure: bool) -> None:
+        self.deadline, self.source, self.data, self.spoke = deadline, source, b"", False
+        self.incoming, self.outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+        self.tls: ssl.SSLObject | None = None
+        self.shaken = not secure  # the TLS handshake completed (the peer proved the secret)
 
 
 class _Acceptor:
     """Accepts and authenticates connections on one thread (a selector); hands each authenticated
-    one to `admit(src, stream, sock)`. See the module docstring for the bounds it keeps."""
+    one to `admit(src, stream, conn)`. See the module docstring for the bounds it keeps."""
 
-    def __init__(self, host: str, key: bytes, me: int, size: int, streams: int,
-                 admit: Callable[[int, int, socket.socket], None]) -> None:
-        self.key, self.me, self.size, self.streams, self.admit = key, me, size, streams, admit
+    def __init__(self, host: str, tls: GroupTLS | None, me: int, size: int, streams: int,
+                 admit: Callable[[int, int, Conn], None]) -> None:
+        self.tls, self.me, self.size, self.streams, self.admit = tls, me, size, streams, admit
         self.sock = socket.create_server((host, 0), backlog=BACKLOG)
         self.sock.setblocking(False)
         self.address = self.sock.getsockname()[:2]
         self.pending: OrderedDict[socket.socket, _Pending] = OrderedDict()  # all of them, oldest first
         self.unproven: dict[str, OrderedDict[socket.socket, None]] = {}  # per source address, oldest first
-        self.proven: dict[tuple[int, int], socket.socket] = {}  # (src, stream) -> its pending connection
-        self.seen: OrderedDict[bytes, None] = OrderedDict()  # MACs of the hellos verified (replays refused)
         self.selector = selectors.DefaultSelector()
         self.selector.register(self.sock, selectors.EVENT_READ)
         self.closed = False
@@ -283,7 +314,7 @@ class _Acceptor:
             source = peer[0]
             self._evict(to_evict(self._counts(), source))
             conn.setblocking(False)
-            self.pending[conn] = _Pending(time.monotonic() + HELLO_DEADLINE_S, source)
+            self.pending[conn] = _Pending(time.monotonic() + HELLO_DEADLINE_S, source, self.tls is not None)
             self.unproven.setdefault(source, OrderedDict())[conn] = None
             self.selector.register(conn, selectors.EVENT_READ)
 
@@ -291,62 +322,86 @@ class _Acceptor:
         return {source: len(conns) for source, conns in self.unproven.items()}
 
     def _evict(self, source: str | None) -> None:
+        """The oldest of `source`'s connections that never sent a byte, else its oldest: a peer in
+        the middle of its TLS handshake outlives the empty connections of a flood from its host."""
         if source is not None:
-            self._close(next(iter(self.unproven[source])))
+            conns = self.unproven[source]
+            self._close(next((c for c in conns if not self.pending[c].spoke), next(iter(conns))))
 
     def _read(self, conn: socket.socket) -> None:
+        """What `conn` sent: TLS records for its handshake, then its hello; a complete valid hello is
+        answered with ADMIT and the connection handed over. Any failure closes it."""
         p = self.pending[conn]
-        need = (HELLO.size if not p.hello else CONFIRM) - len(p.data)
         try:
-            chunk = conn.recv(need)
-        except BlockingIOError:
-            return
-        except OSError:
-            chunk = b""
-        p.data += chunk
-        if not chunk:
-            self._close(conn)
-        elif len(p.data) == (HELLO.size if not p.hello else CONFIRM):
-            self._step(conn, p)
-
-    def _step(self, conn: socket.socket, p: _Pending) -> None:
-        """A complete hello (answer it) or confirm (admit the connection); anything else closes it."""
-        if not p.hello:
-            who = check_hello(self.key, p.data, self.me, self.size, self.streams)
-            if who is None or p.data[-32:] in self.seen:  # a replayed hello proves nothing
+            chunk = conn.recv(HELLO.size - len(p.data) if self.tls is None else HANDSHAKE_READ)
+            if not chunk:
                 return self._close(conn)
-            self._prove(conn, p, who)
-            try:
-                conn.send(p.nonce + answer_tag(self.key, p.hello, p.nonce))  # 48 bytes: fits a fresh socket
-            except OSError:
-                self._close(conn)
-            return
-        if not hmac.compare_digest(p.data, confirm_tag(self.key, p.hello, p.nonce)):
+            p.spoke = True
+            if self.tls is None:
+                p.data += chunk
+            else:
+                if p.tls is None:  # its first bytes: no engine is made for what is no TLS handshake
+                    if chunk[0] != TLS_HANDSHAKE:
+                        return self._close(conn)
+                    p.tls = self.tls.server.wrap_bio(p.incoming, p.outgoing, server_side=True)
+                p.incoming.write(chunk)
+                if not p.shaken:
+                    try:
+                        p.tls.do_handshake()
+                        p.shaken = p.tls.getpeercert(binary_form=True) == self.tls.cert
+                        if not p.shaken:
+                            return self._close(conn)
+                    except ssl.SSLWantReadError:
+                        pass
+                    self._flush(conn, p)
+                while p.shaken and len(p.data) < HELLO.size:
+                    p.data += p.tls.read(HELLO.size - len(p.data))
+        except ssl.SSLWantReadError:
+            return None
+        except BlockingIOError:
+            return None
+        except ssl.SSLError:  # another secret, not TLS, a broken record: the alert goes out if it fits
+            with contextlib.suppress(OSError):
+                conn.send(p.outgoing.read())
+            return self._close(conn)
+        except OSError:
+            return self._close(conn)
+        if len(p.data) == HELLO.size:
+            self._hello(conn, p)
+        return None
+
+    def _flush(self, conn: socket.socket, p: _Pending) -> None:
+        """The TLS engine's output, sent without blocking: a handshake flight (~1 kB) or ADMIT fits
+        the fresh socket's buffer, so a partial send means a peer that does not read: refused."""
+        data = p.outgoing.read()
+        if data and conn.send(data) != len(data):
+            raise OSError("the peer does not read its handshake")
+
+    def _hello(self, conn: socket.socket, p: _Pending) -> None:
+        """A complete hello: admit the connection to its (src, stream) slot, or close it."""
+        who = check_hello(p.data, self.me, self.size, self.streams)
+        if who is None:
+            return self._close(conn)
+        admit = ADMIT.pack(MAGIC, self.me)
+        try:
+            if p.tls is None:
+                conn.send(admit)  # 8 bytes: fits a fresh socket
+            else:
+                p.tls.write(admit)
+                self._flush(conn, p)
+        except OSError:
             return self._close(conn)
         self.selector.unregister(conn)
         del self.pending[conn]
-        del self.proven[p.who]
-        try:
-            conn.send(admit_tag(self.key, p.hello, p.nonce))  # 32 bytes, the first the socket sends after 48
-        except OSError:
-            conn.close()
-            return
+        self._forget(p.source, conn)
         conn.setblocking(True)
-        self.admit(*p.who, conn)
+        self.admit(*who, conn if p.tls is None else TLSChannel(conn, p.tls, p.incoming, p.outgoing))
+        return None
 
-    def _prove(self, conn: socket.socket, p: _Pending, who: tuple[int, int]) -> None:
-        """`conn` sent a fresh hello under the key: no unproven one may evict it any more. One per
-        (src, stream): an earlier one for the same slot is from an attempt its dialer gave up on."""
-        self.seen[p.data[-32:]] = None
-        if len(self.seen) > SEEN_HELLOS:
-            self.seen.popitem(last=False)
-        del self.unproven[p.source][conn]
-        if not self.unproven[p.source]:
-            del self.unproven[p.source]
-        p.hello, p.who, p.nonce, p.data = p.data, who, secrets.token_bytes(16), b""
-        if who in self.proven:
-            self._close(self.proven[who])
-        self.proven[who] = conn
+    def _forget(self, source: str, conn: socket.socket) -> None:
+        del self.unproven[source][conn]
+        if not self.unproven[source]:
+            del self.unproven[source]
 
     def _expire(self, now: float) -> None:
         while self.pending:
@@ -359,12 +414,7 @@ class _Acceptor:
         p = self.pending.pop(conn, None)
         if p is not None:
             self._count_refusal(p.source)
-            if p.hello and self.proven.get(p.who) is conn:
-                del self.proven[p.who]
-            elif not p.hello:
-                del self.unproven[p.source][conn]
-                if not self.unproven[p.source]:
-                    del self.unproven[p.source]
+            self._forget(p.source, conn)
         try:
             self.selector.unregister(conn)
         except (KeyError, ValueError):
@@ -395,40 +445,55 @@ class _Acceptor:
         self.sock.close()
 
 
-def dial(address: tuple[str, int], key: bytes, me: int, dst: int, stream: int, streams: int,
-         admit_s: float = HELLO_DEADLINE_S) -> socket.socket:
-    """One authenticated connection to `dst` (the dialer's side of the handshake), returned once the
-    acceptor said it admitted it; raises OSError or TransportError when it fails (`Transport._dial`
-    then dials again). Each step waits HELLO_DEADLINE_S at most, ADMIT `admit_s`: an acceptor that
-    drops a connection closes it, which ends the wait at once, so a longer wait only spares a
-    connection the acceptor took but answered late (given up, it would leave the acceptor holding
-    a socket its dialer closed)."""
+def dial(address: tuple[str, int], tls: GroupTLS | None, me: int, dst: int, stream: int, streams: int,
+         admit_s: float = HELLO_DEADLINE_S) -> Conn:
+    """One authenticated connection to `dst` (the dialer's side), returned once the acceptor said it
+    admitted it; raises OSError (ssl.SSLError included) or TransportError when it fails
+    (`Transport._dial` then dials again). The TLS handshake and the hello wait HELLO_DEADLINE_S at
+    most, ADMIT `admit_s`: an acceptor that drops a connection closes it, which ends the wait at
+    once, so a longer wait only spares a connection the acceptor took but answered late."""
     sock = socket.create_connection(address, timeout=HELLO_DEADLINE_S)
     try:
-        hello = make_hello(key, me, dst, stream, streams, secrets.token_bytes(16))
-        sock.sendall(hello)
-        answer = _read_exact(sock, ANSWER)
-        nonce, tag = answer[:16], answer[16:]
-        if not hmac.compare_digest(tag, answer_tag(key, hello, nonce)):
-            raise TransportError(f"site {dst} answered the handshake without the shared secret")
-        sock.sendall(confirm_tag(key, hello, nonce))
-        sock.settimeout(max(admit_s, HELLO_DEADLINE_S))
-        if not hmac.compare_digest(_read_exact(sock, ADMIT), admit_tag(key, hello, nonce)):
-            raise TransportError(f"site {dst} admitted the connection without the shared secret")
-        sock.settimeout(None)
-        return sock
+        conn: Conn = sock
+        if tls is not None:
+            conn = _client_handshake(sock, tls, dst)
+        conn.sendall(make_hello(me, dst, stream, streams))
+        conn.settimeout(max(admit_s, HELLO_DEADLINE_S))
+        if _read_exact(conn, ADMIT.size) != ADMIT.pack(MAGIC, dst):
+            raise TransportError(f"site {dst} answered the hello with something else than its admission")
+        conn.settimeout(None)
+        return conn
     except BaseException:
         sock.close()
         raise
 
 
-def _read_exact(sock: socket.socket, n: int) -> bytes:
+def _client_handshake(sock: socket.socket, tls: GroupTLS, dst: int) -> TLSChannel:
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    engine = tls.client.wrap_bio(incoming, outgoing, server_side=False)
+    while True:
+        try:
+            engine.do_handshake()
+            break
+        except ssl.SSLWantReadError:
+            if data := outgoing.read():
+                sock.sendall(data)
+            if not (data := sock.recv(HANDSHAKE_READ)):
+                raise TransportError("closed by the peer") from None
+            incoming.write(data)
+    sock.sendall(outgoing.read())
+    if engine.getpeercert(binary_form=True) != tls.cert:
+        raise TransportError(f"site {dst} presented another certificate than the group's")
+    return TLSChannel(sock, engine, incoming, outgoing)
+
+
+def _read_exact(sock: Conn, n: int) -> bytes:
     buf = bytearray(n)
     _recv_into(sock, memoryview(buf))
     return bytes(buf)
 
 
-def _recv_into(sock: socket.socket, view: memoryview) -> None:
+def _recv_into(sock: Conn, view: memoryview) -> None:
     got = 0
     while got < len(view):
         n = sock.recv_into(view[got:])
@@ -450,7 +515,7 @@ class _Peer:
     connection, receives matched FIFO per tag (each stream carries slice k of every message, in
     send order, so the n-th header of a tag on any stream belongs to the n-th message of that tag)."""
 
-    def __init__(self, rank: int, socks: list[socket.socket]) -> None:
+    def __init__(self, rank: int, socks: list[Conn]) -> None:
         self.rank, self.socks, self.streams = rank, socks, len(socks)
         self.outbox: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in socks]
         self.posted: dict[int, dict[int, _Recv]] = {}  # tag -> sequence number -> receive
@@ -513,7 +578,9 @@ class _Peer:
                 r.work.part_done()
                 r = None
         except (OSError, TransportError) as e:
-            error = TransportError(f"connection to site {self.rank}: {e}")
+            error = TransportError(f"connection to site {self.rank}: " + (
+                f"a TLS record failed authentication ({e.reason}): altered, replayed, cut or injected on the "
+                "way (an on-path attacker or a corrupting link)" if isinstance(e, ssl.SSLError) else str(e)))
             self.fail(error)
             if r is not None:  # claimed by this stream, so no longer among the posted ones `fail` ends
                 r.work.fail(self.error or error)  # the first error, which `fail` just kept
@@ -588,20 +655,21 @@ class Transport:
         self.rank, self.size, self.timeout_s = rank, size, timeout_s
         self.want, self.probe_s = streams, probe_s  # what the config asked for; the probe's longest transfer
         self.streams = dial_streams(streams, probe_s)  # connections dialed per peer (those kept: `links`)
-        self.key = group_key(subkey, prefix)
+        # sites.insecure (no subkey): plain TCP, with the same bounds; else TLS 1.3 under the group's key
+        self.tls = group_tls(group_key(subkey, prefix)) if subkey else None
         self.links: dict[int, LinkProbe] = {}  # peer -> what the probe at `connect` measured
         self.peers: dict[int, _Peer] = {}
-        self.accepted: dict[int, dict[int, socket.socket]] = {}
+        self.accepted: dict[int, dict[int, Conn]] = {}
         self.cond = threading.Condition()
         # The acceptor holds this object weakly, so a group nobody uses any more is collected and its
         # sockets and threads end (as a c10d group's are when it is dropped, e.g. an old generation's).
         admit = weakref.WeakMethod(self._admit)
-        self.acceptor = _Acceptor(host or listen_host(), self.key, rank, size, self.streams,
+        self.acceptor = _Acceptor(host or listen_host(), self.tls, rank, size, self.streams,
                                   lambda *a: (admit() or _refuse)(*a))
         self.address = "{}:{}".format(*self.acceptor.address)
         self.close = weakref.finalize(self, _close_all, self.acceptor, self.peers, self.accepted)
 
-    def _admit(self, src: int, stream: int, sock: socket.socket) -> None:
+    def _admit(self, src: int, stream: int, sock: Conn) -> None:
         with self.cond:
             if src in self.peers:  # the group formed already
                 sock.close()
@@ -616,7 +684,7 @@ class Transport:
         """Dial every lower rank (`streams` connections each) and wait for every higher one to dial us;
         raises PeerTimeout naming the sites still missing after `timeout_s`."""
         deadline = time.monotonic() + self.timeout_s
-        socks: dict[int, list[socket.socket]] = {}
+        socks: dict[int, list[Conn]] = {}
         try:
             for dst in range(self.rank):
                 host, port = addresses[dst].rsplit(":", 1)
@@ -649,9 +717,9 @@ class Transport:
         return (f"connecting the group under a connection flood: this listener refused {self.acceptor.refusals()}, "
                 f"and {waited}")
 
-    def _measure(self, socks: dict[int, list[socket.socket]]) -> None:
+    def _measure(self, socks: dict[int, list[Conn]]) -> None:
         """Probe every peer's link at once (comm/link.py `probe`: the higher rank initiates, on every
-        dialed stream, authenticated with the group's key) and keep the streams it chose; the rest
+        dialed stream, inside its TLS session) and keep the streams it chose; the rest
         are closed. Without a probe (probe_s 0) every dialed stream is kept."""
         if self.probe_s <= 0 or not socks:
             return
@@ -659,11 +727,11 @@ class Transport:
         errors: dict[int, BaseException] = {}
         limit = min(self.timeout_s, PROBE_LIMIT_S + 2 * self.probe_s)  # each blocking step of the probe
 
-        def one(peer: int, conns: list[socket.socket]) -> None:
+        def one(peer: int, conns: list[Conn]) -> None:
             try:
                 for sock in conns:
                     sock.settimeout(limit)
-                results[peer] = probe(conns, self.key, self.rank > peer, cap_s=self.probe_s,
+                results[peer] = probe(conns, self.rank > peer, cap_s=self.probe_s,
                                       choose=lambda r: choose_streams(self.want, r))
                 for sock in conns:
                     sock.settimeout(None)
@@ -687,13 +755,13 @@ class Transport:
                 sock.close()
             del socks[peer][result.chosen:]
 
-    def _dial(self, address: tuple[str, int], dst: int, stream: int, deadline: float) -> socket.socket:
+    def _dial(self, address: tuple[str, int], dst: int, stream: int, deadline: float) -> Conn:
         """Dialed again until the deadline whenever a handshake fails or is not admitted (no ADMIT: the
         listener dropped it, e.g. at its deadline or restarting), so the acceptor never waits on a
         connection its dialer thinks is up."""
         while True:
             try:
-                return dial(address, self.key, self.rank, dst, stream, self.streams, deadline - time.monotonic())
+                return dial(address, self.tls, self.rank, dst, stream, self.streams, deadline - time.monotonic())
             except (OSError, TransportError) as e:
                 if time.monotonic() > deadline:
                     raise PeerTimeout(f"connecting the group: site {dst} at {address[0]}:{address[1]} refused or "
@@ -738,7 +806,7 @@ class Transport:
 
 
 
-def _close_all(acceptor: _Acceptor, peers: dict[int, _Peer], accepted: dict[int, dict[int, socket.socket]]) -> None:
+def _close_all(acceptor: _Acceptor, peers: dict[int, _Peer], accepted: dict[int, dict[int, Conn]]) -> None:
     """`Transport.close`, also run when the transport is collected: no socket or thread outlives it."""
     acceptor.close()
     for peer in list(peers.values()):
@@ -748,7 +816,7 @@ def _close_all(acceptor: _Acceptor, peers: dict[int, _Peer], accepted: dict[int,
             sock.close()
 
 
-def _refuse(src: int, stream: int, sock: socket.socket) -> None:
+def _refuse(src: int, stream: int, sock: Conn) -> None:
     sock.close()
 
 

@@ -114,6 +114,7 @@ class WireAuth:
     whose admission has not run yet, which refuses to seal or open anything (`for_session`)."""
 
     key: bytes | None = None  # from the secret and the run name (scrypt, once per process)
+    tags: bool = True  # False: the group's channel authenticates every byte itself (TLS, comm/transport.py)
     session: bytes | None = None  # K_s: this group's key in this incarnation
     guard: SealGuard = field(default_factory=SealGuard, compare=False, repr=False)
 
@@ -125,15 +126,20 @@ class WireAuth:
     def for_session(self, context: bytes, nonces: Mapping[int, bytes]) -> WireAuth:
         """This auth keyed for one admitted group: K_s from every member's admission nonce. Called
         once per admission (the nonces are write-once per prefix), so one guard sees every seal."""
-        if not self.key:
+        if not self.sealing:
             return self
         members = [nonces[s] for s in sorted(nonces)]
         session = hmac.digest(self.mac_key, frame(SESSION_LABEL, context, *members), "sha256")
         return replace(self, session=session, guard=SealGuard())
 
     @property
+    def sealing(self) -> bool:
+        """Messages carry tags: a secret, and a channel that does not authenticate them (nccl)."""
+        return bool(self.key) and self.tags
+
+    @property
     def tag_bytes(self) -> int:
-        return TAG_BYTES if self.key else 0
+        return TAG_BYTES if self.sealing else 0
 
     def subkey(self, purpose: str) -> bytes | None:
         """An independent key for another use of the same secret (e.g. store values)."""
@@ -158,21 +164,21 @@ class WireAuth:
         return torch.frombuffer(bytearray(tag), dtype=torch.uint8)
 
     def seal(self, buf: torch.Tensor, context: bytes, fields: tuple[object, ...]) -> torch.Tensor:
-        """`buf` (uint8) followed by its tag; `buf` itself when there is no key."""
-        if not self.key:
+        """`buf` (uint8) followed by its tag; `buf` itself when nothing is sealed."""
+        if not self.sealing:
             return buf
         return torch.cat([buf, self._seal_tag(context, fields, buf)])
 
     def seal_tail(self, buf: torch.Tensor, context: bytes, fields: tuple[object, ...]) -> torch.Tensor:
         """`seal` without the copy: `buf` ends with `tag_bytes` spare bytes, which receive the tag."""
-        if self.key:
+        if self.sealing:
             body = buf[: buf.numel() - TAG_BYTES]
             buf[body.numel() :] = self._seal_tag(context, fields, body)
         return buf
 
     def open(self, buf: torch.Tensor, context: bytes, fields: tuple[object, ...]) -> torch.Tensor:
         """The payload of a sealed message; raises WireAuthError unless its tag verifies."""
-        if not self.key:
+        if not self.sealing:
             return buf
         body, tag = buf[:-TAG_BYTES], bytes(buf[-TAG_BYTES:].numpy())
         if buf.numel() < TAG_BYTES or not hmac.compare_digest(self.tag(context, fields, body), tag):

@@ -98,8 +98,9 @@ def resolve_secret(config_value: str | None, insecure: bool = False, site_count:
         )
     if not _warned:
         _warned.append(True)
-        log.warning("sites.insecure = true: cross-site messages are NOT authenticated; anyone who can reach the "
-                    "store or the sites' ports can join the run or forge its messages")
+        log.warning("sites.insecure = true: cross-site messages are NOT authenticated nor encrypted; anyone who can "
+                    "reach the store or the sites' ports can join the run or forge its messages, and anyone on "
+                    "the path reads the model")
     return None
 
 

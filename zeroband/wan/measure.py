@@ -203,7 +203,7 @@ def measure_loss(sites: Sites, src: int, dst: int, count: int = 2000, interval_s
 
 def measure_link(sites: Sites, src: int, dst: int, streams: int = 1, seconds: float = 2.0, port: int = 5204) -> dict[str, Any]:
     """zeroband.comm.link's probe from `src` (it sends) to `dst` on `streams` connections: its JSON
-    (LinkProbe fields and its `link` record). The probe's key comes from ZB_LINK_KEY, if set."""
+    (LinkProbe fields and its `link` record)."""
     def cmd(role: str) -> list[str]:
         return [sys.executable, "-m", "zeroband.comm.link", role, sites.site_ip(dst), str(port),
                 "--streams", str(streams), "--seconds", str(seconds)]

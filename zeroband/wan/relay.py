@@ -7,6 +7,8 @@ in the test's own process: a client connects to `address`; the relay connects to
 each chunk read in either direction `delay_s` after it was read, in order; an end of stream is
 forwarded the same way (half close). A round trip through it is therefore 2 x delay_s plus loopback.
 Two threads per direction per connection: for the few connections of a peer, not for floods.
+`tap(src, chunk)`, when given, sees every chunk read, with the socket it came from (a capture), and
+what it returns, unless None, is forwarded in the chunk's place (an attacker on the path).
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ CHUNK = 1 << 16
 
 class DelayRelay:
     def __init__(self, target: tuple[str, int], delay_s: float, source: str = "127.0.0.1",
-                 host: str = "127.0.0.1") -> None:
-        self.target, self.delay_s, self.source = target, delay_s, source
+                 host: str = "127.0.0.1", tap: Callable[[socket.socket, bytes], bytes | None] | None = None) -> None:
+        self.target, self.delay_s, self.source, self.tap = target, delay_s, source, tap
         self.sock = socket.create_server((host, 0))
         self.address: tuple[str, int] = self.sock.getsockname()[:2]
         self.socks: list[socket.socket] = []
@@ -59,6 +61,10 @@ class DelayRelay:
                 data = src.recv(CHUNK)
             except OSError:
                 data = b""
+            if self.tap is not None and (other := self.tap(src, data)) is not None:
+                if data and not other:  # a chunk dropped: nothing to forward (an empty one ends the stream)
+                    continue
+                data = other
             held.put((time.monotonic() + self.delay_s, data))
             if not data:
                 return
