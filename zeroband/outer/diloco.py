@@ -65,6 +65,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from zeroband.comm import codecs
 from zeroband.comm.direct import Arena, flat_base
 from zeroband.comm.group import GlobalGroup, checksum_table, digest48
 from zeroband.comm.reduce import ReduceResult, SiteStats, describe_exclusions, reduce_across_sites
@@ -212,7 +213,9 @@ class DiLoCo:
         self.spare: torch.Tensor | None = None
         self.applied_sumsq = 0.0  # sum of squares of the last average applied (this rank's shard)
         self.outer_step = 0
-        self.error_feedback: dict[int, torch.Tensor] | None = {} if cfg.error_feedback else None
+        # what the wire format lost, carried into the next outer step (always, for a codec that says so)
+        feedback = cfg.error_feedback or codecs.spec(cfg.comm_dtype).feedback == "always"
+        self.error_feedback: dict[int, torch.Tensor] | None = {} if feedback else None
         self.overlap = Overlap(cfg, self.local, self.copy, self.optimizer)  # its state: the average in flight
         self.clock = RoundClock(cfg, tokens_per_step)
         self.boundary_step = 0  # inner steps done at the current boundary
@@ -397,7 +400,7 @@ class DiLoCo:
         """The equal-shape reduce of `grads` on `group`, on a helper thread the group watches."""
         return group.watched(partial(reduce_across_sites, grads, stats, group, self.cfg.comm_dtype,
                                      int(self.cfg.piece_mb * 2**20), feedback, self.cfg.outlier_factor,
-                                     weight_by_tokens=self.cfg.round_seconds > 0, arena=arena), what)
+                                     weight_by_tokens=self.cfg.round_seconds > 0, arena=arena, settings=self.cfg), what)
 
     def _retry_copy(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """A copy of `grads` for one attempt to consume: a retried attempt starts again from the originals.
