@@ -46,3 +46,10 @@ def test_unknown_codec_is_one_line_naming_the_key_the_choices_and_the_fix():
     assert len(line) == 1 and "diloco.comm_dtype" in line[0] and "int3" in line[0]
     assert all(name in line[0] for name in codec_names()) and "Fix: --diloco.comm_dtype" in line[0]
     assert DilocoConfig(comm_dtype="int4").comm_dtype == "int4"
+
+
+def test_data_parallel_refuses_a_codec_that_needs_error_feedback():
+    from zeroband.outer.data_parallel import CrossSiteDataParallel
+
+    with pytest.raises(ValueError, match="needs error feedback"):
+        CrossSiteDataParallel(torch.nn.Linear(1, 1), DilocoConfig(comm_dtype="sparse", mode="data_parallel"), None, None)  # type: ignore[arg-type]

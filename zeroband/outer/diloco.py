@@ -214,8 +214,12 @@ class DiLoCo:
         self.applied_sumsq = 0.0  # sum of squares of the last average applied (this rank's shard)
         self.outer_step = 0
         # what the wire format lost, carried into the next outer step (always, for a codec that says so)
-        feedback = cfg.error_feedback or codecs.spec(cfg.comm_dtype).feedback == "always"
+        spec = codecs.spec(cfg.comm_dtype)
+        feedback = cfg.error_feedback or spec.feedback == "always"
         self.error_feedback: dict[int, torch.Tensor] | None = {} if feedback else None
+        # A gathered codec's residual is folded into the pseudo-gradient before the site measures it, so
+        # what it declares covers what it sends (comm/gather.py); a direct one's is added in the exchange.
+        self.fold = feedback and spec.exchange == "gather"
         self.overlap = Overlap(cfg, self.local, self.copy, self.optimizer)  # its state: the average in flight
         self.clock = RoundClock(cfg, tokens_per_step)
         self.boundary_step = 0  # inner steps done at the current boundary
@@ -343,15 +347,30 @@ class DiLoCo:
             return [], SiteStats(0.0, 0.0, abstain=True)
         if grads is None:
             return [torch.zeros_like(o) for o in self.outer], SiteStats(0.0, 0.0, abstain=True)
-        mine = self._retry_copy(grads) if self.membership.may_retry else grads
+        mine = self._folded(self._retry_copy(grads) if self.membership.may_retry else grads)
+        with self.parts("stats"):  # (a folded residual changed them: measured again)
+            return mine, site_stats(mine, self.topology, tokens, local=None if self.fold else self.copy.stats_of(grads))
+
+    def _folded(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """`grads` + the residual the last exchange left, in place, where the codec folds it here (`fold`)."""
+        if not self.fold or not self.error_feedback and self.lanes is None:
+            return grads
         with self.parts("stats"):
-            return mine, site_stats(mine, self.topology, tokens, local=self.copy.stats_of(grads))
+            if self.lanes is not None:
+                self.lanes.fold(grads)
+            else:
+                assert self.error_feedback is not None  # fold implies feedback
+                for i, g in enumerate(grads):
+                    if i in self.error_feedback:
+                        g.add_(self.error_feedback[i].view_as(g))
+        return grads
 
     def _launch(self, landed: InFlight | None, waited: float, t0: float) -> OuterStats | None:
         """The overlapped boundary: this round's average starts in the background (zeroband/outer/overlap.py);
         the statistics are those of the average that landed (none at the first boundary)."""
-        grads = self.pseudo_gradient()
-        stats = site_stats(grads, self.topology, self.clock.take_tokens(), local=self.copy.stats_of(grads))
+        grads = self._folded(self.pseudo_gradient())
+        stats = site_stats(grads, self.topology, self.clock.take_tokens(),
+                           local=None if self.fold else self.copy.stats_of(grads))
         self.overlap.launch(grads, stats, self.group.size, self.reduce, self.boundary_step)
         if landed is None:
             return None
