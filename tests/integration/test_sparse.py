@@ -8,8 +8,15 @@ from datetime import timedelta
 
 import torch
 
-from tests.helpers import _train, _train_expecting_fault, diloco_tree, final_params
-from tests.multiproc import free_port, run_sites
+from tests.helpers import (
+    _train,
+    _train_expecting_fault,
+    diloco_tree,
+    elastic_tree,
+    final_params,
+    outer_records,
+)
+from tests.multiproc import Died, free_port, run_sites
 from zeroband.comm.codecs.sparse import SparseCodec
 
 SHAPES = [(300, 41), (7,), (5000,)]  # a short last chunk, a tiny tensor, two pieces at 32 KB pieces
@@ -86,3 +93,27 @@ def test_sparse_sites_identical_every_outer_step_and_resume_exact(corpus, tmp_pa
         assert resumed[(site, 0)]["losses"] == reference[(site, 0)]["losses"][4:]
     a, b = final_params(cut, 0, 8), final_params(tree("full"), 0, 8)
     assert all(torch.equal(a[k], b[k]) for k in a)  # the residual came back from the checkpoint
+
+
+def test_elastic_sparse_retry_after_a_kill_mid_exchange_keeps_survivors_identical(corpus, tmp_path, store_address):
+    """A site dies in the all-reduce: the round is retried among the survivors (each folds its residual
+    into a fresh copy of its pseudo-gradient again), every round commits once, and they end identical."""
+    tree = elastic_tree(corpus, tmp_path, store_address, steps=8, comm_dtype="sparse")
+    out = run_sites(_train, 3, 1, (tree,), faults="site1:step6:allreduce:kill", allow_death=True, timeout=110)
+    assert isinstance(out[(1, 0)], Died)
+    records = outer_records(tmp_path, 0)
+    assert [r["step"] for r in records] == [2, 4, 6, 8] and {r["step"]: r["sites_used"] for r in records}[6] == 2
+    a, b = final_params(tree, 0, 8), final_params(tree, 2, 8)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_sites_of_different_shapes_fold_each_lanes_residual_and_stay_identical(corpus, tmp_path):
+    """Ranks 2, 1, 1: the exchange runs per lane (zeroband/outer/lanes.py), each lane with its own
+    residual; every outer step leaves the same keyed digest on every site."""
+    from tests.integration.test_shapes import outer_crcs
+
+    tree = diloco_tree(corpus, tmp_path, train={"steps": 6, "global_batch": 4, "micro_batch": 2},
+                       diloco={"log_checksum": True, "comm_dtype": "sparse"})
+    run_sites(_train, 3, [2, 1, 1], (tree,), timeout=110)
+    crcs = [outer_crcs(tree, s) for s in range(3)]
+    assert [step for step, _ in crcs[0]] == [2, 4, 6] and crcs[0] == crcs[1] == crcs[2]

@@ -217,6 +217,7 @@ class DiLoCo:
         spec = codecs.spec(cfg.comm_dtype)
         feedback = cfg.error_feedback or spec.feedback == "always"
         self.error_feedback: dict[int, torch.Tensor] | None = {} if feedback else None
+        self.attempt_feedback: dict[int, torch.Tensor] | None = None  # a retried round's residual until it commits
         # A gathered codec's residual is folded into the pseudo-gradient before the site measures it, so
         # what it declares covers what it sends (comm/gather.py); a direct one's is added in the exchange.
         self.fold = feedback and spec.exchange == "gather"
@@ -316,11 +317,14 @@ class DiLoCo:
             result, t2 = None, time.perf_counter()
             mine, stats = self.contribution(grads if attempt.contributes else None, tokens, attempt.averages)
             preparing += time.perf_counter() - t2
+            self.attempt_feedback = None
             with attempt:  # where a round may retry, a failure in here fails this attempt only
                 group = attempt.group()  # elastic: formed now, the run's state handed to members lacking it
                 result = self.reduce(mine, stats, group) if attempt.averages else None
             if not attempt.commit():
                 continue
+            if self.attempt_feedback is not None:
+                self.error_feedback, self.attempt_feedback = self.attempt_feedback, None
             comm_s = waited + time.perf_counter() - t1 - preparing
             if not attempt.averages:  # the round handed the run's state over: the local shard takes it
                 with self.parts("h2d"):
@@ -402,7 +406,10 @@ class DiLoCo:
         if self.cfg.log_checksum and not stats.abstain:  # compared across sites by the reduce itself
             stats = replace(stats, crc=float(self.digest48(group)))
         arena, self.arena, self.last_reduce = self.arena, Arena(), None
-        result = self._exchange(grads, stats, group, self.error_feedback, arena, "outer all-reduce")
+        feedback = self.error_feedback
+        if feedback is not None and self.membership.may_retry:  # the residual of an attempt that commits (`sync`)
+            feedback = self.attempt_feedback = dict(feedback)  # (an exchange replaces entries, never writes into them)
+        result = self._exchange(grads, stats, group, feedback, arena, "outer all-reduce")
         self.arena, self.last_reduce = arena, result
         if self.membership.may_retry:
             self.spare = flat_base(grads)  # the `_retry_copy` vector (None for an abstainer's zeros)
