@@ -53,3 +53,11 @@ def test_data_parallel_refuses_a_codec_that_needs_error_feedback():
 
     with pytest.raises(ValueError, match="needs error feedback"):
         CrossSiteDataParallel(torch.nn.Linear(1, 1), DilocoConfig(comm_dtype="sparse", mode="data_parallel"), None, None)  # type: ignore[arg-type]
+
+
+def test_plan_asks_the_sparse_codec_at_the_configured_density():
+    from dataclasses import replace
+
+    p = PlanInput(4096 * 1000, 1.0, 3, 1.0, 50.0, 100, "sparse")
+    assert predict(p).payload_bytes == 148 * 1000 and predict(p).wire_bytes == 2 * 148 * 1000
+    assert predict(replace(p, density=0.05)).payload_bytes == (4 + 52 + 3 * 103) * 1000  # k = 205 of 4096

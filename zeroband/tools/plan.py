@@ -399,7 +399,8 @@ def input_from_args(args: argparse.Namespace) -> PlanInput:
     params = float(args.params) if args.params is not None else float(params_of_preset(args.preset))
     step = 1.0 if args.step_time is None else args.step_time
     return PlanInput(params, step, args.sites, args.gbps, args.latency_ms, args.inner_steps, args.dtype,
-                     args.overlap, not args.no_tcp_ramp, args.mtu, **link_args(args))
+                     args.overlap, not args.no_tcp_ramp, args.mtu, **link_args(args),
+                     density=getattr(args, "density", _DILOCO["density"].default))
 
 
 def link_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -634,6 +635,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--latency-ms", type=float, default=50.0, help="one-way latency between sites")
     p.add_argument("--inner-steps", type=int, default=500, help="H")
     p.add_argument("--dtype", default="fp16", choices=sorted(DTYPE_BYTES))
+    p.add_argument("--density", type=float, default=_DILOCO["density"].default,
+                   help="diloco.density: the fraction of values the sparse codec sends")
     p.add_argument("--overlap", action="store_true", help="overlapped outer step")
     p.add_argument("--no-tcp-ramp", action="store_true",
                    help="leave TCP slow start out of the model: the sites set net.ipv4.tcp_slow_start_after_idle=0 or "
