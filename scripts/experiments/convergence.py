@@ -633,6 +633,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--rows", default="", help="comma-separated row names to keep (default: all)")
     p.add_argument("--seeds", type=int, default=None, help="keep the seeds below this (default: the scale's)")
+    p.add_argument("--cached-only", action="store_true",
+                   help="report the runs already in the run cache, run nothing (a sweep cut short)")
     args = p.parse_args(argv)
     args.out = output_dir(args.out, "convergence", args.quick)
     scale = QUICK if args.quick else GPU if args.gpu else OUTER if args.phase == "outer" else FULL
@@ -658,7 +660,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.phase == "tune":  # hash < 0.02 was removed, so this holds out the band [0.02, 0.04)
         base["data"]["val_fraction"] = 0.04
     run_key = hashlib.sha1(json.dumps([base, asdict(scale)], sort_keys=True).encode()).hexdigest()[:10]
-    results = run_all(specs, base, args.cache / f"runs-{run_key}", args.workers)
+    cache = args.cache / f"runs-{run_key}"
+    if args.cached_only:
+        specs = [s for s in specs if (cache / f"{s.key()}.json").is_file()]
+        print(f"{len(specs)} runs in the cache, reported as they are", flush=True)
+    results = run_all(specs, base, cache, args.workers)
     args.out.mkdir(parents=True, exist_ok=True)
     shown = ["scripts/experiments/convergence.py", *argv]
     if args.phase == "tune":
