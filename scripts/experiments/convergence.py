@@ -526,7 +526,7 @@ def write_report(results: list[dict[str, Any]], scale: Scale, out: Path, argv: l
 
 
 def codec_report(results: list[dict[str, Any]], scale: Scale, out: Path, argv: list[str], wall_s: float,
-                 commit: str) -> None:
+                 commit: str, note: str = "") -> None:
     """sparse.md / sparse.json: each wire format against fp16, with one site and data parallel taken from
     the report's own rows (convergence.json, the same scale and seeds) for the gap-closed column."""
     rows = by_row(results)
@@ -541,7 +541,7 @@ def codec_report(results: list[dict[str, Any]], scale: Scale, out: Path, argv: l
                         f"({'within' if m <= fp16 * 1.01 else 'NOT within'} 1%); payload {per_param:.4f} bytes per "
                         f"parameter per outer step; per seed {', '.join(format(r['val_loss'], '.4f') for r in rs)}")
     lines = [*report_head("Wire formats: fp16 vs int4 with error feedback vs sparse (SparseLoCo) DiLoCo",
-                         ["nice", "-n", "19", "python", *argv], commit, wall_s),
+                         ["nice", "-n", "19", "python", *argv], commit, wall_s), *([note, ""] if note else []),
              f"k = {scale.sites} sites, the report's many-outer-steps regime (H = {regimes(scale)['many']}), "
              f"mean ± std over seeds {sorted({r['seed'] for r in results})}, every row kept. One site "
              f"({single:.4f}) and data parallel ({dp:.4f}) for the gap-closed column are the report's rows "
@@ -661,9 +661,12 @@ def main(argv: list[str] | None = None) -> int:
         base["data"]["val_fraction"] = 0.04
     run_key = hashlib.sha1(json.dumps([base, asdict(scale)], sort_keys=True).encode()).hexdigest()[:10]
     cache = args.cache / f"runs-{run_key}"
+    note = ""
     if args.cached_only:
-        specs = [s for s in specs if (cache / f"{s.key()}.json").is_file()]
-        print(f"{len(specs)} runs in the cache, reported as they are", flush=True)
+        swept, specs = len(specs), [s for s in specs if (cache / f"{s.key()}.json").is_file()]
+        note = (f"Reported from the run cache (`--cached-only`): {len(specs)} of the sweep's {swept} runs had "
+                "finished; the same command without `--cached-only` runs the rest and reports them all.")
+        print(note, flush=True)
     results = run_all(specs, base, cache, args.workers)
     args.out.mkdir(parents=True, exist_ok=True)
     shown = ["scripts/experiments/convergence.py", *argv]
@@ -672,7 +675,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.phase == "outer":
         outer_report(results, scale, args.out, shown, time.perf_counter() - start, commit)
     elif args.phase == "codecs":
-        codec_report(results, scale, args.out, shown, time.perf_counter() - start, commit)
+        codec_report(results, scale, args.out, shown, time.perf_counter() - start, commit, note)
     else:
         write_report(results, scale, args.out, shown, time.perf_counter() - start)
     say_written(*sorted(args.out.glob("convergence*")))
