@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench_common import add_out_argument, markdown_table, output_dir, run_forked, thread_env, write_outputs  # noqa: E402
 
+from zeroband.comm import codecs  # noqa: E402
 from zeroband.comm.dense import all_reduce_dense  # noqa: E402
 from zeroband.comm.direct import chunk_bounds  # noqa: E402
 from zeroband.comm.quantized import DEFAULT_BLOCK, Codec, all_reduce_quantized  # noqa: E402
@@ -118,7 +119,7 @@ def distributed(sites: int, shapes: list[tuple[int, ...]], repeats: int) -> list
         results.append({
             "sites": sites, "kind": row["kind"], "method": row["method"], "params": params,
             "bytes_per_param": max(r["sent"] for r in per_site) / params,
-            "ideal_bytes_per_param": 2 * (sites - 1) / sites * {"fp16": 2.0, "int8": 1.0, "int4": 0.5}[row["method"]],
+            "ideal_bytes_per_param": codecs.spec(row["method"]).wire_factor(sites) * codecs.spec(row["method"]).bytes_per_param(),
             "seconds": max(r["seconds"] for r in per_site),
             "rel_error": row["err"],
             "identical": len({r["crc"] for r in per_site}) == 1,

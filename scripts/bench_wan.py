@@ -57,9 +57,10 @@ from bench_common import (
     write_outputs,
 )
 
+from zeroband.comm import codecs
 from zeroband.comm.link import Link, kernel_window, streams_for, throughput
 from zeroband.tools.launch import WanLink, launch_sites
-from zeroband.tools.plan import ring_factor, wan_prediction
+from zeroband.tools.plan import DTYPE_BYTES, wan_prediction
 
 CONFIG = str(REPO / "configs/demo_diloco.toml")
 # Inside a namespace without DNS, c10d warns that it cannot resolve a hostname; launch's store process
@@ -67,7 +68,7 @@ CONFIG = str(REPO / "configs/demo_diloco.toml")
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 CLONE_NEWNET = 0x40000000
 SAMPLE_S = 0.02
-VALUE_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0, "int4": 0.5}  # payload_bytes per value
+VALUE_BYTES = DTYPE_BYTES  # payload_bytes per value, as each codec counts them (zeroband/comm/codecs/)
 TARGETS = {"fp16": 2.0, "int8": 1.05, "int4": 0.55}
 
 
@@ -318,7 +319,7 @@ def analyse(args: argparse.Namespace, run: dict[str, Any], chatter: float) -> di
         "allreduce_s_mean": allreduce_s, "outer_step_s_mean": statistics.fmean(r["O"] for r in rounds),
         "allreduce_s_per_step": allreduce_s / h if row.is_dp else None,
         "wire_bytes_per_site_per_round": wire_site, "wire_bytes_per_rank_per_outer_step": wire_rank,
-        "shard_params": numel, "bytes_per_param_per_sync": per_sync / (numel * ring_factor(args.sites)),
+        "shard_params": numel, "bytes_per_param_per_sync": per_sync / (numel * codecs.spec(row.dtype).wire_factor(args.sites)),
         "achieved_bw_over_rate": None if row.overlap else wire_site / statistics.fmean(r["A"] for r in last) / rate_bytes,
         "wire_throughput_over_rate": transfer_bw / rate_bytes if transfer_bw else None,
         "tokens_per_s_all_sites": args.sites * tokens_step * h * len(rounds) / wall_w,

@@ -211,6 +211,16 @@ def optimizer_class(name: str) -> type:
     return found
 
 
+CODECS_DIR = Path(__file__).parent / "comm" / "codecs"
+
+
+def codec_names() -> list[str]:
+    """The wire formats diloco.comm_dtype may name: one file per codec in zeroband/comm/codecs/ (its
+    registry, which checks each file's name against its codec's). Read from the folder, not imported:
+    the config sits below comm in the layers (docs/architecture.md) and a check must stay cheap."""
+    return sorted(p.stem for p in CODECS_DIR.glob("*.py") if not p.stem.startswith("_"))
+
+
 class DilocoConfig(Section):
     """Present only for multi-site runs: what is computed across sites (who they are: [sites])."""
 
@@ -236,10 +246,13 @@ class DilocoConfig(Section):
     outer_lr_schedule: Literal["constant", "inner"] = "constant"
     # Ramp the outer momentum linearly from 0 to outer_momentum over this many outer steps (0: none).
     outer_momentum_warmup: int = Field(5, ge=0)
-    # Wire format of the pseudo-gradient all-reduce (int8/int4: quantised, ~1 / ~0.53 bytes per param).
-    comm_dtype: Literal["fp32", "bf16", "fp16", "int8", "int4"] = "fp16"
-    # int8/int4 only: carry what quantisation lost into the next outer step.
+    # Wire format of the pseudo-gradient all-reduce: a file of zeroband/comm/codecs/ (fp32, bf16, fp16;
+    # int8 / int4: quantised, ~1 / ~0.53 bytes per param; sparse: top-k values at 2 bits, ~0.04).
+    comm_dtype: str = "fp16"
+    # Carry what the wire format lost into the next outer step (always on for "sparse").
     error_feedback: bool = False
+    # "sparse" only: the fraction of each chunk's values sent per outer step (SparseLoCo's top-k density).
+    density: float = Field(0.02, gt=0, le=1)
     # Pipeline piece of the all-reduce, in MB of fp32 values: encoding piece k+1 overlaps sending
     # piece k, and the all-gather of a piece starts as soon as its reduce-scatter landed.
     piece_mb: float = Field(4.0, gt=0)
@@ -285,6 +298,14 @@ class DilocoConfig(Section):
     # torch threads of the outer step (0: the cores this rank owns, its affinity / local ranks); the
     # inner step keeps its own setting.
     outer_threads: int = Field(0, ge=0)
+
+    @field_validator("comm_dtype")
+    @classmethod
+    def _known_codec(cls, value: str) -> str:
+        if value not in (known := codec_names()):
+            raise ValueError(f"unknown wire format: choose one of {', '.join(known)} "
+                             f"(a file of zeroband/comm/codecs/). Fix: --diloco.comm_dtype fp16")
+        return value
 
     @model_validator(mode="before")
     @classmethod

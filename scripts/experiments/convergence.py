@@ -4,6 +4,7 @@
     python scripts/experiments/convergence.py --phase tune --out docs/results  # the grid behind the defaults
     python scripts/experiments/convergence.py --quick --out /tmp/q # pipeline check (~2 min; CI smoke)
     python scripts/experiments/convergence.py --phase outer --out docs/results  # outer optimizers (~5 min)
+    python scripts/experiments/convergence.py --phase codecs --out docs/results  # fp16 / int4 / sparse (sparse.md)
 
 Every row is one run of the real trainer. Multi-site rows run k sites as k threads of one process
 (`zeroband.sim`: the trainer's own loop, DiLoCo and all-reduce code, joined by a real gloo group),
@@ -290,6 +291,23 @@ def outer_specs(scale: Scale, default: dict[str, Any]) -> list[Spec]:
     return specs
 
 
+SPARSE_DENSITIES = (0.02, 0.05, 0.1)
+
+
+def codec_specs(scale: Scale, default: dict[str, Any]) -> list[Spec]:
+    """Wire formats side by side (issue 36): the report's fp16 and int4-EF rows of the many-outer-steps
+    regime and the sparse codec at each of SPARSE_DENSITIES, every seed of `scale`, seed by seed."""
+    k, t, h = scale.sites, scale.steps, regimes(scale)["many"]
+    many = dict(h=h, regime="many", **default)
+    specs: list[Spec] = []
+    for s in range(scale.seeds):
+        specs += [Spec("diloco_default_many", "diloco", k, t, s, **many),
+                  Spec("diloco_default_many_int4_ef", "diloco", k, t, s, comm="int4", error_feedback=True, **many)]
+        specs += [Spec(f"diloco_default_many_sparse_{d:g}", "diloco", k, t, s, comm="sparse", **many,
+                       extra={"diloco": {"density": d}}) for d in SPARSE_DENSITIES]
+    return specs
+
+
 def report_specs(scale: Scale, default: dict[str, Any]) -> list[Spec]:
     """The report: headline rows (k sites, 3 seeds) in both regimes, variants, and the k sweep."""
     k, t, seeds = scale.sites, scale.steps, range(scale.seeds)
@@ -507,6 +525,58 @@ def write_report(results: list[dict[str, Any]], scale: Scale, out: Path, argv: l
     (out / "convergence.json").write_text(json.dumps({"scale": asdict(scale), "runs": results}, indent=1))
 
 
+def codec_report(results: list[dict[str, Any]], scale: Scale, out: Path, argv: list[str], wall_s: float,
+                 commit: str, note: str = "") -> None:
+    """sparse.md / sparse.json: each wire format against fp16, with one site and data parallel taken from
+    the report's own rows (convergence.json, the same scale and seeds) for the gap-closed column."""
+    rows = by_row(results)
+    ref = by_row(json.loads((out / "convergence.json").read_text())["runs"])
+    single, dp = (mean_std([r["val_loss"] for r in ref[n]])[0] for n in ("single", "dp"))
+    fp16 = {r["seed"]: r["val_loss"] for r in rows["diloco_default_many"]}
+    verdicts = []
+    for name, rs in rows.items():
+        seeds = [r["seed"] for r in rs if r["seed"] in fp16]  # against fp16 on the same seeds only
+        m, sd = mean_std([r["val_loss"] for r in rs])
+        base = mean_std([fp16[s] for s in seeds])[0] if seeds else float("nan")
+        mine = mean_std([r["val_loss"] for r in rs if r["seed"] in fp16])[0] if seeds else float("nan")
+        per_param = rs[0]["payload_bytes"] / max(1, rs[0]["outer_steps"]) / params_of(scale)
+        verdicts.append(f"- {name}: {m:.4f} ± {sd:.4f}; on seeds {seeds} {mine:.4f} vs fp16 {base:.4f}, "
+                        f"{100 * (mine - base) / base:+.2f}% ({'within' if mine <= base * 1.01 else 'NOT within'} 1%); "
+                        f"payload {per_param:.4f} bytes per parameter per outer step; per seed "
+                        f"{', '.join(f'{r_seed}: {v:.4f}' for r_seed, v in sorted((r['seed'], r['val_loss']) for r in rs))}")
+    again = {r["seed"]: r["val_loss"] for r in ref.get("diloco_default_many", [])}
+    verdicts.append("- The fp16 row reruns the report's own spec: here " + ", ".join(
+        f"seed {s}: {v:.4f} (report {again[s]:.4f})" for s, v in sorted(fp16.items()) if s in again)
+        + " (convergence.json ran on an older commit).")
+    lines = [*report_head("Wire formats: fp16 vs int4 with error feedback vs sparse (SparseLoCo) DiLoCo",
+                         ["nice", "-n", "19", "python", *argv], commit, wall_s), *([note, ""] if note else []),
+             f"k = {scale.sites} sites, the report's many-outer-steps regime (H = {regimes(scale)['many']}), "
+             f"mean ± std over seeds {sorted({r['seed'] for r in results})}, every row kept. One site "
+             f"({single:.4f}) and data parallel ({dp:.4f}) for the gap-closed column are the report's rows "
+             "(convergence.json).", "", *table(rows, single, dp), "", "## Against fp16", "", *verdicts, "",
+             "Payload bytes per parameter: what one site contributes per outer step (codec.nbytes, every scale, "
+             "index and code); on the wire a site sends 2(S-1)/S of it for fp16 / int4 and (S-1) x it for sparse "
+             "(every site's encoding goes to every site: zeroband/comm/gather.py); the wire MiB column counts "
+             "both, and the MAC tags.", "", "## Setup", "", setup_text(scale), "",
+             "Raw per-run numbers and curves: `sparse.json`."]
+    (out / "sparse.md").write_text("\n".join(lines) + "\n")
+    (out / "sparse.json").write_text(json.dumps({"scale": asdict(scale), "commit": commit, "runs": results}, indent=1))
+
+
+def report_head(title: str, command: list[str], commit: str, wall_s: float) -> list[str]:
+    """A report's first lines: its title, the exact command, the commit, the machine and the wall time."""
+    return [f"# {title}", "", "```bash", " ".join(command), "```", "",
+            f"Commit: {commit}. Machine: {machine()}. Wall time {wall_s / 60:.1f} min; load average when done "
+            f"{os.getloadavg()[0]:.1f}.", ""]
+
+
+def params_of(scale: Scale) -> int:
+    from zeroband.config import ModelConfig
+    from zeroband.models.llama import num_params
+
+    return num_params(ModelConfig(**scale.model, vocab_size=scale.vocab, max_seq_len=scale.seq_len))
+
+
 def setup_text(scale: Scale) -> str:
     hs = regimes(scale)
     return (f"- Model: Llama {scale.model}, vocab {scale.vocab}, seq_len {scale.seq_len}, fp32. Per site B = "
@@ -543,10 +613,8 @@ def outer_report(results: list[dict[str, Any]], scale: Scale, out: Path, argv: l
     single = mean_std([r["val_loss"] for r in rows["single"]])[0]
     dp = mean_std([r["val_loss"] for r in rows["dp"]])[0]
     adam = {regime: outer_adam(scale, h)["diloco"] for regime, h in regimes(scale).items()}
-    lines = ["# Outer optimizers: Nesterov (shipped) vs plain averaging vs Adam", "", "```bash",
-             "python " + " ".join(argv), "```", "",
-             f"Commit: {commit}. Machine: {machine()}. Wall time {wall_s / 60:.1f} min; load average when done "
-             f"{os.getloadavg()[0]:.1f}.", "",
+    lines = [*report_head("Outer optimizers: Nesterov (shipped) vs plain averaging vs Adam", ["python", *argv], commit,
+                          wall_s),
              f"k = {scale.sites} sites, mean ± std over {scale.seeds} seeds (0-{scale.seeds - 1}), every row kept. "
              f"Nesterov: the shipped defaults `{json.dumps(shipped_default())}`; plain averaging: "
              f"`outer_optimizer = \"sgd\"`, lr 1, momentum 0; Adam: `{json.dumps(adam)}` per regime, fixed before "
@@ -562,7 +630,7 @@ def outer_report(results: list[dict[str, Any]], scale: Scale, out: Path, argv: l
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--phase", choices=["report", "tune", "outer"], default="report")
+    p.add_argument("--phase", choices=["report", "tune", "outer", "codecs"], default="report")
     p.add_argument("--quick", action="store_true", help="tiny model and rows: checks the pipeline, not the method")
     p.add_argument("--gpu", action="store_true", help="the CUDA scale: a ~27M-parameter model, 4 sites on one GPU")
     add_out_argument(p, "docs/results", "convergence*.{md,json,png}")
@@ -572,6 +640,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--rows", default="", help="comma-separated row names to keep (default: all)")
+    p.add_argument("--seeds", type=int, default=None, help="keep the seeds below this (default: the scale's)")
+    p.add_argument("--cached-only", action="store_true",
+                   help="report the runs already in the run cache, run nothing (a sweep cut short)")
     args = p.parse_args(argv)
     args.out = output_dir(args.out, "convergence", args.quick)
     scale = QUICK if args.quick else GPU if args.gpu else OUTER if args.phase == "outer" else FULL
@@ -585,21 +656,34 @@ def main(argv: list[str] | None = None) -> int:
         specs = tune_specs(scale)
     elif args.phase == "outer":
         specs = outer_specs(scale, shipped_default())
+    elif args.phase == "codecs":
+        specs = codec_specs(scale, shipped_default())
     else:
         specs = report_specs(scale, shipped_default())
     if args.rows:
         specs = [s for s in specs if s.row in args.rows.split(",")]
+    if args.seeds is not None:
+        specs = [s for s in specs if s.seed < args.seeds]  # (the scale, and so the run cache, stay the same)
     base = base_tree(scale, corpus, tokenizer)
     if args.phase == "tune":  # hash < 0.02 was removed, so this holds out the band [0.02, 0.04)
         base["data"]["val_fraction"] = 0.04
     run_key = hashlib.sha1(json.dumps([base, asdict(scale)], sort_keys=True).encode()).hexdigest()[:10]
-    results = run_all(specs, base, args.cache / f"runs-{run_key}", args.workers)
+    cache = args.cache / f"runs-{run_key}"
+    note = ""
+    if args.cached_only:
+        swept, specs = len(specs), [s for s in specs if (cache / f"{s.key()}.json").is_file()]
+        note = (f"Reported from the run cache (`--cached-only`): {len(specs)} of the sweep's {swept} runs had "
+                "finished; the same command without `--cached-only` runs the rest and reports them all.")
+        print(note, flush=True)
+    results = run_all(specs, base, cache, args.workers)
     args.out.mkdir(parents=True, exist_ok=True)
     shown = ["scripts/experiments/convergence.py", *argv]
     if args.phase == "tune":
         tune_report(results, args.out, shown, time.perf_counter() - start)
     elif args.phase == "outer":
         outer_report(results, scale, args.out, shown, time.perf_counter() - start, commit)
+    elif args.phase == "codecs":
+        codec_report(results, scale, args.out, shown, time.perf_counter() - start, commit, note)
     else:
         write_report(results, scale, args.out, shown, time.perf_counter() - start)
     say_written(*sorted(args.out.glob("convergence*")))

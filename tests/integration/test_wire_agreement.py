@@ -35,6 +35,8 @@ def test_every_wire_format_ends_identical(corpus, tmp_path, wire, mode):
     each chunk holds ~1.6M values (the old check's fp32 norm of a chunk was then 1.4e-4 off, over its
     fixed 1e-4: fp32 and bf16 stopped at the first step): both sites finish every step and hold
     bitwise-identical parameters."""
+    if wire == "sparse" and mode == "data_parallel":
+        pytest.skip("sparse needs error feedback, which per-step data parallel does not carry (refused)")
     tree = diloco_tree(corpus, tmp_path, model={"vocab_size": 24576},
                        train={"steps": 4, "global_batch": 2, "micro_batch": 2},
                        diloco={"mode": mode, "comm_dtype": wire, "piece_mb": 64})

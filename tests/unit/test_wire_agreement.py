@@ -28,7 +28,7 @@ from zeroband.comm.reduce import (
     wire_codec,
 )
 
-WIRES = ["fp32", "bf16", "fp16", "int8", "int4"]
+WIRES = ["fp32", "bf16", "fp16", "int8", "int4", "sparse"]
 
 IMPLS = [("native", "native"), ("eager", "eager"), ("native", "eager"), ("eager", "native")]
 

@@ -142,18 +142,11 @@ class DirectExchange:
 
     def __init__(self, numel: int, group: GlobalGroup, codec: WireCodec, piece_bytes: int = DEFAULT_PIECE_BYTES,
                  parts: Parts | None = None, arena: Arena | None = None) -> None:
-        self.numel, self.codec, self.parts, self.arena = numel, codec, parts or Parts(), arena or Arena()
-        self.arena.start()
-        self.rank, self.size, self.pg, self.group = group.rank, group.size, group.pg, group
-        self.auth, self.context, self.call = group.auth, group.context, group.next_call()
+        self._setup(numel, group, codec, parts, arena)
         self.chunks = piece_chunks(numel, self.size, codec.block, piece_bytes) if self.size > 1 else []
-        self.peers = group.peers()
         self.own = torch.zeros(2, dtype=torch.float64)  # statistics of the chunks this site owns, as shared
-        self.sumsq: float | None = None  # of the whole result, when a review measured the others' chunks
         self.own_weight = 1.0  # what this site's own slices are multiplied by when it sums them
         self.stream = streams(4 * numel)  # results land in a vector larger than the cache: write past it
-        self.sends: list[tuple[Work, torch.Tensor, int]] = []  # gloo reads a buffer until its send completes
-        self.sent = 0
         self.scatter_in: dict[tuple[int, int], tuple[torch.Tensor, Work | None]] = {}
         self.gather_in: dict[tuple[int, int], tuple[torch.Tensor, Work | None]] = {}
         for p, chunk in enumerate(self.chunks):
@@ -168,6 +161,18 @@ class DirectExchange:
         longest = max((b - a for chunk in self.chunks for a, b in chunk), default=0)
         self.scratch = self.arena.take(4 * longest, torch.float32)
         self.total = self.arena.take(4 * longest, torch.float32)  # an owner's sum, one piece at a time
+
+    def _setup(self, numel: int, group: GlobalGroup, codec: WireCodec, parts: Parts | None,
+               arena: Arena | None) -> None:
+        """What every exchange of `numel` values on `group` holds (comm/gather.py's too): its call, keys, memory."""
+        self.numel, self.codec, self.parts, self.arena = numel, codec, parts or Parts(), arena or Arena()
+        self.arena.start()
+        self.rank, self.size, self.pg, self.group = group.rank, group.size, group.pg, group
+        self.auth, self.context, self.call = group.auth, group.context, group.next_call()
+        self.peers = group.peers()
+        self.sends: list[tuple[Work, torch.Tensor, int]] = []  # gloo reads a buffer until its send completes
+        self.sent = 0
+        self.sumsq: float | None = None  # of the whole result, when a review measured the others' chunks
 
     def run(
         self, tensors: list[torch.Tensor], weight: float, error_feedback: dict[int, torch.Tensor] | None = None,
@@ -336,14 +341,19 @@ class DirectExchange:
             with self.parts("decode"):
                 self.codec.decode(buf, b - a, out=flat[a:b], stats=None if review is None else got[src],
                                   stream=self.stream)
+        self._drain()
+        if review is not None:
+            review.check_gathered(got)
+            self.sumsq = float(self.own[0] + got[:, 0].sum())
+
+
+    def _drain(self) -> None:
+        """Wait until every send of this exchange left (gloo reads a buffer until then)."""
         with self.parts("network_wait"):
             left = sum(buf.numel() for _, buf, _ in self.sends)  # what may still sit in this site's uplink
             for work, buf, dst in self.sends:
                 self.group.wait(work, dst, "sends to drain", nbytes=left)
                 left -= buf.numel()
-        if review is not None:
-            review.check_gathered(got)
-            self.sumsq = float(self.own[0] + got[:, 0].sum())
 
 
 def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:

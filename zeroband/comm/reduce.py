@@ -15,9 +15,13 @@ statistics cannot get huge or NaN values into the average.
 | fp16  | 2 bytes   | power-of-two scale per message, then the values |
 | int8  | ~1.02     | per-block bf16 scales + int8 codes (comm/quantized.py) |
 | int4  | ~0.53     | per-block bf16 scales + NF4 codes |
+| sparse | ~0.036   | per 4096 values the top 2% at 2 bits + 12-bit indices (comm/codecs/sparse.py) |
 
-All formats travel by the same pipelined direct reduce-scatter + all-gather with fp32
-accumulation (comm/direct.py), so every site ends bitwise identical, and the link is kept busy
+Each format is one file of comm/codecs/ (its registry: bytes per parameter, error feedback, exchange).
+
+The formats travel by the same pipelined direct reduce-scatter + all-gather with fp32
+accumulation (comm/direct.py), sparse by an all-gather of every site's encoding summed in site order
+on every site (comm/gather.py), so every site ends bitwise identical, and the link is kept busy
 instead of waiting a round trip per segment as gloo's ring all-reduce does.
 
 Only the global group is used here, never the site group, so this can run on a background thread
@@ -28,19 +32,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from zeroband import seams
-from zeroband.comm.dense import FP32_MAX, DenseCodec
+from zeroband.comm import codecs
+from zeroband.comm.dense import FP32_MAX
 from zeroband.comm.direct import Arena, DirectExchange, WireCodec, flatten
+from zeroband.comm.gather import GatherExchange
 from zeroband.comm.group import GlobalGroup
 from zeroband.comm.kernels import STATS_BLOCK
-from zeroband.comm.quantized import DEFAULT_BLOCK, Codec
 from zeroband.comm.timing import Parts
 from zeroband.trust.auth import TrustError
 
-QUANTIZED_BITS = {"int8": 8, "int4": 4}
 STAT_COLUMNS = ("sumsq", "nonfinite", "abstain", "tokens", "crc")
 SUMSQ, NONFINITE, ABSTAIN, TOKENS, CRC = range(len(STAT_COLUMNS))  # their indices in a stats table
 # A source may send at most this multiple of the norm it declared (quantisation moves a norm by a
@@ -117,7 +122,7 @@ class SiteStats:
 @dataclass
 class ReduceResult:
     payload_bytes: int  # this rank's contribution before the collective
-    wire_bytes: int  # what this rank sent: 2(S-1)/S of the encoded payload
+    wire_bytes: int  # what this rank sent: 2(S-1)/S of the encoded payload ((S-1) x for a gathered codec)
     sites_used: int
     excluded_sites: list[int] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)  # seconds per part (comm/timing.py)
@@ -287,11 +292,10 @@ def describe_exclusions(exclusions: dict[int, str]) -> str:
     return "; ".join(f"site {s} ({why})" for s, why in sorted(exclusions.items()))
 
 
-def wire_codec(wire: str) -> WireCodec:
-    """The codec of wire format `wire`, through the `codec` seam (zeroband/seams.py: a test may wrap it)."""
-    bits = QUANTIZED_BITS.get(wire)
-    codec: WireCodec = DenseCodec(wire) if bits is None else Codec(bits, DEFAULT_BLOCK[bits])
-    return seams.current().codec(codec)
+def wire_codec(wire: str, settings: Any = None) -> WireCodec:
+    """The codec of wire format `wire` (zeroband/comm/codecs/) for `settings` (the run's [diloco]; None:
+    its defaults), through the `codec` seam (zeroband/seams.py: a test may wrap it)."""
+    return seams.current().codec(codecs.spec(wire).codec(settings))
 
 
 def reduce_across_sites(
@@ -304,20 +308,23 @@ def reduce_across_sites(
     outlier_factor: float = 0.0,
     weight_by_tokens: bool = False,
     arena: Arena | None = None,
+    settings: Any = None,
 ) -> ReduceResult:
     """In place: grads <- mean over contributing sites. Returns what it cost and who took part.
-    `arena`: memory kept by the caller between calls (comm/direct.py's Arena)."""
-    codec, parts = wire_codec(wire), Parts()
+    `arena`: memory kept by the caller between calls (comm/direct.py's Arena); `settings`: the run's
+    [diloco], for a codec that has settings of its own (None: their defaults)."""
+    codec, parts = wire_codec(wire, settings), Parts()
+    kind = GatherExchange if codecs.spec(wire).exchange == "gather" else DirectExchange
     with parts.cpu():  # the CPU of the thread that runs the exchange (often not the training loop's)
         return _reduce(grads, stats, group, codec, parts, piece_bytes, error_feedback, outlier_factor,
-                       weight_by_tokens, arena)
+                       weight_by_tokens, arena, kind)
 
 
 def _reduce(grads: list[torch.Tensor], stats: SiteStats, group: GlobalGroup, codec: WireCodec, parts: Parts,
             piece_bytes: int, error_feedback: dict[int, torch.Tensor] | None, outlier_factor: float,
-            weight_by_tokens: bool, arena: Arena | None) -> ReduceResult:
+            weight_by_tokens: bool, arena: Arena | None, kind: type[DirectExchange] = DirectExchange) -> ReduceResult:
     numel = sum(g.numel() for g in grads)
-    exchange = DirectExchange(numel, group, codec, piece_bytes, parts, arena)  # receives posted first
+    exchange = kind(numel, group, codec, piece_bytes, parts, arena)  # receives posted first
     table_ready = group.post_scalars(stats.as_list())
     with parts("encode"):
         flat = flatten(grads)  # meanwhile: CPU work that does not depend on the table (none: grads share one vector)

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from zeroband.comm import codecs
 from zeroband.comm.group import GlobalGroup
 from zeroband.comm.reduce import describe_exclusions, reduce_across_sites
 from zeroband.config import DilocoConfig
@@ -34,6 +35,9 @@ log = logging.getLogger(__name__)
 
 class CrossSiteDataParallel:
     def __init__(self, model: torch.nn.Module, cfg: DilocoConfig, topology: Topology, group: GlobalGroup) -> None:
+        if codecs.spec(cfg.comm_dtype).feedback == "always":  # per-step gradients carry no residual between steps
+            raise ValueError(f"diloco.comm_dtype = {cfg.comm_dtype!r} needs error feedback, which diloco.mode = "
+                             "'data_parallel' does not carry: choose fp32, bf16, fp16, int8 or int4, or mode 'diloco'")
         self.cfg = cfg
         self.topology, self.group = topology, group
         self.params = list(model.parameters())

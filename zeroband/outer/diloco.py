@@ -65,6 +65,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from zeroband.comm import codecs
 from zeroband.comm.direct import Arena, flat_base
 from zeroband.comm.group import GlobalGroup, checksum_table, digest48
 from zeroband.comm.reduce import ReduceResult, SiteStats, describe_exclusions, reduce_across_sites
@@ -212,7 +213,14 @@ class DiLoCo:
         self.spare: torch.Tensor | None = None
         self.applied_sumsq = 0.0  # sum of squares of the last average applied (this rank's shard)
         self.outer_step = 0
-        self.error_feedback: dict[int, torch.Tensor] | None = {} if cfg.error_feedback else None
+        # what the wire format lost, carried into the next outer step (always, for a codec that says so)
+        spec = codecs.spec(cfg.comm_dtype)
+        feedback = cfg.error_feedback or spec.feedback == "always"
+        self.error_feedback: dict[int, torch.Tensor] | None = {} if feedback else None
+        self.attempt_feedback: dict[int, torch.Tensor] | None = None  # a retried round's residual until it commits
+        # A gathered codec's residual is folded into the pseudo-gradient before the site measures it, so
+        # what it declares covers what it sends (comm/gather.py); a direct one's is added in the exchange.
+        self.fold = feedback and spec.exchange == "gather"
         self.overlap = Overlap(cfg, self.local, self.copy, self.optimizer)  # its state: the average in flight
         self.clock = RoundClock(cfg, tokens_per_step)
         self.boundary_step = 0  # inner steps done at the current boundary
@@ -309,11 +317,14 @@ class DiLoCo:
             result, t2 = None, time.perf_counter()
             mine, stats = self.contribution(grads if attempt.contributes else None, tokens, attempt.averages)
             preparing += time.perf_counter() - t2
+            self.attempt_feedback = None
             with attempt:  # where a round may retry, a failure in here fails this attempt only
                 group = attempt.group()  # elastic: formed now, the run's state handed to members lacking it
                 result = self.reduce(mine, stats, group) if attempt.averages else None
             if not attempt.commit():
                 continue
+            if self.attempt_feedback is not None:
+                self.error_feedback, self.attempt_feedback = self.attempt_feedback, None
             comm_s = waited + time.perf_counter() - t1 - preparing
             if not attempt.averages:  # the round handed the run's state over: the local shard takes it
                 with self.parts("h2d"):
@@ -340,15 +351,30 @@ class DiLoCo:
             return [], SiteStats(0.0, 0.0, abstain=True)
         if grads is None:
             return [torch.zeros_like(o) for o in self.outer], SiteStats(0.0, 0.0, abstain=True)
-        mine = self._retry_copy(grads) if self.membership.may_retry else grads
+        mine = self._folded(self._retry_copy(grads) if self.membership.may_retry else grads)
+        with self.parts("stats"):  # (a folded residual changed them: measured again)
+            return mine, site_stats(mine, self.topology, tokens, local=None if self.fold else self.copy.stats_of(grads))
+
+    def _folded(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """`grads` + the residual the last exchange left, in place, where the codec folds it here (`fold`)."""
+        if not self.fold or not self.error_feedback and self.lanes is None:
+            return grads
         with self.parts("stats"):
-            return mine, site_stats(mine, self.topology, tokens, local=self.copy.stats_of(grads))
+            if self.lanes is not None:
+                self.lanes.fold(grads)
+            else:
+                assert self.error_feedback is not None  # fold implies feedback
+                for i, g in enumerate(grads):
+                    if i in self.error_feedback:
+                        g.add_(self.error_feedback[i].view_as(g))
+        return grads
 
     def _launch(self, landed: InFlight | None, waited: float, t0: float) -> OuterStats | None:
         """The overlapped boundary: this round's average starts in the background (zeroband/outer/overlap.py);
         the statistics are those of the average that landed (none at the first boundary)."""
-        grads = self.pseudo_gradient()
-        stats = site_stats(grads, self.topology, self.clock.take_tokens(), local=self.copy.stats_of(grads))
+        grads = self._folded(self.pseudo_gradient())
+        stats = site_stats(grads, self.topology, self.clock.take_tokens(),
+                           local=None if self.fold else self.copy.stats_of(grads))
         self.overlap.launch(grads, stats, self.group.size, self.reduce, self.boundary_step)
         if landed is None:
             return None
@@ -380,7 +406,10 @@ class DiLoCo:
         if self.cfg.log_checksum and not stats.abstain:  # compared across sites by the reduce itself
             stats = replace(stats, crc=float(self.digest48(group)))
         arena, self.arena, self.last_reduce = self.arena, Arena(), None
-        result = self._exchange(grads, stats, group, self.error_feedback, arena, "outer all-reduce")
+        feedback = self.error_feedback
+        if feedback is not None and self.membership.may_retry:  # the residual of an attempt that commits (`sync`)
+            feedback = self.attempt_feedback = dict(feedback)  # (an exchange replaces entries, never writes into them)
+        result = self._exchange(grads, stats, group, feedback, arena, "outer all-reduce")
         self.arena, self.last_reduce = arena, result
         if self.membership.may_retry:
             self.spare = flat_base(grads)  # the `_retry_copy` vector (None for an abstainer's zeros)
@@ -397,7 +426,7 @@ class DiLoCo:
         """The equal-shape reduce of `grads` on `group`, on a helper thread the group watches."""
         return group.watched(partial(reduce_across_sites, grads, stats, group, self.cfg.comm_dtype,
                                      int(self.cfg.piece_mb * 2**20), feedback, self.cfg.outlier_factor,
-                                     weight_by_tokens=self.cfg.round_seconds > 0, arena=arena), what)
+                                     weight_by_tokens=self.cfg.round_seconds > 0, arena=arena, settings=self.cfg), what)
 
     def _retry_copy(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """A copy of `grads` for one attempt to consume: a retried attempt starts again from the originals.

@@ -66,6 +66,14 @@ class LaneSet:
             out += [t.reshape(-1)[a:b] if t.numel() == numel else t.reshape(-1) for t in per_param[i]]
         return out
 
+    def fold(self, tensors: list[torch.Tensor]) -> None:
+        """tensors += each lane's residual (error feedback of a codec that folds it: comm/gather.py)."""
+        for k, feedback in enumerate(self.feedback):
+            if 0 in feedback:
+                views = self.views(k, tensors)
+                for view, part in zip(views, feedback[0].split([v.numel() for v in views])):
+                    view.add_(part)
+
     def digests(self, per_param: list[list[torch.Tensor]]) -> list[int]:
         """48 bits of the keyed digest of each lane's state, under its group's key."""
         return [digest48(self.state_views(k, per_param), g.auth if g is not None else NO_AUTH)

@@ -3,10 +3,12 @@
 Model (one outer sync, per site; all of a site's FSDP ranks share the site's WAN uplink, so the
 site moves the whole model's payload whatever W is):
 
-- payload P = params x bytes/param of the wire dtype (fp32 4, bf16/fp16 2, int8 1 + 2/128 for the
-  per-block bf16 scales ~ 1.02, int4 0.5 + 2/64 ~ 0.53; see zeroband/comm/quantized.py);
+- payload P = params x bytes/param of the wire format, as its codec counts them (zeroband/comm/codecs/:
+  fp32 4, bf16/fp16 2, int8 1 + 2/128 for the per-block bf16 scales ~ 1.02, int4 0.5 + 2/64 ~ 0.53,
+  sparse ~0.036 at density 0.02);
 - wire bytes per site = 2(S-1)/S x P (direct reduce-scatter + all-gather, zeroband/comm/direct.py;
-  the same bytes as a ring);
+  the same bytes as a ring), or (S-1) x P for a codec whose contributions go to every site (sparse:
+  zeroband/comm/gather.py);
 - communication seconds T_comm = wire / throughput, where throughput = min(rate, streams x window /
   RTT) is zeroband/comm/link.py's link model: one TCP stream keeps at most one kernel window in
   flight, and the streams per peer default to those that cover the bandwidth-delay product
@@ -43,6 +45,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from zeroband.comm import codecs
 from zeroband.comm.link import (
     DEFAULT_WINDOW,
     Link,
@@ -54,7 +57,8 @@ from zeroband.comm.link import (
 )
 from zeroband.config import DilocoConfig, SitesConfig
 
-DTYPE_BYTES: dict[str, float] = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0 + 2 / 128, "int4": 0.5 + 2 / 64}
+# Payload bytes per parameter of each wire format at its default settings, as its codec counts them.
+DTYPE_BYTES: dict[str, float] = {name: spec.bytes_per_param() for name, spec in codecs.registry().items()}
 INITIAL_WINDOW_SEGMENTS = 10  # Linux initcwnd
 RTO_MIN_S = 0.2  # Linux TCP_RTO_MIN: a steady link's retransmission timeout is about RTT + 200 ms
 # One-way delays on the critical path of one all-reduce (comm/reduce.py, comm/direct.py; zeroband's
@@ -100,6 +104,7 @@ class PlanInput:
     wait_factor: float = _SITES["wait_factor"].default
     timeout_floor_s: float = _SITES["timeout_floor_s"].default
     timeout_s: float = _SITES["timeout_s"].default
+    density: float = _DILOCO["density"].default  # the sparse codec's (diloco.density)
 
 
 @dataclass(frozen=True)
@@ -129,10 +134,19 @@ def ring_factor(sites: int) -> float:
     return 2 * (sites - 1) / sites
 
 
-def dtype_bytes(dtype: str) -> float:
+def dtype_bytes(dtype: str, density: float | None = None) -> float:
+    """Payload bytes per parameter of wire format `dtype`, asked of its codec (`density`: the sparse
+    codec's setting; None: the default)."""
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype {dtype!r}: choose one of {sorted(DTYPE_BYTES)}")
-    return DTYPE_BYTES[dtype]
+    if density is None:
+        return DTYPE_BYTES[dtype]
+    return codecs.spec(dtype).bytes_per_param(DilocoConfig(comm_dtype=dtype, density=density))
+
+
+def wire_factor(p: PlanInput) -> float:
+    """Bytes a site sends per byte of its payload: its codec's exchange (`ring_factor` for most)."""
+    return codecs.spec(p.dtype).wire_factor(p.sites)
 
 
 def utilisation(compute_s: float, comm_s: float, overlap: bool) -> float:
@@ -149,9 +163,9 @@ def overlap_steps(comm_s: float, step_time_s: float, inner_steps: int) -> int:
     return steps if steps < inner_steps else 0
 
 
-def traffic_reduction(inner_steps: int, dtype: str) -> float:
+def traffic_reduction(inner_steps: int, dtype: str, density: float | None = None) -> float:
     """Bytes of per-step fp32 data parallel over H steps / bytes of one DiLoCo sync."""
-    return inner_steps * 4.0 / dtype_bytes(dtype)
+    return inner_steps * 4.0 / dtype_bytes(dtype, density)
 
 
 def ramp_seconds(nbytes: float, rate_bytes_s: float, rtt_s: float, mtu: int, streams: int = 1,
@@ -202,7 +216,7 @@ def comm_seconds(wire_bytes: float, p: PlanInput, idle_s: float = math.inf) -> t
 def wait_bounds(wire_bytes: float, p: PlanInput) -> tuple[float, float]:
     """(one piece's, the whole all-reduce's) wait bound: a piece is piece_mb of fp32 values sent in
     the wire format, with the all-reduce's 2(S-1)/S factor."""
-    piece = min(wire_bytes, ring_factor(p.sites) * p.piece_mb * 2**20 / 4 * dtype_bytes(p.dtype))
+    piece = min(wire_bytes, wire_factor(p) * p.piece_mb * 2**20 / 4 * dtype_bytes(p.dtype, p.density))
     bound = [wait_bound(b, link_of(p), p.wait_factor, p.timeout_floor_s, p.timeout_s) for b in (piece, wire_bytes)]
     return bound[0], bound[1]
 
@@ -210,8 +224,8 @@ def wait_bounds(wire_bytes: float, p: PlanInput) -> tuple[float, float]:
 def predict(p: PlanInput) -> Prediction:
     if p.sites < 2:
         raise ValueError("sites must be >= 2")
-    payload = p.params * dtype_bytes(p.dtype)
-    wire = ring_factor(p.sites) * payload
+    payload = p.params * dtype_bytes(p.dtype, p.density)
+    wire = wire_factor(p) * payload
     compute = p.inner_steps * p.step_time_s
     bw_s, lat_s, ramp_s = comm_seconds(wire, p, compute)
     if p.overlap:  # the link idles only for what of the round the all-reduce leaves
@@ -223,7 +237,7 @@ def predict(p: PlanInput) -> Prediction:
     return Prediction(
         payload_bytes=payload, wire_bytes=wire, bandwidth_s=bw_s, latency_s=lat_s, ramp_s=ramp_s, comm_s=comm,
         compute_s=compute, utilisation=utilisation(compute, comm, p.overlap),
-        traffic_reduction=traffic_reduction(p.inner_steps, p.dtype),
+        traffic_reduction=traffic_reduction(p.inner_steps, p.dtype, p.density),
         dp_comm_s=dp_comm, dp_utilisation=utilisation(p.step_time_s, dp_comm, False),
         streams=link.streams, throughput_bps=throughput(link), piece_wait_s=piece_wait, sync_wait_s=sync_wait,
     )
@@ -344,9 +358,9 @@ def prediction_text(p: PlanInput, pred: Prediction) -> str:
     mode = "overlapped" if p.overlap else "blocking"
     return "\n".join([
         f"{p.params:.3g} params, {p.sites} sites, {p.gbps:g} Gbit/s per site, {p.latency_ms:g} ms one-way, "
-        f"H={p.inner_steps}, {p.dtype} ({dtype_bytes(p.dtype):.3g} B/param), {mode}, step {p.step_time_s:g} s",
+        f"H={p.inner_steps}, {p.dtype} ({dtype_bytes(p.dtype, p.density):.3g} B/param), {mode}, step {p.step_time_s:g} s",
         f"  payload per sync per site      {_fmt_bytes(pred.payload_bytes)}",
-        f"  wire per sync per site (ring)  {_fmt_bytes(pred.wire_bytes)}  (x {ring_factor(p.sites):.3g})",
+        f"  wire per sync per site         {_fmt_bytes(pred.wire_bytes)}  (x {wire_factor(p):.3g} the payload)",
         f"  communication per sync         {pred.comm_s:.3f} s  (bandwidth {pred.bandwidth_s:.3f} + latency "
         f"{pred.latency_s:.3f} + TCP ramp {pred.ramp_s:.3f})",
         f"  inner compute per round        {pred.compute_s:.1f} s",
@@ -385,7 +399,8 @@ def input_from_args(args: argparse.Namespace) -> PlanInput:
     params = float(args.params) if args.params is not None else float(params_of_preset(args.preset))
     step = 1.0 if args.step_time is None else args.step_time
     return PlanInput(params, step, args.sites, args.gbps, args.latency_ms, args.inner_steps, args.dtype,
-                     args.overlap, not args.no_tcp_ramp, args.mtu, **link_args(args))
+                     args.overlap, not args.no_tcp_ramp, args.mtu, **link_args(args),
+                     density=getattr(args, "density", _DILOCO["density"].default))
 
 
 def link_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -473,7 +488,8 @@ def plan_from_config(path: str, args: argparse.Namespace) -> ConfigPlan:
         link["streams"] = int(s.streams)
     plan = PlanInput(float(params), step, args.sites, args.gbps, args.latency_ms, d.inner_steps, d.comm_dtype,
                      d.overlap or args.overlap, not args.no_tcp_ramp, args.mtu, **link, piece_mb=d.piece_mb,
-                     wait_factor=s.wait_factor, timeout_floor_s=s.timeout_floor_s, timeout_s=s.timeout_s)
+                     wait_factor=s.wait_factor, timeout_floor_s=s.timeout_floor_s, timeout_s=s.timeout_s,
+                     density=d.density)
     pieces = max(1, math.ceil(params * 4 / (d.piece_mb * 2**20)))
     return ConfigPlan(plan, cfg.model.preset or f"{params / 1e6:.0f}M", d.piece_mb, pieces, tokens, source, tuple(notes),
                       cfg.train.steps, cfg.checkpoint.interval)
@@ -619,6 +635,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--latency-ms", type=float, default=50.0, help="one-way latency between sites")
     p.add_argument("--inner-steps", type=int, default=500, help="H")
     p.add_argument("--dtype", default="fp16", choices=sorted(DTYPE_BYTES))
+    p.add_argument("--density", type=float, default=_DILOCO["density"].default,
+                   help="diloco.density: the fraction of values the sparse codec sends")
     p.add_argument("--overlap", action="store_true", help="overlapped outer step")
     p.add_argument("--no-tcp-ramp", action="store_true",
                    help="leave TCP slow start out of the model: the sites set net.ipv4.tcp_slow_start_after_idle=0 or "
