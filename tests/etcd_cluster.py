@@ -102,7 +102,7 @@ class EtcdCluster:
             crt, key, ca = str(self.tls.server[0]), str(self.tls.server[1]), str(self.tls.ca)
             cmd += ["--cert-file", crt, "--key-file", key, "--client-cert-auth", "--trusted-ca-file", ca,
                     "--peer-cert-file", crt, "--peer-key-file", key, "--peer-client-cert-auth",
-                    "--peer-trusted-ca-file", ca]
+                    "--peer-trusted-ca-file", ca, "--auth-token", self.tls.jwt_flag()]
         with open(self.root / f"{m.name}.log", "a") as log:  # the member process holds its own copy
             m.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 

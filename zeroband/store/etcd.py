@@ -129,17 +129,28 @@ class _Endpoints:
                 if failures % len(self._clients) == 0:  # every member failed: wait out a leader election
                     time.sleep(min(0.05 * failures, 0.5))
             except _refusals() as e:
-                if not self._token or failures > len(self._clients):  # refused at once: never retried
+                if not self._token or "invalid auth token" not in _detail(e) or time.monotonic() > deadline:
                     raise StoreRefused(f"etcd {self._names()} refused {path}: {_detail(e)} (check sites.etcd_user, "
                                        "its password and its role's access to the run's prefix)") from None
-                failures, self._token = failures + 1, ""  # a restarted member forgot the token: a new one
+                # a restarted member forgot its tokens, or has not applied a new one yet: a new
+                # token, and the next member (a lagging one catches up meanwhile)
+                self._token = ""
+                self._advance(index)
+                time.sleep(0.05)
 
     def _authenticate(self, index: int) -> None:
-        """A token for the run's user, sent with every later request (to every member)."""
+        """A token for the run's user, sent with every later request (to every member). Its own
+        timeout: the password check is a bcrypt, seconds on a loaded member."""
         assert self.access is not None
-        reply = self._clients[index].post(self._clients[index].get_url("/auth/authenticate"),
-                                          json={"name": self.access.user, "password": self.access.password or ""})
-        self._token = reply["token"]
+        for client in self._clients:  # an old token in the request would fail it ("invalid auth token")
+            client.session.headers.pop("Authorization", None)
+        client = self._clients[index]
+        body = {"name": self.access.user, "password": self.access.password or ""}
+        reply = client.session.post(client.get_url("/auth/authenticate"), json=body, timeout=10 * self.request_timeout)
+        if reply.status_code != 200:
+            raise StoreRefused(f"etcd {self._names()} refused user {self.access.user!r}: {_detail_text(reply.text)} "
+                               "(check sites.etcd_user and sites.etcd_password_file)")
+        self._token = reply.json()["token"]
         for client in self._clients:
             client.session.headers["Authorization"] = self._token
 
@@ -195,7 +206,10 @@ def _refusals() -> tuple[type[BaseException], ...]:
 
 
 def _detail(error: BaseException) -> str:
-    text = getattr(error, "detail_text", "") or str(error)
+    return _detail_text(getattr(error, "detail_text", "") or str(error))
+
+
+def _detail_text(text: str) -> str:
     try:
         return str(json.loads(text).get("error", text))
     except (ValueError, AttributeError):

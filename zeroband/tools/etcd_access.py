@@ -47,10 +47,22 @@ class TlsFiles:
     def client(self) -> tuple[Path, Path]:
         return self.root / "client.pem", self.root / "client-key.pem"
 
+    @property
+    def jwt(self) -> tuple[Path, Path]:
+        """The key pair the members sign and check auth tokens with (`jwt_flag`)."""
+        return self.root / "jwt-pub.pem", self.root / "jwt-key.pem"
+
+    def jwt_flag(self) -> str:
+        """etcd's --auth-token: JWT, so a token holds on every member, restarted ones included (etcd's
+        default "simple" tokens live in each member's memory; a restarted member refuses them)."""
+        public, private = self.jwt
+        return f"jwt,pub-key={public},priv-key={private},sign-method=ES256,ttl=1h"
+
 
 def make_certs(out: Path, hosts: list[str]) -> TlsFiles:
     """A fresh CA and, signed by it, a server certificate valid for `hosts` (and localhost) and a
     client certificate. Keys are written mode 0600."""
+    from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
@@ -70,6 +82,10 @@ def make_certs(out: Path, hosts: list[str]) -> TlsFiles:
     _write(files.server[0], server, server_key)
     _write(files.client[0], client, client_key)
     _write(out / "ca-key.pem", None, ca_key)  # kept to sign more certificates; sites never need it
+    jwt_key = ec.generate_private_key(ec.SECP256R1())
+    _write(files.jwt[1], None, jwt_key)
+    files.jwt[0].write_bytes(jwt_key.public_key().public_bytes(serialization.Encoding.PEM,
+                                                               serialization.PublicFormat.SubjectPublicKeyInfo))
     return files
 
 
