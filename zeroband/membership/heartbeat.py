@@ -41,7 +41,6 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Protocol
 
 import torch.distributed as dist
 
@@ -70,25 +69,31 @@ def beat_stamp(beat: bytes | None) -> int | None:
         return None
 
 
-class Presence(Protocol):
+class Presence:
     """What the round protocol asks of liveness (`Liveness` on a TCPStore, `LeaseLiveness` on etcd)."""
 
     sites: list[int]
-    me: int | None
+    me: int | None  # the observing site, alive whatever the store says
     dead_after_s: float
     left: set[int]  # sites gone by their signed leave notice
     store: SignedStore  # its `refused`: keys whose values failed the run's key (another secret)
 
-    def poll(self) -> None: ...
+    def poll(self) -> None:
+        raise NotImplementedError
 
-    def alive(self) -> set[int]: ...
-
-    def alive_after_poll(self) -> set[int]: ...
-
-    def dead_among(self, sites: Iterable[int]) -> set[int]: ...
+    def alive(self) -> set[int]:
+        raise NotImplementedError
 
     def wait(self) -> None:
         """Until the store may have changed: a poll interval, or a watch."""
+        time.sleep(POLL_S)
+
+    def alive_after_poll(self) -> set[int]:
+        self.poll()
+        return self.alive()
+
+    def dead_among(self, sites: Iterable[int]) -> set[int]:
+        return set(sites) - self.alive_after_poll()
 
 
 class Heartbeat:
@@ -162,8 +167,8 @@ class LeaseHeartbeat(Heartbeat):
                 log.warning("revoking the lease of %s failed: %s", self.key, e)
 
 
-class Liveness:
-    """Which sites are alive, as seen from here."""
+class Liveness(Presence):
+    """Which sites are alive, as seen from here (by their beats)."""
 
     def __init__(self, store: dist.Store, prefix: str, sites: Iterable[int], dead_after_s: float,
                  sign_key: bytes | None = None, me: int | None = None, ledger: Ledger | None = None,
@@ -220,19 +225,8 @@ class Liveness:
         times = [self.seen[site][1]] if site in self.seen else []
         return max(times + ([self.absent[site]] if site in self.absent else []), default=float("-inf"))
 
-    def alive_after_poll(self) -> set[int]:
-        self.poll()
-        return self.alive()
 
-    def dead_among(self, sites: Iterable[int]) -> set[int]:
-        self.poll()
-        return set(sites) - self.alive()
-
-    def wait(self) -> None:
-        time.sleep(POLL_S)
-
-
-class LeaseLiveness:
+class LeaseLiveness(Presence):
     """Liveness from etcd's leases: a site is alive while its presence key exists and verifies
     (`LeaseHeartbeat` keeps it; etcd deletes it when the lease ends). Nobody without the run's
     credentials deletes keys there, so a missing key is a death, at once; this site is alive to itself."""
@@ -252,13 +246,6 @@ class LeaseLiveness:
 
     def alive(self) -> set[int]:
         return self.present | ({self.me} if self.me is not None else set())
-
-    def alive_after_poll(self) -> set[int]:
-        self.poll()
-        return self.alive()
-
-    def dead_among(self, sites: Iterable[int]) -> set[int]:
-        return set(sites) - self.alive_after_poll()
 
     def wait(self) -> None:
         self.etcd.wait_change(self.prefix, WATCH_S)
