@@ -8,6 +8,7 @@ wait by watches; nobody without the run's credentials can read, write or delete 
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from datetime import timedelta
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.etcd_cluster import INSTALL_HINT, RUN_PREFIX, EtcdCluster, etcd_binary, start_cluster
-from tests.helpers import _train, elastic_tree, final_params, outer_records
+from tests.helpers import _train, elastic_tree, final_params
 from tests.multiproc import run_sites
 from zeroband.store.etcd import EtcdAccess, EtcdStore, StoreRefused, StoreUnavailable, parse_endpoints
 
@@ -67,26 +68,6 @@ def test_without_the_runs_credentials_nobody_reads_or_writes(secure_cluster):
                 op(*args)  # type: ignore[operator]
                 pytest.fail(f"{name}: {what} succeeded")
     assert run.get("zeroband/r/elastic/hb/0") == b"mine"
-
-
-def test_elastic_run_on_secure_etcd(corpus, tmp_path, secure_cluster):
-    """Two sites with the run's secret, on leases, transactions and watches: every round commits
-    with both sites and their replicas end identical; the run's keys are etcd's (under its prefix)."""
-    tree = elastic_tree(corpus, tmp_path, secure_cluster.url(RUN_PREFIX), steps=6,
-                        sites={"insecure": False, **secure_cluster.access()})
-    began = time.monotonic()
-    out = run_sites(_train, 2, 1, (tree,), env={"ZEROBAND_SECRET": SECRET}, timeout=90)
-    took = time.monotonic() - began
-    assert out[(0, 0)]["steps"] == out[(1, 0)]["steps"] == 6, out
-    assert [r["sites_used"] for r in outer_records(tmp_path, 0)] == [2, 2, 2]
-    a, b = final_params(tree, 0, 6, SECRET), final_params(tree, 1, 6, SECRET)
-    assert all(a[k].equal(b[k]) for k in a)
-    keys = client(secure_cluster, run_access(secure_cluster)).list_keys()
-    assert any(k.endswith("/r1/a0/verdict") for k in keys), keys
-    assert not any("/hb/" in k for k in keys), "a presence key outlived its site's revoked lease"
-    print(f"2 sites, 3 rounds on TLS + auth etcd in {took:.1f} s")
-
-
 
 CHAOS_SITES, CHAOS_STEPS = 3, 40
 # site 2's first incarnation is SIGKILLed at step 10 and site 1 leaves (SIGTERM) at step 12; each
@@ -175,3 +156,6 @@ def test_chaos_on_secure_etcd(corpus, tmp_path, secure_cluster):
         assert all(ref[k].equal(got[k]) for k in ref), f"site {s} differs at the end"
     count, errors = chaos.verify_all_checkpoints(tmp_path / "t" / "checkpoints")
     assert count and not errors, errors
+    keys = client(secure_cluster, run_access(secure_cluster)).list_keys()  # the protocol's, under the run's prefix
+    assert any(re.search(rf"/r{CHAOS_STEPS // 2}/a\d+/verdict$", k) for k in keys), keys  # the last round's
+    assert not any("/hb/" in k for k in keys), "a presence key outlived its site (a lease not revoked at exit)"

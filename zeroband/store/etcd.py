@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import os
 import threading
 import time
@@ -148,7 +149,7 @@ class _Endpoints:
         body = {"name": self.access.user, "password": self.access.password or ""}
         reply = client.session.post(client.get_url("/auth/authenticate"), json=body, timeout=10 * self.request_timeout)
         if reply.status_code != 200:
-            raise StoreRefused(f"etcd {self._names()} refused user {self.access.user!r}: {_detail_text(reply.text)} "
+            raise StoreRefused(f"etcd {self._names()} refused user {self.access.user!r}: {_detail(reply.text)} "
                                "(check sites.etcd_user and sites.etcd_password_file)")
         self._token = reply.json()["token"]
         for client in self._clients:
@@ -205,11 +206,9 @@ def _refusals() -> tuple[type[BaseException], ...]:
     return (exceptions.Etcd3Exception,)
 
 
-def _detail(error: BaseException) -> str:
-    return _detail_text(getattr(error, "detail_text", "") or str(error))
-
-
-def _detail_text(text: str) -> str:
+def _detail(error: BaseException | str) -> str:
+    """etcd's own words for an error (its JSON "error" field), else the error's text."""
+    text = error if isinstance(error, str) else getattr(error, "detail_text", "") or str(error)
     try:
         return str(json.loads(text).get("error", text))
     except (ValueError, AttributeError):
@@ -324,8 +323,8 @@ class EtcdStore(dist.Store):
     # ---- etcd's own primitives ------------------------------------------------------------------
 
     def grant(self, ttl_s: float) -> str:
-        """A new lease of `ttl_s` (whole seconds, at least 1); its id."""
-        return str(self._net.post("/lease/grant", {"TTL": max(1, round(ttl_s))})["ID"])
+        """A new lease of `ttl_s` (rounded up to whole seconds); its id."""
+        return str(self._net.post("/lease/grant", {"TTL": max(1, math.ceil(ttl_s))})["ID"])
 
     def keepalive(self, lease: str) -> bool:
         """Renew `lease`; False once it has expired (its keys are gone)."""
