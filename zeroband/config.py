@@ -461,14 +461,6 @@ class SitesConfig(Section):
             self.etcd_password = read_secret_file(Path(self.etcd_password_file), "sites.etcd_password_file")
         return self
 
-    def etcd_access(self) -> Any:
-        """The store's EtcdAccess (None without etcd settings); typed Any: config sits above store/."""
-        from zeroband.store.etcd import EtcdAccess
-
-        if self.etcd_ca_file is None:
-            return None
-        return EtcdAccess(self.etcd_ca_file, self.etcd_cert_file, self.etcd_key_file, self.etcd_user, self.etcd_password)
-
     @model_validator(mode="after")
     def _check_site(self) -> SitesConfig:
         if self.site_rank is not None and self.site_count is not None and self.site_rank >= self.site_count:
@@ -476,7 +468,6 @@ class SitesConfig(Section):
         if not (self.store.startswith("tcp://") and ":" in self.store[6:]) and not self.store.startswith("etcd://"):
             raise ValueError(f"store={self.store!r} must look like tcp://host:port or etcd://h1:p1,h2:p2,h3:p3")
         return self
-
 
 # Keys that left [diloco] or were renamed (issue 14): the old spelling is refused with one line
 # naming the new one. The pipeline piece of the all-reduce has one name, from config to comm/direct.py.

@@ -231,6 +231,7 @@ def test_etcd_access_settings_are_checked_one_line_per_bad_field(tmp_path):
     """Issue 35 item 3: how a run reaches an etcd cluster with TLS and auth (sites.etcd_*). Each bad
     field is one line naming it; an etcd:// store with a secret needs the settings."""
     from zeroband.config import validate_config
+    from zeroband.store.client import etcd_access
 
     ca, cert, key, password = (tmp_path / n for n in ("ca.pem", "client.pem", "client-key.pem", "run.password"))
     for path in (ca, cert, key):
@@ -247,7 +248,7 @@ def test_etcd_access_settings_are_checked_one_line_per_bad_field(tmp_path):
         return str(e.value)
 
     cfg = validate_config({"name": "r", "output_dir": str(tmp_path), "sites": good})
-    access = cfg.sites.etcd_access()
+    access = etcd_access(cfg.sites)
     assert (access.ca_file, access.user, access.password) == (str(ca), "run", "pw")
     assert "pw" not in repr(cfg.sites) and "etcd_password" not in cfg.sites.model_dump()
     missing = error(**{**good, "etcd_ca_file": str(tmp_path / "nope.pem"), "etcd_key_file": str(tmp_path / "no.pem")})

@@ -28,6 +28,7 @@ from urllib.parse import urlparse
 
 import torch.distributed as dist
 
+from zeroband.config import SitesConfig
 from zeroband.store.etcd import EtcdAccess, EtcdStore, StoreUnavailable, parse_endpoints
 from zeroband.store.guard import RETRY_S, Refused, authenticated, challenges
 from zeroband.trust.secret import SECRET_ENV, RunSecret, as_secret, resolve_secret
@@ -90,6 +91,14 @@ def open_store(address: str, is_host: bool, timeout: timedelta, secret: RunSecre
                                    "runs on etcd), or sites.insecure = true on a trusted network")
         return EtcdStore(parse_endpoints(hosts), prefix.strip("/") or DEFAULT_ETCD_PREFIX, timeout, access=access)
     raise ValueError(f"store address {address!r}: unknown scheme {scheme!r} (use tcp:// or etcd://)")
+
+
+def etcd_access(sites: SitesConfig) -> EtcdAccess | None:
+    """The etcd credentials `sites` names (checked by the config), or None without any."""
+    if sites.etcd_ca_file is None:
+        return None
+    return EtcdAccess(sites.etcd_ca_file, sites.etcd_cert_file, sites.etcd_key_file, sites.etcd_user,
+                      sites.etcd_password)
 
 
 def guards_keys(store: dist.Store) -> bool:
