@@ -405,6 +405,15 @@ class SitesConfig(Section):
     secret_file: str | None = None
     # A multi-site run without a secret starts only with this set: nothing it receives is authenticated.
     insecure: bool = False
+    # etcd's own access control (an etcd:// store with a secret needs it; README, multi-site runs on
+    # etcd): the CA of the members' certificates (TLS), this site's client certificate and key, and
+    # the etcd user whose role covers the store's prefix, its password in a file of mode 0600.
+    etcd_ca_file: str | None = None
+    etcd_cert_file: str | None = None
+    etcd_key_file: str | None = None
+    etcd_user: str | None = None
+    etcd_password_file: str | None = None
+    etcd_password: str | None = Field(None, repr=False, exclude=True)  # read from etcd_password_file
     # Site identity: here, or ZEROBAND_SITE_RANK / ZEROBAND_SITE_COUNT in the environment.
     site_rank: int | None = Field(None, ge=0)
     site_count: int | None = Field(None, gt=0)
@@ -438,6 +447,41 @@ class SitesConfig(Section):
             values = {**values, "secret": read_secret_file(Path(values["secret_file"]))}
         return values
 
+    @field_validator("etcd_ca_file", "etcd_cert_file", "etcd_key_file")
+    @classmethod
+    def _readable(cls, value: str | None) -> str | None:
+        if value is not None and not os.access(value, os.R_OK):
+            raise ValueError("cannot be read (missing, or not readable by this user)")
+        return value
+
+    @field_validator("etcd_password_file")
+    @classmethod
+    def _password_file(cls, value: str | None) -> str | None:
+        if value is not None:
+            read_secret_file(Path(value), "sites.etcd_password_file")  # the checks only: read again below
+        return value
+
+    @model_validator(mode="after")
+    def _check_etcd(self) -> SitesConfig:
+        etcd = self.store.startswith("etcd://")
+        given = [k for k in ("etcd_ca_file", "etcd_cert_file", "etcd_key_file", "etcd_user", "etcd_password_file")
+                 if getattr(self, k) is not None]
+        if given and not etcd:
+            raise ValueError(f"sites.{given[0]} is set but sites.store is not etcd://")
+        if (self.etcd_cert_file is None) != (self.etcd_key_file is None):
+            raise ValueError("sites.etcd_cert_file and sites.etcd_key_file go together (the client certificate and its key)")
+        if (self.etcd_user is None) != (self.etcd_password_file is None):
+            raise ValueError("sites.etcd_user and sites.etcd_password_file go together")
+        if given and self.etcd_ca_file is None:
+            raise ValueError("sites.etcd_ca_file is needed with the other etcd settings (etcd is reached over TLS)")
+        if etcd and not self.insecure and self.etcd_user is None:
+            raise ValueError(f"store={self.store!r} with a secret needs etcd's access control: set sites.etcd_ca_file, "
+                             "etcd_cert_file, etcd_key_file, etcd_user and etcd_password_file (README, multi-site runs "
+                             "on etcd), or sites.insecure = true on a trusted network")
+        if self.etcd_password_file is not None and self.etcd_password is None:
+            self.etcd_password = read_secret_file(Path(self.etcd_password_file), "sites.etcd_password_file")
+        return self
+
     @model_validator(mode="after")
     def _check_site(self) -> SitesConfig:
         if self.site_rank is not None and self.site_count is not None and self.site_rank >= self.site_count:
@@ -445,7 +489,6 @@ class SitesConfig(Section):
         if not (self.store.startswith("tcp://") and ":" in self.store[6:]) and not self.store.startswith("etcd://"):
             raise ValueError(f"store={self.store!r} must look like tcp://host:port or etcd://h1:p1,h2:p2,h3:p3")
         return self
-
 
 # Keys that left [diloco] or were renamed (issue 14): the old spelling is refused with one line
 # naming the new one. The pipeline piece of the all-reduce has one name, from config to comm/direct.py.
@@ -468,16 +511,16 @@ def refuse_moved_keys(raw: dict[str, Any]) -> None:
             raise ConfigError(moved_key_message(old, raw[section][key]))
 
 
-def read_secret_file(path: Path) -> str:
+def read_secret_file(path: Path, name: str = "sites.secret_file") -> str:
     """The secret in `path` (surrounding whitespace dropped). Refused unless it is a regular file,
     not a symlink (one could point at another user's file, or be re-pointed by whoever owns its
     directory), owned by this user (a file someone else owns is a secret someone else chose) and
     readable by nobody else. Checked on the open descriptor: what is checked is what is read."""
-    where = f"sites.secret_file {str(path)!r}"
+    where = f"{name} {str(path)!r}"
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as e:
-        why = "is a symlink; point sites.secret_file at the file itself" if e.errno == errno.ELOOP else e.strerror
+        why = f"is a symlink; point {name} at the file itself" if e.errno == errno.ELOOP else e.strerror
         raise ValueError(f"{where} cannot be read: {why}") from None
     with os.fdopen(fd) as f:
         st = os.fstat(fd)

@@ -35,7 +35,8 @@ from zeroband.comm.group import (
 )
 from zeroband.comm.layout import Lane, my_lanes, uniform
 from zeroband.comm.link import LinkPolicy
-from zeroband.store.client import open_store
+from zeroband.store.client import guards_keys, open_store
+from zeroband.store.etcd import EtcdAccess
 from zeroband.trust.mac import WireAuth
 from zeroband.trust.secret import RunSecret
 from zeroband.trust.signed import KeepingStore, Ledger, Republisher, SignedStore, exchange
@@ -77,7 +78,7 @@ def init_site_group(world: World, timeout: timedelta) -> None:
 
 def init_topology(
     world: World, store_address: str | None, run_name: str, timeout_s: float, backend: str, host_store: bool = True,
-    secret: RunSecret | None = None, keep_start_keys: bool = False,
+    secret: RunSecret | None = None, keep_start_keys: bool = False, access: EtcdAccess | None = None,
 ) -> Topology:
     """The site mesh, and (for DiLoCo) the coordination store. The cross-site groups are not part of
     it: `fixed_global_group` builds a fixed run's, an elastic membership one per generation."""
@@ -87,8 +88,8 @@ def init_topology(
     store = None
     if store_address is not None:
         is_host = host_store and world.site_rank == 0 and world.rank == 0
-        store = open_store(store_address, is_host, timeout, secret)
-        if keep_start_keys:
+        store = open_store(store_address, is_host, timeout, secret, access)
+        if keep_start_keys and not guards_keys(store):
             # what this site writes at the start is written back if deleted while peers may still read it
             ledger = Ledger()
             store = KeepingStore(store, ledger, f"zeroband/{run_name}/")

@@ -51,7 +51,7 @@ from zeroband.step import (
     settle_step,
     validation_metrics,
 )
-from zeroband.store.client import StoreUnreachable
+from zeroband.store.client import StoreUnreachable, etcd_access
 from zeroband.store.guard import die_with_parent
 from zeroband.trust.auth import TrustError
 from zeroband.trust.secret import RunSecret, resolve_secret
@@ -159,7 +159,7 @@ def open_topology(cfg: Config, world: World, secret: RunSecret | None) -> tuple[
         return init_topology(world, None, cfg.name, 600.0, "gloo", secret=secret), None
     s = cfg.sites
     topology = init_topology(world, s.store, cfg.name, s.timeout_s, s.backend, host_store=s.host_store, secret=secret,
-                             keep_start_keys=not cfg.diloco.elastic)
+                             keep_start_keys=not cfg.diloco.elastic, access=etcd_access(s))
     if cfg.diloco.elastic:
         return topology, None
     return topology, fixed_global_group(topology, cfg.name, s.backend, admission_mark(secret), LinkPolicy.of(s),

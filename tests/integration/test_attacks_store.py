@@ -179,8 +179,7 @@ def _elastic_site(tree: dict) -> dict:
         return {"error": f"{type(e).__name__}: {e}"}
 
 
-@pytest.mark.parametrize("backend", ["tcp", "etcd"])
-def test_elastic_run_goes_on_through_a_deletion_storm(corpus, tmp_path, backend):
+def test_elastic_run_goes_on_through_a_deletion_storm(corpus, tmp_path):
     """The issue's attack: an outsider deleting every key under the run's prefix in a loop held two
     elastic sites at round 0 until join_timeout_s (3600 s). Now a missing key reads as "not yet" and
     every site re-writes the signed values it wrote or decided (idempotent: the same bytes) as soon
@@ -195,24 +194,16 @@ def test_elastic_run_goes_on_through_a_deletion_storm(corpus, tmp_path, backend)
     a finished site writes back while any site lives, and a group's prefix is its attempt's.
     With two busy loops on the 2-core machine as well, each site's beats went unread past
     dead_after_s and each committed a round alone (min_sites 1): different replicas. Now, while
-    deletions are seen, no beat is a death and a round needs a majority of the last round's members."""
+    deletions are seen, no beat is a death and a round needs a majority of the last round's members.
+    etcd is no longer run here: a run with a secret reaches it only with etcd's TLS and auth, and the
+    deleter, without the run's credentials, deletes nothing (test_etcd_secure.py)."""
     from tests.attackers import StoreDeleter
     from tests.helpers import elastic_tree, outer_records
     from tests.multiproc import free_port
     from zeroband.store.client import open_store
 
-    cluster = host = None
-    if backend == "etcd":
-        from tests.etcd_cluster import INSTALL_HINT, etcd_binary, start_cluster
-
-        if etcd_binary() is None:
-            pytest.skip(INSTALL_HINT)
-        pytest.importorskip("etcd3gw", reason="etcd client missing: pip install etcd3gw")
-        cluster = start_cluster(1)
-        address = cluster.url("storm")
-    else:
-        address = f"tcp://127.0.0.1:{free_port()}"
-        host = open_store(address, True, timedelta(seconds=60))
+    address = f"tcp://127.0.0.1:{free_port()}"
+    host = open_store(address, True, timedelta(seconds=60))
     tree = elastic_tree(corpus, tmp_path, address, steps=6, sites={"insecure": False, "timeout_s": 20},
                         start_grace_s=20.0)
     deleter = StoreDeleter(address, f"zeroband/{tree['name']}/", period_s=0.1).start()
@@ -221,8 +212,6 @@ def test_elastic_run_goes_on_through_a_deletion_storm(corpus, tmp_path, backend)
         out = run_sites(_elastic_site, 2, 1, (tree,), env={"ZEROBAND_SECRET": SECRET}, timeout=80)
     finally:
         deleted = deleter.stop()
-        if cluster is not None:
-            cluster.stop()
     took = time.monotonic() - began
     assert deleted > 0
     finished = [s for s in (0, 1) if out[(s, 0)]["error"] is None]
@@ -233,7 +222,7 @@ def test_elastic_run_goes_on_through_a_deletion_storm(corpus, tmp_path, backend)
     if len(finished) == 2:  # never two finished runs with different replicas
         a, b = final_params(tree, 0, 6, SECRET), final_params(tree, 1, 6, SECRET)
         assert all(torch.equal(a[k], b[k]) for k in a)
-    print(f"{backend}: {deleted} keys deleted; sites {finished} finished in {took:.1f} s; "
+    print(f"{deleted} keys deleted; sites {finished} finished in {took:.1f} s; "
           + "; ".join(f"site {s}: {out[(s, 0)]['error']}" for s in (0, 1) if s not in finished))
     del host
 
@@ -260,16 +249,16 @@ def test_fixed_run_on_etcd_restarts(corpus, tmp_path):
     """A persistent store keeps the keys of the previous start: its signed gloo addresses (dead
     ports) and its write-once admission nonces. The restart used to fail after sites.timeout_s.
     Now every start has its own prefix (a hash of fresh nonces of every site): it resumes and ends."""
-    from tests.etcd_cluster import INSTALL_HINT, etcd_binary, start_cluster
+    from tests.etcd_cluster import INSTALL_HINT, RUN_PREFIX, etcd_binary, start_cluster
 
     if etcd_binary() is None:
         pytest.skip(INSTALL_HINT)
     pytest.importorskip("etcd3gw", reason="etcd client missing: pip install etcd3gw")
-    cluster = start_cluster(1)
+    cluster = start_cluster(1, secure=True)  # a run with a secret reaches etcd only through its access control
     try:
         for steps, trained in ((2, 2), (4, 2)):
             tree = _tree(corpus, tmp_path, steps)
-            tree["sites"].update(store=cluster.url("restart-test"), host_store=False, timeout_s=10)
+            tree["sites"].update(store=cluster.url(RUN_PREFIX), host_store=False, timeout_s=10, **cluster.access())
             out = run_sites(_site, 2, 1, (tree,), env={"ZEROBAND_SECRET": SECRET}, timeout=60)
             _finished_alike({s: out[(s, 0)] for s in (0, 1)}, tree, steps, trained)
     finally:

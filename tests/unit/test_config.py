@@ -225,3 +225,40 @@ def test_a_secret_file_is_read_only_if_it_is_a_regular_0600_file_of_this_user(tm
     os.chown(good, 4242, -1)
     with pytest.raises(ValueError, match="owned by uid 4242, not by this user"):
         read_secret_file(good)
+
+
+def test_etcd_access_settings_are_checked_one_line_per_bad_field(tmp_path):
+    """Issue 35 item 3: how a run reaches an etcd cluster with TLS and auth (sites.etcd_*). Each bad
+    field is one line naming it; an etcd:// store with a secret needs the settings."""
+    from zeroband.config import validate_config
+    from zeroband.store.client import etcd_access
+
+    ca, cert, key, password = (tmp_path / n for n in ("ca.pem", "client.pem", "client-key.pem", "run.password"))
+    for path in (ca, cert, key):
+        path.write_text("pem")
+    password.write_text("pw\n")
+    password.chmod(0o600)
+    store = "etcd://127.0.0.1:2379/zb"
+    good = {"store": store, "etcd_ca_file": str(ca), "etcd_cert_file": str(cert), "etcd_key_file": str(key),
+            "etcd_user": "run", "etcd_password_file": str(password)}
+
+    def error(**sites: object) -> str:
+        with pytest.raises(ConfigError) as e:
+            validate_config({"name": "r", "output_dir": str(tmp_path), "diloco": {"inner_steps": 2}, "sites": sites})
+        return str(e.value)
+
+    cfg = validate_config({"name": "r", "output_dir": str(tmp_path), "sites": good})
+    access = etcd_access(cfg.sites)
+    assert (access.ca_file, access.user, access.password) == (str(ca), "run", "pw")
+    assert "pw" not in repr(cfg.sites) and "etcd_password" not in cfg.sites.model_dump()
+    missing = error(**{**good, "etcd_ca_file": str(tmp_path / "nope.pem"), "etcd_key_file": str(tmp_path / "no.pem")})
+    assert "sites.etcd_ca_file: Value error, cannot be read" in missing and "sites.etcd_key_file: Value error" in missing
+    assert len(missing.splitlines()) == 3  # the header and one line per bad field
+    assert "go together" in error(**{**good, "etcd_key_file": None})
+    assert "etcd_user and sites.etcd_password_file go together" in error(**{**good, "etcd_password_file": None})
+    password.chmod(0o644)
+    assert "sites.etcd_password_file" in error(**good) and "chmod 600" in error(**good)
+    password.chmod(0o600)
+    assert "needs etcd's access control" in error(store=store)  # a secret (not insecure) and no settings
+    validate_config({"name": "r", "output_dir": str(tmp_path), "sites": {"store": store, "insecure": True}})
+    assert "is not etcd://" in error(**{**good, "store": "tcp://127.0.0.1:1"})

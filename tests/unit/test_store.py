@@ -185,3 +185,14 @@ def test_a_hosted_stores_guard_ends_with_the_store():
     assert guard.wait(timeout=10) is not None
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", port), timeout=5).close()
+
+
+def test_a_watch_wakes_on_events_and_compactions_never_on_its_creation():
+    """EtcdStore.wait_change returns at the first message of the watch stream that reports a change
+    (events) or that the start revision is gone (compacted: re-read anyway); not at "created"."""
+    from zeroband.store.etcd import _woken
+
+    assert not _woken(b'{"result":{"header":{"revision":"7"},"created":true}}')
+    assert not _woken(b"  ")
+    assert _woken(b'{"result":{"events":[{"type":"DELETE","kv":{"key":"YQ=="}}]}}')
+    assert _woken(b'{"result":{"compact_revision":"5","canceled":true}}')

@@ -49,9 +49,17 @@ from zeroband.comm.group import OPEN, SECRET, GlobalGroup, checksum_table, new_g
 from zeroband.comm.link import LinkPolicy
 from zeroband.config import DilocoConfig, SitesConfig
 from zeroband.membership.base import Event, EventLog
-from zeroband.membership.heartbeat import Heartbeat, Liveness, heartbeat_key, leave_key
-from zeroband.membership.rounds import (
+from zeroband.membership.heartbeat import (
     POLL_S,
+    Heartbeat,
+    LeaseHeartbeat,
+    LeaseLiveness,
+    Liveness,
+    Presence,
+    heartbeat_key,
+    leave_key,
+)
+from zeroband.membership.rounds import (
     Decision,
     LeftBehind,
     RoundCoordinator,
@@ -60,7 +68,8 @@ from zeroband.membership.rounds import (
     run_over,
 )
 from zeroband.mesh import Topology
-from zeroband.store.client import open_store, store_failures_named
+from zeroband.store.client import guards_keys, open_store, store_failures_named
+from zeroband.store.etcd import EtcdStore
 from zeroband.trust.auth import SECRET_FIX, PeerRefused, Verdict, admission
 from zeroband.trust.mac import WireAuth
 from zeroband.trust.signed import (
@@ -177,23 +186,31 @@ class ElasticMembership:
                         run_name, extra={"event": "incarnation_unset"})
         # what we write is kept and written back if deleted (by the polls and the heartbeat thread)
         # room for a round's values and its group's (admission, gloo addresses) beside the data
-        # positions a commit reads back: an evicted position is never written back once deleted
+        # positions a commit reads back: an evicted position is never written back once deleted.
+        # Not on a store that keeps outsiders from deleting (etcd): the ledger stays empty there,
+        # so no write-back, storm rule or linger ever acts, and liveness is etcd's leases.
         self.ledger = Ledger(limit=128)
         assert topology.store is not None, "elastic membership needs the coordination store (sites.store)"
         self.raw_store: dist.Store = topology.store
-        self.store: dist.Store = KeepingStore(topology.store, self.ledger, self.prefix)
+        etcd = topology.store if guards_keys(topology.store) and isinstance(topology.store, EtcdStore) else None
+        self.store: dist.Store = etcd or KeepingStore(topology.store, self.ledger, self.prefix)
         self.signed = SignedStore(self.store, sign_key)
-        # no beat is a death while deletions were seen within sites.timeout_s (every wait's bound)
-        self.liveness = Liveness(self.store, self.prefix, slots, cfg.dead_after_s, sign_key, self.world.site_rank,
-                                 self.ledger, sites.timeout_s)
-        self.rounds = RoundCoordinator(self.store, self.prefix, self.world.site_rank, self.world.rank == 0,
-                                       self.liveness, sign_key, self.ledger, sites.timeout_s)
-        self.heartbeat = None
+        me, reopen = self.world.site_rank, lambda: open_store(sites.store, False, timedelta(seconds=sites.timeout_s))
+        self.liveness: Presence
+        self.heartbeat: Heartbeat | None = None
+        beat: Heartbeat
+        if etcd is not None:
+            self.liveness = LeaseLiveness(etcd, self.prefix, slots, cfg.dead_after_s, sign_key, me)
+            beat = LeaseHeartbeat(reopen, self.prefix, me, cfg.heartbeat_s, cfg.dead_after_s, sign_key)
+        else:  # no beat is a death while deletions were seen within sites.timeout_s (every wait's bound)
+            self.liveness = Liveness(self.store, self.prefix, slots, cfg.dead_after_s, sign_key, me, self.ledger,
+                                     sites.timeout_s)
+            beat = Heartbeat(reopen, self.prefix, me, cfg.heartbeat_s, sign_key, self.ledger)
+        self.rounds = RoundCoordinator(self.store, self.prefix, me, self.world.rank == 0, self.liveness, sign_key,
+                                       self.ledger, sites.timeout_s)
         if self.world.rank == 0:
-            self.store.delete_key(leave_key(self.prefix, self.world.site_rank))  # back after a leave
-            reopen = lambda: open_store(sites.store, False, timedelta(seconds=sites.timeout_s))  # noqa: E731
-            self.heartbeat = Heartbeat(reopen, self.prefix, self.world.site_rank, cfg.heartbeat_s, sign_key,
-                                       self.ledger).start()
+            self.store.delete_key(leave_key(self.prefix, me))  # back after a leave
+            self.heartbeat = beat.start()
         self.watch = Watch(sites.timeout_s, interruptible=False)  # SIGTERM here means: finish the round, then leave
         self.members: list[int] = []
         self.generation = -1

@@ -25,6 +25,13 @@ step never delays it, while a hung (SIGSTOP) or partitioned site stops bumping. 
 `Liveness`, which remembers, on its own clock, when each counter last changed: no clock is shared
 between sites, so skew cannot fake a death. A site that leaves on purpose writes `leave/<site>`
 and is dead at once, without waiting for `dead_after_s`.
+
+On etcd (reached with its access control: nobody else deletes a key) liveness is etcd's own: the
+same thread (`LeaseHeartbeat`) keeps a lease of `dead_after_s` alive with this site's presence key
+attached, and observers (`LeaseLiveness`) count a site alive while that key exists; its lease
+expires (death) or is revoked (leave) and etcd deletes the key. Both observers are a `Presence`:
+what the round protocol asks of liveness, and how it waits for the store to change (`wait`:
+a poll interval on a TCPStore, a watch on etcd).
 """
 
 from __future__ import annotations
@@ -37,7 +44,11 @@ from collections.abc import Callable, Iterable
 
 import torch.distributed as dist
 
+from zeroband.store.etcd import EtcdStore
 from zeroband.trust.signed import Ledger, SignedStore
+
+POLL_S = 0.05  # between reads of a store that cannot be watched
+WATCH_S = 0.5  # longest watch: time-based rules (grace, overdue votes, timeouts) are checked this often
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +69,33 @@ def beat_stamp(beat: bytes | None) -> int | None:
         return None
 
 
+class Presence:
+    """What the round protocol asks of liveness (`Liveness` on a TCPStore, `LeaseLiveness` on etcd)."""
+
+    sites: list[int]
+    me: int | None  # the observing site, alive whatever the store says
+    dead_after_s: float
+    left: set[int]  # sites gone by their signed leave notice
+    store: SignedStore  # its `refused`: keys whose values failed the run's key (another secret)
+
+    def poll(self) -> None:
+        raise NotImplementedError
+
+    def alive(self) -> set[int]:
+        raise NotImplementedError
+
+    def wait(self) -> None:
+        """Until the store may have changed: a poll interval, or a watch."""
+        time.sleep(POLL_S)
+
+    def alive_after_poll(self) -> set[int]:
+        self.poll()
+        return self.alive()
+
+    def dead_among(self, sites: Iterable[int]) -> set[int]:
+        return set(sites) - self.alive_after_poll()
+
+
 class Heartbeat:
     def __init__(self, open_client: Callable[[], dist.Store], prefix: str, site: int, interval_s: float,
                  sign_key: bytes | None = None, ledger: Ledger | None = None) -> None:
@@ -65,6 +103,7 @@ class Heartbeat:
         self.sign_key, self.ledger = sign_key, ledger
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._run, name="zeroband-heartbeat", daemon=True)
+        self.nonce, self.stamp = secrets.token_hex(8), 0
 
     def start(self) -> Heartbeat:
         self.thread.start()
@@ -72,21 +111,28 @@ class Heartbeat:
 
     def _run(self) -> None:
         store: SignedStore | None = None
-        nonce, stamp = secrets.token_hex(8), 0
         while not self.stopped.is_set():
-            stamp = max(stamp + 1, time.time_ns())
             try:
                 if store is None:  # opened here, in the try: a failed open is retried at the next beat,
                     store = SignedStore(self.open_client(), self.sign_key)  # never a dead thread (no beats)
-                store.set(self.key, f"{nonce}:{stamp}")
-                if self.ledger is not None and self.ledger.restore(store.store):
-                    # writing back many deleted values takes a request each: beat again after them,
-                    # or a storm would stretch the interval between beats toward dead_after_s
-                    stamp = max(stamp + 1, time.time_ns())
-                    store.set(self.key, f"{nonce}:{stamp}")
+                self.beat(store)
             except Exception as e:  # a store hiccup must not kill the thread: the next beat retries
                 log.warning("heartbeat %s failed: %s", self.key, e)
             self.stopped.wait(self.interval_s)
+        if store is not None:
+            self.last(store)
+
+    def beat(self, store: SignedStore) -> None:
+        self.stamp = max(self.stamp + 1, time.time_ns())
+        store.set(self.key, f"{self.nonce}:{self.stamp}")
+        if self.ledger is not None and self.ledger.restore(store.store):
+            # writing back many deleted values takes a request each: beat again after them,
+            # or a storm would stretch the interval between beats toward dead_after_s
+            self.stamp = max(self.stamp + 1, time.time_ns())
+            store.set(self.key, f"{self.nonce}:{self.stamp}")
+
+    def last(self, store: SignedStore) -> None:
+        """After the last beat (a clean stop)."""
 
     def stop(self) -> None:
         self.stopped.set()
@@ -94,8 +140,35 @@ class Heartbeat:
             self.thread.join(timeout=5 * self.interval_s + 5)
 
 
-class Liveness:
-    """Which sites are alive, as seen from here."""
+class LeaseHeartbeat(Heartbeat):
+    """The presence key, attached to a lease of `ttl_s` that every beat renews; a lease found expired
+    (this process froze past it: the others took it for dead) is replaced, as a restarted site's
+    would be. Revoked at a clean stop, so the others see the site gone at once."""
+
+    def __init__(self, open_client: Callable[[], dist.Store], prefix: str, site: int, interval_s: float,
+                 ttl_s: float, sign_key: bytes | None = None) -> None:
+        super().__init__(open_client, prefix, site, interval_s, sign_key)
+        self.ttl_s, self.lease = ttl_s, ""
+
+    def beat(self, store: SignedStore) -> None:
+        etcd = store.store
+        assert isinstance(etcd, EtcdStore), "leases need an etcd store"
+        if not self.lease or not etcd.keepalive(self.lease):
+            self.lease = ""
+            lease = etcd.grant(self.ttl_s)
+            etcd.set(self.key, store.seal(self.key, self.nonce), lease=lease)
+            self.lease = lease
+
+    def last(self, store: SignedStore) -> None:
+        if self.lease and isinstance(store.store, EtcdStore):
+            try:
+                store.store.revoke(self.lease)
+            except Exception as e:  # its TTL ends it anyway
+                log.warning("revoking the lease of %s failed: %s", self.key, e)
+
+
+class Liveness(Presence):
+    """Which sites are alive, as seen from here (by their beats)."""
 
     def __init__(self, store: dist.Store, prefix: str, sites: Iterable[int], dead_after_s: float,
                  sign_key: bytes | None = None, me: int | None = None, ledger: Ledger | None = None,
@@ -152,10 +225,27 @@ class Liveness:
         times = [self.seen[site][1]] if site in self.seen else []
         return max(times + ([self.absent[site]] if site in self.absent else []), default=float("-inf"))
 
-    def alive_after_poll(self) -> set[int]:
-        self.poll()
-        return self.alive()
 
-    def dead_among(self, sites: Iterable[int]) -> set[int]:
-        self.poll()
-        return set(sites) - self.alive()
+class LeaseLiveness(Presence):
+    """Liveness from etcd's leases: a site is alive while its presence key exists and verifies
+    (`LeaseHeartbeat` keeps it; etcd deletes it when the lease ends). Nobody without the run's
+    credentials deletes keys there, so a missing key is a death, at once; this site is alive to itself."""
+
+    def __init__(self, store: EtcdStore, prefix: str, sites: Iterable[int], dead_after_s: float,
+                 sign_key: bytes | None = None, me: int | None = None) -> None:
+        self.etcd, self.store, self.prefix = store, SignedStore(store, sign_key), prefix
+        self.sites, self.me, self.dead_after_s = list(sites), me, dead_after_s
+        self.left: set[int] = set()  # a leaver revokes its lease: gone like a dead site, no notice needed
+        self.present: set[int] = set()
+
+    def poll(self) -> None:
+        keys = [heartbeat_key(self.prefix, s) for s in self.sites]
+        values = self.etcd.read_many(keys)
+        self.present = {s for s, k, raw in zip(self.sites, keys, values)
+                        if raw is not None and self.store.open(k, raw) is not None}
+
+    def alive(self) -> set[int]:
+        return self.present | ({self.me} if self.me is not None else set())
+
+    def wait(self) -> None:
+        self.etcd.wait_change(self.prefix, WATCH_S)

@@ -16,7 +16,8 @@ Every outer round r (round 0 is the start) may take several attempts a. For each
    a new generation. So no two survivors ever apply different results. A member still inside
    its exchange gives up as soon as it reads an abort, so it reaches the retry with the others.
 
-The store is linearizable (one TCPStore server, or etcd), which is all the agreement needs. Every
+The store is linearizable (one TCPStore server, or etcd), which is all the agreement needs; on
+etcd a write-once slot is a transaction (`create_revision == 0`), and waits watch the store. Every
 value is signed with the shared secret (zeroband/trust/signed.py): a forged arrival, member
 list, vote or verdict reads as absent, and an honest site takes a forged write-once slot back.
 Deletions cannot be signed away: while they are seen (`Ledger.deleting`), a site seen before is
@@ -35,11 +36,10 @@ from typing import Any, Protocol
 
 import torch.distributed as dist
 
-from zeroband.membership.heartbeat import Liveness
+from zeroband.membership.heartbeat import Presence
 from zeroband.trust.signed import STORM, Ledger, SignedStore, StoreInterference
 from zeroband.watchdog import Ticker, _sites
 
-POLL_S = 0.05
 log = logging.getLogger(__name__)
 
 
@@ -207,7 +207,7 @@ def overdue(members: list[int], votes: dict[int, str], since_vote_s: float, boun
 class RoundCoordinator:
     """The store protocol of one site (all its ranks use it; only rank 0 writes)."""
 
-    def __init__(self, store: dist.Store, prefix: str, site: int, is_leader: bool, liveness: Liveness,
+    def __init__(self, store: dist.Store, prefix: str, site: int, is_leader: bool, liveness: Presence,
                  sign_key: bytes | None = None, ledger: Ledger | None = None, storm_after_s: float = float("inf")) -> None:
         self.store = SignedStore(store, sign_key)
         self.prefix, self.site, self.is_leader, self.liveness = prefix, site, is_leader, liveness
@@ -269,7 +269,7 @@ class RoundCoordinator:
                     raise StoreInterference(self._storm(r, "and no other site seen alive"))
                 raise RoundTimeout(f"round {r}: no other site has been alive for {self.liveness.dead_after_s:.0f} s; "
                                    "the run has finished or every other site is gone, so there is nothing to join")
-            time.sleep(POLL_S)
+            self.liveness.wait()  # a poll interval, or a watch of the store
         if self.is_leader:  # every member list read is written back by its reader too, should it be deleted
             self.ledger.keep(key, self.store.seal(key, raw))
         return Decision.from_json(raw)
@@ -358,7 +358,7 @@ class RoundCoordinator:
                 proposal = "abort"  # a member that neither votes nor dies must not stall the others
             if proposal is not None:
                 self.store.compare_set(key, "", proposal)
-            time.sleep(POLL_S)
+            self.liveness.wait()  # a poll interval, or a watch of the store
         if contradicts(verdict, site_ok):
             raise StoreInterference(self._storm(r, f"since attempt {a} was committed by a member list other than "
                                                    f"this site's {decision.members}, which failed"))

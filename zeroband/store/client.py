@@ -3,7 +3,10 @@
 - `tcp://host:port`: a c10d TCPStore whose server runs inside one process (`is_host`). Cheap and
   dependency-free, but a single point of failure: when the host site dies no group can be formed.
 - `etcd://h1:p1,h2:p2,h3:p3[/prefix]`: an EtcdStore on an etcd cluster (a member per site, 3+);
-  it keeps working while a majority of members is up, so surviving sites can still regroup.
+  it keeps working while a majority of members is up, so surviving sites can still regroup. With
+  the run's secret it must be reached with etcd's own access control (`EtcdAccess`: TLS, a client
+  certificate, a user whose role covers the prefix): the membership then trusts that nobody without
+  those credentials deletes a key, and keeps none of the tcp:// store's deletion defences.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ from urllib.parse import urlparse
 
 import torch.distributed as dist
 
-from zeroband.store.etcd import EtcdStore, StoreUnavailable, parse_endpoints
+from zeroband.config import SitesConfig
+from zeroband.store.etcd import EtcdAccess, EtcdStore, StoreUnavailable, parse_endpoints
 from zeroband.store.guard import RETRY_S, Refused, authenticated, challenges
 from zeroband.trust.secret import SECRET_ENV, RunSecret, as_secret, resolve_secret
 
@@ -65,11 +69,13 @@ def store_failures_named(address: str) -> Iterator[None]:
         raise StoreUnreachable(store_gone_message(address, e)) from None
 
 
-def open_store(address: str, is_host: bool, timeout: timedelta, secret: RunSecret | bytes | None = None) -> dist.Store:
+def open_store(address: str, is_host: bool, timeout: timedelta, secret: RunSecret | bytes | None = None,
+               access: EtcdAccess | None = None) -> dist.Store:
     """The store at `address`. `is_host` only matters for tcp:// (that process runs the server).
     `secret`: the run's shared secret (default: $ZEROBAND_SECRET); with one, a tcp:// store's port
     admits only connections that prove it (store/guard.py), and clients reach it through a
-    local forwarder that does, so callers see a plain c10d TCPStore either way."""
+    local forwarder that does, so callers see a plain c10d TCPStore either way. `access`: etcd's
+    credentials (remembered per address: a later open without them, the heartbeat's, uses them)."""
     scheme, sep, rest = address.partition("://")
     if not sep:
         raise ValueError(f"store address {address!r} needs a scheme: tcp://host:port or etcd://h1:p1,h2:p2/prefix")
@@ -77,8 +83,30 @@ def open_store(address: str, is_host: bool, timeout: timedelta, secret: RunSecre
         return _tcp_store(address, is_host, timeout, secret)
     if scheme == "etcd":
         hosts, _, prefix = rest.partition("/")
-        return EtcdStore(parse_endpoints(hosts), prefix.strip("/") or DEFAULT_ETCD_PREFIX, timeout)
+        access = _ACCESS.setdefault(address, access) if access is not None else _ACCESS.get(address)
+        if access is None and secret is not None:
+            raise StoreUnreachable(f"store {address}: a run with a shared secret reaches etcd only with etcd's own access "
+                                   "control (anyone else could delete its keys); set sites.etcd_ca_file, "
+                                   "etcd_cert_file/etcd_key_file and etcd_user/etcd_password_file (README, multi-site "
+                                   "runs on etcd), or sites.insecure = true on a trusted network")
+        return EtcdStore(parse_endpoints(hosts), prefix.strip("/") or DEFAULT_ETCD_PREFIX, timeout, access=access)
     raise ValueError(f"store address {address!r}: unknown scheme {scheme!r} (use tcp:// or etcd://)")
+
+
+def etcd_access(sites: SitesConfig) -> EtcdAccess | None:
+    """The etcd credentials `sites` names (checked by the config), or None without any."""
+    if sites.etcd_ca_file is None:
+        return None
+    return EtcdAccess(sites.etcd_ca_file, sites.etcd_cert_file, sites.etcd_key_file, sites.etcd_user,
+                      sites.etcd_password)
+
+
+def guards_keys(store: dist.Store) -> bool:
+    """Whether the store itself keeps everyone without the run's credentials from writing or deleting
+    its keys: etcd (with its access control; `open_store` refuses it without, unless the run is
+    insecure and nothing is authenticated anyway). Then the membership keeps none of its deletion
+    defences (write-backs, storm rules) and uses the store's leases and watches."""
+    return isinstance(store, EtcdStore)
 
 
 def _tcp_store(address: str, is_host: bool, timeout: timedelta, secret: RunSecret | bytes | None) -> dist.TCPStore:
@@ -96,6 +124,7 @@ def _tcp_store(address: str, is_host: bool, timeout: timedelta, secret: RunSecre
 
 
 _SECRETS: dict[tuple[str, int], RunSecret] = {}
+_ACCESS: dict[str, EtcdAccess] = {}  # etcd address -> the credentials this process first opened it with
 
 
 def guard_key(secret: RunSecret) -> bytes:

@@ -11,16 +11,26 @@ under `dist.PrefixStore` and `dist.ProcessGroupGloo`, whose rendezvous uses set/
 Layout in etcd, under the root prefix R (from `etcd://.../R`):
   R/kv/<key>            the store's keys, values as raw bytes
   R/add-receipts/<id>   the last `add` of one store instance: makes a retried add exactly-once
+
+Beyond c10d's API, what membership needs of etcd itself: leases (`grant`, `keepalive`, `revoke`,
+`set(..., lease=)`: a key that vanishes when its owner stops renewing it), write-once by
+transaction (`compare_set` with an empty expected value: `create_revision == 0`), and
+`wait_change`: a watch of a key range from the revision the caller last read, so waits wake on a
+change instead of polling. Access (`EtcdAccess`): TLS with a client certificate and a user whose
+role covers R/ only (zeroband/tools/etcd_access.py sets a cluster up that way).
 """
 
 from __future__ import annotations
 
 import base64
+import json
+import math
 import os
 import threading
 import time
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -36,6 +46,22 @@ class StoreTimeout(dist.DistStoreError):
 
 class StoreUnavailable(dist.DistStoreError):
     """No etcd endpoint answered within the retry budget (a majority of members is down)."""
+
+
+class StoreRefused(dist.DistStoreError):
+    """etcd refused this client: wrong user or password, or a role without access to the prefix."""
+
+
+@dataclass(frozen=True)
+class EtcdAccess:
+    """How a site proves itself to the etcd cluster: TLS against `ca_file` (the members' CA) with its
+    client certificate, and etcd's authentication as `user` (the gateway ignores certificate names)."""
+
+    ca_file: str
+    cert_file: str | None = None
+    key_file: str | None = None
+    user: str | None = None
+    password: str | None = field(default=None, repr=False)
 
 
 def _b64(data: str | bytes) -> str:
@@ -54,24 +80,31 @@ def _prefix_end(prefix: bytes) -> bytes:
 class _Endpoints:
     """HTTP clients for every etcd member; posts to one and fails over to the next on errors."""
 
-    def __init__(self, endpoints: Sequence[tuple[str, int]], request_timeout: float, retry_s: float) -> None:
+    def __init__(self, endpoints: Sequence[tuple[str, int]], request_timeout: float, retry_s: float,
+                 access: EtcdAccess | None = None) -> None:
         if not endpoints:
             raise ValueError("EtcdStore needs at least one endpoint")
-        self.endpoints = list(endpoints)
+        self.endpoints, self.access = list(endpoints), access
         self.request_timeout = request_timeout
         self.retry_s = retry_s
         self._current = 0
         self._lock = threading.Lock()
+        self.revision = 0  # the newest store revision any reply carried
+        self.floor: int | None = None  # the revision of the first reply since the last wait_change
         self._connect()
 
     def _connect(self) -> None:
         from etcd3gw.client import Etcd3Client  # optional dependency: only etcd:// stores need it
 
+        a = self.access
+        tls = {} if a is None else {"protocol": "https", "ca_cert": a.ca_file, "cert_cert": a.cert_file,
+                                    "cert_key": a.key_file}
         # Fixed api_path: 3.4+ serves /v3/, and auto-discovery would cost a request per member.
-        self._clients = [
-            Etcd3Client(host, port, api_path="/v3/", timeout=self.request_timeout) for host, port in self.endpoints
-        ]
-        self._pid = os.getpid()
+        self._clients = [Etcd3Client(host, port, api_path="/v3/", timeout=self.request_timeout, **tls)  # type: ignore[arg-type]
+                         for host, port in self.endpoints]
+        for client in self._clients:  # the CA is ours: $REQUESTS_CA_BUNDLE (or a proxy) must not replace it
+            client.session.trust_env = False
+        self._pid, self._token = os.getpid(), ""
 
     def post(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
         if os.getpid() != self._pid:  # a forked child must not share the parent's pooled sockets
@@ -82,16 +115,71 @@ class _Endpoints:
             with self._lock:
                 index = self._current
             try:
-                return self._clients[index].post(self._clients[index].get_url(path), json=payload)
+                if self.access is not None and self.access.user and not self._token:
+                    self._authenticate(index)
+                reply = self._clients[index].post(self._clients[index].get_url(path), json=payload)
+                self._seen(reply)
+                return reply
             except _retryable() as e:
                 failures += 1
                 self._advance(index)
                 if time.monotonic() > deadline:
                     raise StoreUnavailable(
-                        f"no etcd member of {self._names()} answered {path} for {self.retry_s:.0f} s: {e}"
+                        f"no etcd member of {self._names()} answered {path} for {self.retry_s:.0f} s: {_detail(e)}"
                     ) from e
                 if failures % len(self._clients) == 0:  # every member failed: wait out a leader election
                     time.sleep(min(0.05 * failures, 0.5))
+            except _refusals() as e:
+                if not self._token or "invalid auth token" not in _detail(e) or time.monotonic() > deadline:
+                    raise StoreRefused(f"etcd {self._names()} refused {path}: {_detail(e)} (check sites.etcd_user, "
+                                       "its password and its role's access to the run's prefix)") from None
+                # a restarted member forgot its tokens, or has not applied a new one yet: a new
+                # token, and the next member (a lagging one catches up meanwhile)
+                self._token = ""
+                self._advance(index)
+                time.sleep(0.05)
+
+    def _authenticate(self, index: int) -> None:
+        """A token for the run's user, sent with every later request (to every member). Its own
+        timeout: the password check is a bcrypt, seconds on a loaded member."""
+        assert self.access is not None
+        for client in self._clients:  # an old token in the request would fail it ("invalid auth token")
+            client.session.headers.pop("Authorization", None)
+        client = self._clients[index]
+        body = {"name": self.access.user, "password": self.access.password or ""}
+        reply = client.session.post(client.get_url("/auth/authenticate"), json=body, timeout=10 * self.request_timeout)
+        if reply.status_code != 200:
+            raise StoreRefused(f"etcd {self._names()} refused user {self.access.user!r}: {_detail(reply.text)} "
+                               "(check sites.etcd_user and sites.etcd_password_file)")
+        self._token = reply.json()["token"]
+        for client in self._clients:
+            client.session.headers["Authorization"] = self._token
+
+    def _seen(self, reply: dict[str, Any]) -> None:
+        revision = int(reply.get("header", {}).get("revision", 0))
+        self.revision = max(self.revision, revision)
+        if self.floor is None and revision:
+            self.floor = revision
+
+    def watch(self, key: bytes, end: bytes, timeout_s: float) -> None:
+        """Return at the first change to [key, end) after the revision of the first reply since the
+        last call (so nothing read since then can have changed unseen), or after `timeout_s`. One
+        streamed request to the current member; any failure returns at once (the caller's next read
+        fails over)."""
+        start, self.floor = (self.floor if self.floor is not None else self.revision) + 1, None
+        client = self._clients[self._current]
+        body = {"create_request": {"key": _b64(key), "range_end": _b64(end), "start_revision": str(start)}}
+        try:
+            with client.session.post(client.get_url("/watch"), json=body, stream=True,
+                                     timeout=(self.request_timeout, max(timeout_s, 0.01))) as reply:
+                buffer = b""
+                for chunk in reply.iter_content(chunk_size=None):
+                    buffer += chunk
+                    *lines, buffer = buffer.split(b"\n")
+                    if any(_woken(line) for line in lines):
+                        return
+        except Exception:  # a read timeout (nothing changed), or the member is gone
+            time.sleep(min(timeout_s, 0.02))
 
     def _advance(self, failed: int) -> None:
         with self._lock:
@@ -100,6 +188,31 @@ class _Endpoints:
 
     def _names(self) -> str:
         return ",".join(f"{h}:{p}" for h, p in self.endpoints)
+
+
+def _woken(line: bytes) -> bool:
+    """Whether one message of a watch stream reports a change (or a compaction: re-read anyway)."""
+    if not line.strip():
+        return False
+    result = json.loads(line).get("result", {})
+    return bool(result.get("events") or result.get("compact_revision") or result.get("canceled"))
+
+
+def _refusals() -> tuple[type[BaseException], ...]:
+    """What etcd answers a request it refuses (caught after `_retryable`'s): a token it does not
+    know (a restarted member's simple tokens are gone), a bad password, a role without access."""
+    from etcd3gw import exceptions
+
+    return (exceptions.Etcd3Exception,)
+
+
+def _detail(error: BaseException | str) -> str:
+    """etcd's own words for an error (its JSON "error" field), else the error's text."""
+    text = error if isinstance(error, str) else getattr(error, "detail_text", "") or str(error)
+    try:
+        return str(json.loads(text).get("error", text))
+    except (ValueError, AttributeError):
+        return str(text).strip()
 
 
 def _retryable() -> tuple[type[BaseException], ...]:
@@ -125,6 +238,7 @@ class EtcdStore(dist.Store):
         timeout: timedelta = DEFAULT_TIMEOUT,
         request_timeout: float = 1.0,
         retry_s: float = 30.0,
+        access: EtcdAccess | None = None,
     ) -> None:
         # request_timeout bounds one HTTP request. While raft has no leader a live follower holds
         # requests, so after the leader dies the first write takes about this long (docs/results/store.md);
@@ -134,7 +248,7 @@ class EtcdStore(dist.Store):
         self.set_timeout(timeout)
         self.prefix = prefix.strip("/")
         self._kv = f"{self.prefix}/kv/".encode()
-        self._net = _Endpoints(endpoints, request_timeout, retry_s)
+        self._net = _Endpoints(endpoints, request_timeout, retry_s, access)
         self._add_lock = threading.Lock()
         self._receipt_owner = -1  # pid the receipt id belongs to; re-drawn after fork
         self._receipt_id = ""
@@ -145,8 +259,9 @@ class EtcdStore(dist.Store):
 
     # ---- c10d Store API -------------------------------------------------------------------------
 
-    def set(self, key: str, value: str | bytes) -> None:
-        self._net.post("/kv/put", {"key": _b64(self._k(key)), "value": _b64(value)})
+    def set(self, key: str, value: str | bytes, lease: str | None = None) -> None:
+        """`lease`: the key vanishes when that lease expires or is revoked (`grant`)."""
+        self._net.post("/kv/put", {"key": _b64(self._k(key)), "value": _b64(value), **({"lease": lease} if lease else {})})
 
     def get(self, key: str) -> bytes:
         return self._wait_values([key], self.timeout)[0]  # type: ignore[attr-defined]  # torch's Store stub lacks the timeout property
@@ -155,7 +270,7 @@ class EtcdStore(dist.Store):
         self._wait_values(keys, self.timeout if timeout is None else timeout)  # type: ignore[attr-defined]  # torch's Store stub lacks the timeout property
 
     def check(self, keys: list[str]) -> bool:
-        return all(v is not None for v in self._read_many(keys))
+        return all(v is not None for v in self.read_many(keys))
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
         return self._wait_values(keys, self.timeout)  # type: ignore[attr-defined]  # torch's Store stub lacks the timeout property
@@ -205,12 +320,31 @@ class EtcdStore(dist.Store):
                                              "keys_only": True})
         return [_unb64(kv["key"])[len(self._kv):].decode() for kv in reply.get("kvs", [])]
 
+    # ---- etcd's own primitives ------------------------------------------------------------------
+
+    def grant(self, ttl_s: float) -> str:
+        """A new lease of `ttl_s` (rounded up to whole seconds); its id."""
+        return str(self._net.post("/lease/grant", {"TTL": max(1, math.ceil(ttl_s))})["ID"])
+
+    def keepalive(self, lease: str) -> bool:
+        """Renew `lease`; False once it has expired (its keys are gone)."""
+        return int(self._net.post("/lease/keepalive", {"ID": lease}).get("result", {}).get("TTL", 0)) > 0
+
+    def revoke(self, lease: str) -> None:
+        self._net.post("/kv/lease/revoke", {"ID": lease})
+
+    def wait_change(self, prefix: str, timeout_s: float) -> None:
+        """Block until a key under `prefix` changes (created, overwritten, deleted, expired), at most
+        `timeout_s`: see `_Endpoints.watch` for why nothing read before is missed."""
+        start = self._k(prefix)
+        self._net.watch(start, _prefix_end(start) if prefix else _prefix_end(self._kv), timeout_s)
+
     # ---- helpers --------------------------------------------------------------------------------
 
     def _k(self, key: str) -> bytes:
         return self._kv + key.encode()
 
-    def _read_many(self, keys: list[str]) -> list[bytes | None]:
+    def read_many(self, keys: list[str]) -> list[bytes | None]:
         """Current values (None where missing), read in transactions: one round trip per
         _TXN_OPS keys (etcd refuses transactions of more than 128 operations by default)."""
         out: list[bytes | None] = []
@@ -222,12 +356,12 @@ class EtcdStore(dist.Store):
         return out
 
     def _wait_values(self, keys: list[str], timeout: timedelta) -> list[bytes]:
-        """Poll until every key exists. Polling (5 -> 50 ms) rather than watches: it needs no
-        long-lived stream, so it fails over between members like any other request."""
+        """Read; until every key exists, wait for a change under their common prefix (a watch from
+        the read's revision: a short request each, so it fails over like any other) and read again."""
         deadline = time.monotonic() + timeout.total_seconds()
-        delay = 0.005
+        common = os.path.commonprefix(keys)
         while True:
-            values = self._read_many(keys)
+            values = self.read_many(keys)
             if all(v is not None for v in values):
                 return values  # type: ignore[return-value]
             if time.monotonic() >= deadline:
@@ -236,8 +370,7 @@ class EtcdStore(dist.Store):
                     f"EtcdStore: key(s) {missing} not set within {timeout.total_seconds():g} s "
                     f"(etcd prefix {self.prefix!r} on {self._net._names()})"
                 )
-            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
-            delay = min(delay * 1.5, 0.05)
+            self.wait_change(common, min(1.0, max(0.0, deadline - time.monotonic())))
 
     def _next_receipt(self) -> tuple[bytes, str]:
         if self._receipt_owner != os.getpid():  # forked: the parent's id and sequence are not ours
