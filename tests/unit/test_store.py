@@ -15,6 +15,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -132,6 +133,14 @@ def _hosted_guard(secret: bytes | None) -> tuple[dist.TCPStore, int, subprocess.
     return host, port, client._GUARDS[-1]
 
 
+def _wait_stopped(pid: int, timeout_s: float = 10.0) -> None:
+    """Until the process's state (the field after the command in /proc/PID/stat) reads stopped."""
+    deadline = time.monotonic() + timeout_s
+    while Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "T":
+        assert time.monotonic() < deadline, f"process {pid} did not stop within {timeout_s} s"
+        time.sleep(0.01)
+
+
 def test_what_listens_is_told_by_its_answer_never_by_its_silence():
     from zeroband.store.guard import challenges
 
@@ -145,6 +154,7 @@ def test_what_listens_is_told_by_its_answer_never_by_its_silence():
         assert challenges(("127.0.0.1", bare.port)) is False
         assert challenges(("127.0.0.1", silent.getsockname()[1]), timeout_s=0.5) is None  # unknown, not "no"
         os.kill(keyed_guard.pid, signal.SIGSTOP)  # a guard on a loaded machine: silent for a while
+        _wait_stopped(keyed_guard.pid)  # kill() returns before the signal is delivered
         assert challenges(("127.0.0.1", keyed_port), timeout_s=0.5) is None
     finally:
         os.kill(keyed_guard.pid, signal.SIGCONT)
