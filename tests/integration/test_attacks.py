@@ -118,7 +118,10 @@ def test_bytes_altered_replayed_or_cut_on_the_wire_stop_the_receiver_with_a_pyth
     (never an abort, never a value taken from it); every round it completed before is exact."""
     out = _wire(2, f"wire-{how}@1", rounds=3)
     error = out[0].get("error", "")
-    assert "connection to site 1: a TLS record failed authentication" in error, error
+    # a lost chunk with nothing after it (the relay may read the last rounds' records as one chunk)
+    # leaves no record to fail: the receiver then sees the stream end mid-message, which it names so
+    cut = how == "drop" and "connection to site 1: closed by the peer" in error
+    assert cut or "connection to site 1: a TLS record failed authentication" in error, error
     assert len(out[0]["rounds"]) < 3
     for k, (got, _, _) in enumerate(out[0]["rounds"]):
         assert all(torch.equal(a, b) for a, b in zip(got, out[1]["rounds"][k][0]))
