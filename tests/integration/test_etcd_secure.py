@@ -74,8 +74,11 @@ CHAOS_SITES, CHAOS_STEPS = 3, 40
 # slot comes back at once (two joins). Site 0 holds the run meanwhile; min_sites = 2 keeps it from
 # racing to the end alone before they are back.
 CHAOS_FAULTS = "site2:step10:inner:kill,site1:step12:inner:term"
-ETCD_RESTARTS_AT_S = (8.0, 14.0, 20.0, 26.0, 32.0)  # members 0, 1, 2, 0, 1: each down ETCD_DOWN_S
-ETCD_DOWN_S = 2.0
+# Members 0, 1, 2, 0, 1 are killed when site 0 (never faulted) reaches these inner steps, each down
+# ETCD_DOWN_S and back in the raft before the next: paced by the run, not the clock, so a fast run
+# cannot end before its faults (it did, at 19 s, when they were set in seconds).
+ETCD_RESTARTS_AT_STEP = (4, 9, 16, 23, 30)
+ETCD_DOWN_S = 1.0
 
 
 def _chaos_site(tree: dict) -> dict:
@@ -104,17 +107,23 @@ def _chaos_site(tree: dict) -> dict:
     return {**_train(tree), "ends": ends}
 
 
-def member_restarts(cluster: EtcdCluster, stop: threading.Event, log: list[str]) -> None:
-    """Kill and restart etcd members on the ETCD_RESTARTS_AT_S schedule (a thread of the test)."""
+def member_restarts(cluster: EtcdCluster, progress: Path, stop: threading.Event, log: list[str]) -> None:
+    """Kill and restart etcd members as the run reaches ETCD_RESTARTS_AT_STEP (a thread of the test);
+    `progress` is the metrics file of the site that no fault touches."""
+    from tests import chaos
+
     began = time.monotonic()
-    for i, at in enumerate(ETCD_RESTARTS_AT_S):
-        if stop.wait(max(0.0, at - (time.monotonic() - began))):
-            return
-        member = i % len(cluster.members)
+    for i, at in enumerate(ETCD_RESTARTS_AT_STEP):
+        while chaos.last_step(progress) < at:
+            if stop.wait(0.05):
+                return
+        member, step = i % len(cluster.members), chaos.last_step(progress)
         cluster.kill(member)
         stop.wait(ETCD_DOWN_S)
         cluster.start(member)
-        log.append(f"{time.monotonic() - began:.0f}s etcd member {member} killed and restarted")
+        log.append(f"{time.monotonic() - began:.0f}s etcd member {member} killed at step {step} and restarted")
+        while not stop.is_set() and not cluster.healthy(member):
+            time.sleep(0.05)
 
 
 @pytest.mark.slow
@@ -130,7 +139,8 @@ def test_chaos_on_secure_etcd(corpus, tmp_path, secure_cluster):
                         dead_after_s=3.0, log_checksum=True, sites={"insecure": False, **secure_cluster.access()})
     tree["checkpoint"] = {"interval": 10, "keep_last": 10}
     stop, log = threading.Event(), []
-    restarts = threading.Thread(target=member_restarts, args=(secure_cluster, stop, log), daemon=True)
+    progress = tmp_path / "t" / "site0" / "metrics.jsonl"
+    restarts = threading.Thread(target=member_restarts, args=(secure_cluster, progress, stop, log), daemon=True)
     began = time.monotonic()
     restarts.start()
     try:
@@ -143,7 +153,7 @@ def test_chaos_on_secure_etcd(corpus, tmp_path, secure_cluster):
     ends = [e for s in range(CHAOS_SITES) for e in out[(s, 0)]["ends"]]
     print(f"chaos on TLS + auth etcd in {took:.0f} s: sites {ends}; " + "; ".join(log))
     assert ends == ["left at step 12", "killed"], ends
-    assert 2 * len(ends) + len(log) >= 8, (ends, log)  # each end and its join, each member lost and back
+    assert len(log) == len(ETCD_RESTARTS_AT_STEP), log  # each member lost and back, during the run
     assert all(out[(s, 0)]["steps"] == CHAOS_STEPS for s in range(CHAOS_SITES)), out
     metrics = [tmp_path / "t" / f"site{i}" / "metrics.jsonl" for i in range(CHAOS_SITES)]
     rejoined = {s for d in chaos.read_decisions(metrics) if d.round >= 5 for s in d.fresh}  # the kill: step 10
