@@ -200,6 +200,39 @@ def test_an_arrival_deleted_at_each_read_is_never_taken_for_a_foreign_one():
         incarnation_prefix(store, "run/", 0, 2, timeout_s=ADMIT_REFUSE_S + 2, key=key)
 
 
+def test_a_value_deleted_between_the_wait_and_the_read_of_a_get_is_waited_for():
+    """Unit (trust/signed.py `wait_and_read`): c10d's get waits for the key, then reads it, and a key
+    deleted between the two reads as b"". SignedStore.get and SealedStore.get (the gloo rendezvous)
+    refused that as a forged value: under the elastic deletion storm on a loaded machine, sites
+    stopped with ForgedValue on a data-ledger key (membership/data.py reads positions with get).
+    An outsider deletes the key and its owner writes it back, in a tight loop: every get now
+    returns the value."""
+    import threading
+
+    from zeroband.trust.signed import SealedStore, SignedStore
+
+    server, client = _tcp_store()
+    key, stop = b"k" * 32, threading.Event()
+    sealed = SignedStore(server, key).seal("p/ledger/r1/s0/k0", "12,0")
+    writer = client()
+
+    def storm() -> None:
+        while not stop.is_set():
+            writer.set("p/ledger/r1/s0/k0", sealed)
+            writer.delete_key("p/ledger/r1/s0/k0")
+
+    thread = threading.Thread(target=storm, daemon=True)
+    thread.start()
+    try:
+        signed, rendezvous = SignedStore(client(), key), SealedStore(client(), key)
+        for _ in range(100):
+            assert signed.get("p/ledger/r1/s0/k0") == b"12,0"
+            assert rendezvous.get("p/ledger/r1/s0/k0") == b"12,0"
+    finally:
+        stop.set()
+        thread.join()
+
+
 def test_the_republisher_connects_in_the_caller_and_stop_leaves_nothing_in_flight():
     """Unit (issue 23, a launched fixed site aborted at exit: "terminate called without an active
     exception"): the start's Republisher used to connect from its daemon thread, where a c10d connect

@@ -78,6 +78,21 @@ class ForgedValue(TrustError):
 ABSENT, NEVER = b"\x00zeroband-absent", b"\x00zeroband-never"  # a read-only compare_set's expected / desired
 
 
+def wait_and_read(store: dist.Store, key: str) -> bytes:
+    """`store.get(key)`, never b"" for a key deleted meanwhile. c10d's get waits for the key, then reads
+    it: a TCPStore key deleted between the two (a deletion storm, its writer putting it back) reads as
+    b"", which no sealed value is, and was refused as forged (ForgedValue: the storm test's sites
+    stopped on a data-ledger key). Such a read means "not yet": value and presence are read again
+    together, and a key still absent is waited for again (each wait within the store's timeout)."""
+    raw = store.get(key)
+    while raw == b"":
+        now = store.compare_set(key, ABSENT, NEVER)  # type: ignore[arg-type]  # a read that never writes (SignedStore.lookup); the stub says str, c10d takes bytes
+        if now != ABSENT:
+            return now  # there: written back since, or an empty value really written (insecure runs)
+        raw = store.get(key)
+    return raw
+
+
 class SignedStore:
     """Wraps a c10d store (TCPStore, EtcdStore, PrefixStore) for the protocol's own keys."""
 
@@ -131,7 +146,7 @@ class SignedStore:
         return all(self.read(k) is not None for k in keys)
 
     def get(self, key: str) -> bytes:
-        value = self.open(key, self.store.get(key))
+        value = self.open(key, wait_and_read(self.store, key))
         if value is None:
             raise ForgedValue(f"store key {key!r} holds a value without a valid HMAC")
         return value
@@ -168,7 +183,7 @@ class SealedStore(dist.Store):
         self.signed.set(key, value)
 
     def get(self, key: str) -> bytes:
-        value = self.signed.open(key, self.signed.store.get(key))
+        value = self.signed.open(key, wait_and_read(self.signed.store, key))
         if value is None:
             raise ForgedValue(f"global-group rendezvous key {key!r} was written without the shared secret: a site "
                               "holds another secret (or an outsider took its slot); check ZEROBAND_SECRET on every site")
