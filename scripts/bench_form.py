@@ -132,8 +132,10 @@ def run_once(args: argparse.Namespace, tree: Path, size: int) -> dict[str, Any]:
                                   env={**os.environ, **wan.env(i), "PYTHONPATH": str(tree)},
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for i in range(size)]
         outs = [p.communicate(timeout=600)[0] for p in procs]
-    if any(p.returncode for p in procs):
-        raise RuntimeError("\n".join(outs))
+    if any(p.returncode for p in procs):  # a losing row is kept: what the first failing site said last
+        site = next(i for i, p in enumerate(procs) if p.returncode)
+        last = [line for line in outs[site].splitlines() if line.strip()][-1:]
+        return {"failed": f"site {site}: {last[0] if last else 'exit ' + str(procs[site].returncode)}"}
     rows = [[json.loads(line) for line in out.splitlines() if line.startswith("{")] for out in outs]
     row: dict[str, Any] = {"per_site": rows}
     for k, name in ((0, "first"), (1, "again")):
@@ -164,11 +166,15 @@ def main(argv: list[str] | None = None) -> None:
     table = []
     for name in trees:
         for size in sorted({r["sites"] for r in results["runs"]}):
-            rs = [r for r in results["runs"] if r["tree"] == name and r["sites"] == size]
+            rs = [r for r in results["runs"] if r["tree"] == name and r["sites"] == size and "failed" not in r]
+            failed = [r["failed"] for r in results["runs"] if r["tree"] == name and r["sites"] == size and "failed" in r]
+            if not rs:
+                table.append([name, size, *["failed"] * 4, "", f"0 of {len(failed)}: {failed[0]}"])
+                continue
             table.append([name, size, *(f"{statistics.fmean(r[m] for r in rs):.2f} ({min(r[m] for r in rs):.2f}-"
                                        f"{max(r[m] for r in rs):.2f})" for m in ("first_s", "first_probe_s",
                                                                                  "again_s", "again_probe_s")),
-                          ",".join(str(s) for s in rs[-1]["first_streams"]), len(rs)])
+                          ",".join(str(s) for s in rs[-1]["first_streams"]), f"{len(rs)} of {len(rs) + len(failed)}"])
     md = "\n".join([
         "## Group formation over a long link", "",
         f"`{results['command']}`: sites in the WAN emulator at {args.rate_mbit:g} Mbit/s per uplink, "

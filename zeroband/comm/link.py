@@ -152,17 +152,21 @@ def dial_streams(streams: int | str, probe_s: float, known: LinkProbe | None = N
     return known.chosen if known is not None and known.chosen else MAX_STREAMS
 
 
-REPROBE_RATIO = 0.5  # a link whose round trip moved by more than this share of the last probe's is probed again
-REPROBE_FLOOR_S = 0.005  # ... or by more than this (a loopback's or LAN's round trip is mostly noise)
+REPROBE_RATIO = 2.0  # a link whose round trip moved by more than this factor since its last probe is probed again
+REPROBE_FLOOR_S = 0.005  # ... and by more than this (a loopback's or LAN's round trip is mostly noise)
 
 
 def still_measured(known: LinkProbe | None, rtt_s: float | None, streams: int) -> bool:
     """Whether the last probe of a link still describes it, so the group skips the probe: it was
     made on the `streams` connections held now, and the round trip seen when dialing them
-    (`rtt_s`, the fastest TCP connect) is within REPROBE_RATIO (or REPROBE_FLOOR_S) of its minimum."""
+    (`rtt_s`, the fastest TCP connect) is within a factor REPROBE_RATIO of its minimum (or within
+    REPROBE_FLOOR_S of it). A factor, not a share: a connect made while the group's other
+    handshakes queue on the same uplinks, or on a busy host, reads high; the wait bounds'
+    sites.wait_factor (3) covers a link that is up to that much slower than measured."""
     if known is None or rtt_s is None or (known.chosen or known.streams) != streams:
         return False
-    return abs(rtt_s - known.rtt_min_s) <= max(REPROBE_RATIO * known.rtt_min_s, REPROBE_FLOOR_S)
+    low, high = known.rtt_min_s / REPROBE_RATIO, known.rtt_min_s * REPROBE_RATIO
+    return low - REPROBE_FLOOR_S <= rtt_s <= high + REPROBE_FLOOR_S
 
 
 def probe_seconds(rtt_s: float, cap_s: float) -> float:
