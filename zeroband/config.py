@@ -423,8 +423,9 @@ class SitesConfig(Section):
     # cut into this many slices sent at once, to fill a long fat link; the bytes and results are the same.
     # "auto": per peer, those that cover the probed bandwidth-delay product (comm/link.py choose_streams).
     streams: int | Literal["auto"] = "auto"
-    # Longest timed transfer of the link probe each global group runs when it connects (at start, and
-    # per elastic generation); 0: no probe (waits keep timeout_s; "auto" streams: 1).
+    # Longest timed transfer of the link probe a global group runs when it connects; a link this
+    # process probed before is probed again only when its round trip moved by more than half (so an
+    # elastic generation or a resume costs no probe). 0: no probe (waits keep timeout_s; "auto": 1 stream).
     probe_s: float = Field(3.0, ge=0, le=60)
     # A wait's bound from the measured link (zeroband/comm/link.py wait_bound): wait_factor x the
     # payload's transfer time + a few RTTs, never under timeout_floor_s nor over timeout_s (the ceiling wins).

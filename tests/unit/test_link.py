@@ -25,6 +25,7 @@ from zeroband.comm.link import (
     kernel_window,
     probe,
     probe_seconds,
+    still_measured,
     streams_for,
     throughput,
     transfer_rates,
@@ -136,7 +137,7 @@ def test_probe_refuses_a_stranger_that_sends_garbage() -> None:
     a, b = socket.socketpair()
     b.settimeout(5)
     a.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + bytes(100))
-    with pytest.raises(ProbeError, match="the peer sent something else than a 'H' message"):
+    with pytest.raises(ProbeError, match="the peer sent something else than a 'H' or 'K' message"):
         probe([b], initiator=False)
     a.close()
     b.close()
@@ -205,3 +206,14 @@ def test_streams_auto_is_the_default_and_a_bad_value_is_one_line() -> None:
         load_config("configs/demo_diloco.toml", ["--sites.streams", "many"])
     problems = str(e.value).splitlines()[1:]
     assert len(problems) == 1 and 'sites.streams: Value error, use "auto"' in problems[0], e.value
+
+
+def test_a_probe_is_taken_again_only_while_the_round_trip_holds_on_the_same_streams() -> None:
+    known = LinkProbe(0.2, 0.2, 5, 16, 4 << 20, 10 << 20, 2.0, 5e7, 6e7, chosen=4)
+    assert still_measured(known, 0.21, 4) and still_measured(known, 0.11, 4) and still_measured(known, 0.39, 4)
+    assert not still_measured(known, 0.45, 4) and not still_measured(known, 0.09, 4)  # moved by more than 2x
+    assert not still_measured(known, 0.2, 3)  # other streams than the probe kept
+    assert not still_measured(None, 0.2, 4) and not still_measured(known, None, 4)
+    lan = replace(known, rtt_s=1e-4, rtt_min_s=1e-4)
+    assert still_measured(lan, 4e-3, 4) and not still_measured(lan, 8e-3, 4)  # a floor for tiny round trips
+    assert dial_streams("auto", 3.0, known) == 4 and dial_streams("auto", 3.0) == 16 and dial_streams(2, 3.0, known) == 2

@@ -200,11 +200,13 @@ def test_auto_streams_probe_every_peer_at_connect_and_keep_what_the_link_needs()
     """"auto": 16 connections per peer to probe on (authenticated, the group's key), then the streams
     that cover the measured bandwidth-delay product: on loopback one window does, so 1 is kept and
     the other 15 are closed; both ends of every pair hold the same measurement and choice."""
+    tp._LINKS.clear()  # links other tests of this process measured (they would be taken again)
     a, b = connected(2, "auto", probe_s=0.3)
     assert a.links[1] == b.links[0] and a.links[1].streams == 16 and a.links[1].bytes > 0
     assert a.links[1].chosen == 1 and a.peers[1].streams == b.peers[0].streams == 1
     # three members probe their pairs at once (on 2 shared cores a pair's pings may see the others'
     # transfers: the choice may differ per pair, never between the two ends of one)
+    tp._LINKS.clear()
     group = connected(3, "auto", probe_s=0.3)
     for t in group:
         assert sorted(t.links) == [r for r in range(3) if r != t.rank]
@@ -212,6 +214,21 @@ def test_auto_streams_probe_every_peer_at_connect_and_keep_what_the_link_needs()
     assert group[0].links[1] == group[1].links[0] and group[1].links[2] == group[2].links[1]
     payload = torch.randn(300_000)
     assert torch.equal(exchange(group[2], group[1], payload), payload)
+
+
+def test_a_second_group_takes_the_last_probe_again_and_dials_only_the_streams_it_kept():
+    """An elastic generation or a resume forms a new group in the same process: a link whose round
+    trip has not moved is not probed again (no transfer: the initiator hands its last result
+    over), and "auto" dials the streams that probe kept instead of 16."""
+    tp._LINKS.clear()  # links other tests of this process measured
+    first = connected(2, "auto", probe_s=0.3)
+    assert not first[1].links[0].reused and first[1].links[0].streams == 16
+    a, b = connected(2, "auto", probe_s=0.3)
+    assert a.links[1] == b.links[0] and b.links[0].reused
+    assert b.links[0].streams == first[1].links[0].streams and b.links[0].chosen == first[1].links[0].chosen
+    assert len(b.rtts[0]) == b.links[0].chosen == a.peers[1].streams == b.peers[0].streams
+    payload = torch.randn(300_000)
+    assert torch.equal(exchange(b, a, payload), payload)
 
 
 def test_a_given_stream_count_is_probed_and_kept():

@@ -183,8 +183,8 @@ def test_every_site_connects_across_a_real_round_trip_under_a_flood(delay_s, rat
             th.join()
         connect_s, refused = time.monotonic() - start, group[0].acceptor.refused - refused
         assert not errors, errors
-        assert connect_s >= 8 * delay_s  # the round trip was real: each of the 2 dials to site 0 crosses the
-        # relay 4 times (ClientHello, the acceptor's flight, the dialer's with the hello, ADMIT) before the next starts
+        assert connect_s >= 4 * delay_s  # the round trip was real: each dial to site 0 (the 2 run at once)
+        # crosses the relay 4 times (ClientHello, the acceptor's flight, the dialer's with the hello, ADMIT)
         assert all(sorted(t.peers) == [r for r in range(3) if r != t.rank] for t in group)
         assert group[0].peers[1].streams == group[0].peers[2].streams == 2
         values = [torch.tensor([1e16, 1.0, -3.5], dtype=torch.float64) * (r + 1) for r in range(3)]

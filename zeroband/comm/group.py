@@ -253,7 +253,7 @@ def connect_transport(store: dist.Store, sealed: dist.Store, prefix: str, rank: 
         keys = {s: f"{prefix}zeroband-transport/{s}" for s in range(size)}
         sealed.set(keys[rank], transport.address)
         wait_keys(store, keys, "connecting the group", timeout_s)  # present; verified by the get below
-        transport.connect({s: sealed.get(k).decode() for s, k in keys.items()})
+        transport.connect(dict(zip(keys, (v.decode() for v in sealed.multi_get(list(keys.values()))))))
     except BaseException:
         transport.close()
         raise

@@ -31,7 +31,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, astuple, dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -141,12 +141,32 @@ class LinkPolicy:
         return cls(sites.streams, sites.probe_s, sites.wait_factor, sites.timeout_floor_s)
 
 
-def dial_streams(streams: int | str, probe_s: float) -> int:
-    """Connections to dial per peer: the given number; for "auto", MAX_STREAMS to probe on (the
-    probe then keeps those that cover the link, `choose_streams`), or 1 when nothing is probed."""
+def dial_streams(streams: int | str, probe_s: float, known: LinkProbe | None = None) -> int:
+    """Connections to dial per peer: the given number; for "auto", those an earlier probe of the
+    link kept (`known`), else MAX_STREAMS to probe on (the probe then keeps those that cover the
+    link, `choose_streams`), or 1 when nothing is probed."""
     if streams != AUTO:
         return int(streams)
-    return MAX_STREAMS if probe_s > 0 else 1
+    if probe_s <= 0:
+        return 1
+    return known.chosen if known is not None and known.chosen else MAX_STREAMS
+
+
+REPROBE_RATIO = 2.0  # a link whose round trip moved by more than this factor since its last probe is probed again
+REPROBE_FLOOR_S = 0.005  # ... and by more than this (a loopback's or LAN's round trip is mostly noise)
+
+
+def still_measured(known: LinkProbe | None, rtt_s: float | None, streams: int) -> bool:
+    """Whether the last probe of a link still describes it, so the group skips the probe: it was
+    made on the `streams` connections held now, and the round trip seen when dialing them
+    (`rtt_s`, the fastest TCP connect) is within a factor REPROBE_RATIO of its minimum (or within
+    REPROBE_FLOOR_S of it). A factor, not a share: a connect made while the group's other
+    handshakes queue on the same uplinks, or on a busy host, reads high; the wait bounds'
+    sites.wait_factor (3) covers a link that is up to that much slower than measured."""
+    if known is None or rtt_s is None or (known.chosen or known.streams) != streams:
+        return False
+    low, high = known.rtt_min_s / REPROBE_RATIO, known.rtt_min_s * REPROBE_RATIO
+    return low - REPROBE_FLOOR_S <= rtt_s <= high + REPROBE_FLOOR_S
 
 
 def probe_seconds(rtt_s: float, cap_s: float) -> float:
@@ -197,6 +217,7 @@ CHUNK = 256 << 10  # bytes per framed piece of the timed transfer
 PING = struct.Struct("!cQ16s")  # kind, sequence, session nonce
 REPORT = struct.Struct("!cQddd16s")  # kind, bytes, seconds, median RTT, steady bits/s, session nonce
 TIMES = struct.Struct("!dd")  # the initiator's median and minimum RTT, told to the responder
+KNOWN = struct.Struct("!ddIIQQdddI")  # an earlier probe's LinkProbe fields, sent in place of a new probe
 FRAME = struct.Struct("!I")  # length of a transfer piece; 0 ends the stream's transfer
 SEND_AHEAD = 64 << 10  # bytes per piece sent, and unsent bytes a stream may hold (_send_for)
 NOTSENT_LOWAT = getattr(socket, "TCP_NOTSENT_LOWAT", 25)  # Linux's value where Python lacks the name
@@ -216,6 +237,7 @@ class LinkProbe:
     throughput_bps: float  # bytes / seconds (includes slow start)
     steady_bps: float  # over the transfer's second half, once TCP has ramped up
     chosen: int = 0  # streams kept afterwards (choose_streams; 0: no choice was made)
+    reused: bool = False  # an earlier probe of this link, taken again (`still_measured`) without a transfer
 
     def link(self) -> Link:
         """The measured link: its rate is the steady throughput (a lower bound of the link's rate
@@ -237,6 +259,8 @@ class LinkProbe:
         }
         if self.chosen:
             rec["streams_used"] = self.chosen
+        if self.reused:
+            rec["reused"] = True
         if payload_bytes is not None:
             rec["payload_bytes"] = payload_bytes
             rec["wait_bound_s"] = wait_bound(payload_bytes, self.link(), factor, floor_s, ceiling_s)
@@ -350,7 +374,7 @@ def transfer_rates(events: list[tuple[float, int]]) -> tuple[int, float, float]:
 
 def probe(streams: Sequence[Stream], initiator: bool, seconds: float = 2.0, pings: int = 5,
           window_bytes: int | None = None, cap_s: float | None = None,
-          choose: Callable[[LinkProbe], int] | None = None) -> LinkProbe:
+          choose: Callable[[LinkProbe], int] | None = None, known: LinkProbe | None = None) -> LinkProbe:
     """Measure the link to one peer; both peers call it at once on the same connected `streams`.
 
     The initiator pings `pings` times on the first stream (RTT), then sends framed pieces on every
@@ -361,15 +385,24 @@ def probe(streams: Sequence[Stream], initiator: bool, seconds: float = 2.0, ping
 
     `cap_s`: the initiator sends for `probe_seconds(RTT, cap_s)` instead of `seconds`. `choose`
     (both sides pass one, or neither): the initiator's choice of streams from the measurement,
-    sent to the responder in a last message; both return it as `chosen`."""
+    sent to the responder in a last message; both return it as `chosen`.
+    `known` (initiator only): an earlier probe of this link that still holds (`still_measured`):
+    sent instead of measuring, in one message, and returned by both sides as `reused`."""
     first, window = streams[0], window_bytes or kernel_window()
     if initiator:
         nonce = secrets.token_bytes(NONCE_BYTES)
+        if known is not None:
+            first.sendall(PING.pack(b"K", len(streams), nonce) + KNOWN.pack(*astuple(known)[:-1]))
+            return replace(known, reused=True)
         first.sendall(PING.pack(b"H", len(streams), nonce))
     else:
-        kind, count, nonce = PING.unpack(_recv(first, PING.size, b"H"))
+        kind, count, nonce = PING.unpack(_recv_exact(first, PING.size))
+        if kind not in (b"H", b"K"):
+            raise ProbeError(f"link probe: the peer sent something else than a 'H' or 'K' message (got {kind!r})")
         if count != len(streams):
             raise ProbeError(f"link probe: the peer probes {count} streams, this side holds {len(streams)}")
+        if kind == b"K":
+            return replace(LinkProbe(*KNOWN.unpack(_recv_exact(first, KNOWN.size))), reused=True)
     rtts = _pings(first, nonce, pings, initiator)
     if initiator:
         rtt, rtt_min = statistics.median(rtts), min(rtts)

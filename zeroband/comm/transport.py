@@ -8,7 +8,9 @@ cross-site groups run on this module instead (stdlib sockets and threads).
 Setup (once per group, i.e. per incarnation or elastic generation; `Transport.connect`):
 - every member listens on the configured address (`listen_host`) with an ephemeral port, published
   through the store (signed with the secret, comm/group.py);
-- for each pair, the higher rank dials the lower one `streams` times (one connection per stream);
+- for each pair, the higher rank dials the lower one once per stream, every stream of every peer at
+  once (`_dial_all`): its hello announces how many it dials, the streams "auto" kept when this
+  process last probed that link, else `streams` (16 for "auto");
 - each connection runs TLS 1.3 with mutual authentication under the group's certificate
   (trust/tls.py: derived from the secret's `transport` subkey bound to the group's prefix: run,
   incarnation, generation, shard), pinned on both ends; then, inside it, the dialer sends HELLO
@@ -62,7 +64,15 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
-from zeroband.comm.link import AUTO, LinkProbe, ProbeError, choose_streams, dial_streams, probe
+from zeroband.comm.link import (
+    AUTO,
+    LinkProbe,
+    ProbeError,
+    choose_streams,
+    dial_streams,
+    probe,
+    still_measured,
+)
 from zeroband.trust.tls import GroupTLS, group_tls
 from zeroband.watchdog import PeerTimeout, TransportError, TransportTimeout
 
@@ -86,6 +96,8 @@ TLS_HANDSHAKE = 0x16  # the first byte of a TLS handshake record (a ClientHello'
 BROADCAST_TAG, ALLREDUCE_TAG = 1 << 40, (1 << 40) + 1  # above every tag of comm/group.py
 PROBE_LIMIT_S = 30.0  # a probe's step may block this long, plus twice sites.probe_s (the transfer's tail)
 JOIN_S = 5.0  # how long closing waits for each of a peer's threads (woken by the shutdown, they end at once)
+MAX_DIAL_STREAMS = 64  # streams a dialer may announce (sites.streams' upper bound)
+DIALS_AHEAD = MAX_PENDING_PER_SOURCE  # handshakes in flight per peer: a dialer fits its address's pending cap
 
 
 # ----------------------------------------------------------------------------------- pure helpers
@@ -98,11 +110,12 @@ def make_hello(src: int, dst: int, stream: int, streams: int) -> bytes:
     return HELLO.pack(MAGIC, src, dst, stream, streams)
 
 
-def check_hello(data: bytes, me: int, size: int, streams: int) -> tuple[int, int] | None:
-    """(source rank, stream) of a well-formed hello to `me`, else None."""
-    magic, src, dst, stream, their_streams = HELLO.unpack(data)
-    ok = magic == MAGIC and dst == me and me < src < size and stream < streams == their_streams
-    return (src, stream) if ok else None
+def check_hello(data: bytes, me: int, size: int) -> tuple[int, int, int] | None:
+    """(source rank, stream, streams it dials) of a well-formed hello to `me`, else None. Each
+    dialer announces its own number of streams: a link probed before dials those it kept."""
+    magic, src, dst, stream, streams = HELLO.unpack(data)
+    ok = magic == MAGIC and dst == me and me < src < size and stream < streams <= MAX_DIAL_STREAMS
+    return (src, stream, streams) if ok else None
 
 
 def slices(total: int, streams: int) -> list[tuple[int, int]]:
@@ -269,9 +282,9 @@ class _Acceptor:
     """Accepts and authenticates connections on one thread (a selector); hands each authenticated
     one to `admit(src, stream, conn)`. See the module docstring for the bounds it keeps."""
 
-    def __init__(self, host: str, tls: GroupTLS | None, me: int, size: int, streams: int,
-                 admit: Callable[[int, int, Conn], None]) -> None:
-        self.tls, self.me, self.size, self.streams, self.admit = tls, me, size, streams, admit
+    def __init__(self, host: str, tls: GroupTLS | None, me: int, size: int,
+                 admit: Callable[[int, int, int, Conn], None]) -> None:
+        self.tls, self.me, self.size, self.admit = tls, me, size, admit
         self.sock = socket.create_server((host, 0), backlog=BACKLOG)
         self.sock.setblocking(False)
         self.address = self.sock.getsockname()[:2]
@@ -314,6 +327,7 @@ class _Acceptor:
             source = peer[0]
             self._evict(to_evict(self._counts(), source))
             conn.setblocking(False)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # no flight of the handshake waits for an ACK
             self.pending[conn] = _Pending(time.monotonic() + HELLO_DEADLINE_S, source, self.tls is not None)
             self.unproven.setdefault(source, OrderedDict())[conn] = None
             self.selector.register(conn, selectors.EVENT_READ)
@@ -379,7 +393,7 @@ class _Acceptor:
 
     def _hello(self, conn: socket.socket, p: _Pending) -> None:
         """A complete hello: admit the connection to its (src, stream) slot, or close it."""
-        who = check_hello(p.data, self.me, self.size, self.streams)
+        who = check_hello(p.data, self.me, self.size)
         if who is None:
             return self._close(conn)
         admit = ADMIT.pack(MAGIC, self.me)
@@ -446,13 +460,21 @@ class _Acceptor:
 
 
 def dial(address: tuple[str, int], tls: GroupTLS | None, me: int, dst: int, stream: int, streams: int,
-         admit_s: float = HELLO_DEADLINE_S) -> Conn:
+         admit_s: float = HELLO_DEADLINE_S, rtts: list[float] | None = None) -> Conn:
     """One authenticated connection to `dst` (the dialer's side), returned once the acceptor said it
     admitted it; raises OSError (ssl.SSLError included) or TransportError when it fails
     (`Transport._dial` then dials again). The TLS handshake and the hello wait HELLO_DEADLINE_S at
     most, ADMIT `admit_s`: an acceptor that drops a connection closes it, which ends the wait at
-    once, so a longer wait only spares a connection the acceptor took but answered late."""
+    once, so a longer wait only spares a connection the acceptor took but answered late.
+    `rtts` gets the TCP connect's seconds: one round trip (SYN, SYN-ACK), which tells whether an
+    earlier probe of the link still holds (comm/link.py `still_measured`)."""
+    t0 = time.perf_counter()
     sock = socket.create_connection(address, timeout=HELLO_DEADLINE_S)
+    if rtts is not None:
+        rtts.append(time.perf_counter() - t0)
+    # the handshake's last flight and the hello are two small writes: Nagle would hold the second
+    # for the first one's ACK, a round trip more per connection
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     try:
         conn: Conn = sock
         if tls is not None:
@@ -654,25 +676,26 @@ class Transport:
             raise ValueError(f"sites.streams={streams}: must be at least 1, or \"auto\"")
         self.rank, self.size, self.timeout_s = rank, size, timeout_s
         self.want, self.probe_s = streams, probe_s  # what the config asked for; the probe's longest transfer
-        self.streams = dial_streams(streams, probe_s)  # connections dialed per peer (those kept: `links`)
+        self.streams = dial_streams(streams, probe_s)  # connections dialed to a peer never probed before
         # sites.insecure (no subkey): plain TCP, with the same bounds; else TLS 1.3 under the group's key
         self.tls = group_tls(group_key(subkey, prefix)) if subkey else None
         self.links: dict[int, LinkProbe] = {}  # peer -> what the probe at `connect` measured
         self.peers: dict[int, _Peer] = {}
         self.accepted: dict[int, dict[int, Conn]] = {}
+        self.announced: dict[int, int] = {}  # higher rank -> the streams it dials (its hello says)
+        self.rtts: dict[int, list[float]] = {}  # lower rank -> its connects' seconds (`dial`)
         self.cond = threading.Condition()
         # The acceptor holds this object weakly, so a group nobody uses any more is collected and its
         # sockets and threads end (as a c10d group's are when it is dropped, e.g. an old generation's).
         admit = weakref.WeakMethod(self._admit)
-        self.acceptor = _Acceptor(host or listen_host(), self.tls, rank, size, self.streams,
-                                  lambda *a: (admit() or _refuse)(*a))
+        self.acceptor = _Acceptor(host or listen_host(), self.tls, rank, size, lambda *a: (admit() or _refuse)(*a))
         self.address = "{}:{}".format(*self.acceptor.address)
         self.close = weakref.finalize(self, _close_all, self.acceptor, self.peers, self.accepted)
 
-    def _admit(self, src: int, stream: int, sock: Conn) -> None:
+    def _admit(self, src: int, stream: int, streams: int, sock: Conn) -> None:
         with self.cond:
-            if src in self.peers:  # the group formed already
-                sock.close()
+            if src in self.peers or self.announced.setdefault(src, streams) != streams:  # formed, or a dialer
+                sock.close()  # that changed its mind: its streams cannot all come now
                 return
             slots = self.accepted.setdefault(src, {})
             if stream in slots:  # only a key holder gets here: its dialer gave up on the older one
@@ -681,24 +704,20 @@ class Transport:
             self.cond.notify_all()
 
     def connect(self, addresses: dict[int, str]) -> None:
-        """Dial every lower rank (`streams` connections each) and wait for every higher one to dial us;
-        raises PeerTimeout naming the sites still missing after `timeout_s`."""
+        """Dial every lower rank (every stream of every peer at once, `_dial_all`) and wait for every
+        higher one to dial us; raises PeerTimeout naming the sites still missing after `timeout_s`."""
         deadline = time.monotonic() + self.timeout_s
         socks: dict[int, list[Conn]] = {}
         try:
-            for dst in range(self.rank):
-                host, port = addresses[dst].rsplit(":", 1)
-                socks[dst] = []
-                for k in range(self.streams):
-                    socks[dst].append(self._dial((host, int(port)), dst, k, deadline))
+            self._dial_all(addresses, deadline, socks)
             with self.cond:
                 while missing := [s for s in range(self.rank + 1, self.size)
-                                  if len(self.accepted.get(s, {})) < self.streams]:
+                                  if len(self.accepted.get(s, {})) < self.announced.get(s, 1 << 30)]:
                     if time.monotonic() > deadline:
                         raise PeerTimeout(self._missing(missing))
                     self.cond.wait(0.1)
                 for src, slots in self.accepted.items():
-                    socks[src] = [slots.pop(k) for k in range(self.streams)]
+                    socks[src] = [slots.pop(k) for k in range(self.announced[src])]
             self._measure(socks)
         except BaseException:
             for conns in socks.values():
@@ -717,10 +736,45 @@ class Transport:
         return (f"connecting the group under a connection flood: this listener refused {self.acceptor.refusals()}, "
                 f"and {waited}")
 
+    def _dial_all(self, addresses: dict[int, str], deadline: float, socks: dict[int, list[Conn]]) -> None:
+        """Every stream to every lower rank, dialed at once (DIALS_AHEAD handshakes in flight per
+        peer): formation costs the few round trips of one handshake, not of one per stream. A peer
+        whose link was probed before gets the streams that probe kept."""
+        jobs: list[tuple[int, tuple[str, int], int, int]] = []
+        for dst in range(self.rank):
+            host, port = addresses[dst].rsplit(":", 1)
+            count = dial_streams(self.want, self.probe_s, _LINKS.get((os.getpid(), host)))
+            socks[dst] = [cast(Conn, None)] * count
+            self.rtts[dst] = []
+            jobs += [(dst, (host, int(port)), k, count) for k in range(count)]
+        errors: dict[int, BaseException] = {}
+        gates = {dst: threading.Semaphore(DIALS_AHEAD) for dst in socks}
+
+        def one(dst: int, address: tuple[str, int], k: int, count: int) -> None:
+            with gates[dst]:
+                try:
+                    socks[dst][k] = self._dial(address, dst, k, count, deadline)
+                except BaseException as e:  # raised below, on the caller's thread
+                    errors.setdefault(dst, e)
+
+        threads = [threading.Thread(target=one, args=job, name=f"zeroband-dial-{job[0]}.{job[2]}", daemon=True)
+                   for job in jobs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for conns in socks.values():
+            conns[:] = [c for c in conns if c is not None]  # what failed: the caller closes the rest
+        if errors:
+            raise errors[min(errors)]
+
     def _measure(self, socks: dict[int, list[Conn]]) -> None:
         """Probe every peer's link at once (comm/link.py `probe`: the higher rank initiates, on every
         dialed stream, inside its TLS session) and keep the streams it chose; the rest
-        are closed. Without a probe (probe_s 0) every dialed stream is kept."""
+        are closed. Without a probe (probe_s 0) every dialed stream is kept. A link probed before
+        by this process whose round trip has not moved (`still_measured`) is not measured again:
+        the initiator hands the earlier result over in one message, so a generation or a resume in
+        a running process forms without the probe's seconds."""
         if self.probe_s <= 0 or not socks:
             return
         results: dict[int, LinkProbe] = {}
@@ -731,8 +785,11 @@ class Transport:
             try:
                 for sock in conns:
                     sock.settimeout(limit)
-                results[peer] = probe(conns, self.rank > peer, cap_s=self.probe_s,
-                                      choose=lambda r: choose_streams(self.want, r))
+                key = (os.getpid(), conns[0].getpeername()[0])
+                rtts = self.rtts.get(peer, [])  # none on the accepting side: the initiator decides
+                known = _LINKS.get(key) if still_measured(_LINKS.get(key), min(rtts, default=None), len(conns)) else None
+                results[peer] = _LINKS[key] = probe(conns, self.rank > peer, cap_s=self.probe_s, known=known,
+                                                    choose=lambda r: choose_streams(self.want, r))
                 for sock in conns:
                     sock.settimeout(None)
             except (OSError, ProbeError) as e:
@@ -755,13 +812,14 @@ class Transport:
                 sock.close()
             del socks[peer][result.chosen:]
 
-    def _dial(self, address: tuple[str, int], dst: int, stream: int, deadline: float) -> Conn:
+    def _dial(self, address: tuple[str, int], dst: int, stream: int, streams: int, deadline: float) -> Conn:
         """Dialed again until the deadline whenever a handshake fails or is not admitted (no ADMIT: the
         listener dropped it, e.g. at its deadline or restarting), so the acceptor never waits on a
         connection its dialer thinks is up."""
         while True:
             try:
-                return dial(address, self.tls, self.rank, dst, stream, self.streams, deadline - time.monotonic())
+                return dial(address, self.tls, self.rank, dst, stream, streams, deadline - time.monotonic(),
+                            self.rtts[dst])
             except (OSError, TransportError) as e:
                 if time.monotonic() > deadline:
                     raise PeerTimeout(f"connecting the group: site {dst} at {address[0]}:{address[1]} refused or "
@@ -816,7 +874,12 @@ def _close_all(acceptor: _Acceptor, peers: dict[int, _Peer], accepted: dict[int,
             sock.close()
 
 
-def _refuse(src: int, stream: int, sock: Conn) -> None:
+# (pid, peer host) -> the last probe of the link to it: what `_measure` may take again; pid: a forked
+# child measures its own links
+_LINKS: dict[tuple[int, str], LinkProbe] = {}
+
+
+def _refuse(src: int, stream: int, streams: int, sock: Conn) -> None:
     sock.close()
 
 
