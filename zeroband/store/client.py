@@ -100,14 +100,6 @@ def etcd_access(sites: SitesConfig) -> EtcdAccess | None:
                       sites.etcd_password)
 
 
-def guards_keys(store: dist.Store) -> bool:
-    """Whether the store itself keeps everyone without the run's credentials from writing or deleting
-    its keys: etcd (with its access control; `open_store` refuses it without, unless the run is
-    insecure and nothing is authenticated anyway). Then the membership keeps none of its deletion
-    defences (write-backs, storm rules) and uses the store's leases and watches."""
-    return isinstance(store, EtcdStore)
-
-
 def _tcp_store(address: str, is_host: bool, timeout: timedelta, secret: RunSecret | bytes | None) -> dist.Store:
     url = urlparse(address)
     if url.hostname is None or url.port is None:
