@@ -174,8 +174,8 @@ class ElasticMembership:
                         "recorded from an earlier launch (its `complete`) can be replayed into this one; `zeroband "
                         "launch` sets it, else export one fresh value on every site at each launch", INCARNATION_ENV,
                         run_name, extra={"event": "incarnation_unset"})
-        # Nobody without the run's credentials deletes a key (store/client.py `open_store`): what we
-        # write stays until we delete it. On etcd liveness is its leases, elsewhere signed beats.
+        # With the secret nobody without the run's credentials deletes a key (store/client.py
+        # `open_store`): what we write stays until we delete it. On etcd liveness is its leases, elsewhere signed beats.
         assert topology.store is not None, "elastic membership needs the coordination store (sites.store)"
         self.store: dist.Store = topology.store
         etcd = topology.store if isinstance(topology.store, EtcdStore) else None

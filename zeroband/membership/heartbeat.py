@@ -7,9 +7,9 @@ to grow at every beat: an observer accepts a beat only if its stamp is newer tha
 accepted from that site, so recorded beats replayed (alternated) keep nobody alive, and a restarted
 site (a later clock) is seen at once.
 
-Nobody without the run's credentials writes or deletes a key (a tcp:// store with the secret
-admits no one else, etcd is reached with its access control, and an insecure run authenticates
-nothing at all), so no beat is ever deleted: a missing beat is one not written yet.
+With the secret nobody without the run's credentials writes or deletes a key (a tcp:// store
+admits no one else, etcd is reached with its access control); an insecure run trusts whoever can
+reach the store. So no beat is deleted: a missing beat is one not written yet.
 
 A site's rank 0 runs `Heartbeat` on its own thread and its own store connection, so a long inner
 step never delays it, while a hung (SIGSTOP) or partitioned site stops bumping. Observers use
@@ -17,9 +17,8 @@ step never delays it, while a hung (SIGSTOP) or partitioned site stops bumping. 
 between sites, so skew cannot fake a death. A site that leaves on purpose writes `leave/<site>`
 and is dead at once, without waiting for `dead_after_s`.
 
-On etcd liveness is etcd's own: the
-same thread (`LeaseHeartbeat`) keeps a lease of `dead_after_s` alive with this site's presence key
-attached, and observers (`LeaseLiveness`) count a site alive while that key exists; its lease
+On etcd liveness is etcd's own: the same thread (`LeaseHeartbeat`) keeps a lease of
+`dead_after_s` alive with this site's presence key attached, and observers (`LeaseLiveness`) count a site alive while that key exists; its lease
 expires (death) or is revoked (leave) and etcd deletes the key. Both observers are a `Presence`:
 what the round protocol asks of liveness, and how it waits for the store to change (`wait`:
 a poll interval on a TCPStore, a watch on etcd).

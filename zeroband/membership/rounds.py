@@ -20,8 +20,8 @@ The store is linearizable (one TCPStore server, or etcd), which is all the agree
 etcd a write-once slot is a transaction (`create_revision == 0`), and waits watch the store. Every
 value is signed with the shared secret (zeroband/trust/signed.py): a forged arrival, member
 list, vote or verdict reads as absent, and an honest site takes a forged write-once slot back.
-Nobody without the run's credentials deletes a key (store/client.py `open_store`), so a write-once
-slot stays written and a value read once stays readable.
+With the secret nobody without the run's credentials deletes a key (store/client.py `open_store`),
+so a write-once slot stays written and a value read once stays readable.
 """
 
 from __future__ import annotations
