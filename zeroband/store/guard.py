@@ -297,9 +297,9 @@ class KeyStore:
                 return
             if verdict == ADMITTED and len(self.clients) >= self.max_clients:
                 verdict = FULL
-            if verdict != ADMITTED:
+            if verdict != ADMITTED:  # a FIN after it, not a reset, which could discard the verdict on its way
                 _send_quietly(conn.sock, verdict)
-                self._close(conn, reset=True)
+                self._close(conn)
                 return
             del self.pending[conn.sock], conn.got[:ANSWER_BYTES]
             conn.admitted = True
