@@ -1,5 +1,5 @@
 """The coordination store under idle connections and member loss: the numbers behind
-zeroband/store/guard.py (why the guard owns the public port) and zeroband/store/etcd.py
+zeroband/store/guard.py (why the tcp:// store is its own server) and zeroband/store/etcd.py
 (`request_timeout`).
 
     python scripts/bench_store.py --out docs/results    # ~2 min on 2 cores; etcd rows need `etcd`
@@ -7,8 +7,8 @@ zeroband/store/guard.py (why the guard owns the public port) and zeroband/store/
 1. Idle connections. A store on loopback with N idle TCP connections open (each connects and
    sends nothing); then a new client (a fresh process) connects and sets a key, given --client-s
    seconds. Timed while the N are open and again once they are closed, against c10d's TCPStore
-   (libuv server) as it is, and against the store zeroband hosts (`host_tcp_store`: the same
-   server behind store/guard.py, no secret). Every store lives in a process of its own, started
+   (libuv server) as it is, and against the store zeroband hosts (`host_tcp_store`: the
+   store process of store/guard.py, no secret). Every store lives in a process of its own, started
    afresh per N: a store that stopped accepting clients stays that way.
 2. etcd leader loss. A 3-member loopback cluster (tests/etcd_cluster.py: 50 ms heartbeat, 500 ms
    election timeout); the raft leader is SIGKILLed and the first write through zeroband's

@@ -384,8 +384,8 @@ class Controller:
 
     def inject_term(self, f: Fault) -> None:
         """SIGTERM to every process group of the site, as SLURM signals a job step: the agent's (as
-        `zeroband launch` does; torchrun passes it on to its ranks' groups) and each rank's, store
-        forwarder included (as torchrun does). The trainer pid alone would spare the forwarder."""
+        `zeroband launch` does; torchrun passes it on to its ranks' groups) and each rank's whole
+        group (as torchrun does), not the trainer pid alone."""
         self.expected_exit[f.site] = f
         site = self.sites[f.site]
         inc = site.current

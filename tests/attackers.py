@@ -261,69 +261,54 @@ class StoreForger:
         return self.writes
 
 
-class StoreDeleter:
-    """An outsider with access to the store (on a guarded tcp:// store: on-path into an authenticated
-    connection, as StoreForger), without the signing keys, that deletes every key under
-    `prefix` every `period_s` (a deletion storm): through a TCPStore client (`tcp://host:port`) or
-    straight through etcd's own API (`etcd://endpoints/root`), as anyone holding etcd credentials
-    could. Runs on a thread of the test process until `stop()`; `deleted` counts the keys it deleted."""
+class StoreOutsider:
+    """Someone on the store's host or network without the run's secret who tries, every `period_s`,
+    to list and delete every key of a `tcp://` store: with a client holding another secret, and
+    with raw requests after a keyless answer (what a store without a secret admits). Runs on a
+    thread of the test process until `stop()`, which returns (refused attempts, keys deleted)."""
 
-    def __init__(self, url: str, prefix: str, period_s: float = 0.2) -> None:
+    def __init__(self, url: str, period_s: float = 0.1) -> None:
         import threading
 
-        self.url, self.prefix, self.period_s, self.deleted = url, prefix, period_s, 0
+        self.url, self.period_s, self.refused, self.deleted = url, period_s, 0, 0
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
 
-    def start(self) -> StoreDeleter:
-        # built (and imported) in the caller's thread: StoreForger.start says why
-        self.delete = self._etcd() if self.url.startswith("etcd://") else self._tcp()
+    def start(self) -> StoreOutsider:
+        # imported in the caller's thread: StoreForger.start says why
+        from zeroband.store import guard
+        from zeroband.store.client import StoreUnreachable, connect_tcp_store
+
+        self.guard, self.connect, self.unreachable = guard, connect_tcp_store, StoreUnreachable
         self.thread.start()
         return self
 
     def _run(self) -> None:
-        delete = self.delete
-        while not self.stopped.wait(self.period_s):
-            try:
-                self.deleted += delete()
-            except Exception:  # the store is not up yet, or gone: try again
-                pass
-
-    def _tcp(self) -> Any:
+        import socket
         from datetime import timedelta
 
-        from zeroband.store.client import connect_tcp_store
-
         host, port = self.url.removeprefix("tcp://").rsplit(":", 1)
-        box: list[Any] = []
+        while not self.stopped.wait(self.period_s):
+            try:
+                store = self.connect(host, int(port), timedelta(seconds=1), self.url, b"not-the-run-secret-0123456789abc")
+                self.deleted += sum(bool(store.delete_key(k)) for k in store.list_keys())
+            except self.unreachable:
+                self.refused += 1
+            try:
+                with socket.create_connection((host, int(port)), timeout=1) as s:
+                    greeting = s.recv(self.guard.CHALLENGE_BYTES)
+                    s.sendall(self.guard.answer(b"", greeting, int(port)) + self.guard.encode([b"list"]))
+                    if s.recv(1) == self.guard.ADMITTED:
+                        keys = self.guard.read_frame(s)[1:]
+                        for key in keys:
+                            s.sendall(self.guard.encode([b"del", key]))
+                            self.deleted += self.guard.read_frame(s)[1] == b"1"
+                    else:
+                        self.refused += 1
+            except OSError:
+                self.refused += 1
 
-        def delete() -> int:
-            # connected the way a site is (StoreForger's docstring says why), once the store is up
-            box[:] = box or [connect_tcp_store(host, int(port), timedelta(seconds=2), self.url)]
-            keys = [k for k in box[0].list_keys() if k.startswith(self.prefix)]
-            return sum(bool(box[0].delete_key(k)) for k in keys)
-
-        return delete
-
-    def _etcd(self) -> Any:
-        import base64
-
-        from etcd3gw.client import Etcd3Client
-
-        endpoints, root = self.url.removeprefix("etcd://").split("/", 1)
-        host, port = endpoints.split(",")[0].rsplit(":", 1)
-        client = Etcd3Client(host, int(port), api_path="/v3/")
-        start = f"{root}/kv/{self.prefix}".encode()
-        end = start[:-1] + bytes([start[-1] + 1])
-        b64 = lambda b: base64.b64encode(b).decode()  # noqa: E731
-
-        def delete() -> int:
-            reply = client.post(client.get_url("/kv/deleterange"), json={"key": b64(start), "range_end": b64(end)})
-            return int(reply.get("deleted", 0))
-
-        return delete
-
-    def stop(self) -> int:
+    def stop(self) -> tuple[int, int]:
         self.stopped.set()
         self.thread.join(timeout=10)
-        return self.deleted
+        return self.refused, self.deleted

@@ -35,11 +35,11 @@ from zeroband.comm.group import (
 )
 from zeroband.comm.layout import Lane, my_lanes, uniform
 from zeroband.comm.link import LinkPolicy
-from zeroband.store.client import guards_keys, open_store
+from zeroband.store.client import open_store
 from zeroband.store.etcd import EtcdAccess
 from zeroband.trust.mac import WireAuth
 from zeroband.trust.secret import RunSecret
-from zeroband.trust.signed import KeepingStore, Ledger, Republisher, SignedStore, exchange
+from zeroband.trust.signed import SignedStore, exchange
 from zeroband.world import World
 
 __all__ = ["OPEN", "SECRET", "GlobalGroup", "Topology", "admission_mark", "fixed_global_group", "init_site_group",
@@ -78,7 +78,7 @@ def init_site_group(world: World, timeout: timedelta) -> None:
 
 def init_topology(
     world: World, store_address: str | None, run_name: str, timeout_s: float, backend: str, host_store: bool = True,
-    secret: RunSecret | None = None, keep_start_keys: bool = False, access: EtcdAccess | None = None,
+    secret: RunSecret | None = None, access: EtcdAccess | None = None,
 ) -> Topology:
     """The site mesh, and (for DiLoCo) the coordination store. The cross-site groups are not part of
     it: `fixed_global_group` builds a fixed run's, an elastic membership one per generation."""
@@ -89,12 +89,6 @@ def init_topology(
     if store_address is not None:
         is_host = host_store and world.site_rank == 0 and world.rank == 0
         store = open_store(store_address, is_host, timeout, secret, access)
-        if keep_start_keys and not guards_keys(store):
-            # what this site writes at the start is written back if deleted while peers may still read it
-            ledger = Ledger()
-            store = KeepingStore(store, ledger, f"zeroband/{run_name}/")
-            _republishers.append(Republisher(lambda: open_store(store_address, False, timeout, secret), ledger,
-                                             timeout_s).start())
     return Topology(world, mesh, store, secret, timeout_s=timeout_s)
 
 
@@ -144,8 +138,6 @@ def share_site_ranks(topology: Topology, run_name: str) -> list[int]:
     return [int(c) for c in counts.tolist()]
 
 
-_republishers: list[Republisher] = []  # stopped at shutdown: no store call may outlive the store
-
 # Native threads of a ProcessGroupGloo: its work loops and gloo's transport loop (/proc comm names)
 GLOO_THREADS = ("pt_gloo_runloop", "gloo_tcp_loop")
 
@@ -163,16 +155,13 @@ def shutdown(topology: Topology | None = None, *groups: GlobalGroup | None) -> N
     unregisters it: the object, its two work loops and gloo's transport loop live on for as long as
     the site mesh references it. Hence:
 
-    1. the store re-publishers stop (their thread makes store calls);
-    2. the cross-site groups `groups` and the topology's lane groups close (transport threads joined);
-    3. garbage is collected while the process group exists: a finished run's model, optimizer and
+    1. the cross-site groups `groups` and the topology's lane groups close (transport threads joined);
+    2. garbage is collected while the process group exists: a finished run's model, optimizer and
        FSDP state form reference cycles holding gloo works and their tensors;
-    4. the process group is destroyed and the topology's site mesh, its last owner, dropped: the
+    3. the process group is destroyed and the topology's site mesh, its last owner, dropped: the
        C++ group is freed now, on this thread, joining its threads (`gloo_threads` is then empty,
        unless the caller still holds the model or the mesh).
     """
-    while _republishers:
-        _republishers.pop().stop()
     lanes = [g for _, g in topology.lanes] if topology is not None else []
     for group in [*groups, *lanes]:
         if group is not None:

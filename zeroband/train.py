@@ -159,7 +159,7 @@ def open_topology(cfg: Config, world: World, secret: RunSecret | None) -> tuple[
         return init_topology(world, None, cfg.name, 600.0, "gloo", secret=secret), None
     s = cfg.sites
     topology = init_topology(world, s.store, cfg.name, s.timeout_s, s.backend, host_store=s.host_store, secret=secret,
-                             keep_start_keys=not cfg.diloco.elastic, access=etcd_access(s))
+                             access=etcd_access(s))
     if cfg.diloco.elastic:
         return topology, None
     return topology, fixed_global_group(topology, cfg.name, s.backend, admission_mark(secret), LinkPolicy.of(s),

@@ -4,8 +4,8 @@ The attacker is a real process of its own (tests/flood_store.py) against a real 
 20,000 connections that send 8 bytes (in waves: this machine's RLIMIT_NOFILE hard limit is 20,000,
 so they cannot all be open at once) and 600 that send 1 byte and stall. On f6cb7f4/f96e652 the
 guard forwarded any connection that had sent a byte, so the 600 stalled ones filled its 512 slots
-and the store: real clients were refused. Now, with the run's secret, nothing reaches the store
-before it answers the guard's challenge; without one, before it sends c10d's first message.
+and the store: real clients were refused. Now, with the run's secret, no request is read before the
+connection answers the store's challenge; without one, before it sends a whole (keyless) answer.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ SECRET = "store-flood-tests-shared-secret-0123"
 
 FLOODER = Path(__file__).parents[1] / "flood_store.py"  # tests/flood_store.py
 
-FD_BOUND = 1024 + 2 * 256 + 64  # the guard's max_pending + 2 * max_clients + its own few
+FD_BOUND = 1024 + 256 + 64  # the store's max_pending + max_clients + its own few
 
 
 def _flood(port: int, *args: str) -> subprocess.Popen:
@@ -83,8 +83,8 @@ def _connect_time(connect, server, key: str) -> float:
 
 
 def test_flood_of_the_guarded_store_port_with_a_secret(monkeypatch):
-    """Against the store with the run's secret: during and after the flood a real client (through its
-    forwarder) keeps setting/getting, a fresh one connects within seconds, the guard process lives
+    """Against the store with the run's secret: during and after the flood a real client keeps
+    setting/getting, a fresh one connects within seconds, the guard process lives
     with a bounded fd count; a client with another secret is refused, in one line naming why."""
     from zeroband.store.client import _GUARDS, StoreUnreachable, connect_tcp_store, host_tcp_store
 
@@ -119,8 +119,8 @@ def test_flood_of_the_guarded_store_port_with_a_secret(monkeypatch):
 
 def test_stalled_one_byte_connections_do_not_lock_out_an_insecure_store(monkeypatch):
     """Without a secret (sites.insecure) 600 connections that send 1 byte and stall were forwarded
-    and filled the guard's 512 slots: a real client was refused. Now a connection reaches the store
-    only once it has sent c10d's first message, so they stay unforwarded and are dropped."""
+    and filled the guard's 512 slots: a real client was refused. Now a connection is served only
+    once it has sent a whole (keyless) answer, so they stay pending and are dropped."""
     from zeroband.store.client import connect_tcp_store, host_tcp_store
 
     monkeypatch.delenv("ZEROBAND_SECRET", raising=False)

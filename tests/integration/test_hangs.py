@@ -115,7 +115,7 @@ def test_non_store_listener_fails_within_timeout():
     silent = socket.create_server(("127.0.0.1", 0))  # accepts (backlog) and never says a word
     address = f"tcp://127.0.0.1:{silent.getsockname()[1]}"
     t0 = time.monotonic()
-    with pytest.raises(StoreUnreachable, match="did not answer as a c10d store within 2 s"):
+    with pytest.raises(StoreUnreachable, match="did not answer as a zeroband store within 2 s"):
         open_store(address, False, timedelta(seconds=2))
     assert time.monotonic() - t0 < 2 + 3
     silent.close()

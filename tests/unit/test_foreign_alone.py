@@ -9,7 +9,7 @@ import torch
 from zeroband.membership.elastic import ElasticMembership, foreign_alone, refuse_if_foreign
 from zeroband.membership.heartbeat import Liveness, heartbeat_key
 from zeroband.membership.rounds import Decision
-from zeroband.trust.signed import Ledger, SignedStore
+from zeroband.trust.signed import SignedStore
 from zeroband.world import World
 
 KEY, OTHER = b"k" * 32, b"o" * 32
@@ -41,7 +41,7 @@ def _member(server: torch.distributed.Store, site: int, slots: int) -> ElasticMe
     the run, is proven by tests/integration/test_elastic.py::test_foreign_peer_refused)."""
     member = ElasticMembership.__new__(ElasticMembership)
     member.world = World(0, 1, 0, site, slots, torch.device("cpu"))
-    member.prefix, member.fresh, member.had_peer, member.ledger = "p/", True, False, Ledger()
+    member.prefix, member.fresh, member.had_peer = "p/", True, False
     member.liveness = Liveness(server, "p/", range(slots), 2.0, KEY, site)
     return member
 

@@ -17,16 +17,13 @@ from zeroband.membership.rounds import (
     RoundTimeout,
     RunComplete,
     WaitState,
-    contradicts,
     decide_members,
     decide_verdict,
     orphaned,
     overdue,
     run_over,
-    storm_quorum,
 )
 from zeroband.store.client import open_store
-from zeroband.trust.signed import StoreInterference
 
 
 def test_members_wait_for_every_expected_live_site():
@@ -47,20 +44,6 @@ def test_quorum_and_launch_wait_for_unseen_sites():
     wait = WaitState()
     assert decide_members({0}, {0}, {0, 1}, 1, 3.0, now=0.0, wait=wait, wait_for_unseen=True) is None
     assert decide_members({0}, {0}, {0, 1}, 1, 3.0, now=3.0, wait=wait, wait_for_unseen=True) == [0]
-
-
-def test_under_deletions_a_round_needs_a_majority_of_the_last_members():
-    """Issue 23 item 4: deletions can erase a member list and the record that a round was committed,
-    so two sites that each saw the other dead committed one round alone each. Under deletions a
-    list must hold a majority of the last round's members that have not left; a joiner is no part of it."""
-    assert storm_quorum({0, 1}, set(), deleting=False) is None
-    pair, three = storm_quorum({0, 1}, set(), deleting=True), storm_quorum({0, 1, 2}, set(), deleting=True)
-    assert decide_members({0}, {0}, {0}, 1, 0.0, now=0.0, wait=WaitState(), majority_of=pair) is None  # never alone
-    assert decide_members({0, 1}, {0, 1}, {0, 1}, 1, 0.0, now=0.0, wait=WaitState(), majority_of=pair) == [0, 1]
-    assert decide_members({0, 1}, {0, 1}, {0, 1}, 1, 0.0, now=0.0, wait=WaitState(), majority_of=three) == [0, 1]
-    assert decide_members({2, 3}, {2, 3}, {2}, 1, 0.0, now=0.0, wait=WaitState(), majority_of=three) is None
-    left = storm_quorum({0, 1}, {1}, deleting=True)  # site 1 said goodbye (a signed notice)
-    assert decide_members({0}, {0}, {0}, 1, 0.0, now=0.0, wait=WaitState(), majority_of=left) == [0]
 
 
 def test_orphaned_only_when_every_live_site_arrived_fresh():
@@ -95,26 +78,6 @@ def _voting_pair(address: str) -> tuple[list[Heartbeat], list[RoundCoordinator],
         coords.append(RoundCoordinator(store, "p/", s, True, Liveness(store, "p/", range(2), dead_after_s=60.0)))
     time.sleep(0.3)  # the first beats are in
     return beats, coords, Decision([0, 1], [], 1)
-
-
-def test_a_site_that_failed_never_applies_a_commit_of_another_member_list():
-    """Under deletions a second member list can be written for an attempt: here site 0 decided [0]
-    and committed it; site 1, holding [0, 1], failed its attempt. It must not apply that commit
-    (another replica): it stops naming the storm. On an honest store a failed site reads abort."""
-    assert contradicts("commit", site_ok=False)
-    assert not contradicts("commit", site_ok=True) and not contradicts("abort", site_ok=False)
-    address = f"tcp://127.0.0.1:{free_port()}"
-    server = open_store(address, True, timedelta(seconds=10))
-    beats, (site0, site1), _ = _voting_pair(address)
-    try:
-        assert site0.vote_and_verdict(1, 0, Decision([0], [], 1), True, timeout_s=10.0) == "commit"
-        with pytest.raises(StoreInterference, match="committed by a member list other than this site's"):
-            site1.vote_and_verdict(1, 0, Decision([0, 1], [], 2), False, timeout_s=10.0)
-        assert site0.vote_and_verdict(1, 1, Decision([0, 1], [], 3), False, timeout_s=10.0) == "abort"
-    finally:
-        for beat in beats:
-            beat.stop()
-    del server
 
 
 def test_a_live_member_that_never_votes_is_aborted_at_the_link_bound_not_the_timeout():

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import io
 import logging
-import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from functools import partial
@@ -50,7 +49,6 @@ from zeroband.comm.link import LinkPolicy
 from zeroband.config import DilocoConfig, SitesConfig
 from zeroband.membership.base import Event, EventLog
 from zeroband.membership.heartbeat import (
-    POLL_S,
     Heartbeat,
     LeaseHeartbeat,
     LeaseLiveness,
@@ -68,19 +66,11 @@ from zeroband.membership.rounds import (
     run_over,
 )
 from zeroband.mesh import Topology
-from zeroband.store.client import guards_keys, open_store, store_failures_named
+from zeroband.store.client import open_store, store_failures_named
 from zeroband.store.etcd import EtcdStore
 from zeroband.trust.auth import SECRET_FIX, PeerRefused, Verdict, admission
 from zeroband.trust.mac import WireAuth
-from zeroband.trust.signed import (
-    INCARNATION_ENV,
-    KeepingStore,
-    Ledger,
-    SignedStore,
-    StoreInterference,
-    incarnation_key,
-    run_incarnation,
-)
+from zeroband.trust.signed import INCARNATION_ENV, SignedStore, incarnation_key, run_incarnation
 from zeroband.watchdog import Watch, read_by_all
 
 log = logging.getLogger(__name__)
@@ -184,16 +174,11 @@ class ElasticMembership:
                         "recorded from an earlier launch (its `complete`) can be replayed into this one; `zeroband "
                         "launch` sets it, else export one fresh value on every site at each launch", INCARNATION_ENV,
                         run_name, extra={"event": "incarnation_unset"})
-        # what we write is kept and written back if deleted (by the polls and the heartbeat thread)
-        # room for a round's values and its group's (admission, gloo addresses) beside the data
-        # positions a commit reads back: an evicted position is never written back once deleted.
-        # Not on a store that keeps outsiders from deleting (etcd): the ledger stays empty there,
-        # so no write-back, storm rule or linger ever acts, and liveness is etcd's leases.
-        self.ledger = Ledger(limit=128)
+        # With the secret nobody without the run's credentials deletes a key (store/client.py
+        # `open_store`): what we write stays until we delete it. On etcd liveness is its leases, elsewhere signed beats.
         assert topology.store is not None, "elastic membership needs the coordination store (sites.store)"
-        self.raw_store: dist.Store = topology.store
-        etcd = topology.store if guards_keys(topology.store) and isinstance(topology.store, EtcdStore) else None
-        self.store: dist.Store = etcd or KeepingStore(topology.store, self.ledger, self.prefix)
+        self.store: dist.Store = topology.store
+        etcd = topology.store if isinstance(topology.store, EtcdStore) else None
         self.signed = SignedStore(self.store, sign_key)
         me, reopen = self.world.site_rank, lambda: open_store(sites.store, False, timedelta(seconds=sites.timeout_s))
         self.liveness: Presence
@@ -202,19 +187,16 @@ class ElasticMembership:
         if etcd is not None:
             self.liveness = LeaseLiveness(etcd, self.prefix, slots, cfg.dead_after_s, sign_key, me)
             beat = LeaseHeartbeat(reopen, self.prefix, me, cfg.heartbeat_s, cfg.dead_after_s, sign_key)
-        else:  # no beat is a death while deletions were seen within sites.timeout_s (every wait's bound)
-            self.liveness = Liveness(self.store, self.prefix, slots, cfg.dead_after_s, sign_key, me, self.ledger,
-                                     sites.timeout_s)
-            beat = Heartbeat(reopen, self.prefix, me, cfg.heartbeat_s, sign_key, self.ledger)
-        self.rounds = RoundCoordinator(self.store, self.prefix, me, self.world.rank == 0, self.liveness, sign_key,
-                                       self.ledger, sites.timeout_s)
+        else:
+            self.liveness = Liveness(self.store, self.prefix, slots, cfg.dead_after_s, sign_key, me)
+            beat = Heartbeat(reopen, self.prefix, me, cfg.heartbeat_s, sign_key)
+        self.rounds = RoundCoordinator(self.store, self.prefix, me, self.world.rank == 0, self.liveness, sign_key)
         if self.world.rank == 0:
             self.store.delete_key(leave_key(self.prefix, me))  # back after a leave
             self.heartbeat = beat.start()
         self.watch = Watch(sites.timeout_s, interruptible=False)  # SIGTERM here means: finish the round, then leave
         self.members: list[int] = []
         self.generation = -1
-        self.newest_generation = -1  # of every decision read, formed or not: never handed out again
         self.group: GlobalGroup | None = None
         self.fresh = True  # until this site holds the run's current outer state
         self.had_peer = False  # a decision named another site: it shares our secret (`refuse_if_foreign`)
@@ -279,38 +261,12 @@ class ElasticMembership:
     def leave(self) -> None:
         """Announce the departure, stop the heartbeat thread and drop the group (clean exit)."""
         beat, self.heartbeat = self.heartbeat, None
-        if beat is not None:  # first: a lingering site whose leave key is deleted still dies to the others
+        if beat is not None:
             beat.stop()
         if self.world.rank == 0:
             with store_failures_named(self.sites.store):
                 self.signed.set(leave_key(self.prefix, self.world.site_rank), str(self.round))
-                self._linger()
         self.group = None
-
-    def _linger(self) -> None:
-        """Under deletions, a peer may not have read our last round's vote and verdict yet, and once
-        we exit nobody writes them back (it would then see a member gone without a vote): keep
-        restoring them until every other live site has left or died, for at most sites.timeout_s.
-        Every live site, not only our last round's members: a site left out of it must still read
-        that the round was committed (`committed`, its data positions), or it would commit the
-        round again alone and end with another replica. Then, for `linger_tail_s`, only our own
-        leave notice, at every poll: a peer still lingering needs nothing else, and one that has
-        not read it yet would (no beat being a death under deletions) wait sites.timeout_s."""
-        if self.ledger.restored == 0:
-            return  # nothing was ever deleted: no attack, no wait
-        deadline, slowest = time.monotonic() + self.sites.timeout_s, 0.0
-        while (began := time.monotonic()) < deadline:
-            self.ledger.restore(self.raw_store)
-            alone = not self.liveness.alive_after_poll() - {self.world.site_rank}
-            slowest = max(slowest, time.monotonic() - began)
-            if alone:
-                break
-            time.sleep(POLL_S)
-        notice = leave_key(self.prefix, self.world.site_rank)
-        tail_end = min(deadline, time.monotonic() + linger_tail_s(self.cfg.dead_after_s, slowest))
-        while time.monotonic() < tail_end:
-            self.ledger.restore(self.raw_store, only=notice)
-            time.sleep(POLL_S)
 
     # ------------------------------------------------------------------ one round
     def attempts(self) -> Iterator[ElasticAttempt]:
@@ -373,16 +329,13 @@ class ElasticMembership:
         timeout = self.cfg.join_timeout_s if self.fresh else self.sites.timeout_s
         decision = self.rounds.rendezvous(self.round, attempt, expected, self.cfg.min_sites, grace, self.fresh,
                                           timeout, self._next_generation, self._stop_if_over)
-        self.newest_generation = max(self.newest_generation, decision.generation)
         return decision
 
     def _next_generation(self, members: list[int]) -> int:
         """Keep the groups while the members are the same and healthy; else a fresh generation."""
         if self.group is not None and members == self.members:
             return self.generation
-        # Above every generation seen, not only the newest formed: one whose forming failed (under
-        # deletions, say) holds admission values that would be read as this attempt's.
-        return fresh_generation(self.store, self.prefix + "generation", self.newest_generation)
+        return self.store.add(self.prefix + "generation", 1)
 
     def _form(self, decision: Decision, attempt: int) -> tuple[GlobalGroup, list[str] | None]:
         """The attempt's group, and the members' digests after a hand-over (global groups and the store only)."""
@@ -398,9 +351,7 @@ class ElasticMembership:
         if self.group is not None and decision.generation == self.generation:
             return self.group
         index = decision.members.index(self.world.site_rank)
-        # Formed under a prefix of its own attempt: a generation number can be handed out twice (its
-        # counter deleted while another site, whose number we never saw, used it), and the first
-        # group's admission values (signed: they verify) would be read as this one's.
+        # Formed under a prefix of its own attempt: no two attempts' admission values ever meet.
         prefix = f"{self.prefix}r{self.round}/a{attempt}/gen{decision.generation}/shard{self.world.rank}/"
         timeout = timedelta(seconds=self.sites.timeout_s)
         mark = OPEN if self.secret is None else SECRET
@@ -423,7 +374,6 @@ class ElasticMembership:
         once and vote fail, but a site waiting on one of *them* hears nothing until the dead site's
         heartbeat expires (dead_after_s). Left waiting, it would reach the retry after the others'
         grace window and be left out of a round it was ready for."""
-        self.rounds.guard(self.round)  # our deleted values back, while the peers may still read them
         dead = self.liveness.dead_among(decision.members)
         if dead:
             raise MemberLost(f"sites {sorted(dead)} stopped responding")
@@ -447,23 +397,6 @@ class ElasticMembership:
         """The donor's registered state to every member; returns the members' keyed digests."""
         hand_over(group, decision.members.index(decision.donor), self.handed)
         return checksum_table([t for fn in self.checksums for t in fn()], group)
-
-
-def linger_tail_s(dead_after_s: float, slowest_poll_s: float) -> float:
-    """How long a site that is alone at its exit keeps its leave notice up: dead_after_s, and at
-    least three of its own slowest linger polls (the peers run on the same kind of load, and each
-    of their polls may miss a notice deleted just before it)."""
-    return max(dead_after_s, 3 * slowest_poll_s)
-
-
-def fresh_generation(store: dist.Store, counter: str, newest_seen: int) -> int:
-    """A generation number never used before: the store's counter, raised above the newest this site
-    has seen, since anyone with access to the store can delete the counter and restart it at 1 (a
-    reused generation prefix would hold the old groups' admission values)."""
-    generation = store.add(counter, 1)
-    if generation <= newest_seen:  # deleted and restarted: raise it for every site
-        generation = store.add(counter, newest_seen + 1 - generation)
-    return max(generation, newest_seen + 1)  # deleted again between the two adds: still never a seen one
 
 
 def hand_over(group: GlobalGroup, src: int, handed: dict[str, tuple[Callable[[Any], None], Callable[[], Any]]]) -> None:
@@ -512,8 +445,6 @@ def refuse_if_foreign(member: ElasticMembership, decision: Decision) -> None:
            if s != me and heartbeat_key(member.prefix, s) in refused}
     if not foreign_alone(len(why), member.world.site_count, member.fresh, member.had_peer):
         return
-    if member.ledger.restored > 0:  # refused reads amid deletions prove no other secret: name the attack
-        raise StoreInterference(member.rounds._storm(member.round, "and this site left alone"))
     member.leave()
     if "bad-mac" in why.values():
         reason = (f"wrong or missing shared secret: the store values of sites {sorted(why)} do not verify under "

@@ -7,18 +7,9 @@ to grow at every beat: an observer accepts a beat only if its stamp is newer tha
 accepted from that site, so recorded beats replayed (alternated) keep nobody alive, and a restarted
 site (a later clock) is seen at once.
 
-Keys can also be deleted by anyone with access to the store. A missing beat is "no news", not a
-death: a site whose key is absent is given dead_after_s of absence before it counts as dead (its
-own thread writes a new beat within heartbeat_s), so a deletion never kills a live site, and a dead
-site whose key an attacker deletes is still dropped. The heartbeat thread also re-publishes this
-site's other deleted values (trust/signed.py `Ledger`) at every beat.
-
-While deletions are seen (`Ledger.deleting`: a value written back, or a beat of a site already
-seen found missing, within the storm window), no beat is a death at all, missing or stale: under
-a storm and a starved CPU each site's beats went unread past dead_after_s, each took the other
-for dead and committed a round alone, and the replicas diverged. A site is then gone only by its
-leave notice (latched until it beats again, so a deleted notice does not bring it back); a dead
-one is found by the waits' own timeouts, which end in the line naming the storm.
+With the secret nobody without the run's credentials writes or deletes a key (a tcp:// store
+admits no one else, etcd is reached with its access control); an insecure run trusts whoever can
+reach the store. So no beat is deleted: a missing beat is one not written yet.
 
 A site's rank 0 runs `Heartbeat` on its own thread and its own store connection, so a long inner
 step never delays it, while a hung (SIGSTOP) or partitioned site stops bumping. Observers use
@@ -26,9 +17,8 @@ step never delays it, while a hung (SIGSTOP) or partitioned site stops bumping. 
 between sites, so skew cannot fake a death. A site that leaves on purpose writes `leave/<site>`
 and is dead at once, without waiting for `dead_after_s`.
 
-On etcd (reached with its access control: nobody else deletes a key) liveness is etcd's own: the
-same thread (`LeaseHeartbeat`) keeps a lease of `dead_after_s` alive with this site's presence key
-attached, and observers (`LeaseLiveness`) count a site alive while that key exists; its lease
+On etcd liveness is etcd's own: the same thread (`LeaseHeartbeat`) keeps a lease of
+`dead_after_s` alive with this site's presence key attached, and observers (`LeaseLiveness`) count a site alive while that key exists; its lease
 expires (death) or is revoked (leave) and etcd deletes the key. Both observers are a `Presence`:
 what the round protocol asks of liveness, and how it waits for the store to change (`wait`:
 a poll interval on a TCPStore, a watch on etcd).
@@ -45,7 +35,7 @@ from collections.abc import Callable, Iterable
 import torch.distributed as dist
 
 from zeroband.store.etcd import EtcdStore
-from zeroband.trust.signed import Ledger, SignedStore
+from zeroband.trust.signed import SignedStore
 
 POLL_S = 0.05  # between reads of a store that cannot be watched
 WATCH_S = 0.5  # longest watch: time-based rules (grace, overdue votes, timeouts) are checked this often
@@ -98,9 +88,9 @@ class Presence:
 
 class Heartbeat:
     def __init__(self, open_client: Callable[[], dist.Store], prefix: str, site: int, interval_s: float,
-                 sign_key: bytes | None = None, ledger: Ledger | None = None) -> None:
+                 sign_key: bytes | None = None) -> None:
         self.open_client, self.key, self.interval_s = open_client, heartbeat_key(prefix, site), interval_s
-        self.sign_key, self.ledger = sign_key, ledger
+        self.sign_key = sign_key
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._run, name="zeroband-heartbeat", daemon=True)
         self.nonce, self.stamp = secrets.token_hex(8), 0
@@ -125,11 +115,6 @@ class Heartbeat:
     def beat(self, store: SignedStore) -> None:
         self.stamp = max(self.stamp + 1, time.time_ns())
         store.set(self.key, f"{self.nonce}:{self.stamp}")
-        if self.ledger is not None and self.ledger.restore(store.store):
-            # writing back many deleted values takes a request each: beat again after them,
-            # or a storm would stretch the interval between beats toward dead_after_s
-            self.stamp = max(self.stamp + 1, time.time_ns())
-            store.set(self.key, f"{self.nonce}:{self.stamp}")
 
     def last(self, store: SignedStore) -> None:
         """After the last beat (a clean stop)."""
@@ -171,12 +156,9 @@ class Liveness(Presence):
     """Which sites are alive, as seen from here (by their beats)."""
 
     def __init__(self, store: dist.Store, prefix: str, sites: Iterable[int], dead_after_s: float,
-                 sign_key: bytes | None = None, me: int | None = None, ledger: Ledger | None = None,
-                 storm_window_s: float = 0.0) -> None:
+                 sign_key: bytes | None = None, me: int | None = None) -> None:
         self.store, self.prefix, self.dead_after_s = SignedStore(store, sign_key), prefix, dead_after_s
         self.sites, self.me = list(sites), me  # `me`: the observing site, alive whatever its key says
-        # where deletions are recorded and read back: no beat is a death while they go on
-        self.ledger, self.storm_window_s = ledger, storm_window_s
         self.seen: dict[int, tuple[int, float]] = {}  # site -> (newest stamp, local time it was accepted)
         self.absent: dict[int, float] = {}  # site -> local time its beat was first found missing
         self.left: set[int] = set()
@@ -193,32 +175,22 @@ class Liveness(Presence):
                     self.seen[site] = (stamp, now)
                 continue
             if site in self.left and not newer and site != self.me:  # (this site knows it came back)
-                continue  # its notice deleted, or it restarts (deleting it): gone until a newer beat
+                continue  # it restarts (deleting its notice): gone until a newer beat
             self.left.discard(site)
             if stamp is None:
-                if not present and site in self.seen and self.ledger is not None:
-                    self.ledger.noticed()  # a beat read before is gone: nobody honest deletes one
                 if present and site not in self.seen:
                     continue  # a refused beat of a site never seen: no sign that it exists at all
-                self.absent.setdefault(site, now)  # deleted (or refused): no news until it is re-written
+                self.absent.setdefault(site, now)  # not written yet (or refused): no news until it is
                 continue
             self.absent.pop(site, None)
             if newer:  # only a newer beat: a replayed older one is no sign of life
                 self.seen[site] = (stamp, now)
 
     def alive(self) -> set[int]:
-        """Sites with news within dead_after_s: a newer beat, or their key found missing (no news is
-        no death). A site whose beat was never read counts from when it was first found missing: under
-        a storm every beat may be deleted before a read. This site itself is always alive, and so is
-        every site seen before while deletions go on (`deleting`)."""
+        """Sites with news within dead_after_s: a newer beat, or their key found missing (a site not
+        started yet counts from when it was first found missing). This site itself is always alive."""
         now, me = time.monotonic(), {self.me} - self.left if self.me is not None else set()
-        storm = self.deleting()
-        return me | {s for s in self.sites if s not in self.left
-                     and (now - self.last_news(s) < self.dead_after_s or storm and s in self.seen)}
-
-    def deleting(self) -> bool:
-        """Whether deletions were seen within the storm window: then no beat is a death."""
-        return self.ledger is not None and self.ledger.deleting(self.storm_window_s)
+        return me | {s for s in self.sites if s not in self.left and now - self.last_news(s) < self.dead_after_s}
 
     def last_news(self, site: int) -> float:
         """When `site` last gave news, on this site's clock (-inf: never polled)."""
@@ -228,8 +200,8 @@ class Liveness(Presence):
 
 class LeaseLiveness(Presence):
     """Liveness from etcd's leases: a site is alive while its presence key exists and verifies
-    (`LeaseHeartbeat` keeps it; etcd deletes it when the lease ends). Nobody without the run's
-    credentials deletes keys there, so a missing key is a death, at once; this site is alive to itself."""
+    (`LeaseHeartbeat` keeps it; etcd deletes it when the lease ends), so a missing key is a death,
+    at once; this site is alive to itself."""
 
     def __init__(self, store: EtcdStore, prefix: str, sites: Iterable[int], dead_after_s: float,
                  sign_key: bytes | None = None, me: int | None = None) -> None:

@@ -6,8 +6,8 @@ Every outer round r (round 0 is the start) may take several attempts a. For each
 2. **decide who**: one site (`proposer`: the lowest live one that arrived holding the state)
    proposes the member list once `decide_members` (a pure function of who arrived, who is alive,
    who took part last time, the quorum and the grace window) says so; the proposal is written
-   with compare-and-set and every site reads the same `r<r>/a<a>/members` (and writes it back if
-   deleted). Sites that arrive after it are not in this attempt;
+   with compare-and-set and every site reads the same `r<r>/a<a>/members`. Sites that arrive after
+   it are not in this attempt;
 3. the members form the attempt's groups, transfer state to fresh members, all-reduce;
 4. **vote**: each member site writes ok/fail (ok only if every one of its ranks succeeded);
 5. **verdict**: any site may write `commit` (all members voted ok) or `abort` (a fail vote, a
@@ -20,9 +20,8 @@ The store is linearizable (one TCPStore server, or etcd), which is all the agree
 etcd a write-once slot is a transaction (`create_revision == 0`), and waits watch the store. Every
 value is signed with the shared secret (zeroband/trust/signed.py): a forged arrival, member
 list, vote or verdict reads as absent, and an honest site takes a forged write-once slot back.
-Deletions cannot be signed away: while they are seen (`Ledger.deleting`), a site seen before is
-never dead by its beats (heartbeat.py) and a member list must hold a majority of the last round's
-members (`storm_quorum`), so two sites that lost sight of each other never commit one round apart.
+With the secret nobody without the run's credentials deletes a key (store/client.py `open_store`),
+so a write-once slot stays written and a value read once stays readable.
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ from typing import Any, Protocol
 import torch.distributed as dist
 
 from zeroband.membership.heartbeat import Presence
-from zeroband.trust.signed import STORM, Ledger, SignedStore, StoreInterference
+from zeroband.trust.signed import SignedStore
 from zeroband.watchdog import Ticker, _sites
 
 log = logging.getLogger(__name__)
@@ -58,8 +57,8 @@ class RunComplete(Exception):
 
 
 class LeftBehind(RuntimeError):
-    """The round was committed without this site: its member list was deleted before this site read
-    it (or it came late). Proposing one now would commit the round twice, by disjoint sites."""
+    """The round was committed without this site (it came late). Proposing one now would commit the
+    round twice, by disjoint sites."""
 
 
 @dataclass(frozen=True)
@@ -104,13 +103,13 @@ class WaitState:
     """When the quorum was first seen during this attempt (for the grace window)."""
 
     quorum_since: float | None = None
-    arrived: dict[int, str] = field(default_factory=dict)  # every arrival read so far (a deletion takes none back)
+    arrived: dict[int, str] = field(default_factory=dict)  # every arrival read so far
     extra: dict = field(default_factory=dict)
 
 
 def decide_members(
     arrived: set[int], alive: set[int], expected: set[int], min_sites: int, grace_s: float,
-    now: float, wait: WaitState, wait_for_unseen: bool = False, majority_of: set[int] | None = None,
+    now: float, wait: WaitState, wait_for_unseen: bool = False,
 ) -> list[int] | None:
     """The members of an attempt, or None to keep waiting.
 
@@ -118,11 +117,9 @@ def decide_members(
     (`min_sites`) has been waiting for `grace_s`: late sites are then left out (their
     pseudo-gradients dropped; they re-sync from a peer at the next boundary). At launch
     (`wait_for_unseen`) sites that have not shown a heartbeat yet are waited for too.
-    With `majority_of` (under deletions: `storm_quorum`), the members must also hold more than
-    half of those sites.
     """
     ready = arrived & alive
-    if len(ready) < min_sites or majority_of and 2 * len(ready & majority_of) <= len(majority_of):
+    if len(ready) < min_sites:
         wait.quorum_since = None
         return None
     if wait.quorum_since is None:
@@ -131,27 +128,6 @@ def decide_members(
     if waiting_for <= ready or now - wait.quorum_since >= grace_s:
         return sorted(ready)
     return None
-
-
-def storm_quorum(expected: set[int], left: set[int], deleting: bool) -> set[int] | None:
-    """Whose majority a round's member list must hold (`decide_members`' `majority_of`): under
-    deletions (`deleting`), the round's expected sites (the last round's members) that have not
-    left; else nobody's (None). Deletions can erase a member list before a peer reads it, and with
-    it the record that the round was committed, so the store alone cannot keep two sites that each
-    see the other dead (beats deleted, or unread on a starved CPU) from each committing the round
-    alone, with different replicas. Two majorities of one set share a site, and a site takes part
-    in one decision per attempt: no two disjoint groups commit a round. A site that left said so
-    (a signed notice): it takes part in nothing more, so it is not counted."""
-    return expected - left if deleting else None
-
-
-def contradicts(verdict: str, site_ok: bool) -> bool:
-    """A commit of an attempt this site failed. Honestly impossible: a commit needs every member's ok
-    vote, and a failed site votes fail. Only another member list for the same attempt can have
-    committed it (ours deleted before a peer read it, a list decided without us written in its
-    place: three or more sites under deletions); applying it would leave this site on another
-    replica, so the site stops naming the storm instead."""
-    return verdict == "commit" and not site_ok
 
 
 def orphaned(arrivals: dict[int, str], alive: set[int], me: int) -> bool:
@@ -175,10 +151,8 @@ def run_over(end: dict[str, int] | None, total_steps: int, fresh: bool) -> bool:
 
 def proposer(arrivals: dict[int, str], alive: set[int], r: int) -> int | None:
     """The one site that writes an attempt's member list: the lowest live site that has arrived and
-    may propose (holds the state, or anyone at launch); None if there is none yet. One writer, since
-    under deletions a write-once slot is not write-once: a deleted proposal leaves it empty, and two
-    proposers (different views, or fresh generation numbers drawn by each) would each decide their
-    own list. Should that site die or leave, the next one takes over once it is seen dead."""
+    may propose (holds the state, or anyone at launch); None if there is none yet. Should that site
+    die or leave, the next one takes over once it is seen dead."""
     able = {s for s, v in arrivals.items() if s in alive and (r == 0 or v == "ready")}
     return min(able) if able else None
 
@@ -208,22 +182,9 @@ class RoundCoordinator:
     """The store protocol of one site (all its ranks use it; only rank 0 writes)."""
 
     def __init__(self, store: dist.Store, prefix: str, site: int, is_leader: bool, liveness: Presence,
-                 sign_key: bytes | None = None, ledger: Ledger | None = None, storm_after_s: float = float("inf")) -> None:
+                 sign_key: bytes | None = None) -> None:
         self.store = SignedStore(store, sign_key)
         self.prefix, self.site, self.is_leader, self.liveness = prefix, site, is_leader, liveness
-        self.ledger, self.storm_after_s = ledger or Ledger(), storm_after_s
-
-    def guard(self, r: int) -> None:
-        """At every poll: write back our values that someone deleted (so a deletion costs the peers one
-        poll); keys that keep vanishing for storm_after_s (sites.timeout_s) without a committed round
-        are an attack on the store, named in one line, never a silent wait until join_timeout_s."""
-        self.ledger.restore(self.store.store)
-        if (stalled := self.ledger.stalled_s()) > self.storm_after_s:
-            raise StoreInterference(self._storm(r, f"for {stalled:.0f} s (sites.timeout_s={self.storm_after_s:g})"))
-
-    def _storm(self, r: int, how: str) -> str:
-        return (f"store keys of round {r} {STORM} ({self.ledger.restored} values re-written, no progress {how}); "
-                "revoke that access (etcd auth, a firewall on the store port) and restart the sites")
 
     def _key(self, r: int, a: int, *rest: object) -> str:
         return self.prefix + f"r{r}/a{a}/" + "/".join(str(x) for x in rest)
@@ -245,16 +206,13 @@ class RoundCoordinator:
         if self.is_leader:
             self.store.set(self._key(r, a, "arrive", self.site), "fresh" if fresh else "ready")
         may_propose = self.is_leader and (r == 0 or not fresh)
-        wait, deadline, restored = WaitState(), time.monotonic() + timeout_s, self.ledger.restored
+        wait, deadline = WaitState(), time.monotonic() + timeout_s
         ticker = Ticker(f"round {r} attempt {a}: member decision")
-        while (raw := self.store.read(key)) is None:  # read once: a key deleted after a check reads as absent
+        while (raw := self.store.read(key)) is None:
             ticker.tick("the other sites to arrive" if may_propose else "a site holding the state to decide")
-            self.guard(r)
             if self.committed_round() >= r:
                 raise LeftBehind(f"round {r} was committed without this site")
             if time.monotonic() > deadline:
-                if self.ledger.restored > restored:
-                    raise StoreInterference(self._storm(r, f"within {timeout_s:.0f} s"))
                 raise RoundTimeout(f"round {r} attempt {a}: no member decision within {timeout_s:.0f} s")
             if not may_propose:
                 stop_if_over()  # before a fresh site would ever propose, or give up as alone
@@ -262,16 +220,12 @@ class RoundCoordinator:
                 raw = self._maybe_propose(r, a, expected, min_sites, grace_s, fresh, wait, new_generation)
             elif self.is_leader:
                 raw = self._propose_if_orphaned(r, a, min_sites, new_generation)
-            if raw is not None:  # what the slot holds now: decided, never proposed again (it may be deleted)
+            if raw is not None:  # what the slot holds now: decided
                 break
             if not may_propose and self._alone(wait):
-                if self.ledger.restored > 0:  # left out while keys vanished: the deletions, not the run's end
-                    raise StoreInterference(self._storm(r, "and no other site seen alive"))
                 raise RoundTimeout(f"round {r}: no other site has been alive for {self.liveness.dead_after_s:.0f} s; "
                                    "the run has finished or every other site is gone, so there is nothing to join")
             self.liveness.wait()  # a poll interval, or a watch of the store
-        if self.is_leader:  # every member list read is written back by its reader too, should it be deleted
-            self.ledger.keep(key, self.store.seal(key, raw))
         return Decision.from_json(raw)
 
     def _alone(self, wait: WaitState) -> bool:
@@ -308,7 +262,7 @@ class RoundCoordinator:
                        wait: WaitState, new_generation: Callable[[list[int]], int]) -> bytes | None:
         """Propose once `decide_members` says so, if this site is the attempt's `proposer`; returns the
         member list the slot holds then (ours, or one written just before), or None to keep waiting.
-        Arrivals count once read (a deletion takes none back), and this site's own without a read."""
+        Arrivals count once read, and this site's own without a read."""
         self.liveness.poll()
         for s in self.liveness.sites:
             if s not in wait.arrived and (raw := self.store.read(self._key(r, a, "arrive", s))) is not None:
@@ -316,14 +270,8 @@ class RoundCoordinator:
         wait.arrived[self.site] = "fresh" if fresh else "ready"
         alive = self.liveness.alive()
         expected = expected - self.liveness.left  # a site that said goodbye is never waited for
-        # Under deletions a live site is never dropped as late: its arrival (or the list its own
-        # proposal put in the slot) may have been deleted before we read it, and the two sites would
-        # each commit the round alone, with different replicas. It is waited for until it arrives
-        # or dies, or the storm is named (`guard`).
-        grace_s = grace_s if self.ledger.restored == 0 else float("inf")
-        majority_of = storm_quorum(expected, self.liveness.left, self.ledger.deleting(self.storm_after_s))
         members = decide_members(set(wait.arrived), alive, expected, min_sites, grace_s, time.monotonic(), wait,
-                                 wait_for_unseen=r == 0, majority_of=majority_of)
+                                 wait_for_unseen=r == 0)
         if members is None or proposer(wait.arrived, alive, r) != self.site:
             return None
         fresh_members = [s for s in members if wait.arrived[s] == "fresh"]
@@ -337,35 +285,16 @@ class RoundCoordinator:
         if self.is_leader:
             self.store.set(self._key(r, a, "vote", self.site), "ok" if site_ok else "fail")
         voted = time.monotonic()
-        key, deadline, restored = self._key(r, a, "verdict"), voted + timeout_s, self.ledger.restored
-        gone_since: float | None = None
+        key, deadline = self._key(r, a, "verdict"), voted + timeout_s
         ticker = Ticker(f"round {r} attempt {a}: votes")
         while (verdict := self.verdict(r, a)) is None:
             ticker.tick(f"the votes of sites {decision.members}")
-            self.guard(r)
             proposal = self._tally(r, a, decision, time.monotonic() - voted, bound_s) if self.is_leader else None
-            if proposal == "gone" and self.ledger.restored > restored:
-                # under deletions its vote may just be gone for now: a leaver writes it back for up to
-                # dead_after_s (ElasticMembership._linger); past that we cannot tell, so we stop
-                gone_since = gone_since or time.monotonic()
-                if time.monotonic() - gone_since > self.liveness.dead_after_s:
-                    raise StoreInterference(self._storm(r, "while a member left without a vote that can be read"))
-                proposal = None
-            proposal = "abort" if proposal == "gone" else proposal
             if proposal is None and time.monotonic() > deadline:
-                if self.ledger.restored > restored:  # a missing vote or verdict may be a deleted one:
-                    raise StoreInterference(self._storm(r, f"within {timeout_s:.0f} s"))  # never decide on it
                 proposal = "abort"  # a member that neither votes nor dies must not stall the others
             if proposal is not None:
                 self.store.compare_set(key, "", proposal)
             self.liveness.wait()  # a poll interval, or a watch of the store
-        if contradicts(verdict, site_ok):
-            raise StoreInterference(self._storm(r, f"since attempt {a} was committed by a member list other than "
-                                                   f"this site's {decision.members}, which failed"))
-        if self.is_leader:  # written back by every reader too, should it be deleted
-            self.ledger.keep(key, self.store.seal(key, verdict))
-        if verdict == "commit":
-            self.ledger.progress()
         return verdict
 
     def verdict(self, r: int, a: int) -> str | None:
@@ -375,8 +304,7 @@ class RoundCoordinator:
 
     def _tally(self, r: int, a: int, decision: Decision, since_vote_s: float = 0.0,
                bound_s: float | None = None) -> str | None:
-        """The verdict the votes call for; "gone" for an abort only because a member left, died or is
-        overdue without a vote that can be read (under deletions, it may have voted and committed)."""
+        """The verdict the votes call for, or None to keep waiting."""
         votes = {}
         for m in decision.members:
             if (vote := self.store.read(self._key(r, a, "vote", m))) is not None:
@@ -386,7 +314,7 @@ class RoundCoordinator:
         if late and verdict == "abort":
             log.warning("round %d attempt %d: no vote from %s within %.1f s of this site's vote (the link bound of "
                         "the attempt's largest payload): frozen or stalled, aborting", r, a, _sites(late), bound_s)
-        return "gone" if verdict == "abort" and all(v == "ok" for v in votes.values()) else verdict
+        return verdict
 
     def completed(self) -> dict[str, int] | None:
         """The run's end, once its finishing members published it (`mark_complete`); None before (a

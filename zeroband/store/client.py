@@ -1,12 +1,14 @@
 """Open the coordination store that cross-site process groups are formed through, by address.
 
-- `tcp://host:port`: a c10d TCPStore whose server runs inside one process (`is_host`). Cheap and
-  dependency-free, but a single point of failure: when the host site dies no group can be formed.
+- `tcp://host:port`: the store process one site (or `zeroband launch`) hosts (`is_host`;
+  store/guard.py), reached with `KeyStoreClient`. Cheap and dependency-free, but a single point of
+  failure: when the host dies no group can be formed. With the run's secret nobody without it reads,
+  writes or deletes a key there: its one port admits only connections that prove the secret.
 - `etcd://h1:p1,h2:p2,h3:p3[/prefix]`: an EtcdStore on an etcd cluster (a member per site, 3+);
   it keeps working while a majority of members is up, so surviving sites can still regroup. With
   the run's secret it must be reached with etcd's own access control (`EtcdAccess`: TLS, a client
-  certificate, a user whose role covers the prefix): the membership then trusts that nobody without
-  those credentials deletes a key, and keeps none of the tcp:// store's deletion defences.
+  certificate, a user whose role covers the prefix), so that there too nobody without those
+  credentials deletes a key.
 """
 
 from __future__ import annotations
@@ -17,20 +19,18 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
 from urllib.parse import urlparse
 
 import torch.distributed as dist
 
 from zeroband.config import SitesConfig
-from zeroband.store.etcd import EtcdAccess, EtcdStore, StoreUnavailable, parse_endpoints
-from zeroband.store.guard import RETRY_S, Refused, authenticated, challenges
+from zeroband.store.etcd import EtcdAccess, EtcdStore, StoreTimeout, StoreUnavailable, parse_endpoints
+from zeroband.store.guard import ERROR, NO_SECRET, TIMEOUT, Refused, authenticated, encode, read_frame
 from zeroband.trust.secret import SECRET_ENV, RunSecret, as_secret, resolve_secret
 
 log = logging.getLogger(__name__)
@@ -73,8 +73,7 @@ def open_store(address: str, is_host: bool, timeout: timedelta, secret: RunSecre
                access: EtcdAccess | None = None) -> dist.Store:
     """The store at `address`. `is_host` only matters for tcp:// (that process runs the server).
     `secret`: the run's shared secret (default: $ZEROBAND_SECRET); with one, a tcp:// store's port
-    admits only connections that prove it (store/guard.py), and clients reach it through a
-    local forwarder that does, so callers see a plain c10d TCPStore either way. `access`: etcd's
+    admits only connections that prove it (store/guard.py). `access`: etcd's
     credentials (remembered per address: a later open without them, the heartbeat's, uses them)."""
     scheme, sep, rest = address.partition("://")
     if not sep:
@@ -101,15 +100,7 @@ def etcd_access(sites: SitesConfig) -> EtcdAccess | None:
                       sites.etcd_password)
 
 
-def guards_keys(store: dist.Store) -> bool:
-    """Whether the store itself keeps everyone without the run's credentials from writing or deleting
-    its keys: etcd (with its access control; `open_store` refuses it without, unless the run is
-    insecure and nothing is authenticated anyway). Then the membership keeps none of its deletion
-    defences (write-backs, storm rules) and uses the store's leases and watches."""
-    return isinstance(store, EtcdStore)
-
-
-def _tcp_store(address: str, is_host: bool, timeout: timedelta, secret: RunSecret | bytes | None) -> dist.TCPStore:
+def _tcp_store(address: str, is_host: bool, timeout: timedelta, secret: RunSecret | bytes | None) -> dist.Store:
     url = urlparse(address)
     if url.hostname is None or url.port is None:
         raise ValueError(f"store address {address!r} must look like tcp://host:port")
@@ -128,7 +119,7 @@ _ACCESS: dict[str, EtcdAccess] = {}  # etcd address -> the credentials this proc
 
 
 def guard_key(secret: RunSecret) -> bytes:
-    """The key guard and forwarders prove the secret with: its own scrypt-derived key (an on-path
+    """The key a tcp:// store's clients prove the secret with: its own scrypt-derived key (an on-path
     observer's challenge/answer pairs make each guess at the secret cost a scrypt), used for nothing else."""
     return secret.derive("zeroband/store-guard")
 
@@ -138,24 +129,40 @@ def _run_secret(secret: RunSecret | bytes | None) -> RunSecret | None:
     return as_secret(secret) if secret is not None else resolve_secret(None)
 
 
-def host_tcp_store(host: str, port: int, timeout: timedelta, secret: RunSecret | bytes | None = None) -> dist.TCPStore:
-    """A TCPStore server on an ephemeral loopback port, reached through a StoreGuard on host:port
-    (store/guard.py: with a secret only authenticated connections reach the server; without,
-    idle and stalled ones cannot lock it up). Returns the server's client. The guard ends with that
-    object, or with this process (PR_SET_PDEATHSIG: call this from a thread that lives as long)."""
+def host_tcp_store(host: str, port: int, timeout: timedelta, secret: RunSecret | bytes | None = None) -> KeyStoreClient:
+    """Start the store process (store/guard.py) on host:port and return a client of it. With a
+    secret only connections that prove it reach a key; without, the port is only flood-bounded.
+    The store ends with the returned object, or with this process (PR_SET_PDEATHSIG: call this from
+    a thread that lives as long)."""
     secret = _run_secret(secret)
-    # BoundTCPStore: c10d's own server would listen on every interface, bypassing the guard.
-    server = BoundTCPStore("127.0.0.1", 0, is_master=True, timeout=timeout, wait_for_workers=False, use_libuv=True)
-    args = ["--host", host, "--port", str(port), "--backend-port", str(server.port)]
-    guard, lines = _helper([*args, *(["--auth"] if secret else [])], guard_key(secret) if secret else None,
-                           "guard listening")
-    if guard is None:
-        raise StoreUnreachable(f"cannot host the store on {host}:{port}: {lines[-1] if lines else 'guard exited'}")
-    _GUARDS.append(guard)
-    # the guard fronts this server only: when the server goes (garbage, or a test that hosted it
-    # ends), so does the guard, rather than living on as long as a long-lived host process
-    weakref.finalize(server, _stop_guard, guard)
-    return server
+    key = guard_key(secret) if secret else None
+    # run as a file, not `-m`: the package would import torch (seconds) where stdlib suffices
+    cmd = [sys.executable, str(Path(__file__).with_name("guard.py")), "--host", host, "--port", str(port),
+           *(["--auth"] if key else [])]
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdin is not None and proc.stdout is not None  # PIPEs
+    proc.stdin.write(key.hex() + "\n" if key else "")  # the key on stdin: never argv
+    proc.stdin.close()
+    lines = []
+    for line in proc.stdout:  # until it listens, or dies (port taken, bad address)
+        lines.append(line.strip())
+        if line.startswith("store listening"):
+            threading.Thread(target=_drain, args=(proc,), daemon=True).start()  # its later lines: never block it
+            break
+    else:
+        proc.wait()
+        raise StoreUnreachable(f"cannot host the store on {host}:{port}: {lines[-1] if lines else 'it exited'}")
+    _GUARDS.append(proc)
+    connect_host = "127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host
+    try:
+        client = KeyStoreClient(connect_host, port, timeout, key)
+    except BaseException:
+        _stop_guard(proc)
+        raise
+    # the process serves this client's store only: when the client goes (garbage, or a test that
+    # hosted it ends), so does the store, rather than living on as long as a long-lived host process
+    weakref.finalize(client, _stop_guard, proc)
+    return client
 
 
 def _stop_guard(guard: subprocess.Popen) -> None:
@@ -166,26 +173,6 @@ def _stop_guard(guard: subprocess.Popen) -> None:
         _GUARDS.remove(guard)
 
 
-def _helper(args: list[str], key: bytes | None, ready: str) -> tuple[subprocess.Popen | None, list[str]]:
-    """Start guard.py (the key on stdin: never argv); the process once it prints `ready`, else None
-    and what it printed (port taken, bad address)."""
-    # run as a file, not `-m`: the package would import torch (seconds) where stdlib suffices
-    cmd = [sys.executable, str(Path(__file__).with_name("guard.py")), *args]
-    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    assert proc.stdin is not None and proc.stdout is not None  # PIPEs
-    if key is not None:
-        proc.stdin.write(key.hex() + "\n")
-    proc.stdin.close()
-    lines = []
-    for line in proc.stdout:  # until it listens, or dies (port taken, bad address)
-        lines.append(line.strip())
-        if line.startswith(ready):
-            threading.Thread(target=_drain, args=(proc,), daemon=True).start()  # its later lines: never block it
-            return proc, lines
-    proc.wait()
-    return None, lines
-
-
 def _drain(proc: subprocess.Popen) -> None:
     assert proc.stdout is not None  # stdout=PIPE
     for line in proc.stdout:
@@ -193,111 +180,128 @@ def _drain(proc: subprocess.Popen) -> None:
 
 
 def connect_tcp_store(host: str, port: int, timeout: timedelta, address: str,
-                      secret: RunSecret | bytes | None = None) -> dist.TCPStore:
-    """A client, within `timeout` or StoreUnreachable. The deadline is ours: c10d's own connect waits
-    forever on a listener that accepts and never answers (and past its timeout on a flooded store).
-    With a secret the client connects to this process's forwarder to host:port (`_forwarder`)."""
+                      secret: RunSecret | bytes | None = None) -> KeyStoreClient:
+    """A client, within `timeout` or StoreUnreachable naming why (no store, wrong or missing secret)."""
     secret = _run_secret(secret)
-    local = _forwarder(host, port, secret, timeout, address) if secret is not None else None
-    if local is not None:
-        host, port = "127.0.0.1", local
-    box: dict[str, Any] = {}
-    if secret is None:  # does a guard challenge us? asked now: it may be gone by the time c10d gives up
-        threading.Thread(target=_ask_for_a_challenge, args=((host, port), box), daemon=True).start()
-
-    def connect() -> None:
-        try:
-            box["store"] = dist.TCPStore(host, port, is_master=False, timeout=timeout, use_libuv=True)
-        except Exception as e:  # reported below with the address
-            box["error"] = e
-
-    thread = threading.Thread(target=connect, name="zeroband-store-connect", daemon=True)
-    thread.start()
-    thread.join(timeout.total_seconds() + 1.0)
     fix = "check sites.store (zeroband launch's store, or site 0 with sites.host_store = true)"
-    if box.get("asks") and ("error" in box or thread.is_alive()):
-        raise StoreUnreachable(f"store {address}: the store demands the run's shared secret and this site has none. "
-                               f"Fix: export {SECRET_ENV} (the same on every site and the store)")
-    if thread.is_alive():
-        raise StoreUnreachable(f"store {address}: a listener accepted the connection but did not answer as a "
-                               f"c10d store within {timeout.total_seconds():g} s (sites.timeout_s); {fix}")
-    if "error" in box:
-        first = str(box["error"]).strip().splitlines()[0] if str(box["error"]).strip() else type(box["error"]).__name__
+    try:
+        return KeyStoreClient(host, port, timeout, guard_key(secret) if secret else None, address)
+    except Refused as e:
+        if str(e) == NO_SECRET:
+            raise StoreUnreachable(f"store {address}: {e}. Fix: export {SECRET_ENV} (the same on every site and "
+                                   "the store)") from None
+        if "secret" in str(e):
+            raise StoreUnreachable(f"store {address}: {e}. Fix: the same {SECRET_ENV} on every site and on the "
+                                   "store, or sites.insecure = true on all of them") from None
+        if "challenge" in str(e) and e.final:
+            raise StoreUnreachable(f"store {address}: a listener accepted the connection but did not answer as a "
+                                   f"zeroband store within {timeout.total_seconds():g} s (sites.timeout_s); {fix}") from None
+        raise StoreUnreachable(f"store {address}: {e} (for {timeout.total_seconds():g} s); {fix}") from None
+    except OSError as e:
         raise StoreUnreachable(f"store {address}: no store answered within {timeout.total_seconds():g} s "
-                               f"({first}); {fix}") from None
-    return box["store"]
-
-
-def _ask_for_a_challenge(remote: tuple[str, int], box: dict[str, Any]) -> None:
-    """box["asks"]: whether the store at `remote` challenges (demands the secret); retried while it
-    is not up yet, until the connection attempt in `box` has ended."""
-    while "store" not in box and "error" not in box:
-        asks = challenges(remote)
-        if asks is not None:
-            box["asks"] = asks
-            return
-        time.sleep(0.2)
-
-
-# (pid, host, port, key) -> (forwarder process, its loopback port); pid: a forked child starts its own
-_FORWARDERS: dict[tuple[int, str, int, bytes], tuple[subprocess.Popen, int]] = {}
-_FORWARDERS_LOCK = threading.Lock()
-
-
-def _forwarder(host: str, port: int, secret: RunSecret, timeout: timedelta, address: str) -> int | None:
-    """The loopback port of this process's forwarder to the guard at host:port, started on first
-    use; None for a store that demands no secret (started without one: its clients connect plainly).
-    First one handshake from here, so a refusal is one line naming its cause rather than the c10d
-    client's retries on a closed connection."""
-    if address in _UNGUARDED:  # checked once per process: a later open (the heartbeat's) need not wait again
-        return None
-    key = guard_key(secret)
-    if not check_guard(host, port, key, timeout.total_seconds(), address):
-        _UNGUARDED.add(address)
-        log.warning("store %s asks for no secret (started without %s): its port is only flood-bounded, "
-                    "not authenticated; store values stay signed", address, SECRET_ENV)
-        return None
-    with _FORWARDERS_LOCK:
-        ident = (os.getpid(), host, port, key)
-        known = _FORWARDERS.get(ident)
-        if known is not None and known[0].poll() is None:
-            return known[1]
-        proc, lines = _helper(["--forward", "--host", host, "--port", str(port)], key, "forwarder listening")
-        if proc is None:
-            raise StoreUnreachable(f"store {address}: cannot start its local forwarder: {lines[-1] if lines else 'exited'}")
-        _FORWARDERS[ident] = (proc, int(lines[-1].rsplit(":", 1)[1]))
-        return _FORWARDERS[ident][1]
+                               f"({e}); {fix}") from None
 
 
 _UNGUARDED: set[str] = set()  # stores already reported as asking for no secret
 
 
-def check_guard(host: str, port: int, key: bytes, timeout_s: float, address: str) -> bool:
-    """Whether the store at host:port demands the secret, from what it answers (guard.challenges),
-    never from its silence: False for a store started without one; True once one authenticated
-    connection got through (retried while a flood drops it); else StoreUnreachable naming why the
-    guard refused, or that nothing answered as a store within `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    asks = challenges((host, port), timeout_s)
-    while asks is None and time.monotonic() + RETRY_S < deadline:  # not up yet, or a dropped connection
-        time.sleep(RETRY_S)
-        asks = challenges((host, port), deadline - time.monotonic())
-    if asks is None:
-        raise StoreUnreachable(f"store {address}: nothing answered as a c10d store within {timeout_s:g} s; check "
-                               "sites.store (zeroband launch's store, or site 0 with sites.host_store = true)")
-    if not asks:
-        return False
-    try:  # at least a second: the probe may have used most of the time on a loaded machine
-        authenticated((host, port), key, max(1.0, deadline - time.monotonic())).close()
-        return True
-    except Refused as e:
-        if not e.final:
-            raise StoreUnreachable(f"store {address}: {e} (for {timeout_s:g} s)") from None
-        raise StoreUnreachable(f"store {address}: {e}. Fix: the same {SECRET_ENV} on every site and on the "
-                               "store, or sites.insecure = true on all of them") from None
-    except OSError as e:
-        raise StoreUnreachable(f"store {address}: the guard stopped answering ({e}); check sites.store "
-                               "(zeroband launch's store, or site 0 with sites.host_store = true)") from None
+class KeyStoreClient(dist.Store):
+    """A c10d Store (a Python subclass, like EtcdStore: it works under PrefixStore and gloo's
+    rendezvous) on the tcp:// store process (store/guard.py): one authenticated connection, one
+    request at a time. `get`, `wait` and `multi_get` wait in the store, which answers once the keys
+    exist or the timeout has passed. A lost connection (the store died) is DistNetworkError, as
+    c10d's; the next call connects again. A forked child opens its own connection."""
+
+    def __init__(self, host: str, port: int, timeout: timedelta, key: bytes | None, address: str = "") -> None:
+        super().__init__()  # required by the pybind trampoline
+        self.set_timeout(timeout)
+        self.host, self.port, self._key = host, port, key
+        self.address = address or f"tcp://{host}:{port}"
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self._pid = -1
+        with self._lock:
+            self._connect(timeout.total_seconds())
+
+    def __repr__(self) -> str:
+        return f"KeyStoreClient({self.address})"
+
+    def _connect(self, timeout_s: float) -> socket.socket:
+        sock, keyed = authenticated((self.host, self.port), self._key, timeout_s)
+        if not keyed and self._key is not None and self.address not in _UNGUARDED:
+            _UNGUARDED.add(self.address)
+            log.warning("store %s asks for no secret (started without %s): its port is only flood-bounded, "
+                        "not authenticated; store values stay signed", self.address, SECRET_ENV)
+        self._sock, self._pid = sock, os.getpid()
+        return sock
+
+    def _call(self, fields: list[bytes], wait_s: float = 0.0) -> list[bytes]:
+        timeout_s = self.timeout.total_seconds()  # type: ignore[attr-defined]  # torch's Store stub lacks the timeout property
+        with self._lock:
+            try:
+                sock = self._sock if self._sock is not None and self._pid == os.getpid() else self._connect(timeout_s)
+                sock.settimeout(timeout_s + wait_s + 1.0)
+                sock.sendall(encode(fields))
+                reply = read_frame(sock)
+            except OSError as e:  # the store is gone, or stopped answering: c10d's error for it
+                self._drop()
+                raise dist.DistNetworkError(f"store {self.address}: {e or type(e).__name__}") from None
+        if reply[0] == ERROR:
+            raise dist.DistStoreError(f"store {self.address}: {reply[1].decode(errors='replace')}")
+        return reply
+
+    def _drop(self) -> None:
+        if self._sock is not None and self._pid == os.getpid():
+            self._sock.close()
+        self._sock = None
+
+    def _wait(self, keys: list[str], timeout: timedelta) -> list[bytes]:
+        wait_s = timeout.total_seconds()
+        reply = self._call([b"get", str(int(wait_s * 1000)).encode(), *(k.encode() for k in keys)], wait_s)
+        if reply[0] == TIMEOUT:
+            missing = [k.decode(errors="replace") for k in reply[1:]]
+            raise StoreTimeout(f"store {self.address}: key(s) {missing} not set within {wait_s:g} s")
+        return reply[1:]
+
+    # ---- c10d Store API -------------------------------------------------------------------------
+    def set(self, key: str, value: str | bytes) -> None:
+        self._call([b"set", key.encode(), _as_bytes(value)])
+
+    def get(self, key: str) -> bytes:
+        return self._wait([key], self.timeout)[0]  # type: ignore[attr-defined]  # torch's Store stub lacks the timeout property
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        self._wait(keys, self.timeout if timeout is None else timeout)  # type: ignore[attr-defined]  # torch's Store stub lacks the timeout property
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return self._wait(keys, self.timeout)  # type: ignore[attr-defined]  # torch's Store stub lacks the timeout property
+
+    def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
+        self._call([b"mset", *(f for k, v in zip(keys, values) for f in (k.encode(), _as_bytes(v)))])
+
+    def check(self, keys: list[str]) -> bool:
+        return self._call([b"check", *(k.encode() for k in keys)])[1] == b"1"
+
+    def add(self, key: str, amount: int) -> int:
+        return int(self._call([b"add", key.encode(), str(int(amount)).encode()])[1])
+
+    def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
+        """c10d semantics: set if the value equals `expected` (or the key is missing and `expected`
+        is empty); return the value now stored, or `expected` if the key is missing."""
+        return self._call([b"cas", key.encode(), _as_bytes(expected), _as_bytes(desired)])[1]
+
+    def delete_key(self, key: str) -> bool:
+        return self._call([b"del", key.encode()])[1] == b"1"
+
+    def num_keys(self) -> int:
+        return int(self._call([b"num"])[1])
+
+    def list_keys(self) -> list[str]:
+        return [k.decode() for k in self._call([b"list"])[1:]]
+
+
+def _as_bytes(value: str | bytes) -> bytes:
+    return value.encode() if isinstance(value, str) else bytes(value)
 
 
 def listen_socket(host: str, port: int, backlog: int = 4096) -> socket.socket:

@@ -5,8 +5,9 @@
 `zeroband launch` starts one beside the sites (inside site 0's network namespace under WAN
 emulation, but as its own process), so killing any site, site 0 included, leaves the store up.
 It exits on SIGTERM/SIGINT or when its parent process goes away. With the run's secret in
-$ZEROBAND_SECRET (the launcher hands it over) only connections that prove it reach the store
-(store/guard.py); without one the port is only flood-bounded, not authenticated. For runs
+$ZEROBAND_SECRET (the launcher hands it over) only connections that prove it read or write a key
+(store/guard.py, the store process this one starts); without one the port is only flood-bounded,
+not authenticated. For runs
 spanning real sites, use an etcd cluster with a member per site instead (`sites.store = "etcd://..."`).
 """
 
@@ -31,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     if secret is None:
         print(f"store: no {SECRET_ENV}: the store port on {args.host}:{args.port} is only flood-bounded, not "
               "authenticated (sites.insecure; trusted networks only)", flush=True)
-    store = host_tcp_store(args.host, args.port, timedelta(hours=24), secret)  # behind the guard
+    store = host_tcp_store(args.host, args.port, timedelta(hours=24), secret)  # store/guard.py's process
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     signal.signal(signal.SIGINT, lambda *_: stop.append(1))
