@@ -306,7 +306,7 @@ def incarnation_prefix(store: dist.Store, base: str, site_rank: int, site_count:
     done = {s: f"{base}nonces/{s}" for s in range(site_count)}
     deadline, bad_since = time.monotonic() + timeout_s, dict[int, float]()
     while True:
-        read = {s: signed.lookup(k) for s, k in arrive.items()}  # one read per key: value and presence
+        read = dict(zip(arrive, signed.lookup_many(list(arrive.values()))))  # value and presence of each
         nonces = {s: v for s, (v, _) in read.items()}
         if nonces[site_rank] != own.encode():  # not written yet, or deleted / overwritten since
             signed.set(arrive[site_rank], own)
@@ -317,9 +317,11 @@ def incarnation_prefix(store: dist.Store, base: str, site_rank: int, site_count:
         _foreign(missing, bad_since, now)
         if not missing:
             agreed = hashlib.sha256(frame(*(cast(bytes, nonces[s]) for s in range(site_count)))).hexdigest()[:32]  # none missing
-            if signed.read(done[site_rank]) != agreed.encode():
+            hashes = dict(zip(done, (v for v, _ in signed.lookup_many(list(done.values())))))
+            if hashes[site_rank] != agreed.encode():
                 signed.set(done[site_rank], agreed)
-            missing = {s for s, k in done.items() if signed.read(k) != agreed.encode()}
+                hashes[site_rank] = agreed.encode()
+            missing = {s for s, v in hashes.items() if v != agreed.encode()}
             if not missing:
                 return f"{base}{agreed}/"
         if time.monotonic() > deadline:
@@ -328,7 +330,7 @@ def incarnation_prefix(store: dist.Store, base: str, site_rank: int, site_count:
             raise PeerTimeout(f"start of the run: {_sites(missing)} did not arrive within {timeout_s:g} s "
                               f"(sites.timeout_s){why}")
         tick.tick(_sites(missing))
-        time.sleep(0.02)
+        signed.wait_change([*arrive.values(), *done.values()], 0.02)
 
 
 def _foreign(missing: set[int], bad_since: dict[int, float], now: float) -> None:

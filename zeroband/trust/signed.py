@@ -140,6 +140,25 @@ class SignedStore:
         raw = self.store.compare_set(key, ABSENT, NEVER)  # type: ignore[arg-type]  # the stub says str; c10d takes bytes
         return (None, False) if raw == ABSENT else (self.open(key, raw), True)
 
+    def lookup_many(self, keys: list[str]) -> list[tuple[bytes | None, bool]]:
+        """`lookup` of every key: one round trip where the store reads many keys at once without
+        blocking (`read_many`: etcd, zeroband's own store), else one per key. A protocol round over
+        k sites then costs one request, not k (at 200 ms RTT, 8 sites: 0.2 s, not 1.6 s)."""
+        many = getattr(self.store, "read_many", None)
+        if many is None:
+            return [self.lookup(k) for k in keys]
+        return [(None, False) if raw is None else (self.open(k, raw), True) for k, raw in zip(keys, many(keys))]
+
+    def wait_change(self, keys: list[str], poll_s: float) -> None:
+        """Until the next read is worth making: a change under the keys' common prefix, at most
+        POLL_S, where the store has watches (etcd: no polling, and a peer's write wakes us at once);
+        else `poll_s` of sleep."""
+        watch = getattr(self.store, "wait_change", None)
+        if watch is None:
+            time.sleep(poll_s)
+        else:
+            watch(os.path.commonprefix(keys), POLL_S)
+
     def check(self, keys: list[str]) -> bool:
         return all(self.read(k) is not None for k in keys)
 
@@ -254,14 +273,15 @@ def exchange(store: SignedStore, keys: Mapping[int, str], me: int, value: str | 
     rewrites, start, tick = 0, time.monotonic(), Ticker(what)
     bad_since: dict[int, float] = {}
     store.set(keys[me], raw)
+    names = list(keys.values())
     while True:
-        if store.read(keys[me]) != raw:
+        read = dict(zip(keys, store.lookup_many(names)))  # every site's, ours too: one round trip where it can
+        if read.pop(me)[0] != raw:
             rewrites += 1
             if rewrites > REWRITE_LIMIT:
                 raise StoreInterference(f"{what}: store key {keys[me]!r} was deleted or overwritten {REWRITE_LIMIT} "
                                         "times by a writer without the shared secret; the store is under attack")
             store.set(keys[me], raw)
-        read = {s: store.lookup(k) for s, k in keys.items() if s != me}
         values = {s: v for s, (v, _) in read.items()}
         missing, now = {s for s, v in values.items() if v is None}, time.monotonic()
         track_refusals(read, bad_since, now)
@@ -276,4 +296,4 @@ def exchange(store: SignedStore, keys: Mapping[int, str], me: int, value: str | 
             raise PeerTimeout(f"{what}: {_sites(missing)} did not arrive within {timeout_s:g} s (sites.timeout_s); "
                               "is it running, with the same sites.store and run name?")
         tick.tick(_sites(missing))
-        time.sleep(0.01 if now - start < 1.0 else POLL_S)
+        store.wait_change(names, 0.01 if now - start < 1.0 else POLL_S)
