@@ -172,9 +172,9 @@ def _read_exactly(sock: socket.socket, n: int, failed: str, final_on_timeout: bo
 def authenticated(remote: tuple[str, int], key: bytes | None,
                   timeout_s: float) -> tuple[socket.socket, bytes | None]:
     """A connection to the store at `remote`, admitted, and its session key (None: the store demands
-    no secret, its frames are not tagged); retried
-    on a dropped connection (a flood evicts unanswered ones oldest-first) and while nothing listens
-    yet, until `timeout_s`. Refused (final) or OSError otherwise."""
+    no secret, its frames are not tagged); retried on a dropped connection (a flood evicts
+    unanswered ones oldest-first) and while nothing listens yet, until `timeout_s`. Refused (final)
+    or OSError otherwise."""
     deadline = time.monotonic() + timeout_s
     while True:
         left = max(0.1, deadline - time.monotonic())
@@ -353,8 +353,9 @@ class KeyStore:
                 self._close(conn)
                 return
             if self.key is not None:
-                conn.session = session_key(self.key, conn.challenge, bytes(conn.got[ANSWER_BYTES:ANSWER_BYTES + NONCE_BYTES]))
-                del conn.got[:NONCE_BYTES + ANSWER_BYTES]
+                nonce = bytes(conn.got[ANSWER_BYTES:ANSWER_BYTES + NONCE_BYTES])
+                conn.session = session_key(self.key, conn.challenge, nonce)
+                del conn.got[:ANSWER_BYTES + NONCE_BYTES]
             else:
                 del conn.got[:ANSWER_BYTES]
             del self.pending[conn.sock]
@@ -389,7 +390,8 @@ class KeyStore:
         """A request that fails its tag is never applied, nor is anything after it on the connection
         (the counts no longer agree): the client is told why, in a reply it can verify, and the
         connection ends. The client's next call opens a new one, with a fresh session key."""
-        log.warning("store: a request failed authentication (altered, injected or replayed on the way): connection closed")
+        log.warning("store: a request failed authentication (altered, injected or replayed on the way): "
+                    "not applied, connection closed")
         self._reply(conn, [FORGED])
         try:
             conn.sock.shutdown(socket.SHUT_WR)  # the FIN after the reply
