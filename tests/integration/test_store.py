@@ -25,6 +25,7 @@ cluster = unit_tier.cluster
 test_add_and_compare_set = unit_tier.test_add_and_compare_set
 test_add_is_atomic_across_clients = unit_tier.test_add_is_atomic_across_clients
 test_missing_key_times_out_clearly = unit_tier.test_missing_key_times_out_clearly
+test_read_many_reads_current_values_at_once_and_never_waits = unit_tier.test_read_many_reads_current_values_at_once_and_never_waits
 test_set_get_check_delete = unit_tier.test_set_get_check_delete
 test_wait_and_blocking_get = unit_tier.test_wait_and_blocking_get
 

@@ -42,17 +42,18 @@ def cluster() -> Iterator[EtcdCluster]:
 def _make_store_body(request):
     """A factory of clients of one fresh store (a new tcp server, or a new etcd prefix)."""
     timeout = timedelta(seconds=10)
-    if request.param == "tcp":
+    if request.param.startswith("tcp"):
         address = f"tcp://127.0.0.1:{free_port()}"
-        host = open_store(address, True, timeout)
-        yield lambda t=timeout: open_store(address, False, t)
+        secret = b"s" * 32 if request.param == "tcp+secret" else None  # with one, every frame is tagged
+        host = open_store(address, True, timeout, secret)
+        yield lambda t=timeout: open_store(address, False, t, secret)
         del host
     else:
         address = request.getfixturevalue("cluster").url(f"test-{uuid.uuid4().hex[:8]}")
         yield lambda t=timeout: open_store(address, False, t)
 
 
-@pytest.fixture(params=["tcp"])
+@pytest.fixture(params=["tcp", "tcp+secret"])
 def make_store(request):
     yield from _make_store_body(request)
 
@@ -75,6 +76,19 @@ def test_set_get_check_delete(make_store):
     assert store.num_keys() == before - 1
     store.multi_set(["m1", "m2"], [b"x", b"y"])
     assert store.multi_get(["m1", "m2"]) == [b"x", b"y"]
+
+
+def test_read_many_reads_current_values_at_once_and_never_waits(make_store):
+    store, other = make_store(timedelta(seconds=5)), make_store()
+    other.multi_set(["r1", "r3", "empty"], [b"one", bytes(range(256)), b""])
+    t0 = time.monotonic()
+    assert store.read_many(["r1", "r2", "r3", "empty", "r1"]) == [b"one", None, bytes(range(256)), b"", b"one"]
+    assert store.read_many(["nothing", "here"]) == [None, None]  # missing keys: at once, no wait
+    assert time.monotonic() - t0 < 2
+    assert store.read_many([]) == []
+    keys = [f"many/{i}" for i in range(500)]
+    other.multi_set(keys[::2], [str(i).encode() for i in range(0, 500, 2)])
+    assert store.read_many(keys) == [str(i).encode() if i % 2 == 0 else None for i in range(500)]
 
 
 def test_add_and_compare_set(make_store):

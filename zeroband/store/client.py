@@ -30,7 +30,24 @@ import torch.distributed as dist
 
 from zeroband.config import SitesConfig
 from zeroband.store.etcd import EtcdAccess, EtcdStore, StoreTimeout, StoreUnavailable, parse_endpoints
-from zeroband.store.guard import ERROR, NO_SECRET, TIMEOUT, Refused, authenticated, encode, read_frame
+from zeroband.store.guard import (
+    ERROR,
+    FORGED,
+    NO_SECRET,
+    TAG_BYTES,
+    TIMEOUT,
+    TO_CLIENT,
+    TO_STORE,
+    Refused,
+    Tampered,
+    authenticated,
+    decode,
+    encode,
+    read_raw_frame,
+    recv_exactly,
+    tag,
+    verify,
+)
 from zeroband.trust.secret import SECRET_ENV, RunSecret, as_secret, resolve_secret
 
 log = logging.getLogger(__name__)
@@ -210,7 +227,15 @@ class KeyStoreClient(dist.Store):
     rendezvous) on the tcp:// store process (store/guard.py): one authenticated connection, one
     request at a time. `get`, `wait` and `multi_get` wait in the store, which answers once the keys
     exist or the timeout has passed. A lost connection (the store died) is DistNetworkError, as
-    c10d's; the next call connects again. A forked child opens its own connection."""
+    c10d's; the next call connects again. A forked child opens its own connection.
+
+    With a secret every request and reply is tagged (store/guard.py): a reply that fails its tag,
+    or the store's FORGED answer to a request that failed its own, is a DistNetworkError naming an
+    altered or injected connection, and the next call reconnects with a fresh handshake. A failed
+    call is never resent, here or on reconnecting: whether the store applied it is unknown (as with
+    c10d's TCPStore when a connection drops), so a non-idempotent `add` is applied at most once per
+    call, never twice. Its one user, the membership's generation counter, needs fresh increasing
+    numbers only: a caller that retries after such an error skips a number, which is harmless."""
 
     def __init__(self, host: str, port: int, timeout: timedelta, key: bytes | None, address: str = "") -> None:
         super().__init__()  # required by the pybind trampoline
@@ -220,6 +245,8 @@ class KeyStoreClient(dist.Store):
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
         self._pid = -1
+        self._session: bytes | None = None  # the connection's session key, with a secret
+        self._sent = self._received = 0  # frames tagged each way on this connection
         with self._lock:
             self._connect(timeout.total_seconds())
 
@@ -227,12 +254,13 @@ class KeyStoreClient(dist.Store):
         return f"KeyStoreClient({self.address})"
 
     def _connect(self, timeout_s: float) -> socket.socket:
-        sock, keyed = authenticated((self.host, self.port), self._key, timeout_s)
-        if not keyed and self._key is not None and self.address not in _UNGUARDED:
+        sock, session = authenticated((self.host, self.port), self._key, timeout_s)
+        if session is None and self._key is not None and self.address not in _UNGUARDED:
             _UNGUARDED.add(self.address)
             log.warning("store %s asks for no secret (started without %s): its port is only flood-bounded, "
                         "not authenticated; store values stay signed", self.address, SECRET_ENV)
         self._sock, self._pid = sock, os.getpid()
+        self._session, self._sent, self._received = session, 0, 0
         return sock
 
     def _call(self, fields: list[bytes], wait_s: float = 0.0) -> list[bytes]:
@@ -241,14 +269,34 @@ class KeyStoreClient(dist.Store):
             try:
                 sock = self._sock if self._sock is not None and self._pid == os.getpid() else self._connect(timeout_s)
                 sock.settimeout(timeout_s + wait_s + 1.0)
-                sock.sendall(encode(fields))
-                reply = read_frame(sock)
-            except OSError as e:  # the store is gone, or stopped answering: c10d's error for it
+                self._send(sock, encode(fields))
+                reply = self._receive(sock)
+            except OSError as e:  # the store is gone, or stopped answering, or a frame was forged: c10d's error for it
                 self._drop()
                 raise dist.DistNetworkError(f"store {self.address}: {e or type(e).__name__}") from None
         if reply[0] == ERROR:
             raise dist.DistStoreError(f"store {self.address}: {reply[1].decode(errors='replace')}")
         return reply
+
+    def _send(self, sock: socket.socket, frame: bytes) -> None:
+        if self._session is not None:
+            frame += tag(self._session, TO_STORE, self._sent, frame)
+            self._sent += 1
+        sock.sendall(frame)
+
+    def _receive(self, sock: socket.socket) -> list[bytes]:
+        frame = read_raw_frame(sock)
+        if self._session is not None:
+            if not verify(self._session, TO_CLIENT, self._received, frame, recv_exactly(sock, TAG_BYTES)):
+                raise Tampered("a reply on the store connection failed authentication: it was altered, injected, "
+                               "replayed or reordered on the way (an on-path attacker?); reconnecting on the next call")
+            self._received += 1
+        fields = decode(frame[4:])
+        if fields[0] == FORGED:
+            raise Tampered("the store refused a request of ours that failed authentication: it was altered, injected "
+                           "or replayed on the way (an on-path attacker?); nothing after it was applied; "
+                           "reconnecting on the next call")
+        return fields
 
     def _drop(self) -> None:
         if self._sock is not None and self._pid == os.getpid():
@@ -278,6 +326,13 @@ class KeyStoreClient(dist.Store):
 
     def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
         self._call([b"mset", *(f for k, v in zip(keys, values) for f in (k.encode(), _as_bytes(v)))])
+
+    def read_many(self, keys: list[str]) -> list[bytes | None]:
+        """The keys' current values, None where missing, in one round trip; never waits (as
+        EtcdStore.read_many, so callers can use either)."""
+        if not keys:
+            return []
+        return [v[1:] if v else None for v in self._call([b"read", *(k.encode() for k in keys)])[1:]]
 
     def check(self, keys: list[str]) -> bool:
         return self._call([b"check", *(k.encode() for k in keys)])[1] == b"1"

@@ -20,8 +20,18 @@ who can reach the port can use the store (flood-bounded, not authenticated).
 
 After the handshake: frames (`>I` length, then fields, each `>I` length + bytes), one request then
 its reply. Requests: set, get (waits server-side until every key exists or its timeout passes:
-`TIMEOUT` + the missing keys), check, add, cas (c10d compare_set), mset, del, num, list. Requests of a
-connection are answered in order, so one waiting `get` holds back that connection's later requests.
+`TIMEOUT` + the missing keys), read (the current values, never waits), check, add, cas (c10d
+compare_set), mset, del, num, list. Requests of a connection are answered in order, so one waiting
+`get` holds back that connection's later requests.
+
+With a secret every frame after the handshake is authenticated too: the client sends a fresh nonce
+with its answer, both ends derive `session_key(key, challenge, nonce)`, and each frame carries
+`tag(session, direction, n, frame)` (truncated HMAC-SHA256), n counting that direction's frames
+from 0 on both ends. Someone on the path, who can see and inject bytes but lacks the key, can then
+neither alter, inject, replay, reorder nor drop a request or reply unnoticed: a request that fails
+is never applied (the store answers `FORGED`, authentically, and closes the connection), a reply
+that fails is an error on the client (`Tampered`), which reconnects with a fresh handshake on its
+next call. Cutting the connection stays possible (denial of service, as for any TCP link).
 
 One thread, `selectors`; values are small (keys, counters, addresses). The store runs in a process
 of its own (`python zeroband/store/guard.py`, stdlib only, exits when its parent does): some client
@@ -57,12 +67,17 @@ MAX_FRAME = 64 << 20  # one request's bytes; a larger one closes its connection
 MAX_OUT = 256 << 20  # replies a client has not read; past it its connection is closed
 ACCEPTS_PER_TURN = 256  # a flood of connects must not starve the established clients
 
-MAGIC, OPEN = b"ZBSG2", b"ZBSO2"  # a greeting's first bytes: the store demands the secret / does not
+MAGIC, OPEN = b"ZBSG3", b"ZBSO3"  # a greeting's first bytes: the store demands the secret / does not
 CHALLENGE_BYTES = len(MAGIC) + 32
 ANSWER_BYTES = 32
+NONCE_BYTES = 16  # the client's share of the session key, sent after its answer (with a secret only)
+TAG_BYTES = 16  # after every frame, with a secret: a truncated HMAC-SHA256
 ADMITTED, WRONG, FULL = b"K", b"R", b"F"
 LABEL = b"zeroband-store-guard-v2"
+SESSION_LABEL = b"zeroband-store-session-v1"
+TO_STORE, TO_CLIENT = b"C", b"S"  # a tag's direction byte: a request's tag never verifies as a reply's
 OK, TIMEOUT, ERROR = b"ok", b"timeout", b"error"
+FORGED = b"forged"  # the store's last reply on a connection whose request failed authentication
 
 
 # ---- the handshake (pure) -------------------------------------------------------------------------
@@ -82,6 +97,30 @@ def judge(challenge: bytes, got: bytes | bytearray, key: bytes | None, port: int
     return ADMITTED if hmac.compare_digest(bytes(got[:ANSWER_BYTES]), want) else WRONG
 
 
+def session_key(key: bytes, challenge: bytes, nonce: bytes) -> bytes:
+    """The key a connection's frames are tagged with. Both ends know it after the handshake, an
+    observer does not (it needs `key`). Fresh per connection from both sides: the store's challenge
+    (a client cannot replay a recorded session into the store) and the client's nonce (an impostor
+    store replaying a recorded challenge cannot replay that session's replies to the client)."""
+    return hmac.digest(key, SESSION_LABEL + b"|" + challenge + b"|" + nonce, "sha256")
+
+
+def tag(session: bytes, direction: bytes, seq: int, frame: bytes) -> bytes:
+    """Frame number `seq` of `direction` (TO_STORE, TO_CLIENT) on the connection keyed `session`.
+    The number is never sent: both ends count, so a replayed, reordered, dropped or injected frame
+    is checked against the wrong number and fails."""
+    return hmac.digest(session, direction + struct.pack(">Q", seq) + frame, "sha256")[:TAG_BYTES]
+
+
+def verify(session: bytes, direction: bytes, seq: int, frame: bytes, got: bytes | bytearray) -> bool:
+    return hmac.compare_digest(tag(session, direction, seq, frame), bytes(got))
+
+
+class Tampered(ConnectionError):
+    """A frame of an authenticated store connection failed its tag: someone on the path altered,
+    injected, replayed or dropped bytes. The connection is dropped; the next call opens a new one."""
+
+
 class Refused(ConnectionError):
     """The store refused our handshake; the message says why, in one line. `final`: asking again
     cannot help (wrong secret, no secret, not a store); else (the connection was dropped, e.g.
@@ -95,9 +134,9 @@ class Refused(ConnectionError):
 NO_SECRET = "the store demands the run's shared secret and this site has none"
 
 
-def handshake(sock: socket.socket, key: bytes | None, port: int, timeout_s: float) -> bool:
-    """Answer the store's challenge on a connected socket; whether the store demands the secret,
-    once admitted, else Refused."""
+def handshake(sock: socket.socket, key: bytes | None, port: int, timeout_s: float) -> bytes | None:
+    """Answer the store's challenge on a connected socket; once admitted, the connection's session
+    key if the store demands the secret (its frames are tagged), None if not; else Refused."""
     sock.settimeout(timeout_s)
     challenge = _read_exactly(sock, CHALLENGE_BYTES, "sent no challenge", final_on_timeout=True)
     keyed = challenge.startswith(MAGIC)
@@ -105,7 +144,8 @@ def handshake(sock: socket.socket, key: bytes | None, port: int, timeout_s: floa
         raise Refused("what answered is not a zeroband store (no challenge)")
     if keyed and key is None:
         raise Refused(NO_SECRET)
-    sock.sendall(answer(key if keyed and key else b"", challenge, port))
+    nonce = secrets.token_bytes(NONCE_BYTES) if keyed else b""
+    sock.sendall(answer(key if keyed and key else b"", challenge, port) + nonce)
     status = _read_exactly(sock, 1, "gave no verdict on our answer", final_on_timeout=False)
     if status == WRONG:
         raise Refused("the store's guard refused our answer: wrong shared secret")
@@ -113,7 +153,7 @@ def handshake(sock: socket.socket, key: bytes | None, port: int, timeout_s: floa
         raise Refused(f"the store has no free slot ({MAX_CLIENTS} authenticated clients)", final=False)
     if status != ADMITTED:
         raise Refused("the store answered with an unknown status")
-    return keyed
+    return session_key(key, challenge, nonce) if keyed and key else None
 
 
 def _read_exactly(sock: socket.socket, n: int, failed: str, final_on_timeout: bool) -> bytes:
@@ -129,10 +169,12 @@ def _read_exactly(sock: socket.socket, n: int, failed: str, final_on_timeout: bo
     return data
 
 
-def authenticated(remote: tuple[str, int], key: bytes | None, timeout_s: float) -> tuple[socket.socket, bool]:
-    """A connection to the store at `remote`, admitted, and whether it demanded the secret; retried
-    on a dropped connection (a flood evicts unanswered ones oldest-first) and while nothing listens
-    yet, until `timeout_s`. Refused (final) or OSError otherwise."""
+def authenticated(remote: tuple[str, int], key: bytes | None,
+                  timeout_s: float) -> tuple[socket.socket, bytes | None]:
+    """A connection to the store at `remote`, admitted, and its session key (None: the store demands
+    no secret, its frames are not tagged); retried on a dropped connection (a flood evicts
+    unanswered ones oldest-first) and while nothing listens yet, until `timeout_s`. Refused (final)
+    or OSError otherwise."""
     deadline = time.monotonic() + timeout_s
     while True:
         left = max(0.1, deadline - time.monotonic())
@@ -140,10 +182,10 @@ def authenticated(remote: tuple[str, int], key: bytes | None, timeout_s: float) 
         try:
             sock = socket.create_connection(remote, timeout=left)
             # the whole time left: a store on a loaded machine may take seconds to send its challenge
-            keyed = handshake(sock, key, remote[1], left)
+            session = handshake(sock, key, remote[1], left)
             sock.settimeout(None)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            return sock, keyed
+            return sock, session
         except OSError as e:
             if sock is not None:
                 sock.close()
@@ -177,14 +219,19 @@ def decode(body: bytes | memoryview) -> list[bytes]:
 
 
 def read_frame(sock: socket.socket) -> list[bytes]:
-    head = _recv_exactly(sock, 4)
+    return decode(read_raw_frame(sock)[4:])
+
+
+def read_raw_frame(sock: socket.socket) -> bytes:
+    """One whole frame as sent (its length, then its fields): what a tag covers."""
+    head = recv_exactly(sock, 4)
     (n,) = struct.unpack(">I", head)
     if n > MAX_FRAME:
         raise ConnectionError(f"the store sent a frame of {n} bytes")
-    return decode(_recv_exactly(sock, n))
+    return head + recv_exactly(sock, n)
 
 
-def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+def recv_exactly(sock: socket.socket, n: int) -> bytes:
     parts, left = [], n
     while left:
         chunk = sock.recv(min(left, 1 << 20))
@@ -206,6 +253,9 @@ class Conn:
     got: bytearray = field(default_factory=bytearray)
     out: bytearray = field(default_factory=bytearray)
     waiting: Wait | None = None
+    session: bytes | None = None  # with a secret: the key its frames are tagged with
+    got_n: int = 0  # requests verified so far: the next one's tag number
+    sent_n: int = 0  # replies tagged so far
 
 
 @dataclass(eq=False)
@@ -292,16 +342,23 @@ class KeyStore:
             return
         conn.got += data
         if not conn.admitted:
+            if len(conn.got) < ANSWER_BYTES + (NONCE_BYTES if self.key is not None else 0):
+                return  # judged once the nonce is in too: a wrong answer's connection ends either way
             verdict = judge(conn.challenge, conn.got, self.key, self.port)
-            if verdict is None:
-                return
+            assert verdict is not None  # a whole answer is in
             if verdict == ADMITTED and len(self.clients) >= self.max_clients:
                 verdict = FULL
             if verdict != ADMITTED:  # a FIN after it, not a reset, which could discard the verdict on its way
                 _send_quietly(conn.sock, verdict)
                 self._close(conn)
                 return
-            del self.pending[conn.sock], conn.got[:ANSWER_BYTES]
+            if self.key is not None:
+                nonce = bytes(conn.got[ANSWER_BYTES:ANSWER_BYTES + NONCE_BYTES])
+                conn.session = session_key(self.key, conn.challenge, nonce)
+                del conn.got[:ANSWER_BYTES + NONCE_BYTES]
+            else:
+                del conn.got[:ANSWER_BYTES]
+            del self.pending[conn.sock]
             conn.admitted = True
             self.clients[conn.sock] = conn
             conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -315,16 +372,39 @@ class KeyStore:
             (n,) = struct.unpack_from(">I", conn.got)
             if n > MAX_FRAME:
                 raise ValueError(f"a request of {n} bytes")
-            if len(conn.got) < 4 + n:
+            end = 4 + n + (TAG_BYTES if conn.session is not None else 0)
+            if len(conn.got) < end:
                 return
-            fields = decode(bytes(conn.got[4:4 + n]))
-            del conn.got[:4 + n]
-            reply = self._handle(conn, fields)
+            frame = bytes(conn.got[:4 + n])
+            if conn.session is not None:
+                if not verify(conn.session, TO_STORE, conn.got_n, frame, conn.got[4 + n:end]):
+                    self._refuse_forged(conn)
+                    return
+                conn.got_n += 1
+            del conn.got[:end]
+            reply = self._handle(conn, decode(frame[4:]))
             if reply is not None:
                 self._reply(conn, reply)
 
+    def _refuse_forged(self, conn: Conn) -> None:
+        """A request that fails its tag is never applied, nor is anything after it on the connection
+        (the counts no longer agree): the client is told why, in a reply it can verify, and the
+        connection ends. The client's next call opens a new one, with a fresh session key."""
+        log.warning("store: a request failed authentication (altered, injected or replayed on the way): "
+                    "not applied, connection closed")
+        self._reply(conn, [FORGED])
+        try:
+            conn.sock.shutdown(socket.SHUT_WR)  # the FIN after the reply
+        except OSError:
+            pass
+        self._close(conn)
+
     def _reply(self, conn: Conn, fields: list[bytes]) -> None:
-        conn.out += encode(fields)
+        frame = encode(fields)
+        conn.out += frame
+        if conn.session is not None:
+            conn.out += tag(conn.session, TO_CLIENT, conn.sent_n, frame)
+            conn.sent_n += 1
         self._flush(conn)
 
     def _flush(self, conn: Conn) -> None:
@@ -390,6 +470,8 @@ class KeyStore:
                 if k not in self.data:
                     self.watchers.setdefault(k, set()).add(wait)
             return None
+        if op == b"read":  # the current values, never waits: b"=" + value, or b"" where missing
+            return [OK, *(b"=" + self.data[k] if k in self.data else b"" for k in args)]
         if op == b"check":
             return [OK, b"1" if all(k in self.data for k in args) else b"0"]
         if op == b"add":
