@@ -13,6 +13,8 @@ Fault kinds (each a few times, round-robin in a seeded order):
   partition       `ip link set wan0 down` in the site's namespace for a few seconds (needs --wan)
   etcd_member     SIGKILL of one etcd member; restarted later (needs --etcd)
 Every restart of a site is also a `join` event (a fresh site receiving the state from a peer).
+As a user runs it: the sites share a fresh secret (TLS between sites, a guarded store), and etcd
+(--etcd) runs with TLS and authentication, the run's user limited to its prefix; --insecure drops both.
 
 Goodput = (seconds per committed outer step of a fault-free run of the same config) /
           (seconds per committed outer step of the chaos run), both measured from the first to the
@@ -26,6 +28,7 @@ import argparse
 import json
 import os
 import random
+import secrets
 import shlex
 import shutil
 import signal
@@ -33,7 +36,7 @@ import subprocess
 import sys
 import time
 from contextlib import ExitStack, contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,9 +47,10 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from bench_common import add_out_argument, output_dir, say_written  # noqa: E402
 
 from tests import chaos  # noqa: E402
-from tests.etcd_cluster import EtcdCluster, start_cluster  # noqa: E402
+from tests.etcd_cluster import RUN_PREFIX, EtcdCluster, start_cluster  # noqa: E402
 from zeroband.tools.launch import WanLink, free_port, is_running, last_error_line, store_process  # noqa: E402
 from zeroband.tools.report import data_audit, data_line  # noqa: E402
+from zeroband.trust.secret import SECRET_ENV  # noqa: E402
 
 ENV_KINDS = {"kill_inner": "inner", "kill_allreduce": "allreduce", "kill_checkpoint": "checkpoint"}
 SITE_KINDS = ["kill_inner", "kill_allreduce", "kill_checkpoint", "kill_external", "term", "hang", "partition"]
@@ -132,14 +136,17 @@ def align(kind: str, step: int, s: Settings) -> int:
     return step
 
 
-def run_overrides(s: Settings, out: Path, name: str, steps: int) -> list[str]:
-    values = {
+def run_overrides(s: Settings, out: Path, name: str, steps: int, net: Net) -> list[str]:
+    """The run's settings; with the run's secret (the default) nothing is insecure, and an etcd
+    store is reached with the run's etcd credentials."""
+    values: dict[str, Any] = {
         "output_dir": out, "name": name, "model.vocab_size": 4096, "train.steps": steps, "eval.interval": 0,
         "eval.batches": 1, "log.interval": 10, "checkpoint.interval": s.ckpt_interval,
         "checkpoint.keep_last": s.keep_last, "diloco.elastic": "true", "diloco.inner_steps": s.inner_steps,
         "diloco.heartbeat_s": s.heartbeat_s, "diloco.dead_after_s": s.dead_after_s, "diloco.grace_s": s.grace_s,
         "diloco.start_grace_s": 120, "sites.timeout_s": s.timeout_s, "diloco.join_timeout_s": 90,
-        "diloco.log_checksum": "true", "diloco.comm_dtype": "fp32", "sites.insecure": "true",
+        "diloco.log_checksum": "true", "diloco.comm_dtype": "fp32",
+        **({"sites.insecure": "true"} if net.secret is None else {f"sites.{k}": v for k, v in net.access.items()}),
     }
     return [x for k, v in values.items() for x in (f"--{k}", str(v))]
 
@@ -154,14 +161,25 @@ class Net:
     env: Any
     emulator: Any = None
     etcd: EtcdCluster | None = None
+    secret: str | None = None  # the run's shared secret (None: --insecure)
+    access: dict[str, str] = field(default_factory=dict)  # the sites' etcd credentials (a secure etcd)
 
     def namespace(self, site: int) -> str | None:
         return None if self.emulator is None else self.emulator.site_ns(site)
 
 
 @contextmanager
-def network(sites: int, wan: WanLink | None, etcd: bool, root: Path):
-    """(store address prefix, wrap, env) with the store in its own process(es), never in a site."""
+def network(sites: int, wan: WanLink | None, etcd: bool, root: Path, secure: bool = True):
+    """(store address prefix, wrap, env) with the store in its own process(es), never in a site.
+    `secure` (the default, as a user runs): a fresh shared secret for the sites and the store, and
+    etcd with TLS and authentication (tests/etcd_cluster.py `secure`), the run's user limited to
+    RUN_PREFIX."""
+    secret = secrets.token_hex(16) if secure else None
+    # in this process's environment: the sites and the store inherit it, and the post-mortem verifies
+    # the signed checkpoints with it, as the run's owner would
+    os.environ.pop(SECRET_ENV, None)
+    if secret:
+        os.environ[SECRET_ENV] = secret
     with ExitStack() as stack:
         emu = None
         if wan is not None:
@@ -174,17 +192,18 @@ def network(sites: int, wan: WanLink | None, etcd: bool, root: Path):
         if etcd:
             hosts = [(emu.site_ip(i % sites), emu.wrap(i % sites, [])) if emu else ("127.0.0.1", [])
                      for i in range(3)]
-            cluster = start_cluster(hosts=hosts, root=root / "etcd")
+            cluster = start_cluster(hosts=hosts, root=root / "etcd", secure=secure)
             stack.callback(cluster.stop)
-            yield Net(cluster.url(""), wrap, env, emu, cluster)
+            yield Net(cluster.url(RUN_PREFIX), wrap, env, emu, cluster, secret, cluster.access() if secure else {})
             return
         host, port = (emu.site_ip(0), 29600) if emu else ("127.0.0.1", free_port())
         stack.enter_context(store_process([host, port], (lambda c: emu.wrap(0, c)) if emu else (lambda c: c)))
-        yield Net(f"tcp://{host}:{port}", wrap, env, emu)
+        yield Net(f"tcp://{host}:{port}", wrap, env, emu, secret=secret)
 
 
 def store_for(net: Net, name: str) -> str:
-    return net.store + name if net.etcd is not None else net.store
+    """The run's store address: on etcd a prefix of its own under RUN_PREFIX (the run user's keys)."""
+    return f"{net.store}/{name}" if net.etcd is not None else net.store
 
 
 # ---------------------------------------------------------------------------------- the controller
@@ -195,7 +214,7 @@ class Controller:
         self.s, self.net, self.out, self.faults, self.rng = s, net, out, faults, rng
         self.metrics = [out / "chaos" / f"site{i}" / "metrics.jsonl" for i in range(s.sites)]
         self.sites = chaos.make_sites(s.config, s.sites, store_for(net, "chaos"),
-                                      run_overrides(s, out, "chaos", s.steps), out / "logs", net.wrap, net.env)
+                                      run_overrides(s, out, "chaos", s.steps, net), out / "logs", net.wrap, net.env)
         self.restart_at: dict[int, float] = {}
         self.expected_exit: dict[int, Fault] = {}  # site -> the external fault that will end it
         self.joins: list[Join] = []
@@ -598,7 +617,7 @@ def goodput(s: Settings, records: dict[int, list[dict[str, Any]]], baseline: dic
 def run_baseline(s: Settings, net: Net, out: Path) -> dict[str, Any]:
     """The same config without faults (fewer steps): the steady-state time per outer step."""
     sites = chaos.make_sites(s.config, s.sites, store_for(net, "baseline"),
-                             run_overrides(s, out, "baseline", s.baseline_steps), out / "baseline-logs",
+                             run_overrides(s, out, "baseline", s.baseline_steps, net), out / "baseline-logs",
                              net.wrap, net.env)
     for p in sites:
         p.start()
@@ -676,6 +695,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--gap", type=int, default=36, help="inner steps between two planned faults")
     p.add_argument("--wan", default=None, help="emulate a WAN (rate=..,delay=..); enables partitions")
     p.add_argument("--etcd", action="store_true", help="a 3-member etcd cluster as the store; lose members")
+    p.add_argument("--insecure", action="store_true",
+                   help="no shared secret and a plain etcd (sites.insecure); default: a fresh secret, etcd with TLS + auth")
     p.add_argument("--quick", action="store_true", help="a few faults, a short run (development)")
     p.add_argument("--fixed", type=int, default=0, metavar="N",
                    help="instead: N rounds of the default-mode faults (frozen peer, launcher SIGTERM, resume "
@@ -754,7 +775,8 @@ def main(argv: list[str] | None = None) -> int:
     faults = plan_faults(s, kinds)
     shutil.rmtree(args.workdir, ignore_errors=True)
     args.workdir.mkdir(parents=True)
-    with network(s.sites, WanLink.parse(args.wan) if args.wan else None, args.etcd, args.workdir) as net:
+    with network(s.sites, WanLink.parse(args.wan) if args.wan else None, args.etcd, args.workdir,
+                 not args.insecure) as net:
         baseline = None if args.no_baseline else run_baseline(s, net, args.workdir)
         print(f"[chaos] baseline: {baseline}", flush=True)
         if baseline is not None and baseline["untrained"]:  # the chaos run would not train either
