@@ -534,7 +534,17 @@ def verdicts(summ: dict[str, Any]) -> list[str]:
                 verdict = "one seed so far: no spread to judge by"
             out.append(f"- {name}, H = {h} (seeds {', '.join(map(str, seeds))}): best `{best}` {means[best]:.4f}; "
                        f"defaults {means[f'defaults_h{h}']:.4f} (paired difference {diff:+.4f}), {verdict}.")
+            if len(seeds) > 1:  # every other setting against the defaults, the same rule
+                out.append("  Against the defaults, paired mean ± standard error: " + "; ".join(
+                    _against(n, r, d, seeds) for n, r in cand.items() if n != f"defaults_h{h}") + ".")
     return out
+
+
+def _against(name: str, row: dict[str, Any], defaults: dict[str, Any], seeds: list[int]) -> str:
+    diff, sd = mean_std([row["by_seed"][x] - defaults["by_seed"][x] for x in seeds])
+    se = sd / len(seeds) ** 0.5
+    word = "worse" if diff > 2 * se else "better" if diff < -2 * se else "within 2 SE"
+    return f"`{name}` {diff:+.4f} ± {se:.4f} ({word})"
 
 
 def size_trend(summ: dict[str, Any]) -> list[str]:
