@@ -37,6 +37,7 @@ A fresh start moves the previous run's checkpoints aside with its metrics (zerob
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import io
@@ -241,8 +242,16 @@ def state_bytes(state: Any) -> int:
 
 
 def tree_bytes(path: Path) -> int:
-    """The bytes of the files under `path` (0 where there is none)."""
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else 0
+    """The bytes of the files under `path` (0 where there is none). Files and folders may vanish
+    during the walk: rank 0 removes a killed save's tmp while the site's other ranks still measure
+    it (`save_checkpoint`). What is gone counts 0, and the disk's free space has grown by as much,
+    so free + this stays the same for every rank."""
+    total = 0
+    for folder, _, files in os.walk(path):  # no error for what vanished (onerror=None), unlike rglob
+        for name in files:
+            with contextlib.suppress(FileNotFoundError):
+                total += os.stat(os.path.join(folder, name)).st_size
+    return total
 
 
 def disk_space(path: Path) -> tuple[bool, int]:
