@@ -787,7 +787,9 @@ class Transport:
                     sock.settimeout(limit)
                 key = (os.getpid(), conns[0].getpeername()[0])
                 rtts = self.rtts.get(peer, [])  # none on the accepting side: the initiator decides
-                known = _LINKS.get(key) if still_measured(_LINKS.get(key), min(rtts, default=None), len(conns)) else None
+                known = _LINKS.get(key)
+                if not still_measured(known, min(rtts, default=None), len(conns)):
+                    known = None  # measured again
                 results[peer] = _LINKS[key] = probe(conns, self.rank > peer, cap_s=self.probe_s, known=known,
                                                     choose=lambda r: choose_streams(self.want, r))
                 for sock in conns:
