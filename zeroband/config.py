@@ -256,6 +256,10 @@ class DilocoConfig(Section):
     # Pipeline piece of the all-reduce, in MB of fp32 values: encoding piece k+1 overlaps sending
     # piece k, and the all-gather of a piece starts as soon as its reduce-scatter landed.
     piece_mb: float = Field(4.0, gt=0)
+    # Streaming DiLoCo (zeroband/outer/fragments.py): the parameters in this many fragments balanced
+    # by bytes, fragment p synced every inner_steps steps at offset (p + 1) x inner_steps / fragments,
+    # so a site sends 1/fragments of the model at a time. 1: the whole model at once.
+    fragments: int = Field(1, ge=1)
     # Launch the all-reduce in the background and apply it one outer step late (zeroband/outer/overlap.py).
     overlap: bool = False
     # Inner steps after the boundary at which the overlapped average is applied (Streaming DiLoCo's
@@ -369,6 +373,12 @@ class DilocoConfig(Section):
             raise ValueError("diloco.outer_lr_schedule = 'inner' needs rounds of diloco.inner_steps steps: with "
                              "diloco.round_seconds the sites would each take another outer lr. Fix: set "
                              "diloco.outer_lr_schedule = 'constant' or diloco.round_seconds = 0")
+        if self.fragments > 1 and self.inner_steps % self.fragments:
+            raise ValueError(f"diloco.inner_steps={self.inner_steps} must be a multiple of diloco.fragments="
+                             f"{self.fragments}: one fragment syncs every inner_steps / fragments steps")
+        if self.fragments > 1 and (self.elastic or self.round_seconds or self.mode != "diloco"):
+            raise ValueError("diloco.fragments > 1 needs diloco.mode = 'diloco' with fixed rounds: without "
+                             "diloco.elastic and diloco.round_seconds (not built yet). Fix: diloco.fragments = 1")
         if self.elastic and self.mode != "diloco":
             raise ValueError("diloco.elastic needs diloco.mode = 'diloco'")
         if self.dead_after_s <= 2 * self.heartbeat_s:

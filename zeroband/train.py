@@ -39,6 +39,7 @@ from zeroband.optim import build_optimizer, build_scheduler, hyperparameters_kep
 from zeroband.outer.base import NoOuter, Outer
 from zeroband.outer.data_parallel import CrossSiteDataParallel
 from zeroband.outer.diloco import DiLoCo
+from zeroband.outer.fragments import Fragments
 from zeroband.outer.lanes import reshard_rank_state
 from zeroband.parallelize import build_model
 from zeroband.resume_rules import ConfigChange, config_changes, refusal
@@ -119,6 +120,12 @@ def build_outer(cfg: Config, model: torch.nn.Module, topology: Topology, group: 
     def factor(step: int) -> float:  # the inner schedule's multiplier at inner step `step` (0-based)
         return lr_factor(step, cfg.train.steps, cfg.optim)
 
+    if cfg.diloco.fragments > 1:
+        assert group is not None, "fragments run on the fixed global group (open_topology)"
+        try:
+            return Fragments(model, cfg.diloco, topology, tokens_per_step, factor, group)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     if not cfg.diloco.elastic:
         return DiLoCo(model, cfg.diloco, topology, tokens_per_step, lr_factor=factor, group=group)
     # A joiner takes the outer state, progress and schedule from a peer, in the round it applies:

@@ -83,6 +83,8 @@ class Group:
     seeds: int  # seeds of the headline rows (the first H); 1 for the others
     eval_interval: int
     dp_sweep: bool  # its own DP lr sweep, or the tuned lr of the group named in DP_FROM
+    # the wire rows (WIRE_ROWS) against this group's one site, DP and whole-model fp16 defaults row
+    baselines_from: str = ""
 
 
 VOCAB, SEQ_LEN, BATCH = 2048, 128, 2
@@ -102,6 +104,8 @@ GROUPS = [
     Group("h100_k2", "1.3M", 2000, 2, (100,), 1, 100, False),
     Group("h100_k8", "1.3M", 2000, 8, (100,), 1, 100, False),
     Group("h500", "1.3M", 10000, 4, (500, 250), 3, 250, True),
+    # issue 36: fragments and the sparse codec at the shipped outer settings, against h100's defaults rows
+    Group("h100_wire", "1.3M", 2000, 4, (100,), 3, 100, False, baselines_from="h100"),
 ]
 
 
@@ -126,6 +130,14 @@ def settings(sites: int, h: int) -> dict[str, dict[str, Any]]:
     }
 
 
+def wire_rows() -> dict[str, dict[str, Any]]:
+    """Issue 36's rows, each at the shipped outer settings: to be set against whole-model fp16 (`defaults`)."""
+    from convergence import shipped_default
+
+    return {"fragments4_fp16": {**shipped_default(), "extra": {"diloco": {"fragments": 4}}},
+            "sparse0.02": {**shipped_default(), "comm": "sparse", "extra": {"diloco": {"density": 0.02}}}}
+
+
 @dataclass(frozen=True)
 class Run:
     group: str
@@ -142,7 +154,8 @@ def dp_spec(g: Group, seed: int, lr: float) -> Spec:
 # first (a ranking needs the seed spread, and a seed there costs a fifth of one at H = 500), then its
 # second H (one seed), H = 500's seed 0, the size trend and the number of sites, the H = 500 spreads last.
 FIRST, REST = slice(0, 1), slice(1, None)
-STAGES = [("h100", 0, FIRST), ("h100", 1, FIRST), ("h100", 2, FIRST), ("h100", 0, REST), ("h500", 0, FIRST),
+STAGES = [("h100", 0, FIRST), ("h100", 1, FIRST), ("h100", 2, FIRST), ("h100", 0, REST),
+          ("h100_wire", 0, None), ("h100_wire", 1, None), ("h100_wire", 2, None), ("h500", 0, FIRST),
           ("h500", 0, REST), ("size_0.5M", 0, None), ("size_4M", 0, None), ("h100_k2", 0, None),
           ("h100_k8", 0, None), ("h500", 1, FIRST), ("h500", 2, FIRST)]
 
@@ -157,13 +170,16 @@ def plan(tuned: dict[str, float | None]) -> list[Run]:
             continue
         lr = tuned.get(g.name if g.dp_sweep else DP_FROM)
         specs = []
-        if hs != REST:  # the baselines run with a group's first H values
+        if g.baselines_from:  # the wire rows only: the baselines are the other group's
+            specs = [Spec(f"{n}_h{h}", "diloco", g.sites, g.steps, seed, h=h, **kw)
+                     for h in g.hs for n, kw in wire_rows().items()]
+        elif hs != REST:  # the baselines run with a group's first H values
             specs.append(Spec("single", "single", 1, g.steps, seed))
             if g.dp_sweep and seed == 0:
                 specs += [dp_spec(g, 0, x) for x in DP_LRS]
             elif lr is not None:
                 specs.append(dp_spec(g, seed, lr))
-        for h in g.hs[hs or slice(None)]:
+        for h in g.hs[hs or slice(None)] if not g.baselines_from else ():
             specs += [Spec(f"{n}_h{h}", "diloco", g.sites, g.steps, seed, h=h, **outer) for n, outer in settings(g.sites, h).items()]
         runs += [Run(g.name, g.model, g.eval_interval, s) for s in specs]
     return runs
@@ -444,8 +460,10 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for g in GROUPS:
         mine = [r for r in rows if r["group"] == g.name]
+        base = [r for r in rows if r["group"] == g.baselines_from
+                and (r["method"] != "diloco" or r["row"] in {f"defaults_h{h}" for h in g.hs})]
         by: dict[str, list[dict[str, Any]]] = {}
-        for r in mine:
+        for r in mine + base:
             by.setdefault(r["row"], []).append(r)
         lr = tuned.get(g.name if g.dp_sweep else DP_FROM)
         stats = {name: stat(rs) for name, rs in by.items()}
@@ -540,6 +558,26 @@ def verdicts(summ: dict[str, Any]) -> list[str]:
     return out
 
 
+def wire_verdicts(summ: dict[str, Any]) -> list[str]:
+    """Each wire row against whole-model fp16 at the same outer settings, paired by seed, in percent of
+    the latter's validation loss (issue 36's line: within 1%)."""
+    out = []
+    for name, s in summ.items():
+        for h in s["group"]["hs"] if s["group"]["baselines_from"] else ():
+            ref = s["rows"].get(f"defaults_h{h}")
+            for row_name, r in s["rows"].items():
+                seeds = paired(r, ref)
+                if r["method"] != "diloco" or row_name == f"defaults_h{h}" or ref is None or not seeds:
+                    continue
+                diff, sd = mean_std([100 * (r["by_seed"][x] - ref["by_seed"][x]) / ref["by_seed"][x] for x in seeds])
+                se = sd / len(seeds) ** 0.5
+                word = "within 1%" if diff + 2 * se <= 1.0 else "NOT within 1%" if diff - 2 * se > 1.0 else "undecided"
+                out.append(f"- {name}, H = {h}: `{row_name}` {diff:+.2f}% ± {se:.2f}% (SE, seeds "
+                           f"{', '.join(map(str, seeds))}) against whole-model fp16 `defaults_h{h}`: {word}; "
+                           f"{r['wire_mib']:.1f} against {ref['wire_mib']:.1f} MiB per site on the wire.")
+    return out
+
+
 def _against(name: str, row: dict[str, Any], defaults: dict[str, Any], seeds: list[int]) -> str:
     diff, sd = mean_std([row["by_seed"][x] - defaults["by_seed"][x] for x in seeds])
     se = sd / len(seeds) ** 0.5
@@ -624,6 +662,9 @@ def write_report(ctx: dict[str, Any]) -> None:
              "compare settings on the seeds all of them have: worse only if the paired mean difference exceeds twice "
              "its standard error. Every row is kept, the losing ones too.", "",
              "## Verdicts: the defaults against the best outer setting", "", *(verdicts(summ) or ["(pending)"]), "",
+             "## Fragments and the sparse codec (issue 36) against whole-model fp16", "",
+             "Within 1% means the paired mean difference plus two standard errors stays under 1%.", "",
+             *(wire_verdicts(summ) or ["(pending)"]), "",
              "## The trend with model size (seed 0)", "", *size_trend(summ), "", plot(rows, summ, out), ""]
     for name, s in summ.items():
         g = s["group"]
@@ -700,7 +741,8 @@ def quick_groups() -> None:
     global DP_LRS
     DP_LRS = (3e-3, 6e-3)
     MODELS["1.3M"] = replace(CANARY_MODEL, name="1.3M")
-    GROUPS[:] = [Group("h100", "1.3M", 8, 2, (4,), 1, 4, True)]
+    GROUPS[:] = [Group("h100", "1.3M", 8, 2, (4,), 1, 4, True),
+                 Group("h100_wire", "1.3M", 8, 2, (4,), 1, 4, False, baselines_from="h100")]
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ def test_convergence_quick(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)  # 7 runs and a canary, each a fresh process importing torch
+@pytest.mark.timeout(300)  # 9 runs and a canary, each a fresh process importing torch
 def test_large_h_quick_stops_on_its_budget_and_accumulates(tmp_path: Path) -> None:
     """A first invocation out of budget ends its runs; the second runs only what is left and writes
     the report from every row, the first invocation's included."""
@@ -49,17 +49,21 @@ def test_large_h_quick_stops_on_its_budget_and_accumulates(tmp_path: Path) -> No
            "--cache", str(tmp_path / "cache"), "--nice", "0"]
     first = subprocess.run([*cmd, "--budget-s", "3"], cwd=REPO, capture_output=True, text=True, timeout=100)
     assert first.returncode == 0, first.stderr[-4000:]
-    assert "running the code-version canary" in first.stdout and "start h100/single seed 0" in first.stdout and "budget of 3 s spent; 7 runs left" in first.stdout
+    assert "running the code-version canary" in first.stdout and "start h100/single seed 0" in first.stdout and "budget of 3 s spent; 9 runs left" in first.stdout
     second = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=200)
     assert second.returncode == 0, second.stderr[-4000:]
     assert "canary" not in second.stdout  # the same sources: the first invocation's canary stands
     rows = [json.loads(p.read_text()) for p in (out / "large_h" / "runs").glob("*.json")]
     assert sorted(r["row"] for r in rows) == sorted(["single", "dp_lr0.003", "dp_lr0.006", "defaults_h4",
-                                                     "paper_0.7_0.9_h4", "scaling_law_h4", "plain_avg_h4"])
+                                                     "paper_0.7_0.9_h4", "scaling_law_h4", "plain_avg_h4",
+                                                     "fragments4_fp16_h4", "sparse0.02_h4"])
     # DiLoCo: T / H = 2 outer steps; data parallel logs its byte totals as "outer" records every 4 steps too
-    assert all(math.isfinite(r["val_loss"]) and r["outer_steps"] == (0 if r["method"] == "single" else 2) for r in rows)
+    # 4 fragments: a record at every step, one fragment each (the end: all four in one record)
+    steps = {"single": 0, "fragments4_fp16_h4": 8}
+    assert all(math.isfinite(r["val_loss"]) and r["outer_steps"] == steps.get(r["row"], 2) for r in rows)
     assert len({r["version"] for r in rows}) == 1
     md = (out / "large_h.md").read_text()
-    assert "7 runs of 7 planned are done" in md and "(tuned)" in md and (out / "large_h.png").stat().st_size > 0
+    assert "9 runs of 9 planned are done" in md and "(tuned)" in md and (out / "large_h.png").stat().st_size > 0
+    assert "- h100_wire, H = 4: `fragments4_fp16_h4`" in md and "against whole-model fp16 `defaults_h4`" in md
     third = subprocess.run(cmd + ["--report"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert third.returncode == 0 and "start " not in third.stdout  # every row cached: nothing runs again

@@ -38,6 +38,7 @@ class OuterStats:
     # seconds per part of the step on the main thread (d2h, pseudo_grad, stats, encode, mac,
     # network_wait, decode, review, optimizer, h2d; zeroband/comm/timing.py)
     timings: dict[str, float] = field(default_factory=dict)
+    fragments: list[int] = field(default_factory=list)  # which fragments stepped (diloco.fragments > 1)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -94,19 +95,23 @@ class RoundClock:
 
     With a time budget the sites' own clocks decide, each site running as many inner steps as
     fit, and the run ends after train.steps // inner_steps rounds instead of after train.steps.
+    `offset` (fragments, zeroband/outer/fragments.py): rounds end at steps = offset mod inner_steps.
     """
 
-    def __init__(self, cfg: DilocoConfig, tokens_per_step: int) -> None:
-        self.cfg, self.tokens_per_step = cfg, tokens_per_step
+    def __init__(self, cfg: DilocoConfig, tokens_per_step: int, offset: int = 0) -> None:
+        self.cfg, self.tokens_per_step, self.offset = cfg, tokens_per_step, offset
         self.rounds, self.steps_in_round, self.round_start = 0, 0, time.monotonic()
 
-    def tick(self, step: int) -> bool:
-        """Count inner step `step` (1-based: the steps done); True if it ends a round."""
-        self.steps_in_round += 1
+    def due(self, step: int) -> bool:
+        """Whether inner step `step` (1-based: the steps done) ends a round (nothing counted)."""
         if self.cfg.round_seconds:
-            due = time.monotonic() - self.round_start >= self.cfg.round_seconds
-        else:
-            due = step % self.cfg.inner_steps == 0
+            return time.monotonic() - self.round_start >= self.cfg.round_seconds
+        return (step - self.offset) % self.cfg.inner_steps == 0
+
+    def tick(self, step: int, force: bool = False) -> bool:
+        """Count inner step `step`; True if it ends a round (`force`: it does, whatever the clock says)."""
+        self.steps_in_round += 1
+        due = force or self.due(step)
         if due:
             self.rounds += 1
         return due

@@ -57,7 +57,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import asdict, replace
 from functools import partial
 from typing import Any
 
@@ -75,7 +75,7 @@ from zeroband.membership.base import FixedMembership, Membership
 from zeroband.mesh import Topology
 from zeroband.outer.base import OuterStats, RoundClock
 from zeroband.outer.lanes import LaneSet
-from zeroband.outer.optimizer import OptimizerFactory, OuterSchedule, build_outer_optimizer
+from zeroband.outer.optimizer import OptimizerFactory, OuterHyper, OuterSchedule, build_outer_optimizer
 from zeroband.outer.overlap import InFlight, Overlap
 from zeroband.outer.placement import OuterCopy, _views, outer_thread_count, torch_threads
 from zeroband.outer.stats import site_stats, tensor_stats
@@ -185,20 +185,24 @@ def outer_stats(diloco: DiLoCo, result: ReduceResult, stats: SiteStats, grads: l
 class DiLoCo:
     def __init__(self, model: torch.nn.Module, cfg: DilocoConfig, topology: Topology, tokens_per_step: int = 0,
                  lr_factor: Callable[[int], float] | None = None, membership: Membership | None = None,
-                 group: GlobalGroup | None = None, optimizer: OptimizerFactory | None = None) -> None:
+                 group: GlobalGroup | None = None, optimizer: OptimizerFactory | None = None,
+                 params: list[torch.nn.Parameter] | None = None, offset: int = 0, state_key: str = "outer") -> None:
         """`membership` says who takes part in each round; by default every site, on the fixed
         `group` (zeroband/membership/, mesh.fixed_global_group). `lr_factor(step)` is the inner schedule's
         multiplier (used by `outer_lr_schedule = "inner"`). `optimizer(params)` builds the outer
-        optimizer (any torch optimizer) instead of `diloco.outer_optimizer`."""
+        optimizer (any torch optimizer) instead of `diloco.outer_optimizer`. `params`: the parameters it
+        keeps (default: all of `model`'s), its rounds ending at steps = `offset` mod H, its state handed
+        over as `state_key` (one fragment of Streaming DiLoCo: zeroband/outer/fragments.py)."""
+        params = list(model.parameters()) if params is None else params
         self.cfg = cfg
         self.topology = topology
         if membership is None:
             assert group is not None, "DiLoCo needs a `membership` or the fixed `group`"
             membership = FixedMembership(group, topology, topology.timeout_s)
         self.membership = membership
-        self.local = [local_shard(p) for p in model.parameters()]
+        self.local = [local_shard(p) for p in params]
         # sites of different shapes: the exchange runs per lane (zeroband/outer/lanes.py), else per shard
-        self.lanes = LaneSet(topology, self.local, [tuple(p.shape) for p in model.parameters()]) if topology.lanes else None
+        self.lanes = LaneSet(topology, self.local, [tuple(p.shape) for p in params]) if topology.lanes else None
         self.lane_arenas = [Arena() for _ in topology.lanes]
         self.copy = OuterCopy(self.local, cfg)
         self.outer, self.outer_device = self.copy.tensors, self.copy.device
@@ -222,10 +226,10 @@ class DiLoCo:
         # what it declares covers what it sends (comm/gather.py); a direct one's is added in the exchange.
         self.fold = feedback and spec.exchange == "gather"
         self.overlap = Overlap(cfg, self.local, self.copy, self.optimizer)  # its state: the average in flight
-        self.clock = RoundClock(cfg, tokens_per_step)
+        self.clock = RoundClock(cfg, tokens_per_step, offset)
         self.boundary_step = 0  # inner steps done at the current boundary
         self.last_reduce: ReduceResult | None = None  # whom it excluded: the data ledger reads it (data/ledger.py)
-        self.membership.register_state_dict_fn("outer", self.load_shared_state_dict, self.shared_state_dict,
+        self.membership.register_state_dict_fn(state_key, self.load_shared_state_dict, self.shared_state_dict,
                                                self.checksum_tensors)
 
     def attach(self, sink: Callable[[dict[str, Any]], None]) -> None:
@@ -246,11 +250,21 @@ class DiLoCo:
         First of all, the sites prove the secret and agree on the run's settings. A site that does
         not hold the run's state (elastic) takes rounds until a peer handed it over. The agreement
         includes where the outer arithmetic runs: GPU and CPU kernels may round differently."""
-        self.topology.fingerprint = {**self.topology.fingerprint, "outer device (diloco.outer_device)": self.outer_device.type}
+        self.note_outer_device()
         self.membership.start(resumed)
         if not self.membership.holds_state:
             self.join()
             return
+        self.start_replicas(resumed)
+
+    def note_outer_device(self) -> None:
+        """Where the outer arithmetic runs joins what the sites agree on at start."""
+        self.topology.fingerprint = {**self.topology.fingerprint, "outer device (diloco.outer_device)": self.outer_device.type}
+
+    @torch.no_grad()
+    def start_replicas(self, resumed: bool) -> None:
+        """After the membership started: site 0's parameters everywhere (fresh), or proof that every
+        site loaded the same state (resumed)."""
         if resumed:
             verify_identical(self.checksum_tensors(), self.group, self.topology, "resume", self._per_lane())
             return
@@ -293,8 +307,13 @@ class DiLoCo:
     def finished(self, step: int, total_steps: int) -> bool:
         return self.clock.finished(step, total_steps, self.membership.rounds_done(self.clock.rounds))
 
-    def after_inner_step(self, step: int, sync_point: bool = False) -> OuterStats | None:
-        if not self.clock.tick(step):
+    def due(self, step: int) -> bool:
+        """Whether inner step `step` ends this outer loop's round (nothing counted)."""
+        return self.clock.due(step)
+
+    def after_inner_step(self, step: int, sync_point: bool = False, force: bool = False) -> OuterStats | None:
+        """`force`: a boundary here whatever the round clock says (every fragment at a sync point)."""
+        if not self.clock.tick(step, force):
             return self._land_early() if self.overlap.due(step) else None
         self.boundary_step = step
         self.parts = Parts()
@@ -468,6 +487,8 @@ class DiLoCo:
             raise RuntimeError("checkpoint with an outer all-reduce in flight: save only at sync points")
         return {"outer": [o.detach().to("cpu", copy=True) for o in self.outer], "optimizer": self.optimizer.state_dict(),
                 "outer_step": self.outer_step, "error_feedback": self.error_feedback, "clock": self.clock.state_dict(),
+                # the last step's schedule: an eager overlapped boundary previews the next step with it
+                "outer_hyper": asdict(self.optimizer.applied),
                 **self.membership.state_dict()}
 
     def shared_state_dict(self) -> dict[str, Any]:
@@ -482,6 +503,8 @@ class DiLoCo:
             o.copy_(saved)
         self.optimizer.load_state_dict(state["optimizer"])  # a resume's new outer settings apply
         self.outer_step = state["outer_step"]
+        if "outer_hyper" in state:  # (checkpoints from before it was saved: the default)
+            self.optimizer.applied = OuterHyper(**state["outer_hyper"])
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.load_shared_state_dict(state)

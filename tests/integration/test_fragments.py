@@ -1,0 +1,76 @@
+"""Streaming DiLoCo's fragments on real forked sites: identical replicas, exact resume, 1/P per sync."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers import _train, _train_expecting_fault, diloco_tree, final_params, outer_records
+from tests.multiproc import run_sites
+
+
+def _tree(corpus, out, **diloco):
+    return diloco_tree(corpus, out, train={"steps": 16, "global_batch": 4, "micro_batch": 2},
+                       checkpoint={"interval": 8, "keep_last": 5},
+                       diloco={"inner_steps": 8, "fragments": 4, "log_checksum": True, **diloco})
+
+
+def _identical_at(tree, steps):
+    for step in steps:
+        a, b = final_params(tree, 0, step), final_params(tree, 1, step)
+        assert all(torch.equal(a[k], b[k]) for k in a), f"sites differ at step {step}"
+
+
+@pytest.mark.parametrize("ranks,diloco", [
+    (2, {"comm_dtype": "fp16"}),
+    (1, {"comm_dtype": "int4", "error_feedback": True, "overlap": True}),
+    (1, {"comm_dtype": "sparse", "overlap": True, "overlap_steps": 1}),
+], ids=["fp16-fsdp2", "int4-overlap", "sparse-overlap1"])
+def test_fragments_keep_sites_identical(corpus, tmp_path, ranks, diloco):
+    tree = _tree(corpus, tmp_path, **diloco)
+    out = run_sites(_train, 2, ranks, (tree,), timeout=240)
+    assert out[(0, 0)]["losses"] != out[(1, 0)]["losses"]
+    _identical_at(tree, (8, 16))
+    records = [outer_records(tmp_path, s) for s in (0, 1)]
+    assert [r["outer_crc"] for r in records[0]] == [r["outer_crc"] for r in records[1]]
+    blocking = [r["fragments"] for r in records[0] if not r["overlapped"]]
+    assert blocking[-1] == [0, 1, 2, 3]  # the end is every fragment's boundary
+    steps = [r["step"] for r in records[0]]
+    assert steps == sorted(set(steps)) and 16 in steps and 8 in steps
+
+
+def test_fragments_send_a_fraction_of_the_model_per_sync(corpus, tmp_path):
+    whole = _tree(corpus, tmp_path / "whole", fragments=1)
+    parts = _tree(corpus, tmp_path / "parts")
+    run_sites(_train, 2, 1, (whole,), timeout=180)
+    run_sites(_train, 2, 1, (parts,), timeout=180)
+    full = outer_records(tmp_path / "whole", 0)[0]["payload_bytes"]
+    per_sync = [r["payload_bytes"] for r in outer_records(tmp_path / "parts", 0) if len(r["fragments"]) == 1]
+    assert per_sync and max(per_sync) < 0.5 * full  # 4 fragments balanced by bytes: ~1/4 each
+    every = [r["payload_bytes"] for r in outer_records(tmp_path / "parts", 0) if r["fragments"] == [0, 1, 2, 3]]
+    assert every and every[0] == pytest.approx(full, rel=0.02)  # a sync point: every fragment, the whole model
+
+
+def test_fragments_resume_exactly(corpus, tmp_path):
+    reference = run_sites(_train, 2, 1, (_tree(corpus, tmp_path / "full", overlap=True),), timeout=180)
+    cut = _tree(corpus, tmp_path / "cut", overlap=True)
+    run_sites(_train_expecting_fault, 2, 1, (cut,), faults="site0:step12:inner:raise,site1:step12:inner:raise",
+              timeout=180)
+    resumed = run_sites(_train, 2, 1, (cut,), timeout=180)
+    for site in (0, 1):
+        assert resumed[(site, 0)]["losses"] == reference[(site, 0)]["losses"][8:]
+    a, b = final_params(cut, 0, 16), final_params(_tree(corpus, tmp_path / "full"), 0, 16)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _main_of(tree):
+    from tests.helpers import _args, _main
+
+    return _main(_args(tree))
+
+
+def test_fragments_with_sites_of_different_shapes_stop_with_one_line(corpus, tmp_path):
+    out = run_sites(_main_of, 2, [1, 2], (_tree(corpus, tmp_path),), timeout=120)
+    for code, err in out.values():
+        assert code == 2 and "Traceback" not in err
+        assert "diloco.fragments=4 needs every site to start the same number of ranks" in err

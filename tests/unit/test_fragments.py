@@ -1,0 +1,59 @@
+"""Streaming DiLoCo's fragments: how the parameters are split and when each fragment syncs (pure)."""
+
+from __future__ import annotations
+
+import pytest
+
+from zeroband.config import DilocoConfig
+from zeroband.outer.base import OuterStats, RoundClock
+from zeroband.outer.fragments import merged, offsets, split
+
+
+def test_split_balances_bytes_with_whole_tensors():
+    numels = [100, 10, 10, 60, 40, 30, 30, 20]
+    parts = split(numels, 3)
+    assert sorted(i for p in parts for i in p) == list(range(len(numels)))  # each tensor exactly once
+    loads = [sum(numels[i] for i in p) for p in parts]
+    assert loads == [100, 100, 100]
+    assert all(p == sorted(p) for p in parts)
+
+
+def test_split_is_the_same_for_one_fragment_and_refuses_more_fragments_than_tensors():
+    assert split([5, 7, 1], 1) == [[0, 1, 2]]
+    with pytest.raises(ValueError, match="diloco.fragments=4 .* 3 parameter tensors"):
+        split([5, 7, 1], 4)
+
+
+def test_split_breaks_ties_by_index():
+    assert split([8, 8, 8, 8], 2) == [[0, 2], [1, 3]]
+
+
+def test_offsets_stagger_the_fragments_and_the_last_one_ends_on_h():
+    assert offsets(8, 4) == [2, 4, 6, 0]
+    assert offsets(8, 1) == [0]
+
+
+@pytest.mark.parametrize("p", [1, 2, 4])
+def test_each_inner_step_ends_at_most_one_fragments_round(p):
+    cfg = DilocoConfig(inner_steps=8, fragments=p)
+    clocks = [RoundClock(cfg, 0, off) for off in offsets(8, p)]
+    due = [[c.due(step) for c in clocks] for step in range(1, 33)]
+    assert all(sum(d) <= 1 for d in due)
+    for k in range(len(clocks)):  # every fragment every H steps
+        assert sum(d[k] for d in due) == 4
+
+
+def test_fragments_need_a_divisor_of_h_and_fixed_rounds():
+    with pytest.raises(ValueError, match="inner_steps=10 must be a multiple of diloco.fragments=4"):
+        DilocoConfig(inner_steps=10, fragments=4)
+    with pytest.raises(ValueError, match="diloco.fragments > 1 needs"):
+        DilocoConfig(inner_steps=8, fragments=2, elastic=True)
+
+
+def test_merged_record_adds_bytes_and_names_every_fragment():
+    a = OuterStats(3, 1.0, 2.0, 10, 20, 3.0, 1.0, 0.7, 2, fragments=[0], outer_crc=5, timings={"mac": 0.5})
+    b = OuterStats(3, 0.5, 1.0, 30, 40, 4.0, 2.0, 0.7, 2, fragments=[1], outer_crc=6, timings={"mac": 0.25})
+    m = merged([a, b])
+    assert (m.payload_bytes, m.wire_bytes, m.fragments, m.pseudo_grad_norm) == (40, 60, [0, 1], 5.0)
+    assert m.timings == {"mac": 0.75} and m.allreduce_s == 1.5
+    assert m.outer_crc == merged([a, b]).outer_crc != merged([b, a]).outer_crc

@@ -1,0 +1,143 @@
+"""Streaming DiLoCo's fragments (Douillard et al. 2025, arXiv 2501.18512): `diloco.fragments = P`.
+
+The parameters are split into P fragments balanced by bytes (whole tensors, greedy: `split`).
+Fragment p is one `DiLoCo` over its own parameters, with its own outer copy, outer optimizer state,
+error feedback and overlap, whose rounds end at inner steps = (p + 1) x H / P mod H: one fragment
+syncs every H / P steps, each every H steps, so a site's uplink carries 1/P of the model at a time
+and each fragment's all-reduce overlaps the others' compute. Every fragment goes through the same
+exchange as a whole-model step (codecs, MACs, review); the fragments share one membership.
+
+A sync point (a checkpoint, the end) is a boundary of every fragment, blocking: after it every site
+holds the same bits, as the `Outer` contract (zeroband/outer/base.py) says. The exchanges of the
+fragments take the global group one at a time, in the same order on every site: before a fragment's
+boundary, the exchanges the others have in flight are waited for (not applied: each lands when its
+own rule says).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from zeroband.comm.group import GlobalGroup
+from zeroband.comm.reduce import ReduceResult
+from zeroband.config import DilocoConfig
+from zeroband.membership.base import FixedMembership
+from zeroband.mesh import Topology
+from zeroband.outer.base import OuterStats
+from zeroband.outer.diloco import DiLoCo
+
+
+def split(numels: list[int], fragments: int) -> list[list[int]]:
+    """Parameter indices of each fragment: whole tensors, largest first onto the lightest fragment
+    (ties to the lower index), each fragment's indices in parameter order. A pure function of the
+    full shapes' sizes, so every rank of every site, whatever its shard, splits alike."""
+    if not 1 <= fragments <= len(numels):
+        raise ValueError(f"diloco.fragments={fragments} must be between 1 and the model's {len(numels)} "
+                         "parameter tensors (a fragment holds whole tensors)")
+    load = [0] * fragments
+    parts: list[list[int]] = [[] for _ in range(fragments)]
+    for i in sorted(range(len(numels)), key=lambda i: (-numels[i], i)):
+        lightest = min(range(fragments), key=lambda p: (load[p], p))
+        load[lightest] += numels[i]
+        parts[lightest].append(i)
+    return [sorted(p) for p in parts]
+
+
+def offsets(inner_steps: int, fragments: int) -> list[int]:
+    """The step (mod H) at which each fragment's rounds end: (p + 1) x H / P, the last at H."""
+    return [(p + 1) * inner_steps // fragments % inner_steps for p in range(fragments)]
+
+
+def merged(stats: list[OuterStats]) -> OuterStats:
+    """One "outer" record for the fragments that stepped at one inner step: bytes and seconds added,
+    norms combined over the fragments, the replica digest of all of them (in fragment order)."""
+    if len(stats) == 1:
+        return stats[0]
+    timings: dict[str, float] = {}
+    for s in stats:
+        for part, seconds in s.timings.items():
+            timings[part] = timings.get(part, 0.0) + seconds
+    crcs = [s.outer_crc for s in stats]
+    crc = None if None in crcs else int.from_bytes(hashlib.sha256(str(crcs).encode()).digest()[:6], "big")
+    return replace(stats[-1], allreduce_s=sum(s.allreduce_s for s in stats),
+                   outer_step_s=sum(s.outer_step_s for s in stats),
+                   payload_bytes=sum(s.payload_bytes for s in stats), wire_bytes=sum(s.wire_bytes for s in stats),
+                   pseudo_grad_norm=sum(s.pseudo_grad_norm**2 for s in stats) ** 0.5,
+                   avg_pseudo_grad_norm=sum(s.avg_pseudo_grad_norm**2 for s in stats) ** 0.5,
+                   sites_used=min(s.sites_used for s in stats),
+                   excluded_sites=sorted({x for s in stats for x in s.excluded_sites}),
+                   overlapped=all(s.overlapped for s in stats), outer_crc=crc,
+                   wait_bound_s=max(s.wait_bound_s for s in stats), timings=timings,
+                   fragments=[f for s in stats for f in s.fragments])
+
+
+class Fragments:
+    """P `DiLoCo`s, one per fragment, behind the one `Outer` interface the loop talks to."""
+
+    def __init__(self, model: torch.nn.Module, cfg: DilocoConfig, topology: Topology, tokens_per_step: int,
+                 lr_factor: Callable[[int], float] | None, group: GlobalGroup) -> None:
+        if topology.lanes:
+            raise ValueError(f"diloco.fragments={cfg.fragments} needs every site to start the same number of ranks "
+                             f"(they have {topology.site_ranks}); set diloco.fragments = 1 to mix site shapes")
+        params = list(model.parameters())
+        self.membership = FixedMembership(group, topology, topology.timeout_s)
+        self.parts = split([p.numel() for p in params], cfg.fragments)
+        self.fragments = [
+            DiLoCo(model, cfg, topology, tokens_per_step, lr_factor, membership=self.membership,
+                   params=[params[i] for i in idx], offset=offset, state_key=f"outer.{p}")
+            for p, (idx, offset) in enumerate(zip(self.parts, offsets(cfg.inner_steps, cfg.fragments)))]
+        self.last_reduce: ReduceResult | None = None
+
+    def attach(self, sink: Callable[[dict[str, Any]], None]) -> None:
+        self.membership.attach(sink)
+
+    @torch.no_grad()
+    def start(self, resumed: bool = False) -> None:
+        self.fragments[0].note_outer_device()
+        self.membership.start(resumed)  # once: the sites prove the secret and agree on the run
+        for f in self.fragments:
+            f.start_replicas(resumed)
+
+    def leave(self) -> None:
+        self.membership.leave()
+
+    def sync_gradients(self) -> None:
+        pass
+
+    def finished(self, step: int, total_steps: int) -> bool:
+        return step >= total_steps
+
+    def after_inner_step(self, step: int, sync_point: bool = False) -> OuterStats | None:
+        """Each fragment whose round ends here steps (every one at a sync point), in fragment order."""
+        stats = []
+        for p, f in enumerate(self.fragments):
+            if sync_point or f.due(step):  # it takes the group: the others' exchanges finish first
+                self._quiesce(but=f)
+            s = f.after_inner_step(step, sync_point, force=sync_point)
+            if s is not None:
+                stats.append(replace(s, fragments=[p]))
+            if f.last_reduce is not None:
+                self.last_reduce = f.last_reduce
+        return merged(stats) if stats else None
+
+    def _quiesce(self, but: DiLoCo) -> None:
+        for f in self.fragments:
+            if f is not but and f.overlap.pending is not None:
+                f.overlap.pending.wait(f.group)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"fragments": [f.state_dict() for f in self.fragments]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = state.get("fragments")
+        if saved is None or len(saved) != len(self.fragments):
+            have = "none" if saved is None else len(saved)
+            raise ValueError(f"the checkpoint holds {have} fragments' outer state, this run has diloco.fragments="
+                             f"{len(self.fragments)}: resume with the fragments it was saved with")
+        for f, s in zip(self.fragments, saved):
+            f.load_state_dict(s)
