@@ -305,6 +305,11 @@ def codec_specs(scale: Scale, default: dict[str, Any]) -> list[Spec]:
                   Spec("diloco_default_many_int4_ef", "diloco", k, t, s, comm="int4", error_feedback=True, **many)]
         specs += [Spec(f"diloco_default_many_sparse_{d:g}", "diloco", k, t, s, comm="sparse", **many,
                        extra={"diloco": {"density": d}}) for d in SPARSE_DENSITIES]
+    # Fragments (Streaming DiLoCo) where H holds 4 of them: the few-outer-steps regime, against its fp16 row
+    few = dict(h=regimes(scale)["few"], regime="few", **default)
+    for s in range(scale.seeds):
+        specs += [Spec("diloco_default_few", "diloco", k, t, s, **few),
+                  Spec("diloco_default_few_fragments4", "diloco", k, t, s, **few, extra={"diloco": {"fragments": 4}})]
     return specs
 
 
@@ -532,30 +537,38 @@ def codec_report(results: list[dict[str, Any]], scale: Scale, out: Path, argv: l
     rows = by_row(results)
     ref = by_row(json.loads((out / "convergence.json").read_text())["runs"])
     single, dp = (mean_std([r["val_loss"] for r in ref[n]])[0] for n in ("single", "dp"))
-    fp16 = {r["seed"]: r["val_loss"] for r in rows["diloco_default_many"]}
+    # each row against whole-model fp16 of its own regime (H), on the same seeds only
+    fp16_of = {regime: {r["seed"]: r["val_loss"] for r in rows.get(f"diloco_default_{regime}", [])}
+               for regime in ("many", "few")}
+    fp16 = fp16_of["many"]
     verdicts = []
     for name, rs in rows.items():
-        seeds = [r["seed"] for r in rs if r["seed"] in fp16]  # against fp16 on the same seeds only
+        fp16 = fp16_of[rs[0]["regime"]]
+        seeds = [r["seed"] for r in rs if r["seed"] in fp16]
         m, sd = mean_std([r["val_loss"] for r in rs])
         base = mean_std([fp16[s] for s in seeds])[0] if seeds else float("nan")
         mine = mean_std([r["val_loss"] for r in rs if r["seed"] in fp16])[0] if seeds else float("nan")
         per_param = rs[0]["payload_bytes"] / max(1, rs[0]["outer_steps"]) / params_of(scale)
         verdicts.append(f"- {name}: {m:.4f} ± {sd:.4f}; on seeds {seeds} {mine:.4f} vs fp16 {base:.4f}, "
                         f"{100 * (mine - base) / base:+.2f}% ({'within' if mine <= base * 1.01 else 'NOT within'} 1%); "
-                        f"payload {per_param:.4f} bytes per parameter per outer step; per seed "
+                        f"payload {per_param:.4f} bytes per parameter per sync; per seed "
                         f"{', '.join(f'{r_seed}: {v:.4f}' for r_seed, v in sorted((r['seed'], r['val_loss']) for r in rs))}")
+    fp16 = fp16_of["many"]
     again = {r["seed"]: r["val_loss"] for r in ref.get("diloco_default_many", [])}
     verdicts.append("- The fp16 row reruns the report's own spec: here " + ", ".join(
         f"seed {s}: {v:.4f} (report {again[s]:.4f})" for s, v in sorted(fp16.items()) if s in again)
         + " (convergence.json ran on an older commit).")
-    lines = [*report_head("Wire formats: fp16 vs int4 with error feedback vs sparse (SparseLoCo) DiLoCo",
+    lines = [*report_head("Wire formats and fragments: fp16, int4 with error feedback, sparse (SparseLoCo), and "
+                         "4 fragments (Streaming DiLoCo)",
                          ["nice", "-n", "19", "python", *argv], commit, wall_s), *([note, ""] if note else []),
-             f"k = {scale.sites} sites, the report's many-outer-steps regime (H = {regimes(scale)['many']}), "
+             f"k = {scale.sites} sites, the report's many-outer-steps regime (H = {regimes(scale)['many']}) for the "
+             f"codecs; its few-outer-steps regime (H = {regimes(scale)['few']}) for 4 fragments (a fragment synced every "
+             f"{regimes(scale)['few'] // 4} steps, each every H), each row against the fp16 row of its own regime; "
              f"mean ± std over seeds {sorted({r['seed'] for r in results})}, every row kept. One site "
              f"({single:.4f}) and data parallel ({dp:.4f}) for the gap-closed column are the report's rows "
              "(convergence.json).", "", *table(rows, single, dp), "", "## Against fp16", "", *verdicts, "",
              "Payload bytes per parameter: what one site contributes per outer step (codec.nbytes, every scale, "
-             "index and code); on the wire a site sends 2(S-1)/S of it for fp16 / int4 and (S-1) x it for sparse "
+             "index and code; a fragments row: one fragment's share, ~1/4); on the wire a site sends 2(S-1)/S of it for fp16 / int4 and (S-1) x it for sparse "
              "(every site's encoding goes to every site: zeroband/comm/gather.py); the wire MiB column counts "
              "both, and the MAC tags.", "", "## Setup", "", setup_text(scale), "",
              "Raw per-run numbers and curves: `sparse.json`."]
