@@ -97,7 +97,8 @@ def broadcast_from_site0(tensors: list[torch.Tensor], group: GlobalGroup, topolo
     session key), opened before any value is used. A site that received it altered applies nothing,
     and every site then stops with the same line (`refuse_if_any`), not just the one that saw it.
     `lanes` (sites of different shapes): one message per lane, of the lane's pieces of `tensors`."""
-    parts = [(group, tensors)] if lanes is None else [(g, lanes.views(k, tensors)) for k, g in enumerate(lanes.groups)]
+    parts = [(group, tensors)] if lanes is None else [(g, lanes.views(k, tensors)) for k, g in enumerate(lanes.groups)
+                                                      if lanes.slices[k]]  # (a fragment may hold none of a lane)
     received = [_receive_from_site0(ts, g) for g, ts in parts]
     refuse_if_any(not all(ok for _, ok in received), [g for g, _ in parts], topology, "initial broadcast", lambda sites: (
         f"the parameters that sites {sites} received from site 0 failed authentication (altered on the way: "
@@ -186,14 +187,16 @@ class DiLoCo:
     def __init__(self, model: torch.nn.Module, cfg: DilocoConfig, topology: Topology, tokens_per_step: int = 0,
                  lr_factor: Callable[[int], float] | None = None, membership: Membership | None = None,
                  group: GlobalGroup | None = None, optimizer: OptimizerFactory | None = None,
-                 params: list[torch.nn.Parameter] | None = None, offset: int = 0, state_key: str = "outer") -> None:
+                 subset: list[int] | None = None, offset: int = 0, state_key: str = "outer") -> None:
         """`membership` says who takes part in each round; by default every site, on the fixed
         `group` (zeroband/membership/, mesh.fixed_global_group). `lr_factor(step)` is the inner schedule's
         multiplier (used by `outer_lr_schedule = "inner"`). `optimizer(params)` builds the outer
-        optimizer (any torch optimizer) instead of `diloco.outer_optimizer`. `params`: the parameters it
-        keeps (default: all of `model`'s), its rounds ending at steps = `offset` mod H, its state handed
+        optimizer (any torch optimizer) instead of `diloco.outer_optimizer`. `subset`: the indices in
+        `model.parameters()` of the parameters it keeps (default: all), its rounds ending at steps = `offset` mod H, its state handed
         over as `state_key` (one fragment of Streaming DiLoCo: zeroband/outer/fragments.py)."""
-        params = list(model.parameters()) if params is None else params
+        every = list(model.parameters())
+        subset = list(range(len(every))) if subset is None else subset
+        params = [every[i] for i in subset]
         self.cfg = cfg
         self.topology = topology
         if membership is None:
@@ -202,7 +205,8 @@ class DiLoCo:
         self.membership = membership
         self.local = [local_shard(p) for p in params]
         # sites of different shapes: the exchange runs per lane (zeroband/outer/lanes.py), else per shard
-        self.lanes = LaneSet(topology, self.local, [tuple(p.shape) for p in params]) if topology.lanes else None
+        shapes = [tuple(p.shape) for p in every]
+        self.lanes = LaneSet(topology, self.local, shapes, subset) if topology.lanes else None
         self.lane_arenas = [Arena() for _ in topology.lanes]
         self.copy = OuterCopy(self.local, cfg)
         self.outer, self.outer_device = self.copy.tensors, self.copy.device

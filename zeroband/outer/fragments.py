@@ -5,7 +5,10 @@ Fragment p is one `DiLoCo` over its own parameters, with its own outer copy, out
 error feedback and overlap, whose rounds end at inner steps = (p + 1) x H / P mod H: one fragment
 syncs every H / P steps, each every H steps, so a site's uplink carries 1/P of the model at a time
 and each fragment's all-reduce overlaps the others' compute. Every fragment goes through the same
-exchange as a whole-model step (codecs, MACs, review); the fragments share one membership.
+exchange as a whole-model step (codecs, MACs, review); the fragments share one membership. Sites
+of different shapes exchange each fragment per lane (zeroband/outer/lanes.py: a lane's pieces within
+the fragment; a lane with none there is skipped by all its owners alike). Not built yet: elastic
+membership and time-budget rounds with fragments (the config refuses them).
 
 A sync point (a checkpoint, the end) is a boundary of every fragment, blocking: after it every site
 holds the same bits, as the `Outer` contract (zeroband/outer/base.py) says. The exchanges of the
@@ -81,15 +84,12 @@ class Fragments:
 
     def __init__(self, model: torch.nn.Module, cfg: DilocoConfig, topology: Topology, tokens_per_step: int,
                  lr_factor: Callable[[int], float] | None, group: GlobalGroup) -> None:
-        if topology.lanes:
-            raise ValueError(f"diloco.fragments={cfg.fragments} needs every site to start the same number of ranks "
-                             f"(they have {topology.site_ranks}); set diloco.fragments = 1 to mix site shapes")
         params = list(model.parameters())
         self.membership = FixedMembership(group, topology, topology.timeout_s)
-        self.parts = split([p.numel() for p in params], cfg.fragments)
+        self.parts = split([p.numel() for p in params], cfg.fragments)  # full sizes: alike on every rank
         self.fragments = [
             DiLoCo(model, cfg, topology, tokens_per_step, lr_factor, membership=self.membership,
-                   params=[params[i] for i in idx], offset=offset, state_key=f"outer.{p}")
+                   subset=idx, offset=offset, state_key=f"outer.{p}")
             for p, (idx, offset) in enumerate(zip(self.parts, offsets(cfg.inner_steps, cfg.fragments)))]
         self.last_reduce: ReduceResult | None = None
 

@@ -28,16 +28,23 @@ from zeroband.trust.mac import NO_AUTH
 class LaneSet:
     """This rank's lanes: which elements of its local shard each one contributes and receives."""
 
-    def __init__(self, topology: Topology, local: list[torch.Tensor], shapes: list[tuple[int, ...]]) -> None:
-        """`shapes`: every parameter's full shape (a DTensor parameter's own `shape`)."""
+    def __init__(self, topology: Topology, local: list[torch.Tensor], shapes: list[tuple[int, ...]],
+                 subset: list[int] | None = None) -> None:
+        """`shapes`: every parameter's full shape (a DTensor parameter's own `shape`); `local`: the
+        local shards of the parameters numbered `subset` (default: all of them; a fragment: its own)."""
         world = topology.world
-        for i, (t, shape) in enumerate(zip(local, shapes)):
-            start, stop = shard_range(shape, world.ranks_per_site, world.rank)
+        subset = list(range(len(shapes))) if subset is None else subset
+        position = {i: n for n, i in enumerate(subset)}
+        for i, t in zip(subset, local, strict=True):
+            start, stop = shard_range(shapes[i], world.ranks_per_site, world.rank)
             if t.numel() != stop - start:  # the layout must be FSDP2's: else the lanes would mix up elements
                 raise RuntimeError(f"parameter {i}: local shard of {t.numel()} elements, the lane layout expects "
                                    f"{stop - start} (FSDP2 dim-0 sharding over {world.ranks_per_site} ranks)")
         self.lanes: list[tuple[Lane, GlobalGroup]] = topology.lanes
-        self.slices = [local_slices(lane, shapes, world.ranks_per_site, world.rank) for lane, _ in self.lanes]
+        # each lane's pieces within `subset`, numbered by position in it (empty: a fragment holds none)
+        self.slices = [[(position[i], a, b) for i, a, b in local_slices(lane, shapes, world.ranks_per_site, world.rank)
+                        if i in position] for lane, _ in self.lanes]
+        self.sites = world.site_count
         self.feedback: list[dict[int, torch.Tensor]] = [{} for _ in self.lanes]  # per lane (error feedback)
         run = [lane.owners for lane in lanes(shapes, topology.site_ranks)]  # every lane: each is one rank's per site
         self.index, self.run_lanes = [run.index(lane.owners) for lane, _ in self.lanes], len(run)
@@ -95,15 +102,18 @@ class LaneSet:
         runs one lane's exchange (the equal-shape one). `crcs`: each lane's digest, for the replica check."""
         results = []
         for k, (_, group) in enumerate(self.lanes):
+            if not self.slices[k]:  # every owner of the lane skips it alike: the pieces are the lane's
+                continue
             flat = self.gather(k, grads)
             lane_stats = replace(stats, crc=float(crcs[k])) if crcs is not None else stats
             results.append(one([flat], lane_stats, group, self.feedback[k], k))
             self.scatter(k, flat, grads)
-        return combine(results)
+        return combine(results, self.sites)
 
 
-def combine(results: list[ReduceResult]) -> ReduceResult:
-    """One rank's result over its lanes: bytes and seconds added, every exclusion kept."""
+def combine(results: list[ReduceResult], sites: int) -> ReduceResult:
+    """One rank's result over its lanes: bytes and seconds added, every exclusion kept (none: a
+    fragment that holds nothing of this rank's lanes; every site took part, so it counts as a step)."""
     timings: dict[str, float] = {}
     for r in results:
         for part, seconds in r.timings.items():
@@ -112,7 +122,7 @@ def combine(results: list[ReduceResult]) -> ReduceResult:
     exclusions = {s: why for r in results for s, why in r.exclusions.items()}
     return ReduceResult(
         payload_bytes=sum(r.payload_bytes for r in results), wire_bytes=sum(r.wire_bytes for r in results),
-        sites_used=min(r.sites_used for r in results),
+        sites_used=min((r.sites_used for r in results), default=sites),
         excluded_sites=sorted({s for r in results for s in r.excluded_sites}), timings=timings,
         sumsq=None if any(s is None for s in sumsqs) else sum(s for s in sumsqs if s is not None),
         exclusions=exclusions)
@@ -149,4 +159,9 @@ def reshard_rank_state(name: str, states: list[Any], ranks: int, rank: int) -> A
     """A per-rank checkpoint entry for `rank` of `ranks` from every saved rank's (checkpoint.load_checkpoint's
     `reshard`): the outer state resharded; the rest is the site's own, alike on every rank of a run of
     sites of different shapes (data: the site's stream, data/loader.py SiteShare), so rank 0's."""
-    return reshard_outer_state(states, ranks, rank) if name == "outer" else states[0]
+    if name != "outer":
+        return states[0]
+    if "fragments" in states[0]:  # diloco.fragments > 1: each fragment's state alike (zeroband/outer/fragments.py)
+        return {"fragments": [reshard_outer_state([s["fragments"][p] for s in states], ranks, rank)
+                              for p in range(len(states[0]["fragments"]))]}
+    return reshard_outer_state(states, ranks, rank)
