@@ -23,12 +23,8 @@ from zeroband.config import DilocoConfig
 from zeroband.membership.base import agree_on_run
 from zeroband.mesh import Topology
 from zeroband.outer.base import OuterStats
-from zeroband.outer.diloco import (
-    broadcast_from_site0,
-    local_shard,
-    site_stats,
-    verify_identical,
-)
+from zeroband.outer.diloco import local_shard, site_stats
+from zeroband.outer.replicas import broadcast_from_site0, verify_identical
 
 log = logging.getLogger(__name__)
 
