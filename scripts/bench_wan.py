@@ -78,6 +78,7 @@ class Row:
     mode: str  # diloco | data_parallel
     dtype: str
     overlap: bool = False
+    fragments: int = 1  # diloco.fragments (Streaming DiLoCo)
 
     @property
     def is_dp(self) -> bool:
@@ -93,6 +94,9 @@ ROWS = [
     Row("DiLoCo fp16 overlapped", "diloco", "fp16", True),
 ]
 SWEEP_ROWS = ("DP fp32 (per step)", "DiLoCo fp16", "DiLoCo fp16 overlapped")
+# --fragments: fragments x wire format, blocking, at H = FRAGMENTS_H (a multiple of every P)
+FRAGMENT_ROWS = [Row(f"{dtype} P={p}", "diloco", dtype, False, p) for dtype in ("fp16", "int4", "sparse") for p in (1, 4, 16)]
+FRAGMENTS_H = 160
 QUICK_ROWS = ("DP fp32 (per step)", "DiLoCo fp16")
 
 
@@ -124,6 +128,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     p.add_argument("--ceiling", action="store_true",
                    help="only measure what the emulator carries (link probes, no training); other rows kept")
     p.add_argument("--ceiling-seconds", type=float, default=3.0, help="timed transfer per --ceiling probe")
+    p.add_argument("--fragments", dest="fragments_check", action="store_true",
+                   help=f"fragments x wire format rows (P = 1, 4, 16 x fp16, int4, sparse; H = {FRAGMENTS_H}), "
+                        "kept beside the rows: bytes per parameter, peak per-second uplink, utilisation")
     p.add_argument("--streams", dest="streams_check", action="store_true",
                    help="the outer all-reduce alone (scripts/wan/link_allreduce.py, STREAMS_RUNS): sites.streams auto and 1 at "
                         "500 Mbit/s / 200 ms (a 300 MB fp16 step) and 20 Mbit/s / 100 ms (the demo model's), idle "
@@ -233,14 +240,15 @@ def train_overrides(args: argparse.Namespace, row: Row, rounds: int, name: str, 
         "--train.micro_batch", str(max(1, args.batch // args.nproc)),
         "--train.steps", str(steps), "--optim.warmup_steps", str(max(1, min(20, steps // 10))),
         "--diloco.inner_steps", str(h), "--diloco.mode", row.mode, "--diloco.comm_dtype", row.dtype,
-        "--diloco.overlap", str(row.overlap).lower(), "--sites.timeout_s", "600", "--sites.insecure", "true",
+        "--diloco.overlap", str(row.overlap).lower(), "--diloco.fragments", str(row.fragments),
+        "--sites.timeout_s", "600", "--sites.insecure", "true",
         "--log.interval", "1", "--log.progress_bar", "false", "--eval.interval", "0", "--eval.batches", "2",
         "--checkpoint.interval", "0", "--checkpoint.save_at_end", "false", "--checkpoint.resume", "none", *extra,
     ]
 
 
 def run_row(args: argparse.Namespace, row: Row, rate: float, rounds: int, work: Path, extra: list[str]) -> dict[str, Any]:
-    name = f"{row.mode}-{row.dtype}{'-overlap' if row.overlap else ''}-{rate:g}mbit"
+    name = f"{row.mode}-{row.dtype}{'-overlap' if row.overlap else ''}-p{row.fragments}-{rate:g}mbit"
     wan = WanLink(rate, args.delay_ms, args.jitter_ms, args.loss_pct, args.mtu)
     sampler = IfaceSampler()
     t0 = time.perf_counter()
@@ -252,8 +260,8 @@ def run_row(args: argparse.Namespace, row: Row, rate: float, rounds: int, work: 
         raise RuntimeError(f"{name}: exit codes {codes}\n{log[-3000:]}")
     records = {s: read_records(work / name / f"site{s}" / "metrics.jsonl") for s in range(args.sites)}
     print(f"[bench_wan] {name}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-    return {"row": row.name, "mode": row.mode, "dtype": row.dtype, "overlap": row.overlap, "rate_mbit": rate,
-            "records": records, "samples": sampler.samples}
+    return {"row": row.name, "mode": row.mode, "dtype": row.dtype, "overlap": row.overlap, "fragments": row.fragments,
+            "rate_mbit": rate, "records": records, "samples": sampler.samples}
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:
@@ -265,20 +273,30 @@ def read_records(path: Path) -> list[dict[str, Any]]:
 
 
 def site_rounds(records: list[dict[str, Any]], h: int, overlap: bool) -> list[dict[str, Any]]:
-    """Steady rounds of one site: wall W, outer O, comm A, boundaries (t0, t1)."""
+    """Steady rounds of one site: wall W, outer O, comm A, boundaries (t0, t1). O, A and the payload
+    add up every outer record of the round (fragments: one per fragment sync)."""
     train = {r["step"]: r for r in records if r["kind"] == "train"}
-    outer = {r["step"]: r for r in records if r["kind"] == "outer"}
+    outer = [r for r in records if r["kind"] == "outer"]
     last = max(train)
     ks = range(2, last // h + (0 if overlap else 1))
     rounds = []
     for k in ks:
         t0, t1 = train[(k - 1) * h]["time"], train[k * h]["time"]
-        o = outer.get(k * h)
-        if o is None:
+        mine = [o for o in outer if (k - 1) * h < o["step"] <= k * h]
+        if not any(o["step"] == k * h for o in mine):
             continue
-        rounds.append({"t0": t0, "t1": t1, "W": t1 - t0, "O": o["outer_step_s"], "A": o["allreduce_s"],
-                       "payload": o["payload_bytes"]})
+        rounds.append({"t0": t0, "t1": t1, "W": t1 - t0, "O": sum(o["outer_step_s"] for o in mine),
+                       "A": sum(o["allreduce_s"] for o in mine), "payload": sum(o["payload_bytes"] for o in mine)})
     return rounds
+
+
+def peak_tx(samples: list[tuple[float, int, int]], rounds: list[dict[str, Any]], window_s: float = 1.0) -> float:
+    """The most tx bytes/s in any `window_s` window inside the steady rounds (counter interpolated)."""
+    if not rounds:
+        return 0.0
+    t_first, t_last = rounds[0]["t0"], rounds[-1]["t1"] - window_s
+    starts = [t for t, _, _ in samples if t_first <= t <= t_last]
+    return max((counter_at(samples, t + window_s) - counter_at(samples, t) for t in starts), default=0.0) / window_s
 
 
 def quiet_rate(samples: list[tuple[float, int, int]], rounds: list[dict[str, Any]]) -> float | None:
@@ -293,7 +311,7 @@ def quiet_rate(samples: list[tuple[float, int, int]], rounds: list[dict[str, Any
 
 
 def analyse(args: argparse.Namespace, run: dict[str, Any], chatter: float) -> dict[str, Any]:
-    row = Row(run["row"], run["mode"], run["dtype"], run["overlap"])
+    row = Row(run["row"], run["mode"], run["dtype"], run["overlap"], run.get("fragments", 1))
     h = args.dp_steps if row.is_dp else args.inner_steps
     per_site = [site_rounds(run["records"][s], h, row.overlap) for s in range(args.sites)]
     rounds = [r for site in per_site for r in site]
@@ -324,6 +342,8 @@ def analyse(args: argparse.Namespace, run: dict[str, Any], chatter: float) -> di
         "wire_throughput_over_rate": transfer_bw / rate_bytes if transfer_bw else None,
         "tokens_per_s_all_sites": args.sites * tokens_step * h * len(rounds) / wall_w,
         "final_train_loss": train0[-1]["loss"], "final_val_loss": val0[-1]["val_loss"] if val0 else None,
+        "fragments": row.fragments, "peak_tx_mbit_1s": max(peak_tx(run["samples"][s], per_site[s]) for s in
+                                                            range(args.sites)) * 8 / 1e6,
     }
 
 
@@ -350,7 +370,7 @@ def site_wire(run: dict[str, Any], per_site: list[list[dict[str, Any]]], chatter
         samples = run["samples"][site]
         for r in rounds:
             wire.append(counter_at(samples, r["t1"]) - counter_at(samples, r["t0"]) - chatter * r["W"])
-            if not run["overlap"] and run["mode"] == "diloco":
+            if not run["overlap"] and run["mode"] == "diloco" and run.get("fragments", 1) == 1:
                 b, s = rising_window(samples, r["t1"] - r["O"] - 0.05, r["t1"] + 0.05)
                 if s > 0:
                     speeds.append(b / s)
@@ -485,6 +505,7 @@ def render(data: dict[str, Any]) -> str:
         load_note(meta["loadavg_start"], meta["loadavg_end"]),
         *([ceiling_markdown(data["ceiling"])] if data.get("ceiling") else []),
         *([streams_markdown(data["streams"])] if data.get("streams") else []),
+        *([fragments_markdown(data["fragments"])] if data.get("fragments") else []),
     ])
 
 
@@ -634,7 +655,7 @@ def ceiling_markdown(rows: list[dict[str, Any]]) -> str:
                         "link model Mbit/s"], table)])
 
 
-def update_section(args: argparse.Namespace, key: str, rows: list[dict[str, Any]], alone: Any) -> int:
+def update_section(args: argparse.Namespace, key: str, rows: Any, alone: Any) -> int:
     """--ceiling, --streams: rewrite wan.json / wan.md with `rows` under `key`, beside the rows kept
     (`alone(rows)`: the markdown when there are none)."""
     previous = args.out / "wan.json"
@@ -645,7 +666,7 @@ def update_section(args: argparse.Namespace, key: str, rows: list[dict[str, Any]
 
 
 # ---------------------------------------------------------------------------------- streams per peer
-KEPT = ("ceiling", "streams")  # measured apart (--ceiling, --streams): kept when the rows are re-measured
+KEPT = ("ceiling", "streams", "fragments")  # measured apart (--ceiling, --streams): kept when the rows are re-measured
 
 
 @dataclass(frozen=True)
@@ -760,9 +781,49 @@ def tcp_note(row: dict[str, Any]) -> str:
     return f"{tcp.get('net.ipv4.tcp_congestion_control', '?')}, {tcp.get('net.ipv4.tcp_slow_start_after_idle', '?')}"
 
 
+def measure_fragments(args: argparse.Namespace, extra: list[str]) -> dict[str, Any]:
+    """--fragments: every FRAGMENT_ROWS row at the main link, H = FRAGMENTS_H, one after another."""
+    ensure_demo_data()
+    h = 16 if args.quick else FRAGMENTS_H  # --quick: the debug model, two rows (a smoke test)
+    rows = [r for r in FRAGMENT_ROWS if r.name in ("fp16 P=1", "sparse P=4")] if args.quick else FRAGMENT_ROWS
+    args = argparse.Namespace(**{**vars(args), "inner_steps": h})
+    load_start = load_average()
+    with tempfile.TemporaryDirectory(prefix="bench_wan-") as tmp:
+        runs = [run_row(args, row, args.rate_mbit, args.outer_steps, Path(tmp), extra) for row in rows]
+    chatter = chatter_rate(args, runs)
+    return {"meta": {"rate_mbit": args.rate_mbit, "delay_ms": args.delay_ms, "inner_steps": h,
+                     "outer_steps": args.outer_steps, "sites": args.sites, "tcp": site_tcp(),
+                     "params": next(r for r in runs[0]["records"][0] if r["kind"] == "run")["params"],
+                     "loadavg_start": load_start, "loadavg_end": load_average(), "chatter_bytes_per_s": chatter},
+            "results": [analyse(args, run, chatter) for run in runs]}
+
+
+def fragments_markdown(data: dict[str, Any]) -> str:
+    meta = data["meta"]
+    rows = [[m["row"], m["fragments"], m["dtype"], f"{m['wire_bytes_per_rank_per_outer_step'] / 1e6:.3f}",
+             f"{m['bytes_per_param_per_sync']:.3f}", f"{m['peak_tx_mbit_1s']:.1f}",
+             f"{100 * m['utilisation_steady']:.1f}%", f"{100 * m['utilisation_steady_last_arrival']:.1f}%",
+             f"{m['allreduce_s_last_arrival']:.2f}", f"{m['final_val_loss']:.3f}" if m["final_val_loss"] is not None else "-"]
+            for m in data["results"]]
+    return "\n\n".join([
+        "### Fragments x wire format", (
+            f"`flock /tmp/zeroband-bench.lock python scripts/bench_wan.py --fragments --out benchmarks`: "
+            f"{meta['sites']} sites, {meta['params']:,} parameters, {meta['rate_mbit']:g} Mbit/s per uplink, "
+            f"{2 * meta['delay_ms']:g} ms RTT, H = {meta['inner_steps']} x {meta['outer_steps']} rounds, blocking; TCP "
+            f"{tcp_words(meta.get('tcp'))}. P fragments: fragment p syncs every H steps at offset (p + 1) H / P. Wire "
+            "MB and B/param are per H (all fragments), on the wire (the table above defines them); peak = the most tx "
+            "bytes a site's uplink carried in any 1 s window of the steady rounds; util (steady) = sum of inner "
+            "compute / wall over the steady rounds, every fragment's sync counted."),
+        markdown_table(["row", "P", "wire", "wire MB / rank / H", "B/param/sync", "peak uplink Mbit/s (1 s)",
+                        "util (steady)", "util (last arrival)", "comm s / H (last arrival)", "val loss"], rows),
+        load_note(meta["loadavg_start"], meta["loadavg_end"])])
+
+
 def main(argv: list[str] | None = None) -> int:
     args, extra = parse_args(argv)
     preflight()
+    if args.fragments_check:
+        return update_section(args, "fragments", measure_fragments(args, extra), fragments_markdown)
     if args.ceiling:
         return update_section(args, "ceiling", measure_ceiling(args), ceiling_markdown)
     if args.streams_check:
