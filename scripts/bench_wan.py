@@ -232,7 +232,7 @@ def train_overrides(args: argparse.Namespace, row: Row, rounds: int, name: str, 
 
     vocab = max(MODEL_PRESETS[args.preset]["vocab_size"], TextTokenizer.load(REPO / "data/demo/tokenizer").vocab_size)
     h = args.dp_steps if row.is_dp else args.inner_steps
-    steps = h * (rounds + (1 if row.overlap else 0))
+    steps = h * (rounds + (1 if drops_last(row) else 0))
     return [
         "--name", name, "--output_dir", str(out_dir), "--model.preset", args.preset, "--model.vocab_size", str(vocab),
         "--data.path", str(REPO / "data/demo/train.jsonl"), "--data.tokenizer", str(REPO / "data/demo/tokenizer"),
@@ -264,6 +264,12 @@ def run_row(args: argparse.Namespace, row: Row, rate: float, rounds: int, work: 
             "rate_mbit": rate, "records": records, "samples": sampler.samples}
 
 
+def drops_last(row: Row) -> bool:
+    """Rows whose last round is not a steady one: overlapped (its final sync is blocking) and fragments
+    (the end syncs every fragment at once): they run one round more, left out of the analysis."""
+    return row.overlap or row.fragments > 1
+
+
 def read_records(path: Path) -> list[dict[str, Any]]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
@@ -290,6 +296,19 @@ def site_rounds(records: list[dict[str, Any]], h: int, overlap: bool) -> list[di
     return rounds
 
 
+def sync_wire(samples: list[tuple[float, int, int]], records: list[dict[str, Any]], rnd: dict[str, Any],
+              chatter: float) -> float:
+    """tx bytes inside the round's outer steps only (each from its start to 0.1 s after its record, the
+    last ACKs), less idle chatter over those windows: a payload far smaller than the chatter of a whole
+    round (sparse) still shows."""
+    total = 0.0
+    for o in records:
+        if o["kind"] == "outer" and rnd["t0"] < o["time"] <= rnd["t1"] + 0.5:
+            a, b = o["time"] - o["outer_step_s"] - 0.05, o["time"] + 0.1
+            total += counter_at(samples, b) - counter_at(samples, a) - chatter * (b - a)
+    return total
+
+
 def peak_tx(samples: list[tuple[float, int, int]], rounds: list[dict[str, Any]], window_s: float = 1.0) -> float:
     """The most tx bytes/s in any `window_s` window inside the steady rounds (counter interpolated)."""
     if not rounds:
@@ -313,7 +332,7 @@ def quiet_rate(samples: list[tuple[float, int, int]], rounds: list[dict[str, Any
 def analyse(args: argparse.Namespace, run: dict[str, Any], chatter: float) -> dict[str, Any]:
     row = Row(run["row"], run["mode"], run["dtype"], run["overlap"], run.get("fragments", 1))
     h = args.dp_steps if row.is_dp else args.inner_steps
-    per_site = [site_rounds(run["records"][s], h, row.overlap) for s in range(args.sites)]
+    per_site = [site_rounds(run["records"][s], h, drops_last(row)) for s in range(args.sites)]
     rounds = [r for site in per_site for r in site]
     wire_site, transfer_bw = site_wire(run, per_site, chatter)
     wall_w, comp_w = sum(r["W"] for r in rounds), sum(r["W"] - r["O"] for r in rounds)
@@ -344,6 +363,8 @@ def analyse(args: argparse.Namespace, run: dict[str, Any], chatter: float) -> di
         "final_train_loss": train0[-1]["loss"], "final_val_loss": val0[-1]["val_loss"] if val0 else None,
         "fragments": row.fragments, "peak_tx_mbit_1s": max(peak_tx(run["samples"][s], per_site[s]) for s in
                                                             range(args.sites)) * 8 / 1e6,
+        "sync_wire_bytes_per_site_per_round": statistics.fmean(
+            sync_wire(run["samples"][s], run["records"][s], r, chatter) for s in range(args.sites) for r in per_site[s]),
     }
 
 
@@ -380,7 +401,7 @@ def site_wire(run: dict[str, Any], per_site: list[list[dict[str, Any]]], chatter
 def chatter_rate(args: argparse.Namespace, runs: list[dict[str, Any]]) -> float:
     rates = []
     for run in runs:
-        if run["mode"] == "diloco" and not run["overlap"]:
+        if run["mode"] == "diloco" and not run["overlap"] and run.get("fragments", 1) == 1:
             for s in range(args.sites):
                 q = quiet_rate(run["samples"][s], site_rounds(run["records"][s], args.inner_steps, False))
                 if q is not None:
@@ -800,8 +821,8 @@ def measure_fragments(args: argparse.Namespace, extra: list[str]) -> dict[str, A
 
 def fragments_markdown(data: dict[str, Any]) -> str:
     meta = data["meta"]
-    rows = [[m["row"], m["fragments"], m["dtype"], f"{m['wire_bytes_per_rank_per_outer_step'] / 1e6:.3f}",
-             f"{m['bytes_per_param_per_sync']:.3f}", f"{m['peak_tx_mbit_1s']:.1f}",
+    rows = [[m["row"], m["fragments"], m["dtype"], f"{m['sync_wire_bytes_per_site_per_round'] / 1e6:.4f}",
+             f"{m['sync_wire_bytes_per_site_per_round'] / m['shard_params']:.4f}", f"{m['peak_tx_mbit_1s']:.1f}",
              f"{100 * m['utilisation_steady']:.1f}%", f"{100 * m['utilisation_steady_last_arrival']:.1f}%",
              f"{m['allreduce_s_last_arrival']:.2f}", f"{m['final_val_loss']:.3f}" if m["final_val_loss"] is not None else "-"]
             for m in data["results"]]
@@ -809,12 +830,16 @@ def fragments_markdown(data: dict[str, Any]) -> str:
         "### Fragments x wire format", (
             f"`flock /tmp/zeroband-bench.lock python scripts/bench_wan.py --fragments --out benchmarks`: "
             f"{meta['sites']} sites, {meta['params']:,} parameters, {meta['rate_mbit']:g} Mbit/s per uplink, "
-            f"{2 * meta['delay_ms']:g} ms RTT, H = {meta['inner_steps']} x {meta['outer_steps']} rounds, blocking; TCP "
+            f"{2 * meta['delay_ms']:g} ms RTT, H = {meta['inner_steps']} x {meta['outer_steps']} steady rounds (the first "
+            f"round, and for P > 1 a last one that ends in every fragment's sync, are left out), blocking; TCP "
             f"{tcp_words(meta.get('tcp'))}. P fragments: fragment p syncs every H steps at offset (p + 1) H / P. Wire "
-            "MB and B/param are per H (all fragments), on the wire (the table above defines them); peak = the most tx "
-            "bytes a site's uplink carried in any 1 s window of the steady rounds; util (steady) = sum of inner "
-            "compute / wall over the steady rounds, every fragment's sync counted."),
-        markdown_table(["row", "P", "wire", "wire MB / rank / H", "B/param/sync", "peak uplink Mbit/s (1 s)",
+            "MB per H = the tx bytes a site sent during the round's outer steps (each from its start to 0.1 s after "
+            f"it ended, less idle chatter of {meta['chatter_bytes_per_s']:.0f} B/s over those windows), IP and TCP "
+            "headers, MAC tags and this site's ACKs included; B/param = that / parameters (2 sites: the ring's "
+            "2(S-1)/S and the all-gather's S-1 are both 1). Peak = the most tx bytes a site's uplink carried in any 1 s "
+            "window of the steady rounds. util (steady) = inner compute / wall over the steady rounds, every "
+            "fragment's sync counted."),
+        markdown_table(["row", "P", "wire", "wire MB / site / H", "B/param on the wire per H", "peak uplink Mbit/s (1 s)",
                         "util (steady)", "util (last arrival)", "comm s / H (last arrival)", "val loss"], rows),
         load_note(meta["loadavg_start"], meta["loadavg_end"])])
 

@@ -39,3 +39,15 @@ def test_peak_counts_the_busiest_second_inside_the_steady_rounds(bench):
     rounds = [{"t0": 5.0, "t1": 20.0}]
     assert bench.peak_tx(samples, rounds) == pytest.approx(1100, rel=0.02)
     assert bench.peak_tx(samples, [{"t0": 12.0, "t1": 20.0}]) == pytest.approx(100, rel=0.02)
+
+
+def test_sync_wire_counts_the_outer_steps_and_not_the_chatter_between_them(bench):
+    # chatter 50 B/s all along; a 2000-byte burst in each of two outer steps (ending at t = 10 and 20, 1 s long)
+    def tx(t: float) -> float:
+        burst = sum(2000 * min(1.0, max(0.0, t - (end - 1.0))) for end in (10.0, 20.0))
+        return 50 * t + burst
+
+    samples = [(i / 50, int(tx(i / 50)), 0) for i in range(0, 1500)]
+    records = [{"kind": "outer", "step": s, "time": end, "outer_step_s": 1.0} for s, end in ((8, 10.0), (16, 20.0))]
+    got = bench.sync_wire(samples, records, {"t0": 5.0, "t1": 20.0}, chatter=50.0)
+    assert got == pytest.approx(4000, abs=20)  # the round's payload; 15 s of chatter (750 B) left out
