@@ -123,7 +123,7 @@ def build_outer(cfg: Config, model: torch.nn.Module, topology: Topology, group: 
     if cfg.diloco.fragments > 1:
         assert group is not None, "fragments run on the fixed global group (open_topology)"
         try:
-            return Fragments(model, cfg.diloco, topology, tokens_per_step, factor, group)
+            return Fragments(model, cfg.diloco, topology, tokens_per_step, factor, group, cfg.train.steps)
         except ValueError as e:
             raise ConfigError(str(e)) from None
     if not cfg.diloco.elastic:

@@ -331,6 +331,10 @@ class DiLoCo:
             return None
         return self._stats(landed.result, landed.stats, landed.grads, waited, time.perf_counter() - t0, True)
 
+    def settle(self) -> OuterStats | None:
+        """The average in flight, if any, lands now (a checkpoint of fragments needs none in flight)."""
+        return self._land_early() if self.overlap.pending is not None else None
+
     @torch.no_grad()
     def _land_early(self) -> OuterStats:
         """overlap_steps = tau: the pending average lands tau inner steps after its launch."""

@@ -10,8 +10,11 @@ of different shapes exchange each fragment per lane (zeroband/outer/lanes.py: a 
 the fragment; a lane with none there is skipped by all its owners alike). Not built yet: elastic
 membership and time-budget rounds with fragments (the config refuses them).
 
-A sync point (a checkpoint, the end) is a boundary of every fragment, blocking: after it every site
-holds the same bits, as the `Outer` contract (zeroband/outer/base.py) says. The exchanges of the
+The end of the run is a boundary of every fragment, blocking: after it every site holds the same
+bits. A checkpoint is not: it saves each fragment where its cycle stands (outer copy, optimizer
+state, round clock; the local model is the site's own), so checkpoints do not change what is
+trained; an exchange in flight there (overlap) lands first, as the checkpoint needs none in flight.
+The fragment whose round ends at the checkpoint steps blocking, as a whole-model step would. The exchanges of the
 fragments take the global group one at a time, in the same order on every site: before a fragment's
 boundary, the exchanges the others have in flight are waited for (not applied: each lands when its
 own rule says).
@@ -83,7 +86,7 @@ class Fragments:
     """P `DiLoCo`s, one per fragment, behind the one `Outer` interface the loop talks to."""
 
     def __init__(self, model: torch.nn.Module, cfg: DilocoConfig, topology: Topology, tokens_per_step: int,
-                 lr_factor: Callable[[int], float] | None, group: GlobalGroup) -> None:
+                 lr_factor: Callable[[int], float] | None, group: GlobalGroup, total_steps: int) -> None:
         params = list(model.parameters())
         self.membership = FixedMembership(group, topology, topology.timeout_s)
         self.parts = split([p.numel() for p in params], cfg.fragments)  # full sizes: alike on every rank
@@ -92,6 +95,7 @@ class Fragments:
                    subset=idx, offset=offset, state_key=f"outer.{p}")
             for p, (idx, offset) in enumerate(zip(self.parts, offsets(cfg.inner_steps, cfg.fragments)))]
         self.last_reduce: ReduceResult | None = None
+        self.total_steps = total_steps  # train.steps: the end, where every fragment syncs
 
     def attach(self, sink: Callable[[dict[str, Any]], None]) -> None:
         self.membership.attach(sink)
@@ -113,12 +117,16 @@ class Fragments:
         return step >= total_steps
 
     def after_inner_step(self, step: int, sync_point: bool = False) -> OuterStats | None:
-        """Each fragment whose round ends here steps (every one at a sync point), in fragment order."""
+        """Each fragment whose round ends here steps (every one at the end), in fragment order; at a
+        checkpoint, exchanges still in flight land."""
+        end = sync_point and step >= self.total_steps
         stats = []
         for p, f in enumerate(self.fragments):
-            if sync_point or f.due(step):  # it takes the group: the others' exchanges finish first
+            if end or f.due(step):  # it takes the group: the others' exchanges finish first
                 self._quiesce(but=f)
-            s = f.after_inner_step(step, sync_point, force=sync_point)
+            s = f.after_inner_step(step, sync_point, force=end)
+            if s is None and sync_point:
+                s = f.settle()
             if s is not None:
                 stats.append(replace(s, fragments=[p]))
             if f.last_reduce is not None:
