@@ -96,6 +96,7 @@ ROWS = [
 SWEEP_ROWS = ("DP fp32 (per step)", "DiLoCo fp16", "DiLoCo fp16 overlapped")
 # --fragments: fragments x wire format, blocking, at H = FRAGMENTS_H (a multiple of every P)
 FRAGMENT_ROWS = [Row(f"{dtype} P={p}", "diloco", dtype, False, p) for dtype in ("fp16", "int4", "sparse") for p in (1, 4, 16)]
+FRAGMENT_ROWS += [Row(f"fp16 P={p} overlapped", "diloco", "fp16", True, p) for p in (1, 4, 16)]  # each lands H later
 FRAGMENTS_H = 160
 QUICK_ROWS = ("DP fp32 (per step)", "DiLoCo fp16")
 
@@ -813,7 +814,9 @@ def measure_fragments(args: argparse.Namespace, extra: list[str]) -> dict[str, A
         runs = [run_row(args, row, args.rate_mbit, args.outer_steps, Path(tmp), extra) for row in rows]
     chatter = chatter_rate(args, runs)
     return {"meta": {"rate_mbit": args.rate_mbit, "delay_ms": args.delay_ms, "inner_steps": h,
-                     "outer_steps": args.outer_steps, "sites": args.sites, "tcp": site_tcp(),
+                     "outer_steps": args.outer_steps, "sites": args.sites, "tcp": site_tcp(), "nproc": args.nproc,
+                     "mtu": args.mtu, "streams": streams_for(args.rate_mbit * 1e6, 2 * args.delay_ms / 1e3),
+                     "window_bytes": kernel_window(),
                      "params": next(r for r in runs[0]["records"][0] if r["kind"] == "run")["params"],
                      "loadavg_start": load_start, "loadavg_end": load_average(), "chatter_bytes_per_s": chatter},
             "results": [analyse(args, run, chatter) for run in runs]}
@@ -821,26 +824,34 @@ def measure_fragments(args: argparse.Namespace, extra: list[str]) -> dict[str, A
 
 def fragments_markdown(data: dict[str, Any]) -> str:
     meta = data["meta"]
-    rows = [[m["row"], m["fragments"], m["dtype"], f"{m['sync_wire_bytes_per_site_per_round'] / 1e6:.4f}",
-             f"{m['sync_wire_bytes_per_site_per_round'] / m['shard_params']:.4f}", f"{m['peak_tx_mbit_1s']:.1f}",
+    def wire(m: dict[str, Any]) -> float:  # overlapped: sent during compute, so the round's tx less chatter
+        return m["wire_bytes_per_site_per_round"] if m["overlap"] else m["sync_wire_bytes_per_site_per_round"]
+
+    rows = [[m["row"], m["fragments"], m["dtype"], f"{wire(m) / 1e6:.4f}",
+             f"{wire(m) / m['shard_params']:.4f}", f"{m['peak_tx_mbit_1s']:.1f}",
              f"{100 * m['utilisation_steady']:.1f}%", f"{100 * m['utilisation_steady_last_arrival']:.1f}%",
-             f"{m['allreduce_s_last_arrival']:.2f}", f"{m['final_val_loss']:.3f}" if m["final_val_loss"] is not None else "-"]
+             f"{100 * wan_prediction(meta, m)['utilisation']:.1f}%", f"{m['allreduce_s_last_arrival']:.2f}"]
             for m in data["results"]]
     return "\n\n".join([
         "### Fragments x wire format", (
             f"`flock /tmp/zeroband-bench.lock python scripts/bench_wan.py --fragments --out benchmarks`: "
             f"{meta['sites']} sites, {meta['params']:,} parameters, {meta['rate_mbit']:g} Mbit/s per uplink, "
             f"{2 * meta['delay_ms']:g} ms RTT, H = {meta['inner_steps']} x {meta['outer_steps']} steady rounds (the first "
-            f"round, and for P > 1 a last one that ends in every fragment's sync, are left out), blocking; TCP "
+            f"round, and for P > 1 or overlapped a last one that ends in every fragment's blocking sync, are left out); "
+            "blocking unless overlapped (`diloco.overlap`, the eager rule, each fragment's average landing H steps "
+            "after its launch); TCP "
             f"{tcp_words(meta.get('tcp'))}. P fragments: fragment p syncs every H steps at offset (p + 1) H / P. Wire "
             "MB per H = the tx bytes a site sent during the round's outer steps (each from its start to 0.1 s after "
-            f"it ended, less idle chatter of {meta['chatter_bytes_per_s']:.0f} B/s over those windows), IP and TCP "
+            f"it ended, less idle chatter of {meta['chatter_bytes_per_s']:.0f} B/s over those windows; overlapped rows, "
+            "whose exchanges run during compute: the whole round's tx less chatter), IP and TCP "
             "headers, MAC tags and this site's ACKs included; B/param = that / parameters (2 sites: the ring's "
             "2(S-1)/S and the all-gather's S-1 are both 1). Peak = the most tx bytes a site's uplink carried in any 1 s "
             "window of the steady rounds. util (steady) = inner compute / wall over the steady rounds, every "
-            "fragment's sync counted."),
+            "fragment's sync counted; predicted: zeroband.tools.plan from the row's compute per step, each of the P "
+            "syncs carrying 1/P of the bytes and its own round trips."),
         markdown_table(["row", "P", "wire", "wire MB / site / H", "B/param on the wire per H", "peak uplink Mbit/s (1 s)",
-                        "util (steady)", "util (last arrival)", "comm s / H (last arrival)", "val loss"], rows),
+                        "util (steady)", "util (last arrival)", "util predicted by zeroband plan",
+                        "comm s / H (last arrival)"], rows),
         load_note(meta["loadavg_start"], meta["loadavg_end"])])
 
 

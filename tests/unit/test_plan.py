@@ -72,6 +72,15 @@ def test_prediction_by_hand() -> None:
     assert dp.comm_s == pytest.approx(48.2) and dp.utilisation == pytest.approx(1.2 / 49.4)
 
 
+def test_fragments_by_hand() -> None:
+    # the same run in 4 fragments: the same bytes per H, each of the 4 syncs with its own 4 one-way delays
+    p = PlanInput(1e9, 1.2, 4, 1.0, 50.0, 500, "fp16", overlap=False, tcp_ramp=False, fragments=4)
+    pred = predict(p)
+    assert pred.wire_bytes == pytest.approx(3e9) and pred.bandwidth_s == pytest.approx(24.0)
+    assert pred.latency_s == pytest.approx(0.8) and pred.utilisation == pytest.approx(600 / 624.8)
+    assert predict(replace(p, fragments=1)).latency_s == pytest.approx(0.2)
+
+
 def test_tcp_ramp_by_hand() -> None:
     # 100 Mbit/s, 100 ms RTT: BDP 1.25 MB; MSS 8948 at MTU 9000, initial window 10 x MSS = 89,480 B.
     # Windows 89,480 / 178,960 / 357,920 / 715,840 are below the BDP: 4 RTTs carrying 1,342,200 B.

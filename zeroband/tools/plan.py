@@ -105,6 +105,7 @@ class PlanInput:
     timeout_floor_s: float = _SITES["timeout_floor_s"].default
     timeout_s: float = _SITES["timeout_s"].default
     density: float = _DILOCO["density"].default  # the sparse codec's (diloco.density)
+    fragments: int = 1  # diloco.fragments: P syncs of 1/P of the model per H, each its own round trips
 
 
 @dataclass(frozen=True)
@@ -227,9 +228,11 @@ def predict(p: PlanInput) -> Prediction:
     payload = p.params * dtype_bytes(p.dtype, p.density)
     wire = wire_factor(p) * payload
     compute = p.inner_steps * p.step_time_s
-    bw_s, lat_s, ramp_s = comm_seconds(wire, p, compute)
+    share, gap = wire / p.fragments, compute / p.fragments  # one fragment's sync, and the link's idle between syncs
+    bw_s, lat_s, ramp_s = comm_seconds(share, p, gap)
     if p.overlap:  # the link idles only for what of the round the all-reduce leaves
-        bw_s, lat_s, ramp_s = comm_seconds(wire, p, max(0.0, compute - bw_s - lat_s))
+        bw_s, lat_s, ramp_s = comm_seconds(share, p, max(0.0, gap - bw_s - lat_s))
+    bw_s, lat_s, ramp_s = (p.fragments * x for x in (bw_s, lat_s, ramp_s))  # every fragment once per H
     comm = bw_s + lat_s + ramp_s
     dp_comm = sum(comm_seconds(ring_factor(p.sites) * p.params * 4.0, p, p.step_time_s))
     link = link_of(p)
@@ -489,7 +492,7 @@ def plan_from_config(path: str, args: argparse.Namespace) -> ConfigPlan:
     plan = PlanInput(float(params), step, args.sites, args.gbps, args.latency_ms, d.inner_steps, d.comm_dtype,
                      d.overlap or args.overlap, not args.no_tcp_ramp, args.mtu, **link, piece_mb=d.piece_mb,
                      wait_factor=s.wait_factor, timeout_floor_s=s.timeout_floor_s, timeout_s=s.timeout_s,
-                     density=d.density)
+                     density=d.density, fragments=d.fragments)
     pieces = max(1, math.ceil(params * 4 / (d.piece_mb * 2**20)))
     return ConfigPlan(plan, cfg.model.preset or f"{params / 1e6:.0f}M", d.piece_mb, pieces, tokens, source, tuple(notes),
                       cfg.train.steps, cfg.checkpoint.interval)
@@ -523,7 +526,8 @@ def wan_prediction(meta: dict[str, Any], m: dict[str, Any]) -> dict[str, Any]:
     p = PlanInput(m["shard_params"] * meta["nproc"], m["compute_s_per_step"], meta["sites"], m["rate_mbit"] / 1e3,
                   meta["delay_ms"], m["inner_steps"], m["dtype"], m["overlap"], restarts_slow_start(meta.get("tcp")),
                   meta["mtu"],
-                  streams=meta.get("streams", 1), window_bytes=meta.get("window_bytes", DEFAULT_WINDOW))
+                  streams=meta.get("streams", 1), window_bytes=meta.get("window_bytes", DEFAULT_WINDOW),
+                  fragments=m.get("fragments", 1))
     if m["mode"] == "data_parallel":
         step = predict_data_parallel(p)
         comm, util = step.comm_s * m["inner_steps"], step.utilisation
