@@ -309,7 +309,10 @@ def codec_specs(scale: Scale, default: dict[str, Any]) -> list[Spec]:
     few = dict(h=regimes(scale)["few"], regime="few", **default)
     for s in range(scale.seeds):
         specs += [Spec("diloco_default_few", "diloco", k, t, s, **few),
-                  Spec("diloco_default_few_fragments4", "diloco", k, t, s, **few, extra={"diloco": {"fragments": 4}})]
+                  Spec("diloco_default_few_fragments4", "diloco", k, t, s, **few, extra={"diloco": {"fragments": 4}}),
+                  # Streaming DiLoCo as published: each fragment's average lands tau = 1 step after its launch
+                  Spec("diloco_default_few_fragments4_eager_tau1", "diloco", k, t, s, **few, overlap=True,
+                       overlap_rule="eager", extra={"diloco": {"fragments": 4, "overlap_steps": 1}})]
     return specs
 
 
