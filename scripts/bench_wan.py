@@ -304,7 +304,7 @@ def sync_wire(samples: list[tuple[float, int, int]], records: list[dict[str, Any
     round (sparse) still shows."""
     total = 0.0
     for o in records:
-        if o["kind"] == "outer" and rnd["t0"] < o["time"] <= rnd["t1"] + 0.5:
+        if o["kind"] == "outer" and rnd["t0"] < o["time"] <= rnd["t1"]:  # (logged before step kH's train record)
             a, b = o["time"] - o["outer_step_s"] - 0.05, o["time"] + 0.1
             total += counter_at(samples, b) - counter_at(samples, a) - chatter * (b - a)
     return total
@@ -836,8 +836,9 @@ def fragments_markdown(data: dict[str, Any]) -> str:
         "### Fragments x wire format", (
             f"`flock /tmp/zeroband-bench.lock python scripts/bench_wan.py --fragments --out benchmarks`: "
             f"{meta['sites']} sites, {meta['params']:,} parameters, {meta['rate_mbit']:g} Mbit/s per uplink, "
-            f"{2 * meta['delay_ms']:g} ms RTT, H = {meta['inner_steps']} x {meta['outer_steps']} steady rounds (the first "
-            f"round, and for P > 1 or overlapped a last one that ends in every fragment's blocking sync, are left out); "
+            f"{2 * meta['delay_ms']:g} ms RTT, H = {meta['inner_steps']}, {meta['outer_steps']} rounds of which rounds 2 to "
+            f"{meta['outer_steps']} are reported (for P > 1 or overlapped one more round runs, left out: it ends in every "
+            "fragment's blocking sync); "
             "blocking unless overlapped (`diloco.overlap`, the eager rule, each fragment's average landing H steps "
             "after its launch); TCP "
             f"{tcp_words(meta.get('tcp'))}. P fragments: fragment p syncs every H steps at offset (p + 1) H / P. Wire "

