@@ -39,6 +39,7 @@ import sys
 import tempfile
 import threading
 import time
+from bisect import bisect_left
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -204,14 +205,14 @@ class IfaceSampler:
 
 
 def counter_at(samples: list[tuple[float, int, int]], t: float) -> float:
-    """tx bytes at wall time t, linearly interpolated between samples."""
-    prev = samples[0]
-    for s in samples:
-        if s[0] >= t:
-            span = s[0] - prev[0]
-            return prev[1] + (s[1] - prev[1]) * ((t - prev[0]) / span if span > 0 else 1.0)
-        prev = s
-    return float(samples[-1][1])
+    """tx bytes at wall time t, linearly interpolated between samples (in time order: a binary search,
+    as peak_tx asks once per sample)."""
+    i = bisect_left(samples, t, key=lambda s: s[0])  # the first sample at or after t
+    if i == len(samples):
+        return float(samples[-1][1])
+    prev, s = samples[max(i - 1, 0)], samples[i]
+    span = s[0] - prev[0]
+    return prev[1] + (s[1] - prev[1]) * ((t - prev[0]) / span if span > 0 else 1.0)
 
 
 def rising_window(samples: list[tuple[float, int, int]], t0: float, t1: float, min_step: int = 4096) -> tuple[float, float]:
