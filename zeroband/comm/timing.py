@@ -49,3 +49,12 @@ class Parts:
 
     def add(self, part: str, seconds: float) -> None:
         self.seconds[part] = self.seconds.get(part, 0.0) + seconds
+
+
+def summed(timings: list[dict[str, float]]) -> dict[str, float]:
+    """Seconds per part added over several steps' (or lanes', or fragments') timings."""
+    parts = Parts()
+    for t in timings:
+        for part, seconds in t.items():
+            parts.add(part, seconds)
+    return parts.seconds

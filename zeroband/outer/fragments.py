@@ -31,6 +31,7 @@ import torch
 
 from zeroband.comm.group import GlobalGroup
 from zeroband.comm.reduce import ReduceResult
+from zeroband.comm.timing import summed
 from zeroband.config import DilocoConfig
 from zeroband.membership.base import FixedMembership
 from zeroband.mesh import Topology
@@ -64,10 +65,7 @@ def merged(stats: list[OuterStats]) -> OuterStats:
     norms combined over the fragments, the replica digest of all of them (in fragment order)."""
     if len(stats) == 1:
         return stats[0]
-    timings: dict[str, float] = {}
-    for s in stats:
-        for part, seconds in s.timings.items():
-            timings[part] = timings.get(part, 0.0) + seconds
+    timings = summed([s.timings for s in stats])
     crcs = [s.outer_crc for s in stats]
     crc = None if None in crcs else int.from_bytes(hashlib.sha256(str(crcs).encode()).digest()[:6], "big")
     return replace(stats[-1], allreduce_s=sum(s.allreduce_s for s in stats),

@@ -21,6 +21,7 @@ import torch
 from zeroband.comm.group import GlobalGroup, digest48
 from zeroband.comm.layout import Lane, lanes, local_slices, rows_of, shard_range
 from zeroband.comm.reduce import ReduceResult, SiteStats
+from zeroband.comm.timing import summed
 from zeroband.mesh import Topology
 from zeroband.trust.mac import NO_AUTH
 
@@ -114,10 +115,7 @@ class LaneSet:
 def combine(results: list[ReduceResult], sites: int) -> ReduceResult:
     """One rank's result over its lanes: bytes and seconds added, every exclusion kept (none: a
     fragment that holds nothing of this rank's lanes; every site took part, so it counts as a step)."""
-    timings: dict[str, float] = {}
-    for r in results:
-        for part, seconds in r.timings.items():
-            timings[part] = timings.get(part, 0.0) + seconds
+    timings = summed([r.timings for r in results])
     sumsqs = [r.sumsq for r in results]
     exclusions = {s: why for r in results for s, why in r.exclusions.items()}
     return ReduceResult(
