@@ -78,6 +78,41 @@ def test_an_arrival_deleted_at_each_read_is_never_taken_for_a_foreign_one():
         incarnation_prefix(store, "run/", 0, 2, timeout_s=ADMIT_REFUSE_S + 2, key=key)
 
 
+def test_an_arrival_forged_after_it_was_read_does_not_unarrive_its_site():
+    """Unit (comm/group.py incarnation_prefix, trust/signed.py `remember`): site 0 reads site 1's
+    signed arrival and writes its hash; site 1 would then leave its own wait and stop re-writing its
+    mark. An outsider overwrites that mark for longer than ADMIT_REFUSE_S before site 1's hash lands.
+    Site 0 used to read the mark afresh, take site 1 for missing again, and stop the start with
+    "written without the shared secret" (the fixed-run attack test failed so in CI under load). An
+    arrival that verified once stays arrived: site 0 returns the prefix site 1 agreed to."""
+    import threading
+
+    from zeroband.comm.group import incarnation_prefix
+    from zeroband.trust.auth import ADMIT_REFUSE_S
+    from zeroband.trust.signed import SignedStore
+
+    server, client = _tcp_store()
+    key = b"k" * 32
+    site1 = SignedStore(client(), key)
+    site1.set("run/arrive/1", "site 1's nonce")
+    got: dict[str, object] = {}
+
+    def site0() -> None:
+        try:
+            got["prefix"] = incarnation_prefix(client(), "run/", 0, 2, timeout_s=ADMIT_REFUSE_S + 20, key=key)
+        except Exception as e:  # noqa: BLE001 - reported by the assert below
+            got["prefix"] = e
+
+    thread = threading.Thread(target=site0, daemon=True)
+    thread.start()
+    agreed = site1.get("run/nonces/0")  # site 0 has read site 1's arrival
+    client().set("run/arrive/1", b"forged: no valid HMAC")
+    time.sleep(ADMIT_REFUSE_S + 1)
+    site1.set("run/nonces/1", agreed)
+    thread.join(timeout=20)
+    assert got.get("prefix") == f"run/{agreed.decode()}/", got
+
+
 def test_a_value_deleted_between_the_wait_and_the_read_of_a_get_is_waited_for():
     """Unit (trust/signed.py `wait_and_read`): c10d's get waits for the key, then reads it, and a key
     deleted between the two reads as b"". SignedStore.get and SealedStore.get (the gloo rendezvous)

@@ -25,7 +25,7 @@ from zeroband.comm.work import ProcessGroupLike, Work
 from zeroband.trust.auth import ADMIT_REFUSE_S, PeerRefused, Verdict, frame
 from zeroband.trust.mac import NO_AUTH, WireAuth
 from zeroband.trust.secret import RunSecret
-from zeroband.trust.signed import ForgedValue, SealedStore, SignedStore, exchange, track_refusals
+from zeroband.trust.signed import ForgedValue, SealedStore, SignedStore, exchange, remember, track_refusals
 from zeroband.watchdog import PeerTimeout, Ticker, Watch, _sites, read_by_all, wait_keys
 
 T = TypeVar("T")
@@ -305,22 +305,24 @@ def incarnation_prefix(store: dist.Store, base: str, site_rank: int, site_count:
     arrive = {s: f"{base}arrive/{s}" for s in range(site_count)}
     done = {s: f"{base}nonces/{s}" for s in range(site_count)}
     deadline, bad_since = time.monotonic() + timeout_s, dict[int, float]()
+    seen_nonces: dict[int, bytes] = {}
+    seen_hashes: dict[int, bytes] = {}
     while True:
         read = dict(zip(arrive, signed.lookup_many(list(arrive.values()))))  # value and presence of each
-        nonces = {s: v for s, (v, _) in read.items()}
-        if nonces[site_rank] != own.encode():  # not written yet, or deleted / overwritten since
+        if read[site_rank][0] != own.encode():  # not written yet, or deleted / overwritten since
             signed.set(arrive[site_rank], own)
+        nonces = remember(seen_nonces, {s: v for s, (v, _) in read.items() if s != site_rank})
         nonces[site_rank] = own.encode()
         missing = {s for s, v in nonces.items() if v is None} | _mixed(signed, arrive, key, site_rank)
         now = time.monotonic()
         track_refusals({s: r for s, r in read.items() if s != site_rank}, bad_since, now)
-        _foreign(missing, bad_since, now)
+        _foreign(missing, {s: t for s, t in bad_since.items() if s in missing}, now)
         if not missing:
             agreed = hashlib.sha256(frame(*(cast(bytes, nonces[s]) for s in range(site_count)))).hexdigest()[:32]  # none missing
-            hashes = dict(zip(done, (v for v, _ in signed.lookup_many(list(done.values())))))
-            if hashes[site_rank] != agreed.encode():
+            fresh = dict(zip(done, (v for v, _ in signed.lookup_many(list(done.values())))))
+            if fresh.pop(site_rank) != agreed.encode():
                 signed.set(done[site_rank], agreed)
-                hashes[site_rank] = agreed.encode()
+            hashes = {**remember(seen_hashes, fresh), site_rank: agreed.encode()}
             missing = {s for s, v in hashes.items() if v != agreed.encode()}
             if not missing:
                 return f"{base}{agreed}/"

@@ -258,6 +258,15 @@ def track_refusals(read: Mapping[int, tuple[bytes | None, bool]], bad_since: dic
             bad_since.pop(s, None)
 
 
+def remember(seen: dict[int, bytes], read: Mapping[int, bytes | None]) -> dict[int, bytes | None]:
+    """Each site's last value that verified in this wait (`seen`, updated), for the sites in `read`.
+    A site that has left its own wait no longer re-writes its value, so an outsider's later overwrite
+    or deletion would stay: read afresh, that site would turn "missing" again and be refused after
+    ADMIT_REFUSE_S though it had arrived. A newer verified value (a restarted site) replaces the old."""
+    seen.update({s: v for s, v in read.items() if v is not None})
+    return {s: seen.get(s) for s in read}
+
+
 def exchange(store: SignedStore, keys: Mapping[int, str], me: int, value: str | bytes, what: str,
              timeout_s: float, refuse_after_s: float | None = None) -> dict[int, bytes | None]:
     """Every site's signed value under `keys` (this site's is `value`, as written, never as read
@@ -272,6 +281,7 @@ def exchange(store: SignedStore, keys: Mapping[int, str], me: int, value: str | 
     raw = value.encode() if isinstance(value, str) else value
     rewrites, start, tick = 0, time.monotonic(), Ticker(what)
     bad_since: dict[int, float] = {}
+    seen: dict[int, bytes] = {}
     store.set(keys[me], raw)
     names = list(keys.values())
     while True:
@@ -282,7 +292,7 @@ def exchange(store: SignedStore, keys: Mapping[int, str], me: int, value: str | 
                 raise StoreInterference(f"{what}: store key {keys[me]!r} was deleted or overwritten {REWRITE_LIMIT} "
                                         "times by a writer without the shared secret; the store is under attack")
             store.set(keys[me], raw)
-        values = {s: v for s, (v, _) in read.items()}
+        values = remember(seen, {s: v for s, (v, _) in read.items()})
         missing, now = {s for s, v in values.items() if v is None}, time.monotonic()
         track_refusals(read, bad_since, now)
         if not missing or (refuse_after_s is not None and all(now - bad_since.get(s, now) >= refuse_after_s > 0
