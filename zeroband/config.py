@@ -291,6 +291,11 @@ class DilocoConfig(Section):
     # inner_steps steps; each site runs as many inner steps as fit, and pseudo-gradients are
     # weighted by the tokens each site processed. The run lasts train.steps // inner_steps rounds.
     round_seconds: float = Field(0.0, ge=0)
+    # How the sites' pseudo-gradients are merged (zeroband/comm/reduce.py `site_weight`): "mean" (or
+    # by tokens with round_seconds); "rda", radial-directional averaging (Decoupled DiLoCo): the mean
+    # of their unit directions, rescaled to the mean of their norms, so the average of near-orthogonal
+    # pseudo-gradients keeps their size where a mean shrinks it by up to sqrt(sites).
+    merge: Literal["mean", "rda"] = "mean"
     # Log a crc32 of the outer state after every outer step (costs a pass over the shard; the chaos
     # suite uses it to prove the sites stay bitwise identical).
     log_checksum: bool = False
@@ -379,6 +384,9 @@ class DilocoConfig(Section):
         if self.fragments > 1 and (self.elastic or self.round_seconds or self.mode != "diloco"):
             raise ValueError("diloco.fragments > 1 needs diloco.mode = 'diloco' with fixed rounds: without "
                              "diloco.elastic and diloco.round_seconds (not built yet). Fix: diloco.fragments = 1")
+        if self.merge != "mean" and self.mode != "diloco":
+            raise ValueError(f"diloco.merge = {self.merge!r} merges pseudo-gradients: it needs diloco.mode = "
+                             "'diloco' (data parallel averages gradients). Fix: diloco.merge = 'mean'")
         if self.elastic and self.mode != "diloco":
             raise ValueError("diloco.elastic needs diloco.mode = 'diloco'")
         if self.dead_after_s <= 2 * self.heartbeat_s:

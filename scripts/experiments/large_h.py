@@ -133,15 +133,20 @@ def settings(sites: int, h: int) -> dict[str, dict[str, Any]]:
 # The sparse codec's densities: the default 0.02 first, then denser ones to find the density that
 # comes within 1% of fp16 at H = 100 (issue 36; 0.02 was 9% behind there).
 DENSITIES = (0.02, 0.1, 0.25)
+# Issue 37's merge rules other than the mean, each against the mean (`defaults`) at the same settings.
+MERGES = ("rda",)
 
 
 def wire_rows() -> dict[str, dict[str, Any]]:
-    """Issue 36's rows, each at the shipped outer settings: to be set against whole-model fp16 (`defaults`)."""
+    """Issue 36's rows (fragments, the sparse codec) and issue 37's merge rules, each at the shipped outer
+    settings: to be set against whole-model fp16 averaged by the mean (`defaults`)."""
     from convergence import shipped_default
 
     sparse = {f"sparse{d:g}": {**shipped_default(), "comm": "sparse", "extra": {"diloco": {"density": d}}}
               for d in DENSITIES}
-    return {"fragments4_fp16": {**shipped_default(), "extra": {"diloco": {"fragments": 4}}}, **sparse}
+    merges = {m: {**shipped_default(), "extra": {"diloco": {"merge": m}}} for m in MERGES}
+    return {"fragments4_fp16": {**shipped_default(), "extra": {"diloco": {"fragments": 4}}},
+            "sparse0.02": sparse.pop("sparse0.02", {}), **merges, **sparse}
 
 
 @dataclass(frozen=True)
@@ -744,8 +749,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def quick_groups() -> None:
     """--quick: the study's shape in miniature (one seed, a sweep of two lrs, the four settings), for CI."""
-    global DP_LRS, DENSITIES
-    DP_LRS, DENSITIES = (3e-3, 6e-3), (0.02,)
+    global DP_LRS, DENSITIES, MERGES
+    DP_LRS, DENSITIES, MERGES = (3e-3, 6e-3), (0.02,), ()
     MODELS["1.3M"] = replace(CANARY_MODEL, name="1.3M")
     GROUPS[:] = [Group("h100", "1.3M", 8, 2, (4,), 1, 4, True),
                  Group("h100_wire", "1.3M", 8, 2, (4,), 1, 4, False, baselines_from="h100")]

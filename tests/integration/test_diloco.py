@@ -363,3 +363,40 @@ def test_retrying_rounds_reuse_memory_only_after_a_completed_exchange():
         assert len({spare for _, spare in got["ptrs"]}) == 1 and got["ptrs"][0][1]
         assert plain["ptrs"][0][1] is None  # fixed rounds average the pseudo-gradient in place: no copy
         assert got["fresh_after_failure"] and got["spare_after_failure"] is None
+
+
+def _merged_by_hand(store: str, deltas: list[list[float]], merge: str) -> list[float]:
+    """Site s moves a 2-value weight by -deltas[s], then one blocking outer step (lr 1, no momentum:
+    the weight moves by exactly the merged pseudo-gradient); returns the weight after it."""
+    import os
+
+    from zeroband.mesh import fixed_global_group, init_topology, shutdown
+    from zeroband.outer.diloco import DiLoCo
+    from zeroband.world import World
+
+    site = int(os.environ["ZEROBAND_SITE_RANK"])
+    topology = init_topology(World(0, 1, 0, site, len(deltas), torch.device("cpu")), store, "rda", 30, "gloo")
+    model = torch.nn.Linear(2, 1, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    cfg = DilocoConfig(outer_lr=1.0, outer_momentum=0.0, comm_dtype="fp32", inner_steps=1, outer_momentum_warmup=0,
+                       merge=merge)
+    outer = DiLoCo(model, cfg, topology, group=fixed_global_group(topology, "rda"))
+    outer.start()
+    with torch.no_grad():
+        model.weight -= torch.tensor([deltas[site]])
+    outer.after_inner_step(1, sync_point=True)
+    shutdown()
+    return model.weight.flatten().tolist()
+
+
+@pytest.mark.parametrize("merge", ["mean", "rda"])
+def test_rda_merges_unit_directions_at_the_mean_norm(merge):
+    """Orthogonal pseudo-gradients of norms 0.3 and 0.1: the mean is (0.15, 0.05), of norm 0.158;
+    radial-directional averaging takes the mean unit direction (1, 1) / sqrt(2) at the mean norm 0.2.
+    Every site applies the same bytes."""
+    deltas = [[0.3, 0.0], [0.0, 0.1]]
+    merged = [0.15, 0.05] if merge == "mean" else [0.2 / 2**0.5] * 2
+    out = run_sites(_merged_by_hand, 2, 1, (f"tcp://127.0.0.1:{free_port()}", deltas, merge), timeout=60)
+    assert out[(0, 0)] == pytest.approx([1.0 - m for m in merged], abs=1e-6)
+    assert out[(0, 0)] == out[(1, 0)]

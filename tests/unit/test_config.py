@@ -75,6 +75,13 @@ def test_inner_outer_lr_schedule_needs_rounds_of_inner_steps():
     assert "Fix: set diloco.outer_lr_schedule = 'constant'" in str(e.value)
 
 
+def test_rda_merge_is_refused_for_data_parallel_in_one_line():
+    with pytest.raises(ConfigError, match="diloco.merge = 'rda' merges pseudo-gradients: it needs diloco.mode") as e:
+        load_config(None, ["--diloco.merge", "rda", "--diloco.mode", "data_parallel", "--diloco.inner_steps", "20"])
+    assert "Fix: diloco.merge = 'mean'" in str(e.value)
+    assert load_config(None, ["--diloco.merge", "rda", "--diloco.inner_steps", "20"]).diloco.merge == "rda"
+
+
 def test_diloco_none_drops_section():
     assert load_config("configs/150M.toml", ["--diloco", "none"]).diloco is None
 

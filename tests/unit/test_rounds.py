@@ -112,6 +112,27 @@ def test_contributors_nan_outlier_abstain_and_token_weights():
     assert site_weight(table, use, 0, by_tokens=False) == 0.5 and site_weight(table, use, 2, by_tokens=True) == 0.0
 
 
+def test_rda_shares_divide_by_norms_and_rescale_to_the_mean_norm():
+    import torch
+
+    from zeroband.comm.reduce import mean_norm, rda_scale
+
+    # columns: sumsq, nonfinite, abstain, tokens; norms 1, 2, 4 and an abstainer
+    table = torch.tensor([[1.0, 0, 0, 100], [4.0, 0, 0, 100], [16.0, 0, 0, 200], [0.0, 0, 1, 0]], dtype=torch.float64)
+    use = [True, True, True, False]
+    shares = [site_weight(table, use, s, by_tokens=False, merge="rda") for s in range(4)]
+    assert shares == pytest.approx([4 / 7, 2 / 7, 1 / 7, 0.0])  # 1/norm, normalised: a sum of unit directions / 7
+    by_tokens = [site_weight(table, use, s, by_tokens=True, merge="rda") for s in range(3)]
+    assert by_tokens == pytest.approx([0.5, 0.25, 0.25])  # tokens/norm: 100, 50, 50 (/ 200)
+    assert mean_norm(table, use, by_tokens=False) == pytest.approx(7 / 3)
+    assert mean_norm(table, use, by_tokens=True) == pytest.approx(1 * 0.25 + 2 * 0.25 + 4 * 0.5)
+    zero = torch.tensor([[0.0, 0, 0, 1], [4.0, 0, 0, 1]], dtype=torch.float64)  # no direction: no share
+    assert [site_weight(zero, [True, True], s, False, "rda") for s in (0, 1)] == [0.0, 1.0]
+    none = torch.zeros(2, 4, dtype=torch.float64)  # nobody has a direction: the mean's shares
+    assert [site_weight(none, [True, True], s, False, "rda") for s in (0, 1)] == [0.5, 0.5]
+    assert rda_scale(2.0, 0.25) == pytest.approx(4.0) and rda_scale(2.0, 0.0) == 1.0
+
+
 def test_joiner_with_nobody_to_join_gives_up():
     address = f"tcp://127.0.0.1:{free_port()}"
     store = open_store(address, True, timedelta(seconds=10))

@@ -129,6 +129,7 @@ class ReduceResult:
     sumsq: float | None = None  # sum of squares of this rank's averaged values (None: not measured)
     exclusions: dict[int, str] = field(default_factory=dict)  # excluded site -> what it did, in words
     wait_bound_s: float = 0.0  # longest link-derived bound of the exchange's waits (0: the link was not measured)
+    mean_norm: float = 0.0  # the kept sites' mean declared norm (`mean_norm`: what "rda" rescales to)
 
 
 def _norm(sumsq: float) -> float:
@@ -167,14 +168,35 @@ def contributing_sites(table: torch.Tensor, outlier_factor: float = 0.0) -> list
     return [bool(table[s, ABSTAIN] == 0) and s not in out for s in range(table.shape[0])]
 
 
-def site_weight(table: torch.Tensor, use: list[bool], me: int, by_tokens: bool) -> float:
-    """This site's share of the average: 1/n, or its tokens over all contributors' tokens."""
+def site_weight(table: torch.Tensor, use: list[bool], me: int, by_tokens: bool, merge: str = "mean") -> float:
+    """This site's share of the average: 1/n, or its tokens over all contributors' tokens. "rda"
+    divides each share by the site's declared norm first (the sum is then one of unit directions;
+    `rda_scale` restores the size), a site with a zero pseudo-gradient taking none."""
     if not use[me]:
         return 0.0
-    if by_tokens:
-        total = sum(float(table[s, TOKENS]) for s, ok in enumerate(use) if ok)
-        return float(table[me, TOKENS]) / total if total > 0 else 1.0 / sum(use)
-    return 1.0 / sum(use)
+    base = [float(table[s, TOKENS]) if by_tokens else 1.0 for s in range(len(use))]
+    if not by_tokens or sum(b for b, ok in zip(base, use) if ok) <= 0:
+        base = [1.0] * len(use)
+    if merge == "rda":
+        norms = [_norm(float(table[s, SUMSQ])) for s in range(len(use))]
+        rda = [b / n if n > 0 else 0.0 for b, n in zip(base, norms)]
+        if sum(r for r, ok in zip(rda, use) if ok) > 0:
+            base = rda
+    return base[me] / sum(b for b, ok in zip(base, use) if ok)
+
+
+def mean_norm(table: torch.Tensor, keep: list[bool], by_tokens: bool) -> float:
+    """The norm "rda" rescales the merged direction to: the kept sites' declared norms, averaged with
+    their shares of a mean merge (every site computes the same from the same table)."""
+    shares = [site_weight(table, keep, s, by_tokens) for s in range(len(keep))]
+    return sum(w * _norm(float(table[s, SUMSQ])) for s, w in enumerate(shares) if keep[s])
+
+
+def rda_scale(target_norm: float, merged_sumsq: float) -> float:
+    """What multiplies the merged unit directions (whose site-wide sum of squares is `merged_sumsq`) so
+    that their norm is `target_norm`; 1 where there is no direction to scale."""
+    merged = _norm(merged_sumsq)
+    return target_norm / merged if merged > 0 and math.isfinite(merged) else 1.0
 
 
 def sent_exclusions(claims: torch.Tensor, use: list[bool], weights: list[float], sent: torch.Tensor,
@@ -309,6 +331,7 @@ def reduce_across_sites(
     weight_by_tokens: bool = False,
     arena: Arena | None = None,
     settings: Any = None,
+    merge: str = "mean",
 ) -> ReduceResult:
     """In place: grads <- mean over contributing sites. Returns what it cost and who took part.
     `arena`: memory kept by the caller between calls (comm/direct.py's Arena); `settings`: the run's
@@ -317,12 +340,13 @@ def reduce_across_sites(
     kind = GatherExchange if codecs.spec(wire).exchange == "gather" else DirectExchange
     with parts.cpu():  # the CPU of the thread that runs the exchange (often not the training loop's)
         return _reduce(grads, stats, group, codec, parts, piece_bytes, error_feedback, outlier_factor,
-                       weight_by_tokens, arena, kind)
+                       weight_by_tokens, arena, kind, merge)
 
 
 def _reduce(grads: list[torch.Tensor], stats: SiteStats, group: GlobalGroup, codec: WireCodec, parts: Parts,
             piece_bytes: int, error_feedback: dict[int, torch.Tensor] | None, outlier_factor: float,
-            weight_by_tokens: bool, arena: Arena | None, kind: type[DirectExchange] = DirectExchange) -> ReduceResult:
+            weight_by_tokens: bool, arena: Arena | None, kind: type[DirectExchange] = DirectExchange,
+            merge: str = "mean") -> ReduceResult:
     numel = sum(g.numel() for g in grads)
     exchange = kind(numel, group, codec, piece_bytes, parts, arena)  # receives posted first
     table_ready = group.post_scalars(stats.as_list())
@@ -332,7 +356,7 @@ def _reduce(grads: list[torch.Tensor], stats: SiteStats, group: GlobalGroup, cod
         table = table_ready()
     check_replicas(table)
     use = contributing_sites(table, outlier_factor)
-    weights = [site_weight(table, use, s, weight_by_tokens) for s in range(group.size)]
+    weights = [site_weight(table, use, s, weight_by_tokens, merge) for s in range(group.size)]
     review = SentReview(group, table, use, weights, outlier_factor, parts, values=numel)
     finite = bool(table[group.rank, NONFINITE] == 0)  # this site's own count, which covers this rank's grads
     wire_bytes = exchange.run(grads, weights[group.rank], error_feedback, flat, review if group.size > 1 else None,
@@ -348,4 +372,5 @@ def _reduce(grads: list[torch.Tensor], stats: SiteStats, group: GlobalGroup, cod
         sumsq=exchange.sumsq,
         exclusions=declared_exclusions(table, outlier_factor) | review.exclusions,
         wait_bound_s=group.take_bound(),
+        mean_norm=mean_norm(table, keep, weight_by_tokens),
     )

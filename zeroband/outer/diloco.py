@@ -67,7 +67,7 @@ from torch.distributed.tensor import DTensor
 from zeroband.comm import codecs
 from zeroband.comm.direct import Arena, flat_base
 from zeroband.comm.group import GlobalGroup, digest48
-from zeroband.comm.reduce import ReduceResult, SiteStats, describe_exclusions, reduce_across_sites
+from zeroband.comm.reduce import ReduceResult, SiteStats, describe_exclusions, rda_scale, reduce_across_sites
 from zeroband.comm.timing import Parts
 from zeroband.config import DilocoConfig
 from zeroband.membership.base import FixedMembership, Membership
@@ -135,6 +135,9 @@ class DiLoCo:
         # sites of different shapes: the exchange runs per lane (zeroband/outer/lanes.py), else per shard
         shapes = [tuple(p.shape) for p in every]
         self.lanes = LaneSet(topology, self.local, shapes, subset) if topology.lanes else None
+        if self.lanes is not None and cfg.merge != "mean":
+            raise ValueError(f"diloco.merge = {cfg.merge!r} needs sites of one shape (each rank's shard the same on "
+                             "every site); these sites differ in shape. Fix: diloco.merge = 'mean'")
         self.lane_arenas = [Arena() for _ in topology.lanes]
         self.copy = OuterCopy(self.local, cfg)
         self.outer, self.outer_device = self.copy.tensors, self.copy.device
@@ -381,7 +384,8 @@ class DiLoCo:
         """The equal-shape reduce of `grads` on `group`, on a helper thread the group watches."""
         return group.watched(partial(reduce_across_sites, grads, stats, group, self.cfg.comm_dtype,
                                      int(self.cfg.piece_mb * 2**20), feedback, self.cfg.outlier_factor,
-                                     weight_by_tokens=self.cfg.round_seconds > 0, arena=arena, settings=self.cfg), what)
+                                     weight_by_tokens=self.cfg.round_seconds > 0, arena=arena, settings=self.cfg,
+                                     merge=self.cfg.merge), what)
 
     def _retry_copy(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """A copy of `grads` for one attempt to consume: a retried attempt starts again from the originals.
@@ -399,6 +403,8 @@ class DiLoCo:
             log.error("outer step %d: excluded %s", self.outer_step, describe_exclusions(result.exclusions))
         with self.parts("stats"):  # of the average, for OuterStats (measured by the exchange when it can)
             self.applied_sumsq = result.sumsq if result.sumsq is not None else tensor_stats(grads)[0]
+            if self.cfg.merge == "rda" and result.sites_used:
+                self._rescale(grads, result)
         if result.sites_used == 0:  # nobody had a usable pseudo-gradient: keep the outer copy, drop the round
             if into_local:
                 with self.parts("h2d"):
@@ -408,6 +414,14 @@ class DiLoCo:
         self.optimizer.step(self.copy, grads, self.schedule.at(self.outer_step, self.boundary_step), self.parts,
                             into_local)
         self.outer_step += 1
+
+    def _rescale(self, grads: list[torch.Tensor], result: ReduceResult) -> None:
+        """"rda": the merged unit directions take the sites' mean norm. The merged norm is summed over
+        the site's ranks (a site collective, on the main thread like every `_apply`); every site holds
+        the same shards of the same average, so every site scales by the same bytes."""
+        scale = rda_scale(result.mean_norm, self.site_sum(self.applied_sumsq))
+        torch._foreach_mul_(grads, scale)
+        self.applied_sumsq *= scale * scale
 
     def site_sum(self, value: float) -> float:
         summed = torch.tensor([value], dtype=torch.float64, device=self.topology.world.device)
