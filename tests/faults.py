@@ -5,8 +5,9 @@
 Each entry: site, step (the inner step about to finish, 1-based), point, action (`kill` = SIGKILL,
 `term` = SIGTERM, `stop` = SIGSTOP, `raise`, `hang`: the calling thread blocks for good while the
 process lives on, as a collective waiting on a peer that stopped sending does, or `nan`: the
-pseudo-gradient sent at that `allreduce` is poisoned with NaN), and optionally the rank inside the
-site (default: every rank).
+pseudo-gradient sent at that `allreduce` is poisoned with NaN, or `late`: the calling thread sleeps
+LATE_S while the process and its heartbeats go on, so an elastic round's grace window passes without
+the site), and optionally the rank inside the site (default: every rank).
 
 Production code knows nothing of this: `install` builds wrappers for the seams every run is built
 through (zeroband/seams.py), as torchft's FakeProcessGroupWrapper wraps a process group, and the
@@ -31,6 +32,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,7 +45,8 @@ from zeroband.comm.group import AG_TAG, STATS_TAG
 
 POINTS = ("inner", "allreduce", "pieces", "checkpoint", "seal")
 ACTIONS = {"kill": signal.SIGKILL, "term": signal.SIGTERM, "stop": signal.SIGSTOP}
-OTHER_ACTIONS = ("raise", "hang", "nan")
+OTHER_ACTIONS = ("raise", "hang", "nan", "late")
+LATE_S = 3.0  # `late`: 3x the tests' elastic grace_s (1 s)
 
 
 class InjectedFault(RuntimeError):
@@ -95,6 +98,8 @@ class Injector:
                 raise InjectedFault(f"injected fault at site {self.site} rank {self.rank} step {step} ({point})")
             if f.action == "hang":
                 threading.Event().wait()  # a watched thread: the watcher abandons it, the process goes on
+            if f.action == "late":
+                time.sleep(LATE_S)
             if f.action in ACTIONS:  # nan is applied to the pseudo-gradient, not here
                 # To this thread, not the process: a process-wide signal is taken by the main thread
                 # (then the process stops); under CPU load that takes ms, while this thread (a watched

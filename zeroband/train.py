@@ -11,6 +11,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -120,13 +121,17 @@ def build_outer(cfg: Config, model: torch.nn.Module, topology: Topology, group: 
     def factor(step: int) -> float:  # the inner schedule's multiplier at inner step `step` (0-based)
         return lr_factor(step, cfg.train.steps, cfg.optim)
 
-    if cfg.diloco.fragments > 1:
-        assert group is not None, "fragments run on the fixed global group (open_topology)"
+    diloco = cfg.diloco
+
+    def fragments(lr: Callable[[int], float], **on: Any) -> Fragments:
         try:
-            return Fragments(model, cfg.diloco, topology, tokens_per_step, factor, group, cfg.train.steps)
-        except ValueError as e:
+            return Fragments(model, diloco, topology, tokens_per_step, lr, cfg.train.steps, **on)
+        except ValueError as e:  # more fragments than parameter tensors: one line naming the key
             raise ConfigError(str(e)) from None
+
     if not cfg.diloco.elastic:
+        if cfg.diloco.fragments > 1:
+            return fragments(factor, group=group)
         return DiLoCo(model, cfg.diloco, topology, tokens_per_step, lr_factor=factor, group=group)
     # A joiner takes the outer state, progress and schedule from a peer, in the round it applies:
     # the run's step is then `progress`, which every member of a round holds alike (rounds of
@@ -138,8 +143,12 @@ def build_outer(cfg: Config, model: torch.nn.Module, topology: Topology, group: 
                                    cfg.train.steps, run_end)
     for key, state in (("progress", progress), ("scheduler", Schedule(scheduler))):
         membership.register_state_dict_fn(key, state.load_state_dict, state.state_dict)
-    outer = DiLoCo(model, cfg.diloco, topology, tokens_per_step, membership=membership,
-                   lr_factor=lambda _: factor(progress.step - 1))
+    outer: Outer
+    if cfg.diloco.fragments > 1:
+        outer = fragments(lambda _: factor(progress.step - 1), membership=membership)
+    else:
+        outer = DiLoCo(model, cfg.diloco, topology, tokens_per_step, membership=membership,
+                       lr_factor=lambda _: factor(progress.step - 1))
     return outer
 
 
@@ -250,7 +259,7 @@ def build_run(cfg: Config, world: World, topology: Topology, group: GlobalGroup 
 def shared_data(cfg: Config, topology: Topology, loader: PackedBatches, outer: Outer) -> SharedData | None:
     """An elastic DiLoCo run's data ledger (zeroband/data/ledger.py), a participant of its rounds and
     part of the state a joiner receives; None for any other run (fixed slots of the order)."""
-    if not isinstance(outer, DiLoCo) or not isinstance(outer.membership, ElasticMembership):
+    if not isinstance(outer, DiLoCo | Fragments) or not isinstance(outer.membership, ElasticMembership):
         return None
     membership = outer.membership
     ledger = Ledger(loader.train_documents, topology.world.ranks_per_site, target=4 * cfg.data.span_docs)

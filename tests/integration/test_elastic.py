@@ -80,8 +80,11 @@ def _late_train(tree: dict, delay_site: int, after_round: int) -> dict:
     return _train(tree)
 
 
-def test_join_mid_run_receives_state(corpus, tmp_path, store_address):
-    tree = elastic_tree(corpus, tmp_path, store_address, steps=40, start_grace_s=1.0)
+@pytest.mark.parametrize("fragments", [1, 2])
+def test_join_mid_run_receives_state(corpus, tmp_path, store_address, fragments):
+    """fragments = 2 (zeroband/outer/fragments.py): a round per step, each one fragment's; the joiner
+    takes the round it arrives at with that fragment, and every fragment's state."""
+    tree = elastic_tree(corpus, tmp_path, store_address, steps=40, start_grace_s=1.0, fragments=fragments)
     out = run_sites(_late_train, 3, 1, (tree, 2, 2), timeout=150)
     joiner, member = out[(2, 0)], out[(0, 0)]
     assert joiner["steps"] == member["steps"] == 40

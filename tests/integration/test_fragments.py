@@ -5,8 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import _train, _train_expecting_fault, diloco_tree, final_params, outer_records
-from tests.multiproc import run_sites
+from tests.helpers import (
+    _train,
+    _train_expecting_fault,
+    diloco_tree,
+    elastic_tree,
+    final_params,
+    outer_records,
+    site_records,
+)
+from tests.multiproc import Died, run_sites
 
 
 def _tree(corpus, out, **diloco):
@@ -76,3 +84,43 @@ def test_fragments_on_sites_of_different_shapes_stay_identical_and_reshard(corpu
     assert len(out[(1, 0)]["losses"]) == 8  # resumed at step 16, resharded from 2 ranks to 1
     assert out[(0, 0)]["val"] == out[(1, 0)]["val"]
     _identical_at(longer, (24,))
+
+
+# ---------------------------------------------------------------------------------- elastic membership
+def _elastic(corpus, tmp_path, store_address, **kw):
+    """2 fragments at H = 2: a round at every step, round r (step r) fragment (r - 1) mod 2's."""
+    return elastic_tree(corpus, tmp_path, store_address, fragments=2, log_checksum=True, **kw)
+
+
+def _fragment_rounds(records: list[dict]) -> dict[int, list[int]]:
+    return {r["step"]: r["fragments"] for r in records}
+
+
+@pytest.mark.parametrize("wire", [{"comm_dtype": "fp16"}, {"comm_dtype": "int4", "error_feedback": True},
+                                  {"comm_dtype": "sparse"}], ids=["fp16", "int4-ef", "sparse"])
+def test_elastic_fragments_lose_a_site_and_stay_identical(corpus, tmp_path, store_address, wire):
+    tree = _elastic(corpus, tmp_path, store_address, **wire)
+    out = run_sites(_train, 3, 1, (tree,), faults="site2:step5:inner:kill", allow_death=True, timeout=150)
+    assert isinstance(out[(2, 0)], Died)
+    assert out[(0, 0)]["steps"] == out[(1, 0)]["steps"] == 10
+    records = outer_records(tmp_path, 0)
+    assert _fragment_rounds(records) == {s: [(s - 1) % 2] for s in range(1, 10)} | {10: [0, 1]}
+    assert records[0]["sites_used"] == 3 and records[-1]["sites_used"] == 2
+    assert [r["outer_crc"] for r in records] == [r["outer_crc"] for r in outer_records(tmp_path, 1)]
+    _identical_at(tree, (10,))
+
+
+def test_elastic_fragments_a_late_site_is_left_out_and_takes_the_next_fragments_round(corpus, tmp_path,
+                                                                                    store_address):
+    """Site 1 comes to round 4 (fragment 1's) after the grace window: the round goes on without it,
+    and it joins round 5, fragment 0's, with that fragment (a site without the state contributes
+    zeros shaped like the round's fragment), takes every fragment's state and ends identical."""
+    tree = _elastic(corpus, tmp_path, store_address, steps=40)  # site 0 alone must not finish in LATE_S
+    out = run_sites(_train, 2, 1, (tree,), faults="site1:step4:inner:late", timeout=150)
+    assert out[(0, 0)]["steps"] == out[(1, 0)]["steps"] == 40
+    by_step = {r["step"]: r for r in outer_records(tmp_path, 0)}
+    assert by_step[4]["sites_used"] == 1 and by_step[40]["sites_used"] == 2
+    left = [e for e in site_records(tmp_path, 1, "membership") if e["event"] == "left_out"]
+    assert left and left[0]["round"] == 4, left
+    _identical_at(tree, (40,))
+

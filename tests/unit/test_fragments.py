@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from zeroband.config import DilocoConfig
-from zeroband.outer.base import OuterStats, RoundClock
-from zeroband.outer.fragments import merged, offsets, split
+from zeroband.outer.base import OuterStats, RoundClock, fragment_of_round
+from zeroband.outer.fragments import merged, offsets, split, sync_order
 
 
 def test_split_balances_bytes_with_whole_tensors():
@@ -47,7 +47,23 @@ def test_fragments_need_a_divisor_of_h_and_fixed_rounds():
     with pytest.raises(ValueError, match="inner_steps=10 must be a multiple of diloco.fragments=4"):
         DilocoConfig(inner_steps=10, fragments=4)
     with pytest.raises(ValueError, match="diloco.fragments > 1 needs"):
-        DilocoConfig(inner_steps=8, fragments=2, elastic=True)
+        DilocoConfig(inner_steps=8, fragments=2, round_seconds=5.0)
+    assert DilocoConfig(inner_steps=8, fragments=2, elastic=True).fragments == 2
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_an_elastic_runs_rounds_take_the_fragments_in_turn_to_the_end(p):
+    """Round r >= 1 of the shared clock is fragment (r - 1) mod P's, as the staggered boundaries
+    and the end's order (every fragment, the last first) bring them: what a site without the state
+    relies on to contribute to the right fragment."""
+    cfg = DilocoConfig(inner_steps=8, fragments=p)
+    clocks = [RoundClock(cfg, 0, off) for off in offsets(8, p)]
+    synced = []  # the fragment of each round, in the order the sites run them
+    for step in range(1, 33):
+        end = step == 32
+        synced += [k for k in sync_order(p, end) if end or clocks[k].due(step)]
+    assert synced == [fragment_of_round(r, p) for r in range(1, len(synced) + 1)]
+    assert fragment_of_round(0, p) is None and sync_order(p, False) == list(range(p))
 
 
 def test_merged_record_adds_bytes_and_names_every_fragment():

@@ -80,6 +80,7 @@ class Attempt(Protocol):
 
     contributes: bool  # this site brings a pseudo-gradient (False: it waits for the run's state)
     averages: bool  # the round averages anything (False: it only hands the run's state over)
+    round: int  # the run's round number (elastic: the shared clock, 0 the start; fixed: -1, none kept)
 
     def __enter__(self) -> Attempt: ...
 
@@ -175,6 +176,7 @@ class FixedAttempt:
     """The one attempt of a fixed round: every site contributes; a failure stops the run."""
 
     contributes = averages = True
+    round = -1
 
     def __init__(self, group: GlobalGroup) -> None:
         self.round_group = group

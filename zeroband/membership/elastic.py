@@ -89,7 +89,7 @@ class ElasticAttempt:
     lack it, the outer loop's collectives on them, and a vote; any failure inside `with` is the attempt's."""
 
     def __init__(self, member: ElasticMembership, decision: Decision, number: int) -> None:
-        self.member, self.decision, self.number = member, decision, number
+        self.member, self.decision, self.number, self.round = member, decision, number, member.round
         self.contributes = not member.fresh
         self.averages = member.round > 0 and decision.has_holder  # else the state hand-over is the whole round
         self.failed = self.committed = False

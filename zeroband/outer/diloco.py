@@ -72,7 +72,7 @@ from zeroband.comm.timing import Parts
 from zeroband.config import DilocoConfig
 from zeroband.membership.base import FixedMembership, Membership
 from zeroband.mesh import Topology
-from zeroband.outer.base import OuterStats, RoundClock
+from zeroband.outer.base import OuterStats, RoundClock, fragment_of_round
 from zeroband.outer.lanes import LaneSet
 from zeroband.outer.optimizer import OptimizerFactory, OuterHyper, OuterSchedule, build_outer_optimizer
 from zeroband.outer.overlap import InFlight, Overlap
@@ -115,13 +115,15 @@ class DiLoCo:
     def __init__(self, model: torch.nn.Module, cfg: DilocoConfig, topology: Topology, tokens_per_step: int = 0,
                  lr_factor: Callable[[int], float] | None = None, membership: Membership | None = None,
                  group: GlobalGroup | None = None, optimizer: OptimizerFactory | None = None,
-                 subset: list[int] | None = None, offset: int = 0, state_key: str = "outer") -> None:
+                 subset: list[int] | None = None, offset: int = 0, state_key: str = "outer",
+                 turn: tuple[int, int] | None = None) -> None:
         """`membership` says who takes part in each round; by default every site, on the fixed
         `group` (zeroband/membership/, mesh.fixed_global_group). `lr_factor(step)` is the inner schedule's
         multiplier (used by `outer_lr_schedule = "inner"`). `optimizer(params)` builds the outer
         optimizer (any torch optimizer) instead of `diloco.outer_optimizer`. `subset`: the indices in
         `model.parameters()` of the parameters it keeps (default: all), its rounds ending at steps = `offset` mod H, its state handed
-        over as `state_key` (one fragment of Streaming DiLoCo: zeroband/outer/fragments.py)."""
+        over as `state_key` (one fragment of Streaming DiLoCo: zeroband/outer/fragments.py). `turn` = (p, P):
+        of an elastic run's rounds it takes those numbered 1 + p mod P (`takes`); None: every one."""
         every = list(model.parameters())
         subset = list(range(len(every))) if subset is None else subset
         params = [every[i] for i in subset]
@@ -162,6 +164,7 @@ class DiLoCo:
         self.fold = feedback and spec.exchange == "gather"
         self.overlap = Overlap(cfg, self.local, self.copy, self.optimizer)  # its state: the average in flight
         self.clock = RoundClock(cfg, tokens_per_step, offset)
+        self.turn = turn
         self.boundary_step = 0  # inner steps done at the current boundary
         self.last_reduce: ReduceResult | None = None  # whom it excluded: the data ledger reads it (data/ledger.py)
         self.membership.register_state_dict_fn(state_key, self.load_shared_state_dict, self.shared_state_dict,
@@ -268,6 +271,8 @@ class DiLoCo:
         t0 = time.perf_counter() if t0 is None else t0
         t1, preparing = time.perf_counter(), 0.0
         for attempt in self.membership.attempts():
+            if not self.takes(attempt.round):  # a site left out moved on to a round of another fragment
+                return None
             result, t2 = None, time.perf_counter()
             mine, stats = self.contribution(grads if attempt.contributes else None, tokens, attempt.averages)
             preparing += time.perf_counter() - t2
@@ -290,6 +295,17 @@ class DiLoCo:
             self._apply(mine, result, into_local=True)
             return self._stats(result, stats, mine, comm_s, time.perf_counter() - t0, overlapped=False)
         return None  # the membership skipped the round: every site keeps its local progress
+
+    def takes(self, round: int) -> bool:
+        """Whether round `round` is this fragment's (round 0, the start, hands the state over only:
+        anyone's). A site holding the state is always at its own fragment's round: the rounds are
+        the sites' shared clock, and every member commits or skips each one alike."""
+        if self.turn is None or fragment_of_round(round, self.turn[1]) in (None, self.turn[0]):
+            return True
+        if self.membership.holds_state:
+            raise RuntimeError(f"round {round} is fragment {fragment_of_round(round, self.turn[1])}'s, but fragment "
+                               f"{self.turn[0]} is due here: this site's rounds went out of step with the run's")
+        return False
 
     def join(self) -> None:
         """A site without the run's state takes rounds, contributing nothing, until a peer handed it over."""

@@ -7,8 +7,18 @@ syncs every H / P steps, each every H steps, so a site's uplink carries 1/P of t
 and each fragment's all-reduce overlaps the others' compute. Every fragment goes through the same
 exchange as a whole-model step (codecs, MACs, review); the fragments share one membership. Sites
 of different shapes exchange each fragment per lane (zeroband/outer/lanes.py: a lane's pieces within
-the fragment; a lane with none there is skipped by all its owners alike). Not built yet: elastic
-membership and time-budget rounds with fragments (the config refuses them).
+the fragment; a lane with none there is skipped by all its owners alike). Not built yet: time-budget
+rounds with fragments (the config refuses them).
+
+Elastic membership: each fragment's boundary is one round of the run's shared clock, so round r
+(r >= 1; round 0 is the start) is fragment (r - 1) mod P's (`DiLoCo.takes`), on every site: the
+holders of the state reach the fragments' boundaries in that order, and every member commits or
+skips each round alike. A site without the state (a joiner, or one left out of a round) takes the
+rounds as they come, each with the fragment it is for (`join`), until a peer handed it the state:
+every fragment's outer state, which its local model then takes whole. What a site left out of a
+round loses is its local progress on every fragment since that fragment's last round: the data
+ledger gives back the documents of the round it missed (as without fragments); the documents of
+the earlier rounds stay counted, their effect kept in the fragments that synced since.
 
 The end of the run is a boundary of every fragment, blocking: after it every site holds the same
 bits. A checkpoint is not: it saves each fragment where its cycle stands (outer copy, optimizer
@@ -33,9 +43,9 @@ from zeroband.comm.group import GlobalGroup
 from zeroband.comm.reduce import ReduceResult
 from zeroband.comm.timing import summed
 from zeroband.config import DilocoConfig
-from zeroband.membership.base import FixedMembership
+from zeroband.membership.base import FixedMembership, Membership
 from zeroband.mesh import Topology
-from zeroband.outer.base import OuterStats
+from zeroband.outer.base import OuterStats, fragment_of_round
 from zeroband.outer.diloco import DiLoCo
 
 
@@ -58,6 +68,13 @@ def split(numels: list[int], fragments: int) -> list[list[int]]:
 def offsets(inner_steps: int, fragments: int) -> list[int]:
     """The step (mod H) at which each fragment's rounds end: (p + 1) x H / P, the last at H."""
     return [(p + 1) * inner_steps // fragments % inner_steps for p in range(fragments)]
+
+
+def sync_order(fragments: int, end: bool) -> list[int]:
+    """The fragments in the order their rounds run at one inner step. At the end, where every one
+    syncs, the last fragment first (its round is due there anyway), then 0, 1, ...: so an elastic
+    run's rounds stay in turn (`fragment_of_round`) to the last one."""
+    return [(p + fragments - 1) % fragments for p in range(fragments)] if end else list(range(fragments))
 
 
 def merged(stats: list[OuterStats]) -> OuterStats:
@@ -84,26 +101,53 @@ class Fragments:
     """P `DiLoCo`s, one per fragment, behind the one `Outer` interface the loop talks to."""
 
     def __init__(self, model: torch.nn.Module, cfg: DilocoConfig, topology: Topology, tokens_per_step: int,
-                 lr_factor: Callable[[int], float] | None, group: GlobalGroup, total_steps: int) -> None:
+                 lr_factor: Callable[[int], float] | None, total_steps: int, group: GlobalGroup | None = None,
+                 membership: Membership | None = None) -> None:
+        """On the fixed `group`, or on `membership` (elastic: zeroband/membership/elastic.py)."""
         params = list(model.parameters())
-        self.membership = FixedMembership(group, topology, topology.timeout_s)
+        if membership is None:
+            assert group is not None, "Fragments needs a `membership` or the fixed `group`"
+            membership = FixedMembership(group, topology, topology.timeout_s)
+        self.membership = membership
         self.parts = split([p.numel() for p in params], cfg.fragments)  # full sizes: alike on every rank
+        count = cfg.fragments
         self.fragments = [
             DiLoCo(model, cfg, topology, tokens_per_step, lr_factor, membership=self.membership,
-                   subset=idx, offset=offset, state_key=f"outer.{p}")
-            for p, (idx, offset) in enumerate(zip(self.parts, offsets(cfg.inner_steps, cfg.fragments)))]
-        self.last_reduce: ReduceResult | None = None
+                   subset=idx, offset=offset, state_key=f"outer.{p}", turn=(p, count))
+            for p, (idx, offset) in enumerate(zip(self.parts, offsets(cfg.inner_steps, count)))]
+        self.current = self.fragments[0]  # the fragment whose round runs (or ran last)
         self.total_steps = total_steps  # train.steps: the end, where every fragment syncs
 
     def attach(self, sink: Callable[[dict[str, Any]], None]) -> None:
         self.membership.attach(sink)
 
+    @property
+    def last_reduce(self) -> ReduceResult | None:
+        """The exchange of the round that runs or ran last (the data ledger reads whom it excluded)."""
+        return self.current.last_reduce
+
     @torch.no_grad()
     def start(self, resumed: bool = False) -> None:
         self.fragments[0].note_outer_device()
         self.membership.start(resumed)  # once: the sites prove the secret and agree on the run
+        if not self.membership.holds_state:
+            self.join()
+            return
         for f in self.fragments:
             f.start_replicas(resumed)
+
+    @torch.no_grad()
+    def join(self) -> None:
+        """Rounds as they come, each with its fragment, until a peer handed the run's state over;
+        then the local model is every fragment's outer copy (no progress of its own yet)."""
+        while not self.membership.holds_state:
+            self.current = self._fragment_of(self.membership.rounds_done(0) + 1)
+            self.current.sync(None)
+        for f in self.fragments:
+            f.copy.to_local()
+
+    def _fragment_of(self, round: int) -> DiLoCo:
+        return self.fragments[fragment_of_round(round, len(self.fragments)) or 0]  # round 0: any one
 
     def leave(self) -> None:
         self.membership.leave()
@@ -118,18 +162,20 @@ class Fragments:
         """Each fragment whose round ends here steps (every one at the end), in fragment order; at a
         checkpoint, exchanges still in flight land."""
         end = sync_point and step >= self.total_steps
-        stats = []
-        for p, f in enumerate(self.fragments):
+        stats: list[OuterStats] = []
+        for p in sync_order(len(self.fragments), end):
+            f = self.current = self.fragments[p]
             if end or f.due(step):  # it takes the group: the others' exchanges finish first
                 self._quiesce(but=f)
             s = f.after_inner_step(step, sync_point, force=end)
+            if not self.membership.holds_state:  # left out of the round (elastic): back with the state
+                self.join()
+                break
             if s is None and sync_point:
                 s = f.settle()
             if s is not None:
                 stats.append(replace(s, fragments=[p]))
-            if f.last_reduce is not None:
-                self.last_reduce = f.last_reduce
-        return merged(stats) if stats else None
+        return merged(sorted(stats, key=lambda s: s.fragments)) if stats else None
 
     def _quiesce(self, but: DiLoCo) -> None:
         for f in self.fragments:
