@@ -249,8 +249,9 @@ def _leave_then_return(tree: dict) -> dict:
     return _train(tree)  # ... and came back in the same slot
 
 
-def test_site_that_left_can_rejoin(corpus, tmp_path, store_address):
-    tree = elastic_tree(corpus, tmp_path, store_address, steps=40)
+@pytest.mark.parametrize("fragments", [1, 2])
+def test_site_that_left_can_rejoin(corpus, tmp_path, store_address, fragments):
+    tree = elastic_tree(corpus, tmp_path, store_address, steps=40, fragments=fragments)
     out = run_sites(_leave_then_return, 3, 1, (tree,), faults="site2:step5:inner:term", timeout=150)
     assert out[(2, 0)]["steps"] == out[(0, 0)]["steps"] == 40
     assert outer_records(tmp_path, 0)[-1]["sites_used"] == 3
@@ -283,11 +284,13 @@ def test_killed_store_stops_every_site_with_one_line_naming_it(corpus, tmp_path)
         assert f"coordination store {address} stopped answering" in errors[0] and "Fix: restart it" in errors[0], errors
 
 
-def test_every_holder_dead_the_restarted_sites_reform_the_run(corpus, tmp_path, store_address):
+@pytest.mark.parametrize("fragments", [1, 2])
+def test_every_holder_dead_the_restarted_sites_reform_the_run(corpus, tmp_path, store_address, fragments):
     """scripts/chaos.py --quick hung here: each site died (and was restarted) before the next one
     died, so every live site was a fresh joiner and none would propose a round; they waited until
-    join_timeout_s. Now the fresh sites form it, the lowest one's checkpoint handed to the other."""
-    tree = elastic_tree(corpus, tmp_path, store_address, steps=12, join_timeout_s=40.0)
+    join_timeout_s. Now the fresh sites form it, the lowest one's checkpoint handed to the other.
+    With fragments, that round syncs none (it names no fragment): the next one is a holder's."""
+    tree = elastic_tree(corpus, tmp_path, store_address, steps=12, join_timeout_s=40.0, fragments=fragments)
     tree["checkpoint"] = {"interval": 2, "keep_last": 3}
     first = run_sites(_train, 2, 1, (tree,), faults="site0:step5:inner:kill,site1:step5:inner:kill",
                       allow_death=True, timeout=120)

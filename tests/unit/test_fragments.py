@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from zeroband.config import DilocoConfig
-from zeroband.outer.base import OuterStats, RoundClock, fragment_of_round
-from zeroband.outer.fragments import merged, offsets, split, sync_order
+from zeroband.membership.rounds import Decision
+from zeroband.outer.base import OuterStats, RoundClock
+from zeroband.outer.fragments import merged, offsets, split
 
 
 def test_split_balances_bytes_with_whole_tensors():
@@ -51,19 +52,12 @@ def test_fragments_need_a_divisor_of_h_and_fixed_rounds():
     assert DilocoConfig(inner_steps=8, fragments=2, elastic=True).fragments == 2
 
 
-@pytest.mark.parametrize("p", [2, 4])
-def test_an_elastic_runs_rounds_take_the_fragments_in_turn_to_the_end(p):
-    """Round r >= 1 of the shared clock is fragment (r - 1) mod P's, as the staggered boundaries
-    and the end's order (every fragment, the last first) bring them: what a site without the state
-    relies on to contribute to the right fragment."""
-    cfg = DilocoConfig(inner_steps=8, fragments=p)
-    clocks = [RoundClock(cfg, 0, off) for off in offsets(8, p)]
-    synced = []  # the fragment of each round, in the order the sites run them
-    for step in range(1, 33):
-        end = step == 32
-        synced += [k for k in sync_order(p, end) if end or clocks[k].due(step)]
-    assert synced == [fragment_of_round(r, p) for r in range(1, len(synced) + 1)]
-    assert fragment_of_round(0, p) is None and sync_order(p, False) == list(range(p))
+def test_a_decision_names_the_fragment_its_round_syncs_and_old_ones_read_as_none():
+    """An elastic round's proposer names its fragment (`topic`): a site without the state contributes
+    to that one. A decision written before topics existed reads as the whole model's."""
+    d = Decision([0, 2], [2], 5, topic=3)
+    assert Decision.from_json(d.to_json()) == d
+    assert Decision.from_json('{"members": [0], "fresh": [], "generation": 1}').topic is None
 
 
 def test_merged_record_adds_bytes_and_names_every_fragment():

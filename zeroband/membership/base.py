@@ -80,7 +80,7 @@ class Attempt(Protocol):
 
     contributes: bool  # this site brings a pseudo-gradient (False: it waits for the run's state)
     averages: bool  # the round averages anything (False: it only hands the run's state over)
-    round: int  # the run's round number (elastic: the shared clock, 0 the start; fixed: -1, none kept)
+    topic: int | None  # the fragment the round syncs, as its proposer named it (None: the whole model)
 
     def __enter__(self) -> Attempt: ...
 
@@ -109,8 +109,9 @@ class Membership(Protocol):
     def holds_state(self) -> bool:
         """False while this site still waits for the run's state (it contributes nothing)."""
 
-    def attempts(self) -> Iterator[Attempt]:
-        """This round's attempts; the iteration ends after a commit or when the round is skipped."""
+    def attempts(self, topic: int | None = None) -> Iterator[Attempt]:
+        """This round's attempts; the iteration ends after a commit or when the round is skipped.
+        `topic`: the fragment this site's round syncs (None: the whole model)."""
 
     def rounds_done(self, local_rounds: int) -> int:
         """Outer rounds the run has completed (for `RoundClock.finished`)."""
@@ -147,7 +148,7 @@ class FixedMembership:
     def holds_state(self) -> bool:
         return True
 
-    def attempts(self) -> Iterator[Attempt]:
+    def attempts(self, topic: int | None = None) -> Iterator[Attempt]:
         yield FixedAttempt(self.group)
 
     def rounds_done(self, local_rounds: int) -> int:
@@ -176,7 +177,7 @@ class FixedAttempt:
     """The one attempt of a fixed round: every site contributes; a failure stops the run."""
 
     contributes = averages = True
-    round = -1
+    topic: int | None = None  # each site syncs its own boundary's fragment: every site is at the same one
 
     def __init__(self, group: GlobalGroup) -> None:
         self.round_group = group

@@ -89,7 +89,7 @@ class ElasticAttempt:
     lack it, the outer loop's collectives on them, and a vote; any failure inside `with` is the attempt's."""
 
     def __init__(self, member: ElasticMembership, decision: Decision, number: int) -> None:
-        self.member, self.decision, self.number, self.round = member, decision, number, member.round
+        self.member, self.decision, self.number, self.topic = member, decision, number, decision.topic
         self.contributes = not member.fresh
         self.averages = member.round > 0 and decision.has_holder  # else the state hand-over is the whole round
         self.failed = self.committed = False
@@ -269,15 +269,16 @@ class ElasticMembership:
         self.group = None
 
     # ------------------------------------------------------------------ one round
-    def attempts(self) -> Iterator[ElasticAttempt]:
+    def attempts(self, topic: int | None = None) -> Iterator[ElasticAttempt]:
         """This round's attempts, one per generation. A site left out of a decision waits for the next
-        boundary as a joiner (its own progress of this round is dropped) and goes on in that round."""
+        boundary as a joiner (its own progress of this round is dropped) and goes on in that round.
+        `topic`: the fragment this site syncs (a holder's proposal names it: `Decision.topic`)."""
         number = 0
         while True:
             with store_failures_named(self.sites.store):
                 self._stop_if_over()  # left out of the run's last round, say
                 try:
-                    decision = self._decide(number)
+                    decision = self._decide(number, topic)
                     left_out = self._left_out(decision, number)
                 except LeftBehind as e:  # never propose for a round the others already committed
                     log.warning("round %d: %s; joining the next boundary", self.round, e)
@@ -323,12 +324,12 @@ class ElasticMembership:
         self.emit("skipped", attempts=self.cfg.max_retries + 1)
         self.round += 1
 
-    def _decide(self, attempt: int) -> Decision:
+    def _decide(self, attempt: int, topic: int | None = None) -> Decision:
         expected = set(range(self.world.site_count)) if self.round == 0 else set(self.members)
         grace = self.cfg.start_grace_s if self.round == 0 else self.cfg.grace_s
         timeout = self.cfg.join_timeout_s if self.fresh else self.sites.timeout_s
         decision = self.rounds.rendezvous(self.round, attempt, expected, self.cfg.min_sites, grace, self.fresh,
-                                          timeout, self._next_generation, self._stop_if_over)
+                                          timeout, self._next_generation, self._stop_if_over, topic)
         return decision
 
     def _next_generation(self, members: list[int]) -> int:

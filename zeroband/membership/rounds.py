@@ -66,6 +66,10 @@ class Decision:
     members: list[int]
     fresh: list[int]  # members that must receive the state before they contribute
     generation: int  # groups are built under this generation's store prefix
+    # The fragment the round syncs (zeroband/outer/fragments.py), as its proposer, a holder of the
+    # state, is due to: a site without the state contributes to that one. None: the whole model, or
+    # a round that only hands the state over (no holder: `_propose_if_orphaned`).
+    topic: int | None = None
 
     @property
     def has_holder(self) -> bool:
@@ -195,7 +199,7 @@ class RoundCoordinator:
 
     def rendezvous(self, r: int, a: int, expected: set[int], min_sites: int, grace_s: float, fresh: bool,
                    timeout_s: float, new_generation: Callable[[list[int]], int],
-                   stop_if_over: Callable[[], None] = lambda: None) -> Decision:
+                   stop_if_over: Callable[[], None] = lambda: None, topic: int | None = None) -> Decision:
         """Arrive, and (holders of the state, or anyone at launch) propose once it is time.
 
         A fresh site joining a running run never proposes: it cannot know whom to expect. While it
@@ -217,7 +221,7 @@ class RoundCoordinator:
             if not may_propose:
                 stop_if_over()  # before a fresh site would ever propose, or give up as alone
             if may_propose:
-                raw = self._maybe_propose(r, a, expected, min_sites, grace_s, fresh, wait, new_generation)
+                raw = self._maybe_propose(r, a, expected, min_sites, grace_s, fresh, wait, new_generation, topic)
             elif self.is_leader:
                 raw = self._propose_if_orphaned(r, a, min_sites, new_generation)
             if raw is not None:  # what the slot holds now: decided
@@ -259,7 +263,8 @@ class RoundCoordinator:
         return self.store.compare_set(self._key(r, a, "members"), "", proposal)
 
     def _maybe_propose(self, r: int, a: int, expected: set[int], min_sites: int, grace_s: float, fresh: bool,
-                       wait: WaitState, new_generation: Callable[[list[int]], int]) -> bytes | None:
+                       wait: WaitState, new_generation: Callable[[list[int]], int],
+                       topic: int | None = None) -> bytes | None:
         """Propose once `decide_members` says so, if this site is the attempt's `proposer`; returns the
         member list the slot holds then (ours, or one written just before), or None to keep waiting.
         Arrivals count once read, and this site's own without a read."""
@@ -275,7 +280,7 @@ class RoundCoordinator:
         if members is None or proposer(wait.arrived, alive, r) != self.site:
             return None
         fresh_members = [s for s in members if wait.arrived[s] == "fresh"]
-        proposal = Decision(members, fresh_members, new_generation(members)).to_json()
+        proposal = Decision(members, fresh_members, new_generation(members), topic if r > 0 else None).to_json()
         return self.store.compare_set(self._key(r, a, "members"), "", proposal)
 
     def vote_and_verdict(self, r: int, a: int, decision: Decision, site_ok: bool, timeout_s: float,

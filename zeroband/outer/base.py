@@ -90,13 +90,6 @@ class NoOuter:
         pass
 
 
-def fragment_of_round(round: int, fragments: int) -> int | None:
-    """The fragment an elastic run's round `round` syncs (zeroband/outer/fragments.py): the rounds are
-    the sites' shared clock and the fragments' boundaries come in turn, so (round - 1) mod P; None for
-    round 0, the start, which only hands the run's state over."""
-    return None if round <= 0 else (round - 1) % fragments
-
-
 class RoundClock:
     """When an outer step is due: every `inner_steps` steps, or (time budget) every `round_seconds`.
 

@@ -70,9 +70,9 @@ from zeroband.comm.group import GlobalGroup, digest48
 from zeroband.comm.reduce import ReduceResult, SiteStats, describe_exclusions, rda_scale, reduce_across_sites
 from zeroband.comm.timing import Parts
 from zeroband.config import DilocoConfig
-from zeroband.membership.base import FixedMembership, Membership
+from zeroband.membership.base import Attempt, FixedMembership, Membership
 from zeroband.mesh import Topology
-from zeroband.outer.base import OuterStats, RoundClock, fragment_of_round
+from zeroband.outer.base import OuterStats, RoundClock
 from zeroband.outer.lanes import LaneSet
 from zeroband.outer.optimizer import OptimizerFactory, OuterHyper, OuterSchedule, build_outer_optimizer
 from zeroband.outer.overlap import InFlight, Overlap
@@ -116,14 +116,14 @@ class DiLoCo:
                  lr_factor: Callable[[int], float] | None = None, membership: Membership | None = None,
                  group: GlobalGroup | None = None, optimizer: OptimizerFactory | None = None,
                  subset: list[int] | None = None, offset: int = 0, state_key: str = "outer",
-                 turn: tuple[int, int] | None = None) -> None:
+                 topic: int | None = None) -> None:
         """`membership` says who takes part in each round; by default every site, on the fixed
         `group` (zeroband/membership/, mesh.fixed_global_group). `lr_factor(step)` is the inner schedule's
         multiplier (used by `outer_lr_schedule = "inner"`). `optimizer(params)` builds the outer
         optimizer (any torch optimizer) instead of `diloco.outer_optimizer`. `subset`: the indices in
         `model.parameters()` of the parameters it keeps (default: all), its rounds ending at steps = `offset` mod H, its state handed
-        over as `state_key` (one fragment of Streaming DiLoCo: zeroband/outer/fragments.py). `turn` = (p, P):
-        of an elastic run's rounds it takes those numbered 1 + p mod P (`takes`); None: every one."""
+        over as `state_key` (one fragment of Streaming DiLoCo: zeroband/outer/fragments.py), `topic` its
+        index: the rounds it takes (`takes`; None: every one)."""
         every = list(model.parameters())
         subset = list(range(len(every))) if subset is None else subset
         params = [every[i] for i in subset]
@@ -164,7 +164,8 @@ class DiLoCo:
         self.fold = feedback and spec.exchange == "gather"
         self.overlap = Overlap(cfg, self.local, self.copy, self.optimizer)  # its state: the average in flight
         self.clock = RoundClock(cfg, tokens_per_step, offset)
-        self.turn = turn
+        self.topic = topic
+        self.redirect: int | None = None  # the fragment of the round it left to another (`takes`)
         self.boundary_step = 0  # inner steps done at the current boundary
         self.last_reduce: ReduceResult | None = None  # whom it excluded: the data ledger reads it (data/ledger.py)
         self.membership.register_state_dict_fn(state_key, self.load_shared_state_dict, self.shared_state_dict,
@@ -270,8 +271,8 @@ class DiLoCo:
         it waits for the run's state) and apply the average to the outer copy and the local shard."""
         t0 = time.perf_counter() if t0 is None else t0
         t1, preparing = time.perf_counter(), 0.0
-        for attempt in self.membership.attempts():
-            if not self.takes(attempt.round):  # a site left out moved on to a round of another fragment
+        for attempt in self.membership.attempts(self.topic):
+            if not self.takes(attempt):  # a site left out moved on to a round of another fragment
                 return None
             result, t2 = None, time.perf_counter()
             mine, stats = self.contribution(grads if attempt.contributes else None, tokens, attempt.averages)
@@ -296,15 +297,18 @@ class DiLoCo:
             return self._stats(result, stats, mine, comm_s, time.perf_counter() - t0, overlapped=False)
         return None  # the membership skipped the round: every site keeps its local progress
 
-    def takes(self, round: int) -> bool:
-        """Whether round `round` is this fragment's (round 0, the start, hands the state over only:
-        anyone's). A site holding the state is always at its own fragment's round: the rounds are
-        the sites' shared clock, and every member commits or skips each one alike."""
-        if self.turn is None or fragment_of_round(round, self.turn[1]) in (None, self.turn[0]):
+    def takes(self, attempt: Attempt) -> bool:
+        """Whether the attempt's round is this fragment's: the fragment its proposer (a holder of the
+        state) named, or none named (the whole model; a round that only hands the state over). A site
+        without the state leaves another fragment's round to that fragment (`redirect`); a holder is
+        always at the same fragment as the proposer, every holder being at the same inner step."""
+        self.redirect = None
+        if attempt.topic is None or attempt.topic == self.topic:
             return True
         if self.membership.holds_state:
-            raise RuntimeError(f"round {round} is fragment {fragment_of_round(round, self.turn[1])}'s, but fragment "
-                               f"{self.turn[0]} is due here: this site's rounds went out of step with the run's")
+            raise RuntimeError(f"the round syncs fragment {attempt.topic}, but fragment {self.topic} is due here: "
+                               "this site's inner steps went out of step with the run's")
+        self.redirect = attempt.topic
         return False
 
     def join(self) -> None:

@@ -10,12 +10,12 @@ of different shapes exchange each fragment per lane (zeroband/outer/lanes.py: a 
 the fragment; a lane with none there is skipped by all its owners alike). Not built yet: time-budget
 rounds with fragments (the config refuses them).
 
-Elastic membership: each fragment's boundary is one round of the run's shared clock, so round r
-(r >= 1; round 0 is the start) is fragment (r - 1) mod P's (`DiLoCo.takes`), on every site: the
-holders of the state reach the fragments' boundaries in that order, and every member commits or
-skips each round alike. A site without the state (a joiner, or one left out of a round) takes the
-rounds as they come, each with the fragment it is for (`join`), until a peer handed it the state:
-every fragment's outer state, which its local model then takes whole. What a site left out of a
+Elastic membership: each fragment's boundary is one round of the run's shared clock, and the
+round's proposer, a holder of the state, names the fragment it syncs (`Decision.topic`): every
+holder is at the same inner step, so at the same fragment. A site without the state (a joiner, or
+one left out of a round) takes the rounds as they come, each with the fragment it names
+(`DiLoCo.takes`, `join`), until a peer handed it the state: every fragment's outer state, which
+its local model then takes whole. What a site left out of a
 round loses is its local progress on every fragment since that fragment's last round: the data
 ledger gives back the documents of the round it missed (as without fragments); the documents of
 the earlier rounds stay counted, their effect kept in the fragments that synced since.
@@ -45,7 +45,7 @@ from zeroband.comm.timing import summed
 from zeroband.config import DilocoConfig
 from zeroband.membership.base import FixedMembership, Membership
 from zeroband.mesh import Topology
-from zeroband.outer.base import OuterStats, fragment_of_round
+from zeroband.outer.base import OuterStats
 from zeroband.outer.diloco import DiLoCo
 
 
@@ -68,13 +68,6 @@ def split(numels: list[int], fragments: int) -> list[list[int]]:
 def offsets(inner_steps: int, fragments: int) -> list[int]:
     """The step (mod H) at which each fragment's rounds end: (p + 1) x H / P, the last at H."""
     return [(p + 1) * inner_steps // fragments % inner_steps for p in range(fragments)]
-
-
-def sync_order(fragments: int, end: bool) -> list[int]:
-    """The fragments in the order their rounds run at one inner step. At the end, where every one
-    syncs, the last fragment first (its round is due there anyway), then 0, 1, ...: so an elastic
-    run's rounds stay in turn (`fragment_of_round`) to the last one."""
-    return [(p + fragments - 1) % fragments for p in range(fragments)] if end else list(range(fragments))
 
 
 def merged(stats: list[OuterStats]) -> OuterStats:
@@ -110,11 +103,10 @@ class Fragments:
             membership = FixedMembership(group, topology, topology.timeout_s)
         self.membership = membership
         self.parts = split([p.numel() for p in params], cfg.fragments)  # full sizes: alike on every rank
-        count = cfg.fragments
         self.fragments = [
             DiLoCo(model, cfg, topology, tokens_per_step, lr_factor, membership=self.membership,
-                   subset=idx, offset=offset, state_key=f"outer.{p}", turn=(p, count))
-            for p, (idx, offset) in enumerate(zip(self.parts, offsets(cfg.inner_steps, count)))]
+                   subset=idx, offset=offset, state_key=f"outer.{p}", topic=p)
+            for p, (idx, offset) in enumerate(zip(self.parts, offsets(cfg.inner_steps, cfg.fragments)))]
         self.current = self.fragments[0]  # the fragment whose round runs (or ran last)
         self.total_steps = total_steps  # train.steps: the end, where every fragment syncs
 
@@ -137,17 +129,16 @@ class Fragments:
             f.start_replicas(resumed)
 
     @torch.no_grad()
-    def join(self) -> None:
-        """Rounds as they come, each with its fragment, until a peer handed the run's state over;
-        then the local model is every fragment's outer copy (no progress of its own yet)."""
+    def join(self, topic: int = 0) -> None:
+        """Rounds as they come, each with the fragment its proposer named (a round that names none only
+        hands the state over: fragment `topic`, any one, takes it), until a peer handed the run's
+        state over; then the local model is every fragment's outer copy (no progress of its own)."""
         while not self.membership.holds_state:
-            self.current = self._fragment_of(self.membership.rounds_done(0) + 1)
+            self.current = self.fragments[topic]
             self.current.sync(None)
+            topic = self.current.redirect if self.current.redirect is not None else topic
         for f in self.fragments:
             f.copy.to_local()
-
-    def _fragment_of(self, round: int) -> DiLoCo:
-        return self.fragments[fragment_of_round(round, len(self.fragments)) or 0]  # round 0: any one
 
     def leave(self) -> None:
         self.membership.leave()
@@ -163,13 +154,13 @@ class Fragments:
         checkpoint, exchanges still in flight land."""
         end = sync_point and step >= self.total_steps
         stats: list[OuterStats] = []
-        for p in sync_order(len(self.fragments), end):
+        for p in range(len(self.fragments)):
             f = self.current = self.fragments[p]
             if end or f.due(step):  # it takes the group: the others' exchanges finish first
                 self._quiesce(but=f)
             s = f.after_inner_step(step, sync_point, force=end)
             if not self.membership.holds_state:  # left out of the round (elastic): back with the state
-                self.join()
+                self.join(f.redirect if f.redirect is not None else p)
                 break
             if s is None and sync_point:
                 s = f.settle()
