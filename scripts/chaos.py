@@ -65,6 +65,7 @@ class Settings:
     steps: int
     gap: int
     inner_steps: int = 2
+    fragments: int = 1  # diloco.fragments: a round per fragment boundary, P per inner_steps
     ckpt_interval: int = 20
     keep_last: int = 8
     heartbeat_s: float = 0.25
@@ -143,6 +144,7 @@ def run_overrides(s: Settings, out: Path, name: str, steps: int, net: Net) -> li
         "output_dir": out, "name": name, "model.vocab_size": 4096, "train.steps": steps, "eval.interval": 0,
         "eval.batches": 1, "log.interval": 10, "checkpoint.interval": s.ckpt_interval,
         "checkpoint.keep_last": s.keep_last, "diloco.elastic": "true", "diloco.inner_steps": s.inner_steps,
+        "diloco.fragments": s.fragments,
         "diloco.heartbeat_s": s.heartbeat_s, "diloco.dead_after_s": s.dead_after_s, "diloco.grace_s": s.grace_s,
         "diloco.start_grace_s": 120, "sites.timeout_s": s.timeout_s, "diloco.join_timeout_s": 90,
         "diloco.log_checksum": "true", "diloco.comm_dtype": "fp32",
@@ -489,7 +491,7 @@ def analyse(s: Settings, c: Controller, out: Path, baseline: dict[str, Any] | No
     records = {i: chaos.outer_records(c.metrics[i]) for i in range(s.sites)}
     table = chaos.crc_table(records)
     committed = sorted(table)
-    expected = s.steps // s.inner_steps
+    expected = s.steps * s.fragments // s.inner_steps  # outer records: one per step that ends a round
     ckpts = check_checkpoints(s, c, out)
     result = {
         "settings": asdict(s), "wall_s": wall_s,
@@ -652,7 +654,8 @@ def render(r: dict[str, Any], command: str) -> str:
 
     lines = ["# Chaos run", "", f"Command: `{command}`", "",
              f"{r['settings']['sites']} sites x 1 rank, debug model, {r['settings']['steps']} inner steps "
-             f"(H={r['settings']['inner_steps']}), wall {r['wall_s']:.0f} s, "
+             f"(H={r['settings']['inner_steps']}, {r['settings'].get('fragments', 1)} fragment(s)), "
+             f"wall {r['wall_s']:.0f} s, "
              f"{r['faults_injected']} faults injected of {r['faults_planned']} planned.", "",
              "| kind | planned | injected | detected | detect median s | detect max s |",
              "|---|---|---|---|---|---|"]
@@ -703,6 +706,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "mismatch, NaN divergence) on 2 sites under `zeroband launch`; no root needed")
     p.add_argument("--overrides", default="", metavar="'--key value ...'",
                    help="with --fixed: extra overrides, e.g. --overrides='--data.path X --model.vocab_size 384'")
+    p.add_argument("--fragments", type=int, default=1, help="diloco.fragments (Streaming DiLoCo; divides H = 2)")
     p.add_argument("--no-baseline", action="store_true")
     p.add_argument("--workdir", type=Path, default=Path("/tmp/zeroband-chaos"))
     add_out_argument(p, "docs/results", "chaos.{md,json} (chaos_fixed.* with --fixed)")
@@ -714,7 +718,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def settings_from(args: argparse.Namespace) -> Settings:
     faults = min(args.faults, 8) if args.quick else args.faults
     steps = 30 + faults * args.gap + 3 * args.gap
-    return Settings(args.sites, faults, args.seed, steps - steps % 20, args.gap,
+    return Settings(args.sites, faults, args.seed, steps - steps % 20, args.gap, fragments=args.fragments,
                     baseline_steps=60 if args.quick else 120)
 
 

@@ -22,7 +22,7 @@ def test_the_blocking_outer_step_is_one_short_method_that_hands_membership_no_cl
     from zeroband.outer.diloco import DiLoCo
 
     source = inspect.getsource(DiLoCo.sync)
-    assert len(source.splitlines()) < 40 and "attempts()" in source and "attempt.group()" in source
+    assert len(source.splitlines()) < 40 and "membership.attempts(self.topic)" in source and "attempt.group()" in source
     assert "self.reduce(" in source and "partial(" not in source and "lambda" not in source
     callbacks = {name for cls in (Membership, Attempt, FixedAttempt, ElasticAttempt) for name, fn in vars(cls).items()
                  if callable(fn) and any("Callable" in str(p.annotation)
