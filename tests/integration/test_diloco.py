@@ -326,7 +326,7 @@ def _retrying_sites(store: str, may_retry: bool) -> dict:
             for p in model.parameters():
                 p.sub_(torch.randn(p.shape, generator=gen) * 1e-2)
         outer.after_inner_step(step + 1, sync_point=True)
-        memory.append((outer.arena, outer.arena.buf.data_ptr(), None if outer.spare is None else outer.spare.data_ptr()))
+        memory.append((outer.arenas[0], outer.arenas[0].buf.data_ptr(), None if outer.spare is None else outer.spare.data_ptr()))
         params.append([p.detach().clone() for p in model.parameters()])
     honest = diloco_module.reduce_across_sites
 
@@ -334,7 +334,7 @@ def _retrying_sites(store: str, may_retry: bool) -> dict:
         raise RuntimeError("peer lost")
 
     diloco_module.reduce_across_sites = lost
-    kept = outer.arena
+    kept = outer.arenas[0]
     try:
         outer.after_inner_step(4, sync_point=True)
     except RuntimeError:
@@ -342,7 +342,7 @@ def _retrying_sites(store: str, may_retry: bool) -> dict:
     diloco_module.reduce_across_sites = honest
     shutdown()
     return {"ptrs": [m[1:] for m in memory], "same_arena": [m[0] is memory[0][0] for m in memory],
-            "fresh_after_failure": outer.arena is not kept and outer.arena.buf.numel() == 0,
+            "fresh_after_failure": outer.arenas[0] is not kept and outer.arenas[0].buf.numel() == 0,
             "spare_after_failure": outer.spare, "params": params}
 
 

@@ -57,7 +57,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from functools import partial
 from typing import Any
 
@@ -111,6 +111,25 @@ def outer_stats(diloco: DiLoCo, result: ReduceResult, stats: SiteStats, grads: l
     )
 
 
+def saved_feedback(feedback: list[dict[int, torch.Tensor]] | None, mixed: bool) -> dict[Any, Any] | None:
+    """The error feedback as a checkpoint holds it: equal shapes, the one lane's residual by tensor
+    index (the format of every checkpoint so far); sites of different shapes, {"lanes": per lane}."""
+    if feedback is None:
+        return None
+    return {"lanes": feedback} if mixed else feedback[0]
+
+
+def loaded_feedback(saved: dict[Any, Any] | None, lanes: int, mixed: bool) -> list[dict[int, torch.Tensor]] | None:
+    """`saved_feedback` read back; a residual of another layout (resharded, or saved before lanes
+    kept theirs) starts again empty."""
+    if saved is None:
+        return None
+    if not mixed:
+        return [saved] if "lanes" not in saved else [{}]
+    per_lane = saved.get("lanes")
+    return per_lane if isinstance(per_lane, list) and len(per_lane) == lanes else [{} for _ in range(lanes)]
+
+
 class DiLoCo:
     def __init__(self, model: torch.nn.Module, cfg: DilocoConfig, topology: Topology, tokens_per_step: int = 0,
                  lr_factor: Callable[[int], float] | None = None, membership: Membership | None = None,
@@ -134,13 +153,14 @@ class DiLoCo:
             membership = FixedMembership(group, topology, topology.timeout_s)
         self.membership = membership
         self.local = [local_shard(p) for p in params]
-        # sites of different shapes: the exchange runs per lane (zeroband/outer/lanes.py), else per shard
+        # the one cross-site data path, per lane (zeroband/outer/lanes.py): under equal shapes one lane,
+        # this rank's whole shard on the round's group; sites of different shapes (`mixed`) cut it finer
         shapes = [tuple(p.shape) for p in every]
-        self.lanes = LaneSet(topology, self.local, shapes, subset) if topology.lanes else None
-        if self.lanes is not None and cfg.merge != "mean":
+        self.lanes = LaneSet(topology, self.local, shapes, subset)
+        self.mixed = not self.lanes.whole
+        if self.mixed and cfg.merge != "mean":
             raise ValueError(f"diloco.merge = {cfg.merge!r} needs sites of one shape (each rank's shard the same on "
                              "every site); these sites differ in shape. Fix: diloco.merge = 'mean'")
-        self.lane_arenas = [Arena() for _ in topology.lanes]
         self.copy = OuterCopy(self.local, cfg)
         self.outer, self.outer_device = self.copy.tensors, self.copy.device
         self.optimizer = build_outer_optimizer(self.copy, cfg, optimizer)  # zeroband/outer/optimizer.py
@@ -148,17 +168,17 @@ class DiLoCo:
         self.threads = outer_thread_count(cfg.outer_threads, len(os.sched_getaffinity(0)),
                                           int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         self.parts = Parts()  # the current outer step's timers
-        # The all-reduce's memory (comm/direct.py) and, where a round may retry, the vector its inputs are
-        # copied into: lent to one exchange at a time and reused only after an exchange completed.
-        self.arena = Arena()
+        # Each lane's all-reduce memory (comm/direct.py) and, where a round may retry, the vector its inputs
+        # are copied into: lent to one exchange at a time and reused only after an exchange completed.
+        self.arenas = [Arena() for _ in self.lanes.lanes]
         self.spare: torch.Tensor | None = None
         self.applied_sumsq = 0.0  # sum of squares of the last average applied (this rank's shard)
         self.outer_step = 0
         # what the wire format lost, carried into the next outer step (always, for a codec that says so)
         spec = codecs.spec(cfg.comm_dtype)
         feedback = cfg.error_feedback or spec.feedback == "always"
-        self.error_feedback: dict[int, torch.Tensor] | None = {} if feedback else None
-        self.attempt_feedback: dict[int, torch.Tensor] | None = None  # a retried round's residual until it commits
+        self.error_feedback: list[dict[int, torch.Tensor]] | None = [{} for _ in self.arenas] if feedback else None  # per lane
+        self.attempt_feedback: list[dict[int, torch.Tensor]] | None = None  # a retried round's residual until it commits
         # A gathered codec's residual is folded into the pseudo-gradient before the site measures it, so
         # what it declares covers what it sends (comm/gather.py); a direct one's is added in the exchange.
         self.fold = feedback and spec.exchange == "gather"
@@ -222,7 +242,7 @@ class DiLoCo:
     def digest48(self, group: GlobalGroup | None = None) -> int:
         """48 bits of the keyed digest of the outer state (comm/group.py): the per-step replica check.
         Sites of different shapes: of the whole site's state (every lane's digest; a site collective)."""
-        if self.lanes is not None:
+        if self.mixed:
             return self.lanes.site_digest(self.lanes.digests(self.per_param_state()), self.topology)
         group = group or self.membership.group  # none yet (elastic): unkeyed
         return digest48(self.checksum_tensors(), group.auth if group is not None else NO_AUTH)
@@ -234,10 +254,10 @@ class DiLoCo:
 
     def _per_lane(self, per_param: list[list[torch.Tensor]] | None = None) -> list[tuple[GlobalGroup, list[torch.Tensor]]] | None:
         """Each lane's group and its pieces of `per_param` (default: the whole outer state); None: equal shapes."""
-        if self.lanes is None:
+        if not self.mixed:
             return None
         per_param = per_param or self.per_param_state()
-        return [(g, self.lanes.state_views(k, per_param)) for k, g in enumerate(self.lanes.groups)]
+        return [(g, self.lanes.state_views(k, per_param)) for k, g in enumerate(self.lanes.groups(None))]
 
     def checksum_tensors(self) -> list[torch.Tensor]:
         return self.outer + self.optimizer.state_tensors()
@@ -331,16 +351,10 @@ class DiLoCo:
 
     def _folded(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """`grads` + the residual the last exchange left, in place, where the codec folds it here (`fold`)."""
-        if not self.fold or not self.error_feedback and self.lanes is None:
+        if not self.fold or self.error_feedback is None:
             return grads
         with self.parts("stats"):
-            if self.lanes is not None:
-                self.lanes.fold(grads)
-            else:
-                assert self.error_feedback is not None  # fold implies feedback
-                for i, g in enumerate(grads):
-                    if i in self.error_feedback:
-                        g.add_(self.error_feedback[i].view_as(g))
+            self.lanes.fold(grads, self.error_feedback)
         return grads
 
     def _launch(self, landed: InFlight | None, waited: float, t0: float) -> OuterStats | None:
@@ -371,33 +385,37 @@ class DiLoCo:
         return self.copy.pseudo_gradient(self.parts, fresh=self.cfg.overlap)
 
     def reduce(self, grads: list[torch.Tensor], stats: SiteStats, group: GlobalGroup | None = None) -> ReduceResult:
-        """The average of `grads` over the sites, in place, on a helper thread the group watches (its
-        timeout, the peer it waits for named; elastic: also a member seen dead or the attempt
-        aborted). Its memory is lent: an exchange that raises or is abandoned by its watcher keeps it
-        (a posted receive or the abandoned thread may still write into it), and the next one starts
-        from fresh memory; one that completes gives it back."""
+        """The average of `grads` over the sites, in place, lane by lane (zeroband/outer/lanes.py), each
+        on a helper thread the group watches (its timeout, the peer it waits for named; elastic: also
+        a member seen dead or the attempt aborted)."""
         group = group or self.group
-        if self.lanes is not None:
-            crcs = self.lanes.digests(self.per_param_state()) if self.cfg.log_checksum and not stats.abstain else None
-            self.last_reduce = self.lanes.reduce(grads, stats, crcs, self._reduce_lane)
-            return self.last_reduce
-        if self.cfg.log_checksum and not stats.abstain:  # compared across sites by the reduce itself
-            stats = replace(stats, crc=float(self.digest48(group)))
-        arena, self.arena, self.last_reduce = self.arena, Arena(), None
+        crcs = self._replica_crcs(group) if self.cfg.log_checksum and not stats.abstain else None
         feedback = self.error_feedback
         if feedback is not None and self.membership.may_retry:  # the residual of an attempt that commits (`sync`)
-            feedback = self.attempt_feedback = dict(feedback)  # (an exchange replaces entries, never writes into them)
-        result = self._exchange(grads, stats, group, feedback, arena, "outer all-reduce")
-        self.arena, self.last_reduce = arena, result
+            feedback = self.attempt_feedback = [dict(f) for f in feedback]  # (an exchange replaces entries)
+        self.last_reduce = None
+        self.last_reduce = self.lanes.reduce(grads, stats, crcs, group, partial(self._reduce_lane, feedback))
         if self.membership.may_retry:
             self.spare = flat_base(grads)  # the `_retry_copy` vector (None for an abstainer's zeros)
-        return result
+        return self.last_reduce
 
-    def _reduce_lane(self, grads: list[torch.Tensor], stats: SiteStats, group: GlobalGroup,
-                     feedback: dict[int, torch.Tensor], k: int) -> ReduceResult:
-        """One lane's exchange: the equal-shape reduce of the lane's vector on its group (fixed runs only)."""
-        return self._exchange(grads, stats, group, feedback if self.error_feedback is not None else None,
-                              self.lane_arenas[k], f"outer all-reduce, lane {k}")
+    def _replica_crcs(self, group: GlobalGroup) -> list[int]:
+        """Each lane's digest of the outer state entering the step, compared across sites by the
+        exchange (under equal shapes: the whole shard's, `digest48`)."""
+        if self.mixed:
+            return self.lanes.digests(self.per_param_state(), group)
+        return [self.digest48(group)]
+
+    def _reduce_lane(self, feedback: list[dict[int, torch.Tensor]] | None, grads: list[torch.Tensor],
+                     stats: SiteStats, group: GlobalGroup, k: int) -> ReduceResult:
+        """Lane k's exchange. Its memory is lent: an exchange that raises or is abandoned by its
+        watcher keeps it (a posted receive or the abandoned thread may still write into it), and the
+        next one starts from fresh memory; one that completes gives it back."""
+        arena, self.arenas[k] = self.arenas[k], Arena()
+        what = f"outer all-reduce, lane {k}" if self.mixed else "outer all-reduce"
+        result = self._exchange(grads, stats, group, None if feedback is None else feedback[k], arena, what)
+        self.arenas[k] = arena
+        return result
 
     def _exchange(self, grads: list[torch.Tensor], stats: SiteStats, group: GlobalGroup,
                   feedback: dict[int, torch.Tensor] | None, arena: Arena, what: str) -> ReduceResult:
@@ -456,7 +474,8 @@ class DiLoCo:
         if self.overlap.pending is not None:
             raise RuntimeError("checkpoint with an outer all-reduce in flight: save only at sync points")
         return {"outer": [o.detach().to("cpu", copy=True) for o in self.outer], "optimizer": self.optimizer.state_dict(),
-                "outer_step": self.outer_step, "error_feedback": self.error_feedback, "clock": self.clock.state_dict(),
+                "outer_step": self.outer_step, "error_feedback": saved_feedback(self.error_feedback, self.mixed),
+                "clock": self.clock.state_dict(),
                 # the last step's schedule: an eager overlapped boundary previews the next step with it
                 "outer_hyper": asdict(self.optimizer.applied),
                 **self.membership.state_dict()}
@@ -478,6 +497,7 @@ class DiLoCo:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.load_shared_state_dict(state)
-        self.error_feedback = state.get("error_feedback", self.error_feedback)
+        if "error_feedback" in state:
+            self.error_feedback = loaded_feedback(state["error_feedback"], len(self.arenas), self.mixed)
         self.clock.load_state_dict(state.get("clock", {"rounds": 0}))
         self.membership.load_state_dict(state)

@@ -1,12 +1,15 @@
-"""DiLoCo's cross-site work when sites have different shapes (issue 26): per lane, not per shard.
+"""DiLoCo's cross-site data path, per lane (issue 26; one path for every shape, issue 36).
 
 A lane (zeroband/comm/layout.py) is a set of pieces of the flat parameter space that one rank per
-site holds; this rank's lanes come with their groups in `Topology.lanes`. Each lane's pieces are
-copied, in the lane's order, into one vector that every member of the lane builds alike, and that
-vector goes through the same exchange as an equal-shape shard (comm/reduce.py): same wire format,
-same summation order, so every site receives the same bytes for every parameter. Lanes run one
-after the other in the run's lane order (no cycle of waits). Nothing here calls the site group
-(it may run on the exchange thread); the callers reduce over the site where they must.
+site holds. Sites of equal shapes have one lane per rank: its whole shard, on the round's group
+(`shard{r}`; elastic: this generation's), and its tensors go to the exchange as they are (they tile
+one vector: no copy). Sites of different shapes: this rank's lanes come with their groups in
+`Topology.lanes`; each lane's pieces are copied, in the lane's order, into one vector that every
+member of the lane builds alike. Either way the vector goes through the one exchange
+(comm/reduce.py): same wire format, same summation order, so every site receives the same bytes for
+every parameter, and a lane's error feedback is its own. Lanes run one after the other in the run's
+lane order (no cycle of waits). Nothing here calls the site group (it may run on the exchange
+thread); the callers reduce over the site where they must.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -35,27 +38,37 @@ class LaneSet:
         local shards of the parameters numbered `subset` (default: all of them; a fragment: its own)."""
         world = topology.world
         subset = list(range(len(shapes))) if subset is None else subset
+        self.whole = not topology.lanes  # equal shapes: one lane, this rank's whole shard on the round's group
+        self.sites = world.site_count
+        if self.whole:
+            self.lanes: list[tuple[Lane | None, GlobalGroup | None]] = [(None, None)]
+            self.slices = [[(n, 0, t.numel()) for n, t in enumerate(local)]]
+            self.index, self.run_lanes = [world.rank], world.ranks_per_site
+            return
         position = {i: n for n, i in enumerate(subset)}
         for i, t in zip(subset, local, strict=True):
             start, stop = shard_range(shapes[i], world.ranks_per_site, world.rank)
             if t.numel() != stop - start:  # the layout must be FSDP2's: else the lanes would mix up elements
                 raise RuntimeError(f"parameter {i}: local shard of {t.numel()} elements, the lane layout expects "
                                    f"{stop - start} (FSDP2 dim-0 sharding over {world.ranks_per_site} ranks)")
-        self.lanes: list[tuple[Lane, GlobalGroup]] = topology.lanes
+        self.lanes = list(topology.lanes)
         # each lane's pieces within `subset`, numbered by position in it (empty: a fragment holds none)
         self.slices = [[(position[i], a, b) for i, a, b in local_slices(lane, shapes, world.ranks_per_site, world.rank)
-                        if i in position] for lane, _ in self.lanes]
-        self.sites = world.site_count
-        self.feedback: list[dict[int, torch.Tensor]] = [{} for _ in self.lanes]  # per lane (error feedback)
+                        if i in position] for lane, _ in topology.lanes]
         run = [lane.owners for lane in lanes(shapes, topology.site_ranks)]  # every lane: each is one rank's per site
-        self.index, self.run_lanes = [run.index(lane.owners) for lane, _ in self.lanes], len(run)
+        self.index, self.run_lanes = [run.index(lane.owners) for lane, _ in topology.lanes], len(run)
 
-    @property
-    def groups(self) -> list[GlobalGroup]:
-        return [g for _, g in self.lanes]
+    def groups(self, group: GlobalGroup | None) -> list[GlobalGroup]:
+        """Each lane's group; `group`: the round's (the whole shard's lane under equal shapes)."""
+        out = [g if g is not None else group for _, g in self.lanes]
+        assert all(g is not None for g in out), "equal shapes: the round's group is needed"
+        return cast(list[GlobalGroup], out)
 
     def views(self, k: int, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Lane k's pieces of `tensors` (one per parameter, shaped like the local shard), as 1-D views."""
+        """Lane k's pieces of `tensors` (one per parameter, shaped like the local shard), as 1-D views
+        (the whole shard's lane: the tensors themselves)."""
+        if self.whole:
+            return list(tensors)
         return [tensors[i].reshape(-1)[a:b] for i, a, b in self.slices[k]]
 
     def gather(self, k: int, tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -74,18 +87,23 @@ class LaneSet:
             out += [t.reshape(-1)[a:b] if t.numel() == numel else t.reshape(-1) for t in per_param[i]]
         return out
 
-    def fold(self, tensors: list[torch.Tensor]) -> None:
-        """tensors += each lane's residual (error feedback of a codec that folds it: comm/gather.py)."""
-        for k, feedback in enumerate(self.feedback):
-            if 0 in feedback:
+    def fold(self, tensors: list[torch.Tensor], feedback: list[dict[int, torch.Tensor]]) -> None:
+        """tensors += each lane's residual (error feedback of a codec that folds it: comm/gather.py):
+        keyed by tensor (the whole shard's lane) or one vector, key 0 (a lane of pieces)."""
+        for k, residual in enumerate(feedback):
+            if self.whole:
+                for i, t in enumerate(tensors):
+                    if i in residual:
+                        t.add_(residual[i].view_as(t))
+            elif 0 in residual:
                 views = self.views(k, tensors)
-                for view, part in zip(views, feedback[0].split([v.numel() for v in views])):
+                for view, part in zip(views, residual[0].split([v.numel() for v in views])):
                     view.add_(part)
 
-    def digests(self, per_param: list[list[torch.Tensor]]) -> list[int]:
-        """48 bits of the keyed digest of each lane's state, under its group's key."""
+    def digests(self, per_param: list[list[torch.Tensor]], group: GlobalGroup | None = None) -> list[int]:
+        """48 bits of the keyed digest of each lane's state, under its group's key (`group`: the round's)."""
         return [digest48(self.state_views(k, per_param), g.auth if g is not None else NO_AUTH)
-                for k, (_, g) in enumerate(self.lanes)]
+                for k, g in enumerate(self.groups(group))]
 
     def site_digest(self, digests: list[int], topology: Topology) -> int:
         """48 bits naming the whole site's state, the same on every site whatever its shape: every lane's
@@ -96,18 +114,19 @@ class LaneSet:
         topology.site_all_reduce(table)
         return int.from_bytes(hashlib.sha256(table.cpu().numpy().tobytes()).digest()[:6], "big")
 
-    def reduce(self, grads: list[torch.Tensor], stats: SiteStats, crcs: list[int] | None,
-               one: Callable[[list[torch.Tensor], SiteStats, GlobalGroup, dict[int, torch.Tensor], int], ReduceResult],
-               ) -> ReduceResult:
-        """In place: `grads` <- the sites' average, lane by lane; `one(vector, stats, group, feedback, k)`
-        runs one lane's exchange (the equal-shape one). `crcs`: each lane's digest, for the replica check."""
+    def reduce(self, grads: list[torch.Tensor], stats: SiteStats, crcs: list[int] | None, group: GlobalGroup,
+               one: Callable[[list[torch.Tensor], SiteStats, GlobalGroup, int], ReduceResult]) -> ReduceResult:
+        """In place: `grads` <- the sites' average, lane by lane; `one(vector, stats, group, k)` runs
+        one lane's exchange; `group`: the round's. `crcs`: each lane's digest, for the replica check."""
+        if self.whole:  # the shard's tensors as they are: they tile one vector, averaged in place
+            return one(grads, replace(stats, crc=float(crcs[0])) if crcs is not None else stats, group, 0)
         results = []
-        for k, (_, group) in enumerate(self.lanes):
+        for k, lane_group in enumerate(self.groups(group)):
             if not self.slices[k]:  # every owner of the lane skips it alike: the pieces are the lane's
                 continue
             flat = self.gather(k, grads)
             lane_stats = replace(stats, crc=float(crcs[k])) if crcs is not None else stats
-            results.append(one([flat], lane_stats, group, self.feedback[k], k))
+            results.append(one([flat], lane_stats, lane_group, k))
             self.scatter(k, flat, grads)
         return combine(results, self.sites)
 
@@ -123,7 +142,8 @@ def combine(results: list[ReduceResult], sites: int) -> ReduceResult:
         sites_used=min((r.sites_used for r in results), default=sites),
         excluded_sites=sorted({s for r in results for s in r.excluded_sites}), timings=timings,
         sumsq=None if any(s is None for s in sumsqs) else sum(s for s in sumsqs if s is not None),
-        exclusions=exclusions)
+        exclusions=exclusions, wait_bound_s=max((r.wait_bound_s for r in results), default=0.0),
+        mean_norm=max((r.mean_norm for r in results), default=0.0))  # (every lane reads the same site norms)
 
 
 

@@ -23,8 +23,9 @@ def broadcast_from_site0(tensors: list[torch.Tensor], group: GlobalGroup, topolo
     """Every site takes site 0's tensors: one sealed message (trust/mac.py, under this incarnation's
     session key), opened before any value is used. A site that received it altered applies nothing,
     and every site then stops with the same line (`refuse_if_any`), not just the one that saw it.
-    `lanes` (sites of different shapes): one message per lane, of the lane's pieces of `tensors`."""
-    parts = [(group, tensors)] if lanes is None else [(g, lanes.views(k, tensors)) for k, g in enumerate(lanes.groups)
+    `lanes`: one message per lane, of the lane's pieces of `tensors` (equal shapes: one, on `group`)."""
+    parts = [(group, tensors)] if lanes is None else [(g, lanes.views(k, tensors))
+                                                      for k, g in enumerate(lanes.groups(group))
                                                       if lanes.slices[k]]  # (a fragment may hold none of a lane)
     received = [_receive_from_site0(ts, g) for g, ts in parts]
     refuse_if_any(not all(ok for _, ok in received), [g for g, _ in parts], topology, "initial broadcast", lambda sites: (
