@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.helpers import _train, diloco_tree
@@ -18,11 +19,14 @@ def outer_crcs(tree: dict, site: int) -> list[tuple[int, int]]:
     return [(r["step"], r["outer_crc"]) for r in map(json.loads, lines) if r["kind"] == "outer"]
 
 
-def test_sites_of_ranks_2_1_1_stay_identical_and_match_ranks_1_1_1(corpus, tmp_path):
+@pytest.mark.parametrize("merge", ["mean", "rda"])
+def test_sites_of_ranks_2_1_1_stay_identical_and_match_ranks_1_1_1(corpus, tmp_path, merge):
     """Before: site 0's second rank had no peer (its shard group `shard1` exists on no other site) and the
     fingerprint refused the rank counts. Now every outer step leaves the same keyed digest on every
-    site, and the run ends within fp32 rounding of the equal-shape run (same data per site)."""
-    common = {"train": {"steps": 6, "global_batch": 4, "micro_batch": 2}, "diloco": {"log_checksum": True}}
+    site, and the run ends within fp32 rounding of the equal-shape run (same data per site). "rda"
+    rescales by the merged norm, summed by lane on sites of different shapes: the same bits on each."""
+    common = {"train": {"steps": 6, "global_batch": 4, "micro_batch": 2},
+              "diloco": {"log_checksum": True, "merge": merge}}
     mixed = diloco_tree(corpus, tmp_path / "mixed", **common)
     out = run_sites(_train, 3, [2, 1, 1], (mixed,), timeout=110)
     crcs = [outer_crcs(mixed, s) for s in range(3)]

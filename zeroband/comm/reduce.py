@@ -130,6 +130,7 @@ class ReduceResult:
     exclusions: dict[int, str] = field(default_factory=dict)  # excluded site -> what it did, in words
     wait_bound_s: float = 0.0  # longest link-derived bound of the exchange's waits (0: the link was not measured)
     mean_norm: float = 0.0  # the kept sites' mean declared norm (`mean_norm`: what "rda" rescales to)
+    lane_sumsq: dict[int, float] = field(default_factory=dict)  # sites of different shapes: by lane (outer/lanes.py)
 
 
 def _norm(sumsq: float) -> float:

@@ -158,9 +158,6 @@ class DiLoCo:
         shapes = [tuple(p.shape) for p in every]
         self.lanes = LaneSet(topology, self.local, shapes, subset)
         self.mixed = not self.lanes.whole
-        if self.mixed and cfg.merge != "mean":
-            raise ValueError(f"diloco.merge = {cfg.merge!r} needs sites of one shape (each rank's shard the same on "
-                             "every site); these sites differ in shape. Fix: diloco.merge = 'mean'")
         self.copy = OuterCopy(self.local, cfg)
         self.outer, self.outer_device = self.copy.tensors, self.copy.device
         self.optimizer = build_outer_optimizer(self.copy, cfg, optimizer)  # zeroband/outer/optimizer.py
@@ -455,9 +452,11 @@ class DiLoCo:
 
     def _rescale(self, grads: list[torch.Tensor], result: ReduceResult) -> None:
         """"rda": the merged unit directions take the sites' mean norm. The merged norm is summed over
-        the site's ranks (a site collective, on the main thread like every `_apply`); every site holds
-        the same shards of the same average, so every site scales by the same bytes."""
-        scale = rda_scale(result.mean_norm, self.site_sum(self.applied_sumsq))
+        the site's ranks (a site collective, on the main thread like every `_apply`): every site holds
+        the same shards (or, of different shapes, the same lanes) of the same average, so every site
+        scales by the same bytes."""
+        merged = self.lanes.site_total(result.lane_sumsq, self.topology) if self.mixed else self.site_sum(self.applied_sumsq)
+        scale = rda_scale(result.mean_norm, merged)
         torch._foreach_mul_(grads, scale)
         self.applied_sumsq *= scale * scale
 

@@ -26,6 +26,7 @@ from zeroband.comm.layout import Lane, lanes, local_slices, rows_of, shard_range
 from zeroband.comm.reduce import ReduceResult, SiteStats
 from zeroband.comm.timing import summed
 from zeroband.mesh import Topology
+from zeroband.outer.stats import tensor_stats
 from zeroband.trust.mac import NO_AUTH
 
 
@@ -120,15 +121,27 @@ class LaneSet:
         one lane's exchange; `group`: the round's. `crcs`: each lane's digest, for the replica check."""
         if self.whole:  # the shard's tensors as they are: they tile one vector, averaged in place
             return one(grads, replace(stats, crc=float(crcs[0])) if crcs is not None else stats, group, 0)
-        results = []
+        results, lane_sumsq = [], {}
         for k, lane_group in enumerate(self.groups(group)):
             if not self.slices[k]:  # every owner of the lane skips it alike: the pieces are the lane's
                 continue
             flat = self.gather(k, grads)
             lane_stats = replace(stats, crc=float(crcs[k])) if crcs is not None else stats
             results.append(one([flat], lane_stats, lane_group, k))
+            lane_sumsq[k] = results[-1].sumsq if results[-1].sumsq is not None else tensor_stats([flat])[0]
             self.scatter(k, flat, grads)
-        return combine(results, self.sites)
+        return replace(combine(results, self.sites), lane_sumsq=lane_sumsq)
+
+    def site_total(self, per_lane: dict[int, float], topology: Topology) -> float:
+        """The sum over the whole site of a value each of this rank's lanes holds (the sum of squares
+        of its average), the same bits on every site whatever its shape: each lane's value (alike on
+        its every owner) into a float64 table of the run's lanes, summed over the site (x + 0 is
+        exact), then added in lane order. A site collective: every rank of the site calls it."""
+        table = torch.zeros(self.run_lanes, dtype=torch.float64, device=topology.world.device)
+        for k, value in per_lane.items():
+            table[self.index[k]] = value
+        topology.site_all_reduce(table)
+        return sum(table.cpu().tolist())
 
 
 def combine(results: list[ReduceResult], sites: int) -> ReduceResult:
