@@ -115,12 +115,12 @@ def test_elastic_fragments_a_late_site_is_left_out_and_takes_the_next_fragments_
     """Site 1 comes to round 4 (fragment 1's) after the grace window: the round goes on without it,
     and it joins round 5, fragment 0's, with that fragment (a site without the state contributes
     zeros shaped like the round's fragment), takes every fragment's state and ends identical."""
-    tree = _elastic(corpus, tmp_path, store_address, steps=40)  # site 0 alone must not finish in LATE_S
-    out = run_sites(_train, 2, 1, (tree,), faults="site1:step4:inner:late", timeout=150)
-    assert out[(0, 0)]["steps"] == out[(1, 0)]["steps"] == 40
+    tree = _elastic(corpus, tmp_path, store_address, steps=80)  # site 0 alone must not finish in LATE_S
+    out = run_sites(_train, 2, 1, (tree,), faults="site1:step4:inner:late", timeout=180)
+    assert out[(0, 0)]["steps"] == out[(1, 0)]["steps"] == 80
     by_step = {r["step"]: r for r in outer_records(tmp_path, 0)}
-    assert by_step[4]["sites_used"] == 1 and by_step[40]["sites_used"] == 2
+    assert by_step[4]["sites_used"] == 1 and by_step[80]["sites_used"] == 2
     left = [e for e in site_records(tmp_path, 1, "membership") if e["event"] == "left_out"]
     assert left and left[0]["round"] == 4, left
-    _identical_at(tree, (40,))
+    _identical_at(tree, (80,))
 
