@@ -221,3 +221,16 @@ def test_a_watch_wakes_on_events_and_compactions_never_on_its_creation():
     assert not _woken(b"  ")
     assert _woken(b'{"result":{"events":[{"type":"DELETE","kv":{"key":"YQ=="}}]}}')
     assert _woken(b'{"result":{"compact_revision":"5","canceled":true}}')
+
+
+def test_an_etcd_answer_between_leaders_is_retried_not_a_refusal():
+    """The password check runs through raft: during a leader change etcd answers it "etcdserver:
+    leader changed", which a site of the secure chaos test read as its credentials refused and
+    stopped. Transient answers are retried on the next member; a wrong password stays a refusal."""
+    from zeroband.store.etcd import transient
+
+    assert transient(503, "etcdserver: leader changed") and transient(400, "etcdserver: leader changed")
+    assert transient(500, "anything") and transient(503, "etcdserver: no leader")
+    assert transient(400, "etcdserver: request timed out, possibly due to previous leader failure")
+    assert not transient(400, "etcdserver: authentication failed, invalid user ID or password")
+    assert not transient(403, "etcdserver: permission denied")

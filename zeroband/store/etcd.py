@@ -130,6 +130,10 @@ class _Endpoints:
                 if failures % len(self._clients) == 0:  # every member failed: wait out a leader election
                     time.sleep(min(0.05 * failures, 0.5))
             except _refusals() as e:
+                if transient(0, _detail(e)) and time.monotonic() <= deadline:  # raft between leaders
+                    self._advance(index)
+                    time.sleep(0.05)
+                    continue
                 if not self._token or "invalid auth token" not in _detail(e) or time.monotonic() > deadline:
                     raise StoreRefused(f"etcd {self._names()} refused {path}: {_detail(e)} (check sites.etcd_user, "
                                        "its password and its role's access to the run's prefix)") from None
@@ -148,6 +152,10 @@ class _Endpoints:
         client = self._clients[index]
         body = {"name": self.access.user, "password": self.access.password or ""}
         reply = client.session.post(client.get_url("/auth/authenticate"), json=body, timeout=10 * self.request_timeout)
+        if reply.status_code != 200 and transient(reply.status_code, _detail(reply.text)):
+            from etcd3gw import exceptions  # retried on the next member, as any request's 503 is (`post`)
+
+            raise exceptions.ConnectionFailedError(reply.text)
         if reply.status_code != 200:
             raise StoreRefused(f"etcd {self._names()} refused user {self.access.user!r}: {_detail(reply.text)} "
                                "(check sites.etcd_user and sites.etcd_password_file)")
@@ -213,6 +221,18 @@ def _detail(error: BaseException | str) -> str:
         return str(json.loads(text).get("error", text))
     except (ValueError, AttributeError):
         return str(text).strip()
+
+
+# etcd's words for a request it could not serve now (raft between leaders, or overloaded), not a refusal
+TRANSIENT = ("leader changed", "no leader", "timed out", "too many requests", "server stopped")
+
+
+def transient(status: int, detail: str) -> bool:
+    """Whether an answer is etcd failing for now rather than refusing: the statuses etcd3gw maps to
+    retryable errors (500, 503, 408, 504), or raft's transient errors by their words. The password
+    check runs through raft too: during a leader change it fails with "etcdserver: leader changed",
+    which a site read as its credentials refused and stopped (the secure chaos test, under load)."""
+    return status in (500, 503, 408, 504) or any(word in detail.lower() for word in TRANSIENT)
 
 
 def _retryable() -> tuple[type[BaseException], ...]:
