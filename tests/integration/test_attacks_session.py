@@ -9,6 +9,7 @@ same secret, run name and store prefix, a fresh store, group and admission.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from datetime import timedelta
@@ -89,6 +90,12 @@ def _incarnation(port: int, rounds: list[int], recorded: bytes | None) -> dict:
             out["rounds"] += 1
     except Exception as e:
         out["error"] = f"{type(e).__name__}: {e}"
+    # Neither closes its connections while the other may still read from them: a socket closed with
+    # unread bytes in it is reset, and the reset can overtake the last bytes sent to the peer (site 0
+    # then read "closed by the peer" in a clean run, under load).
+    store.set(f"done/{site}", "1")
+    with contextlib.suppress(Exception):  # a site stopped by the attack may never come
+        store.wait([f"done/{1 - site}"], timedelta(seconds=10))
     out["wire"] = max(capture.wire(), key=len, default=b"")  # site 1: its stream to site 0 (the larger)
     capture.close()
     time.sleep(0.5 if site == 0 else 0)  # site 0 hosts the store: let site 1 finish with it
