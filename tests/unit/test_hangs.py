@@ -80,3 +80,17 @@ def test_store_waits_name_the_missing_sites_and_log_while_waiting(caplog):
     lines = [r.getMessage() for r in caplog.records]
     assert any(line.startswith("waiting 0 s for site 2 (resume agreement)") for line in lines), lines
     assert "waiting 0 s for the votes of sites [0, 1] (votes)" in lines
+
+
+def test_the_process_tree_of_a_process_that_just_exited_is_empty():
+    """`zeroband launch` walks /proc for stopped processes while ranks exit: a process gone between
+    two reads made its supervisor fail with FileNotFoundError on /proc/<pid>/task (CI, under load).
+    A real child that has exited and been reaped has no tree, and reading it raises nothing."""
+    import subprocess
+    import sys
+
+    from zeroband.tools.launch import children, descendants, stopped_process
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    assert children(child.pid) == [] and descendants(child.pid) == [] and stopped_process(child.pid) is None

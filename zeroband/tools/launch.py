@@ -559,8 +559,12 @@ def is_running(pid: int) -> bool:
 
 def children(pid: int) -> list[int]:
     """The processes `pid` started (its threads' children), read from /proc (empty where there is none)."""
-    out = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
+    out: list[int] = []
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:  # it exited meanwhile (or there is no /proc): no children left to find
+        return out
+    for task in tasks:
         try:
             out += [int(c) for c in (task / "children").read_text().split()]
         except OSError:
