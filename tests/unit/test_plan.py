@@ -9,10 +9,13 @@ from pathlib import Path
 import pytest
 
 from zeroband.cli import main as cli_main
+from zeroband.config import ModelConfig
 from zeroband.tools.plan import (
     DTYPE_BYTES,
     PlanInput,
     dtype_bytes,
+    fragments_text,
+    largest_fragment,
     predict,
     predict_data_parallel,
     ramp_seconds,
@@ -307,3 +310,18 @@ def test_slow_start_restarts_only_for_loss_based_senders() -> None:
     row = {"numel": 20_000, "rate_mbit": 20.0, "rtt_ms": 100.0, "streams_used": 1, "idle_s": 5.0, "mtu": 9000}
     assert link_run_prediction(row, WINDOW) == pytest.approx(0.016 + 0.2)
     assert link_run_prediction(row | {"tcp": cubic}, WINDOW) == pytest.approx(0.016 + 0.2 + 0.1 - 0.016)
+
+
+def test_largest_fragment_is_the_split_of_the_real_shapes() -> None:
+    # demo: 4096 x 128 embedding and lm_head, 524,288 each, of 1,787,008: one of them alone fills a fragment
+    demo = ModelConfig(preset="demo")
+    assert largest_fragment(demo, 4) == pytest.approx(524_288 / 1_787_008)
+    assert largest_fragment(demo, 1) == 1.0
+    # 1B: the 32000 x 2048 tables are 6% of the model, so 10 fragments balance to 1 / 10 within 1%
+    assert largest_fragment(ModelConfig(preset="1B"), 10) < 1.01 / 10
+    p = PlanInput(1.787e6, 0.05, 2, 0.02, 50.0, 160, "fp16", tcp_ramp=False, fragments=4,
+                  largest_fragment=524_288 / 1_787_008)
+    pred = predict(p)
+    assert pred.largest_sync_bytes == pytest.approx(pred.wire_bytes * 524_288 / 1_787_008)
+    assert "3.4-fold, not 4-fold" in fragments_text(p, pred)[0]
+    assert predict(replace(p, largest_fragment=0.0)).largest_sync_bytes == pytest.approx(pred.wire_bytes / 4)

@@ -105,7 +105,8 @@ class PlanInput:
     timeout_floor_s: float = _SITES["timeout_floor_s"].default
     timeout_s: float = _SITES["timeout_s"].default
     density: float = _DILOCO["density"].default  # the sparse codec's (diloco.density)
-    fragments: int = 1  # diloco.fragments: P syncs of 1/P of the model per H, each its own round trips
+    fragments: int = 1  # diloco.fragments: P syncs per H, each its own round trips
+    largest_fragment: float = 0.0  # the largest fragment's share of the parameters (0: an even 1 / P)
 
 
 @dataclass(frozen=True)
@@ -125,6 +126,7 @@ class Prediction:
     throughput_bps: float = 0.0  # the streams' rate: min(link rate, streams x window / RTT)
     piece_wait_s: float = 0.0  # wait_bound of one piece's wire bytes
     sync_wait_s: float = 0.0  # wait_bound of the whole all-reduce's wire bytes
+    largest_sync_bytes: float = 0.0  # wire bytes of the largest single sync (fragments: the largest one's)
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -237,12 +239,14 @@ def predict(p: PlanInput) -> Prediction:
     dp_comm = sum(comm_seconds(ring_factor(p.sites) * p.params * 4.0, p, p.step_time_s))
     link = link_of(p)
     piece_wait, sync_wait = wait_bounds(wire, p)
+    largest = wire * (p.largest_fragment or 1 / p.fragments)
     return Prediction(
         payload_bytes=payload, wire_bytes=wire, bandwidth_s=bw_s, latency_s=lat_s, ramp_s=ramp_s, comm_s=comm,
         compute_s=compute, utilisation=utilisation(compute, comm, p.overlap),
         traffic_reduction=traffic_reduction(p.inner_steps, p.dtype, p.density),
         dp_comm_s=dp_comm, dp_utilisation=utilisation(p.step_time_s, dp_comm, False),
         streams=link.streams, throughput_bps=throughput(link), piece_wait_s=piece_wait, sync_wait_s=sync_wait,
+        largest_sync_bytes=largest,
     )
 
 
@@ -372,8 +376,33 @@ def prediction_text(p: PlanInput, pred: Prediction) -> str:
            "  (inner steps one all-reduce takes; 0 = a whole round)"] if p.overlap else []),
         f"  per-step fp32 data parallel    {pred.dp_comm_s:.3f} s comm/step, {100 * pred.dp_utilisation:.2f}% utilisation",
         f"  traffic reduction vs DP        {pred.traffic_reduction:.0f}x",
+        *fragments_text(p, pred),
         *link_text(p, pred),
     ])
+
+
+def fragments_text(p: PlanInput, pred: Prediction) -> list[str]:
+    """The largest sync of a run in fragments: what its peak uplink need falls by. P-fold only when the
+    fragments, whole tensors, balance; otherwise the largest tensor (often the embedding) bounds it."""
+    if p.fragments == 1:
+        return []
+    share = p.largest_fragment or 1 / p.fragments
+    bound = f", not {p.fragments}-fold (whole tensors)" if share > 1.05 / p.fragments else ""
+    return [f"  largest fragment sync          {_fmt_bytes(pred.largest_sync_bytes)}  ({100 * share:.1f}% of the "
+            f"model; 1 / P = {100 / p.fragments:.1f}%): the peak per sync falls {1 / share:.1f}-fold{bound}"]
+
+
+def largest_fragment(model: Any, fragments: int) -> float:
+    """The share of the parameters in the largest of `fragments` fragments, as the run splits them
+    (zeroband/outer/fragments.py `split`, whole tensors), from the model's shapes on the meta device."""
+    import torch
+
+    from zeroband.models.llama import Llama
+    from zeroband.outer.fragments import split
+
+    with torch.device("meta"):
+        numels = [q.numel() for q in Llama(model).parameters()]
+    return max(sum(numels[i] for i in part) for part in split(numels, fragments)) / sum(numels)
 
 
 def link_text(p: PlanInput, pred: Prediction) -> list[str]:
@@ -492,7 +521,8 @@ def plan_from_config(path: str, args: argparse.Namespace) -> ConfigPlan:
     plan = PlanInput(float(params), step, args.sites, args.gbps, args.latency_ms, d.inner_steps, d.comm_dtype,
                      d.overlap or args.overlap, not args.no_tcp_ramp, args.mtu, **link, piece_mb=d.piece_mb,
                      wait_factor=s.wait_factor, timeout_floor_s=s.timeout_floor_s, timeout_s=s.timeout_s,
-                     density=d.density, fragments=d.fragments)
+                     density=d.density, fragments=d.fragments,
+                     largest_fragment=largest_fragment(cfg.model, d.fragments) if d.fragments > 1 else 0.0)
     pieces = max(1, math.ceil(params * 4 / (d.piece_mb * 2**20)))
     return ConfigPlan(plan, cfg.model.preset or f"{params / 1e6:.0f}M", d.piece_mb, pieces, tokens, source, tuple(notes),
                       cfg.train.steps, cfg.checkpoint.interval)
