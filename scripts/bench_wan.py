@@ -61,7 +61,7 @@ from bench_common import (
 from zeroband.comm import codecs
 from zeroband.comm.link import Link, kernel_window, streams_for, throughput
 from zeroband.tools.launch import WanLink, launch_sites
-from zeroband.tools.plan import DTYPE_BYTES, wan_prediction
+from zeroband.tools.plan import DTYPE_BYTES, largest_fragment, wan_prediction
 
 CONFIG = str(REPO / "configs/demo_diloco.toml")
 # Inside a namespace without DNS, c10d warns that it cannot resolve a hostname; launch's store process
@@ -98,7 +98,11 @@ SWEEP_ROWS = ("DP fp32 (per step)", "DiLoCo fp16", "DiLoCo fp16 overlapped")
 # --fragments: fragments x wire format, blocking, at H = FRAGMENTS_H (a multiple of every P)
 FRAGMENT_ROWS = [Row(f"{dtype} P={p}", "diloco", dtype, False, p) for dtype in ("fp16", "int4", "sparse") for p in (1, 4, 16)]
 FRAGMENT_ROWS += [Row(f"fp16 P={p} overlapped", "diloco", "fp16", True, p) for p in (1, 4, 16)]  # each lands H later
-FRAGMENTS_H = 160
+FRAGMENTS_H = 320  # at P = 16 one sync every 20 steps (~1.2 s here): each 1 s window sees at most one
+# A model whose whole tensors the split can balance at P = 16 (largest fragment within 6% of 1 / 16):
+# the demo preset with 8 layers and a 512-token vocabulary (its own tokenizer, trained on the demo
+# corpus). The demo preset's 4096 x 128 tables are 29% of it each and bound its peak (rows kept).
+FRAGMENTS_MODEL = {"n_layers": 8, "vocab_size": 512}
 QUICK_ROWS = ("DP fp32 (per step)", "DiLoCo fp16")
 
 
@@ -232,12 +236,14 @@ def train_overrides(args: argparse.Namespace, row: Row, rounds: int, name: str, 
     from zeroband.config import MODEL_PRESETS
     from zeroband.data.tokenizer import TextTokenizer
 
-    vocab = max(MODEL_PRESETS[args.preset]["vocab_size"], TextTokenizer.load(REPO / "data/demo/tokenizer").vocab_size)
+    tokenizer = getattr(args, "tokenizer", None) or REPO / "data/demo/tokenizer"
+    vocab = max(MODEL_PRESETS[args.preset]["vocab_size"], TextTokenizer.load(tokenizer).vocab_size)
+    model = [x for k, v in getattr(args, "model", {}).items() for x in (f"--model.{k}", str(v))]
     h = args.dp_steps if row.is_dp else args.inner_steps
     steps = h * (rounds + (1 if drops_last(row) else 0))
     return [
         "--name", name, "--output_dir", str(out_dir), "--model.preset", args.preset, "--model.vocab_size", str(vocab),
-        "--data.path", str(REPO / "data/demo/train.jsonl"), "--data.tokenizer", str(REPO / "data/demo/tokenizer"),
+        *model, "--data.path", str(REPO / "data/demo/train.jsonl"), "--data.tokenizer", str(tokenizer),
         "--data.seq_len", str(args.seq_len), "--train.global_batch", str(args.batch),
         "--train.micro_batch", str(max(1, args.batch // args.nproc)),
         "--train.steps", str(steps), "--optim.warmup_steps", str(max(1, min(20, steps // 10))),
@@ -529,6 +535,7 @@ def render(data: dict[str, Any]) -> str:
         *([ceiling_markdown(data["ceiling"])] if data.get("ceiling") else []),
         *([streams_markdown(data["streams"])] if data.get("streams") else []),
         *([fragments_markdown(data["fragments"])] if data.get("fragments") else []),
+        *([fragments_markdown(data["fragments_demo"], demo=True)] if data.get("fragments_demo") else []),
     ])
 
 
@@ -689,7 +696,7 @@ def update_section(args: argparse.Namespace, key: str, rows: Any, alone: Any) ->
 
 
 # ---------------------------------------------------------------------------------- streams per peer
-KEPT = ("ceiling", "streams", "fragments")  # measured apart (--ceiling, --streams): kept when the rows are re-measured
+KEPT = ("ceiling", "streams", "fragments", "fragments_demo")  # measured apart (--ceiling, --streams): kept when the rows are re-measured
 
 
 @dataclass(frozen=True)
@@ -805,11 +812,13 @@ def tcp_note(row: dict[str, Any]) -> str:
 
 
 def measure_fragments(args: argparse.Namespace, extra: list[str]) -> dict[str, Any]:
-    """--fragments: every FRAGMENT_ROWS row at the main link, H = FRAGMENTS_H, one after another."""
+    """--fragments: every FRAGMENT_ROWS row at the main link, H = FRAGMENTS_H, on FRAGMENTS_MODEL."""
     ensure_demo_data()
     h = 16 if args.quick else FRAGMENTS_H  # --quick: the debug model, two rows (a smoke test)
     rows = [r for r in FRAGMENT_ROWS if r.name in ("fp16 P=1", "sparse P=4")] if args.quick else FRAGMENT_ROWS
-    args = argparse.Namespace(**{**vars(args), "inner_steps": h})
+    vocab = FRAGMENTS_MODEL["vocab_size"]
+    model = {} if args.quick else {k: v for k, v in FRAGMENTS_MODEL.items() if k != "vocab_size"}
+    args = argparse.Namespace(**{**vars(args), "inner_steps": h, "model": model, "tokenizer": demo_tokenizer(vocab)})
     load_start = load_average()
     with tempfile.TemporaryDirectory(prefix="bench_wan-") as tmp:
         runs = [run_row(args, row, args.rate_mbit, args.outer_steps, Path(tmp), extra) for row in rows]
@@ -817,50 +826,100 @@ def measure_fragments(args: argparse.Namespace, extra: list[str]) -> dict[str, A
     return {"meta": {"rate_mbit": args.rate_mbit, "delay_ms": args.delay_ms, "inner_steps": h,
                      "outer_steps": args.outer_steps, "sites": args.sites, "tcp": site_tcp(), "nproc": args.nproc,
                      "mtu": args.mtu, "streams": streams_for(args.rate_mbit * 1e6, 2 * args.delay_ms / 1e3),
-                     "window_bytes": kernel_window(),
+                     "window_bytes": kernel_window(), "preset": args.preset, "model": {**model, "vocab_size": vocab},
+                     "largest_fragment": largest_fragments(args.preset, {**model, "vocab_size": vocab}),
                      "params": next(r for r in runs[0]["records"][0] if r["kind"] == "run")["params"],
                      "loadavg_start": load_start, "loadavg_end": load_average(), "chatter_bytes_per_s": chatter},
             "results": [analyse(args, run, chatter) for run in runs]}
 
 
-def fragments_markdown(data: dict[str, Any]) -> str:
+def demo_tokenizer(vocab: int) -> Path:
+    """A tokenizer of `vocab` tokens trained on the demo corpus, cached beside the demo's own."""
+    from zeroband.data.tokenizer import TextTokenizer, train_tokenizer
+
+    out = REPO / f"data/demo/tokenizer-{vocab}"
+    if not out.is_dir():
+        train_tokenizer([REPO / "data/demo/train.jsonl"], vocab, out)
+    assert TextTokenizer.load(out).vocab_size <= vocab, f"{out}: more than {vocab} tokens"
+    return out
+
+
+def largest_fragments(preset: str, model: dict[str, Any]) -> dict[str, float]:
+    """Each P's largest fragment, as a share of the parameters (the run's own split, whole tensors)."""
+    from zeroband.config import ModelConfig
+
+    cfg = ModelConfig(preset=preset, **model)
+    return {str(p): largest_fragment(cfg, p) for p in sorted({r.fragments for r in FRAGMENT_ROWS})}
+
+
+def falls(whole: float | None, peak: float) -> str:
+    """How many times the P = 1 row's peak (`whole`) this row's peak is; "-" where either is missing."""
+    return f"{whole / peak:.1f}x" if whole and peak > 0 else "-"
+
+
+def fragments_markdown(data: dict[str, Any], demo: bool = False) -> str:
+    """The fragments section; `demo`: the earlier rows on the demo preset, whose tables bound the split."""
     meta = data["meta"]
+    model = meta.get("model", {})
+    shares = meta.get("largest_fragment") or largest_fragments(meta.get("preset", "demo"), model)
+
     def wire(m: dict[str, Any]) -> float:  # overlapped: sent during compute, so the round's tx less chatter
         return m["wire_bytes_per_site_per_round"] if m["overlap"] else m["sync_wire_bytes_per_site_per_round"]
 
-    rows = [[m["row"], m["fragments"], m["dtype"], f"{wire(m) / 1e6:.4f}",
+    one = {(m["dtype"], m["overlap"]): m["peak_tx_mbit_1s"] for m in data["results"] if m["fragments"] == 1}
+    rows = [[m["row"], m["fragments"], m["dtype"], f"{100 * shares[str(m['fragments'])]:.1f}%", f"{wire(m) / 1e6:.4f}",
              f"{wire(m) / m['shard_params']:.4f}", f"{m['peak_tx_mbit_1s']:.1f}",
+             falls(one.get((m["dtype"], m["overlap"])), m["peak_tx_mbit_1s"]),
              f"{100 * m['utilisation_steady']:.1f}%", f"{100 * m['utilisation_steady_last_arrival']:.1f}%",
              f"{100 * wan_prediction(meta, m)['utilisation']:.1f}%", f"{m['allreduce_s_last_arrival']:.2f}"]
             for m in data["results"]]
+    what = (f"the {meta.get('preset', 'demo')} preset" + (f" with {', '.join(f'{k} {v}' for k, v in model.items())}"
+                                                          if model else ""))
+    title = "### Fragments x wire format, on the demo preset (earlier rows, kept)" if demo else "### Fragments x wire format"
+    why = ("Measured before the balanced model above: the demo preset's 4096 x 128 embedding and output matrices are "
+           "29% of its parameters each and a fragment holds whole tensors, so the peak cannot fall below theirs. "
+           if demo else "")
     return "\n\n".join([
-        "### Fragments x wire format", (
-            f"`flock /tmp/zeroband-bench.lock python scripts/bench_wan.py --fragments --out benchmarks`: "
-            f"{meta['sites']} sites, {meta['params']:,} parameters, {meta['rate_mbit']:g} Mbit/s per uplink, "
+        title, (
+            why + f"`flock /tmp/zeroband-bench.lock python scripts/bench_wan.py --fragments --out benchmarks`: "
+            f"{meta['sites']} sites, {what} ({meta['params']:,} parameters), {meta['rate_mbit']:g} Mbit/s per uplink, "
             f"{2 * meta['delay_ms']:g} ms RTT, H = {meta['inner_steps']}, {meta['outer_steps']} rounds of which rounds 2 to "
             f"{meta['outer_steps']} are reported (for P > 1 or overlapped one more round runs, left out: it ends in every "
             "fragment's blocking sync); "
             "blocking unless overlapped (`diloco.overlap`, the eager rule, each fragment's average landing H steps "
             "after its launch); TCP "
-            f"{tcp_words(meta.get('tcp'))}. P fragments: fragment p syncs every H steps at offset (p + 1) H / P. Wire "
+            f"{tcp_words(meta.get('tcp'))}. P fragments: fragment p syncs every H steps at offset (p + 1) H / P. Largest "
+            "fragment = its share of the parameters as the run splits them (whole tensors, greedy by bytes; 1 / P at "
+            "best). Wire "
             "MB per H = the tx bytes a site sent during the round's outer steps (each from its start to 0.1 s after "
             f"it ended, less idle chatter of {meta['chatter_bytes_per_s']:.0f} B/s over those windows; overlapped rows, "
             "whose exchanges run during compute: the whole round's tx less chatter), IP and TCP "
             "headers, MAC tags and this site's ACKs included; B/param = that / parameters (2 sites: the ring's "
             "2(S-1)/S and the all-gather's S-1 are both 1). Peak = the most tx bytes a site's uplink carried in any 1 s "
-            "window of the steady rounds. util (steady) = inner compute / wall over the steady rounds, every "
+            "window of the steady rounds; peak falls = the P = 1 row's peak (same wire format) / this row's. util "
+            "(steady) = inner compute / wall over the steady rounds, every "
             "fragment's sync counted; predicted: zeroband.tools.plan from the row's compute per step, each of the P "
             "syncs carrying 1/P of the bytes and its own round trips."),
-        markdown_table(["row", "P", "wire", "wire MB / site / H", "B/param on the wire per H", "peak uplink Mbit/s (1 s)",
-                        "util (steady)", "util (last arrival)", "util predicted by zeroband plan",
-                        "comm s / H (last arrival)"], rows),
+        markdown_table(["row", "P", "wire", "largest fragment", "wire MB / site / H", "B/param on the wire per H",
+                        "peak uplink Mbit/s (1 s)", "peak falls", "util (steady)", "util (last arrival)",
+                        "util predicted by zeroband plan", "comm s / H (last arrival)"], rows),
         load_note(meta["loadavg_start"], meta["loadavg_end"])])
+
+
+def keep_demo_fragments(path: Path) -> None:
+    """The first fragments rows ran on the demo preset (their meta names no model): kept apart, as
+    `fragments_demo`, when the balanced model's rows replace them."""
+    data = json.loads(path.read_text()) if path.is_file() else {}
+    if "model" not in data.get("fragments", {}).get("meta", {"model": None}):
+        data["fragments_demo"] = data.pop("fragments")
+        path.write_text(json.dumps(data, indent=1))
 
 
 def main(argv: list[str] | None = None) -> int:
     args, extra = parse_args(argv)
     preflight()
     if args.fragments_check:
+        keep_demo_fragments(args.out / "wan.json")
         return update_section(args, "fragments", measure_fragments(args, extra), fragments_markdown)
     if args.ceiling:
         return update_section(args, "ceiling", measure_ceiling(args), ceiling_markdown)
