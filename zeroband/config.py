@@ -278,7 +278,10 @@ class DilocoConfig(Section):
     # Fault tolerance (membership generations, heartbeats, commit step, joins; zeroband/membership/elastic.py).
     elastic: bool = False
     min_sites: int = Field(1, gt=0)  # quorum: an outer step needs at least this many sites
-    grace_s: float = Field(5.0, ge=0)  # once a quorum is in, wait this long for the others
+    # Once a quorum is in, wait this long for the others; "auto": follow the measured times
+    # (zeroband/membership/grace.py): up to half the slack an overlapped exchange leaves, else twice
+    # the recent worst lateness of a site after the quorum, at least 1 s, at most 60 s.
+    grace_s: float | Literal["auto"] = "auto"
     start_grace_s: float = Field(60.0, ge=0)  # at launch, how long the first sites wait for the rest
     heartbeat_s: float = Field(2.0, gt=0)
     dead_after_s: float = Field(10.0, gt=0)  # a site whose heartbeat is this old is dropped
@@ -315,6 +318,20 @@ class DilocoConfig(Section):
             raise ValueError(f"unknown wire format: choose one of {', '.join(known)} "
                              f"(a file of zeroband/comm/codecs/). Fix: --diloco.comm_dtype fp16")
         return value
+
+    @field_validator("grace_s", mode="before")
+    @classmethod
+    def _grace(cls, value: Any) -> Any:
+        if value == "auto":
+            return value
+        try:
+            seconds = float(value) if not isinstance(value, bool) else -1.0
+        except (TypeError, ValueError):
+            seconds = -1.0
+        if 0 <= seconds < float("inf"):
+            return seconds
+        raise ValueError('use "auto" (from the measured step, exchange and arrival times) or a number of seconds '
+                         '>= 0. Fix: --diloco.grace_s auto')
 
     @model_validator(mode="before")
     @classmethod

@@ -114,13 +114,19 @@ def test_elastic_fragments_a_late_site_is_left_out_and_takes_the_next_fragments_
                                                                                     store_address):
     """Site 1 comes to round 4 (fragment 1's) after the grace window: the round goes on without it,
     and it joins round 5, fragment 0's, with that fragment (a site without the state contributes
-    zeros shaped like the round's fragment), takes every fragment's state and ends identical."""
-    tree = _elastic(corpus, tmp_path, store_address, steps=80)  # site 0 alone must not finish in LATE_S
+    zeros shaped like the round's fragment), takes every fragment's state and ends identical.
+    The window is grace_s = "auto" (membership/grace.py): the configured 5 s before anything is
+    measured (round 1), then the floor, 1 s (rounds of one step are worth less than waiting)."""
+    tree = _elastic(corpus, tmp_path, store_address, steps=80, grace_s="auto")  # site 0 alone must not finish in LATE_S
     out = run_sites(_train, 2, 1, (tree,), faults="site1:step4:inner:late", timeout=180)
     assert out[(0, 0)]["steps"] == out[(1, 0)]["steps"] == 80
     by_step = {r["step"]: r for r in outer_records(tmp_path, 0)}
     assert by_step[4]["sites_used"] == 1 and by_step[80]["sites_used"] == 2
     left = [e for e in site_records(tmp_path, 1, "membership") if e["event"] == "left_out"]
     assert left and left[0]["round"] == 4, left
+    graces = [e for e in site_records(tmp_path, 0, "membership") if e["event"] == "grace"]
+    assert graces[0]["round"] == 1 and graces[0]["grace_s"] == 5.0 and graces[0]["late_s"] is None, graces
+    assert graces[1]["round"] == 2 and graces[1]["grace_s"] < 5.0 and graces[1]["step_s"] > 0, graces
+    assert len(graces) < 20, graces  # recorded when it changes, not at each of the 80 rounds
     _identical_at(tree, (80,))
 

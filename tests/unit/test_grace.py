@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from zeroband.config import ConfigError, DilocoConfig, validate_config
+from zeroband.membership.elastic import grace_steps
 from zeroband.membership.grace import GraceMeter, GraceRule, Measured, auto_grace, lateness
+from zeroband.membership.rounds import WaitState, decide_members
 
 RULE = GraceRule(slack_margin=0.5, late_margin=2.0, floor_s=1.0, cap_s=60.0)
 
@@ -59,6 +62,14 @@ def test_lateness_counts_a_site_missing_at_the_decision_as_late_by_the_whole_wai
     assert lateness({0: 10.0}, None, {0, 1}, 11.0) is None
 
 
+def test_a_wait_state_reports_the_quorum_time_and_the_lateness():
+    wait = WaitState(started=100.0, seen_at={0: 100.0, 1: 100.5})
+    assert decide_members({0}, {0, 1}, {0, 1}, 1, 5.0, now=100.2, wait=wait) is None  # the quorum: site 0
+    assert wait.timings() == (None, None)  # not decided yet
+    wait.decided_at, wait.waited_for = 100.5, {0, 1}
+    assert wait.timings() == pytest.approx((0.2, 0.3))
+
+
 def test_the_meter_times_steps_exchanges_and_keeps_the_worst_recent_lateness():
     meter = GraceMeter(steps_per_round=10, overlap_steps=0)
     meter.arrived(0.0)  # round 0: nothing trained before it
@@ -76,3 +87,20 @@ def test_the_meter_times_steps_exchanges_and_keeps_the_worst_recent_lateness():
     meter.restart(None)  # left out: it waits for the next boundary, nothing to time
     meter.arrived(100.0)
     assert meter.measured().step_s == pytest.approx(1.0)
+
+
+def test_grace_steps_per_round_and_overlap():
+    assert grace_steps(DilocoConfig(inner_steps=8)) == (8, 0)
+    assert grace_steps(DilocoConfig(inner_steps=8, fragments=2)) == (4, 0)
+    assert grace_steps(DilocoConfig(inner_steps=8, overlap=True)) == (8, 8)
+    assert grace_steps(DilocoConfig(inner_steps=8, overlap=True, overlap_steps=3)) == (8, 3)
+
+
+def test_grace_s_takes_auto_or_seconds_and_names_the_fix_otherwise():
+    assert DilocoConfig().grace_s == "auto"
+    assert DilocoConfig(grace_s=5).grace_s == 5.0 and DilocoConfig(grace_s="2.5").grace_s == 2.5
+    for bad in ("soon", -1, True, "nan"):
+        with pytest.raises(ConfigError) as e:
+            validate_config({"diloco": {"inner_steps": 2, "grace_s": bad}})
+        assert 'diloco.grace_s: Value error, use "auto"' in str(e.value) and "Fix: --diloco.grace_s auto" in str(e.value)
+        assert len(str(e.value).splitlines()) == 2  # the header and one line

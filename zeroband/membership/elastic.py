@@ -22,7 +22,8 @@ in a new generation with the same pseudo-gradients, never applying a partial res
   for a decision, stops with `RunComplete` (exit 0, event "run_complete"): it never forms a group of
   its own after the end, even when the last members finish while it waits to be admitted.
 - Quorum: a round proceeds with at least `min_sites` members once every expected live site has
-  arrived or `grace_s` has passed; a late site's pseudo-gradient is dropped and it re-syncs from a
+  arrived or `grace_s` has passed (a number, or "auto": from this site's measured step, exchange
+  and arrival times, membership/grace.py); a late site's pseudo-gradient is dropped and it re-syncs from a
   peer at the next boundary (its local progress of that round is discarded).
 - Events: every decision the site acts on is also a structured record (`attach(sink)`; the loop
   writes them to metrics.jsonl as kind "membership", shapes in docs/architecture.md).
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import io
 import logging
+import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from functools import partial
@@ -48,6 +50,7 @@ from zeroband.comm.group import OPEN, SECRET, GlobalGroup, checksum_table, new_g
 from zeroband.comm.link import LinkPolicy
 from zeroband.config import DilocoConfig, SitesConfig
 from zeroband.membership.base import Event, EventLog
+from zeroband.membership.grace import AUTO_FIRST_S, GraceMeter, auto_grace
 from zeroband.membership.heartbeat import (
     Heartbeat,
     LeaseHeartbeat,
@@ -205,6 +208,8 @@ class ElasticMembership:
         self.handed: dict[str, tuple[Callable[[Any], None], Callable[[], Any]]] = {}
         self.participants: list[RoundParticipant] = []  # called before each vote and at each commit
         self.events = EventLog(self.world.site_rank)
+        self.meter = GraceMeter(*grace_steps(cfg))  # the measured inputs of grace_s = "auto"
+        self.shown_grace: float | None = None  # the window last printed
 
     # ------------------------------------------------------------------ the protocol's small parts
     @property
@@ -286,6 +291,7 @@ class ElasticMembership:
                     left_out = True
             if left_out:  # the others went on without us: our group is stale, never to be reused
                 self.fresh, self.round, number, self.group = True, self.round + 1, 0, None
+                self.meter.restart(None)  # it waits for the next boundary: no inner steps to time
                 continue
             attempt = ElasticAttempt(self, decision, number)
             yield attempt
@@ -323,14 +329,36 @@ class ElasticMembership:
         log.error("round %d failed %d times: skipped, local progress kept", self.round, self.cfg.max_retries + 1)
         self.emit("skipped", attempts=self.cfg.max_retries + 1)
         self.round += 1
+        self.meter.restart(time.monotonic())
 
     def _decide(self, attempt: int, topic: int | None = None) -> Decision:
         expected = set(range(self.world.site_count)) if self.round == 0 else set(self.members)
-        grace = self.cfg.start_grace_s if self.round == 0 else self.cfg.grace_s
+        self.meter.arrived(time.monotonic())
+        grace = self.cfg.start_grace_s if self.round == 0 else self._grace(len(expected))
         timeout = self.cfg.join_timeout_s if self.fresh else self.sites.timeout_s
         decision = self.rounds.rendezvous(self.round, attempt, expected, self.cfg.min_sites, grace, self.fresh,
                                           timeout, self._next_generation, self._stop_if_over, topic)
+        self.meter.decided(time.monotonic(), *self.rounds.last_wait.timings())
         return decision
+
+    def _grace(self, sites: int) -> float:
+        """diloco.grace_s, or with "auto" the window `auto_grace` derives from this site's measurements;
+        a changed window is logged and recorded (event "grace"). Only a proposer's window decides
+        anything (`decide_members`), so sites that measured differently disagree harmlessly."""
+        if self.cfg.grace_s != "auto":
+            return self.cfg.grace_s
+        if self.fresh:  # it never proposes a round it has no state for: the window is unused
+            return AUTO_FIRST_S
+        measured = self.meter.measured()
+        grace = auto_grace(measured, sites, AUTO_FIRST_S)
+        if self.shown_grace is None or abs(grace - self.shown_grace) > 0.1 * self.shown_grace:
+            self.shown_grace = grace
+            fields = {k: None if v is None else round(v, 3) for k, v in vars(measured).items()}
+            log.info("round %d: grace window %.2f s (auto; measured %s)", self.round, grace,
+                     " ".join(f"{k}={v}" for k, v in fields.items()),
+                     extra={"event": "grace", "grace_s": grace})
+            self.emit("grace", grace_s=round(grace, 3), sites=sites, **fields)
+        return grace
 
     def _next_generation(self, members: list[int]) -> int:
         """Keep the groups while the members are the same and healthy; else a fresh generation."""
@@ -383,6 +411,7 @@ class ElasticMembership:
 
     def _commit(self, decision: Decision, attempt: int) -> None:
         self.fresh, self.members = False, decision.members
+        self.meter.committed(time.monotonic())
         if self.world.site_rank == decision.donor and self.world.rank == 0:
             self.rounds.mark_committed(self.round)
         self.emit("commit", attempt=attempt, members=decision.members, generation=decision.generation,
@@ -398,6 +427,14 @@ class ElasticMembership:
         """The donor's registered state to every member; returns the members' keyed digests."""
         hand_over(group, decision.members.index(decision.donor), self.handed)
         return checksum_table([t for fn in self.checksums for t in fn()], group)
+
+
+def grace_steps(cfg: DilocoConfig) -> tuple[int, int]:
+    """(inner steps per round, inner steps the exchange runs behind: 0 for blocking outer steps) of
+    the grace rule. A round is one fragment's (zeroband/outer/fragments.py); an overlapped average
+    lands overlap_steps after its launch, or a whole round later with 0."""
+    per_round = max(1, cfg.inner_steps // cfg.fragments)
+    return per_round, (cfg.overlap_steps or per_round) if cfg.overlap else 0
 
 
 def hand_over(group: GlobalGroup, src: int, handed: dict[str, tuple[Callable[[Any], None], Callable[[], Any]]]) -> None:

@@ -35,6 +35,7 @@ from typing import Any, Protocol
 
 import torch.distributed as dist
 
+from zeroband.membership.grace import lateness
 from zeroband.membership.heartbeat import Presence
 from zeroband.trust.signed import SignedStore
 from zeroband.watchdog import Ticker, _sites
@@ -104,11 +105,24 @@ class RoundParticipant(Protocol):
 
 @dataclass
 class WaitState:
-    """When the quorum was first seen during this attempt (for the grace window)."""
+    """When the quorum was first seen during this attempt (for the grace window), and what this site
+    saw of the arrivals (the measured inputs of `grace_s = "auto"`, membership/grace.py)."""
 
     quorum_since: float | None = None
     arrived: dict[int, str] = field(default_factory=dict)  # every arrival read so far
     extra: dict = field(default_factory=dict)
+    started: float = field(default_factory=time.monotonic)  # this site arrived
+    seen_at: dict[int, float] = field(default_factory=dict)  # when each arrival was first read
+    decided_at: float | None = None  # `decide_members` first said go (after round 0 only)
+    waited_for: set[int] = field(default_factory=set)  # the sites it waited for then
+
+    def timings(self) -> tuple[float | None, float | None]:
+        """(quorum time, lateness after the quorum) of this attempt as this site saw it; None where
+        it saw none (it never decided: another site proposed first, or round 0's launch spread)."""
+        if self.decided_at is None or self.quorum_since is None:
+            return None, None
+        late = lateness(self.seen_at, self.quorum_since, self.waited_for, self.decided_at)
+        return self.quorum_since - self.started, late
 
 
 def decide_members(
@@ -189,6 +203,7 @@ class RoundCoordinator:
                  sign_key: bytes | None = None) -> None:
         self.store = SignedStore(store, sign_key)
         self.prefix, self.site, self.is_leader, self.liveness = prefix, site, is_leader, liveness
+        self.last_wait = WaitState()
 
     def _key(self, r: int, a: int, *rest: object) -> str:
         return self.prefix + f"r{r}/a{a}/" + "/".join(str(x) for x in rest)
@@ -211,6 +226,7 @@ class RoundCoordinator:
             self.store.set(self._key(r, a, "arrive", self.site), "fresh" if fresh else "ready")
         may_propose = self.is_leader and (r == 0 or not fresh)
         wait, deadline = WaitState(), time.monotonic() + timeout_s
+        self.last_wait = wait  # what this site saw of the attempt, for the grace rule
         ticker = Ticker(f"round {r} attempt {a}: member decision")
         while (raw := self.store.read(key)) is None:
             ticker.tick("the other sites to arrive" if may_propose else "a site holding the state to decide")
@@ -271,12 +287,14 @@ class RoundCoordinator:
         self.liveness.poll()
         for s in self.liveness.sites:
             if s not in wait.arrived and (raw := self.store.read(self._key(r, a, "arrive", s))) is not None:
-                wait.arrived[s] = raw.decode()
+                wait.arrived[s], wait.seen_at[s] = raw.decode(), time.monotonic()
         wait.arrived[self.site] = "fresh" if fresh else "ready"
-        alive = self.liveness.alive()
+        alive, now = self.liveness.alive(), time.monotonic()
         expected = expected - self.liveness.left  # a site that said goodbye is never waited for
-        members = decide_members(set(wait.arrived), alive, expected, min_sites, grace_s, time.monotonic(), wait,
+        members = decide_members(set(wait.arrived), alive, expected, min_sites, grace_s, now, wait,
                                  wait_for_unseen=r == 0)
+        if members is not None and r > 0 and wait.decided_at is None:  # round 0's spread is the launch's
+            wait.decided_at, wait.waited_for = now, expected & alive
         if members is None or proposer(wait.arrived, alive, r) != self.site:
             return None
         fresh_members = [s for s in members if wait.arrived[s] == "fresh"]
