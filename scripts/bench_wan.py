@@ -237,12 +237,13 @@ def train_overrides(args: argparse.Namespace, row: Row, rounds: int, name: str, 
     from zeroband.data.tokenizer import TextTokenizer
 
     tokenizer = getattr(args, "tokenizer", None) or REPO / "data/demo/tokenizer"
-    vocab = max(MODEL_PRESETS[args.preset]["vocab_size"], TextTokenizer.load(tokenizer).vocab_size)
-    model = [x for k, v in getattr(args, "model", {}).items() for x in (f"--model.{k}", str(v))]
+    shape = {"vocab_size": max(MODEL_PRESETS[args.preset]["vocab_size"], TextTokenizer.load(tokenizer).vocab_size),
+             **getattr(args, "model", {})}  # given shapes (the fragments model's vocabulary) win
+    model = [x for k, v in shape.items() for x in (f"--model.{k}", str(v))]
     h = args.dp_steps if row.is_dp else args.inner_steps
     steps = h * (rounds + (1 if drops_last(row) else 0))
     return [
-        "--name", name, "--output_dir", str(out_dir), "--model.preset", args.preset, "--model.vocab_size", str(vocab),
+        "--name", name, "--output_dir", str(out_dir), "--model.preset", args.preset,
         *model, "--data.path", str(REPO / "data/demo/train.jsonl"), "--data.tokenizer", str(tokenizer),
         "--data.seq_len", str(args.seq_len), "--train.global_batch", str(args.batch),
         "--train.micro_batch", str(max(1, args.batch // args.nproc)),
@@ -817,19 +818,20 @@ def measure_fragments(args: argparse.Namespace, extra: list[str]) -> dict[str, A
     h = 16 if args.quick else FRAGMENTS_H  # --quick: the debug model, two rows (a smoke test)
     rows = [r for r in FRAGMENT_ROWS if r.name in ("fp16 P=1", "sparse P=4")] if args.quick else FRAGMENT_ROWS
     vocab = FRAGMENTS_MODEL["vocab_size"]
-    model = {} if args.quick else {k: v for k, v in FRAGMENTS_MODEL.items() if k != "vocab_size"}
+    model = {"vocab_size": vocab} if args.quick else dict(FRAGMENTS_MODEL)
     args = argparse.Namespace(**{**vars(args), "inner_steps": h, "model": model, "tokenizer": demo_tokenizer(vocab)})
     load_start = load_average()
     with tempfile.TemporaryDirectory(prefix="bench_wan-") as tmp:
         runs = [run_row(args, row, args.rate_mbit, args.outer_steps, Path(tmp), extra) for row in rows]
     chatter = chatter_rate(args, runs)
+    params = next(r for r in runs[0]["records"][0] if r["kind"] == "run")["params"]
+    assert params == model_params(args.preset, model), f"the runs trained {params:,} parameters, not {model}'s"
     return {"meta": {"rate_mbit": args.rate_mbit, "delay_ms": args.delay_ms, "inner_steps": h,
                      "outer_steps": args.outer_steps, "sites": args.sites, "tcp": site_tcp(), "nproc": args.nproc,
                      "mtu": args.mtu, "streams": streams_for(args.rate_mbit * 1e6, 2 * args.delay_ms / 1e3),
-                     "window_bytes": kernel_window(), "preset": args.preset, "model": {**model, "vocab_size": vocab},
-                     "largest_fragment": largest_fragments(args.preset, {**model, "vocab_size": vocab}),
-                     "params": next(r for r in runs[0]["records"][0] if r["kind"] == "run")["params"],
-                     "loadavg_start": load_start, "loadavg_end": load_average(), "chatter_bytes_per_s": chatter},
+                     "window_bytes": kernel_window(), "preset": args.preset, "model": model,
+                     "largest_fragment": largest_fragments(args.preset, model),
+                     "params": params, "loadavg_start": load_start, "loadavg_end": load_average(), "chatter_bytes_per_s": chatter},
             "results": [analyse(args, run, chatter) for run in runs]}
 
 
@@ -842,6 +844,13 @@ def demo_tokenizer(vocab: int) -> Path:
         train_tokenizer([REPO / "data/demo/train.jsonl"], vocab, out)
     assert TextTokenizer.load(out).vocab_size <= vocab, f"{out}: more than {vocab} tokens"
     return out
+
+
+def model_params(preset: str, model: dict[str, Any]) -> int:
+    from zeroband.config import ModelConfig
+    from zeroband.models.llama import num_params
+
+    return num_params(ModelConfig(preset=preset, **model))
 
 
 def largest_fragments(preset: str, model: dict[str, Any]) -> dict[str, float]:
