@@ -877,8 +877,8 @@ def fragments_markdown(data: dict[str, Any], demo: bool = False) -> str:
 
     one = {(m["dtype"], m["overlap"]): m["peak_tx_mbit_1s"] for m in data["results"] if m["fragments"] == 1}
     rows = [[m["row"], m["fragments"], m["dtype"], f"{100 * shares[str(m['fragments'])]:.1f}%", f"{wire(m) / 1e6:.4f}",
-             f"{wire(m) / m['shard_params']:.4f}", f"{m['peak_tx_mbit_1s']:.1f}",
-             falls(one.get((m["dtype"], m["overlap"])), m["peak_tx_mbit_1s"]),
+             f"{wire(m) / m['shard_params']:.4f}", f"{m['peak_tx_mbit_1s']:.2g}" if m["peak_tx_mbit_1s"] < 1
+             else f"{m['peak_tx_mbit_1s']:.1f}", falls(one.get((m["dtype"], m["overlap"])), m["peak_tx_mbit_1s"]),
              f"{100 * m['utilisation_steady']:.1f}%", f"{100 * m['utilisation_steady_last_arrival']:.1f}%",
              f"{100 * wan_prediction(meta, m)['utilisation']:.1f}%", f"{m['allreduce_s_last_arrival']:.2f}"]
             for m in data["results"]]
