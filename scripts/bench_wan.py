@@ -846,19 +846,28 @@ def demo_tokenizer(vocab: int) -> Path:
     return out
 
 
-def model_params(preset: str, model: dict[str, Any]) -> int:
+def model_config(preset: str, model: dict[str, Any]) -> Any:
+    """The ModelConfig the runs train: `preset` with the shapes `model` gives."""
     from zeroband.config import ModelConfig
+
+    return ModelConfig(preset=preset, **model)
+
+
+def model_params(preset: str, model: dict[str, Any]) -> int:
     from zeroband.models.llama import num_params
 
-    return num_params(ModelConfig(preset=preset, **model))
+    return num_params(model_config(preset, model))
 
 
 def largest_fragments(preset: str, model: dict[str, Any]) -> dict[str, float]:
     """Each P's largest fragment, as a share of the parameters (the run's own split, whole tensors)."""
-    from zeroband.config import ModelConfig
-
-    cfg = ModelConfig(preset=preset, **model)
+    cfg = model_config(preset, model)
     return {str(p): largest_fragment(cfg, p) for p in sorted({r.fragments for r in FRAGMENT_ROWS})}
+
+
+def mbit(x: float) -> str:
+    """A peak in Mbit/s: one decimal, two significant digits below 1 (sparse rows)."""
+    return f"{x:.2g}" if x < 1 else f"{x:.1f}"
 
 
 def falls(whole: float | None, peak: float) -> str:
@@ -877,8 +886,7 @@ def fragments_markdown(data: dict[str, Any], demo: bool = False) -> str:
 
     one = {(m["dtype"], m["overlap"]): m["peak_tx_mbit_1s"] for m in data["results"] if m["fragments"] == 1}
     rows = [[m["row"], m["fragments"], m["dtype"], f"{100 * shares[str(m['fragments'])]:.1f}%", f"{wire(m) / 1e6:.4f}",
-             f"{wire(m) / m['shard_params']:.4f}", f"{m['peak_tx_mbit_1s']:.2g}" if m["peak_tx_mbit_1s"] < 1
-             else f"{m['peak_tx_mbit_1s']:.1f}", falls(one.get((m["dtype"], m["overlap"])), m["peak_tx_mbit_1s"]),
+             f"{wire(m) / m['shard_params']:.4f}", mbit(m["peak_tx_mbit_1s"]), falls(one.get((m["dtype"], m["overlap"])), m["peak_tx_mbit_1s"]),
              f"{100 * m['utilisation_steady']:.1f}%", f"{100 * m['utilisation_steady_last_arrival']:.1f}%",
              f"{100 * wan_prediction(meta, m)['utilisation']:.1f}%", f"{m['allreduce_s_last_arrival']:.2f}"]
             for m in data["results"]]
@@ -919,7 +927,8 @@ def keep_demo_fragments(path: Path) -> None:
     """The first fragments rows ran on the demo preset (their meta names no model): kept apart, as
     `fragments_demo`, when the balanced model's rows replace them."""
     data = json.loads(path.read_text()) if path.is_file() else {}
-    if "model" not in data.get("fragments", {}).get("meta", {"model": None}):
+    old = data.get("fragments")
+    if old is not None and "model" not in old["meta"]:
         data["fragments_demo"] = data.pop("fragments")
         path.write_text(json.dumps(data, indent=1))
 
@@ -928,8 +937,9 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parse_args(argv)
     preflight()
     if args.fragments_check:
+        rows = measure_fragments(args, extra)  # first: a failed measurement leaves wan.json as it was
         keep_demo_fragments(args.out / "wan.json")
-        return update_section(args, "fragments", measure_fragments(args, extra), fragments_markdown)
+        return update_section(args, "fragments", rows, fragments_markdown)
     if args.ceiling:
         return update_section(args, "ceiling", measure_ceiling(args), ceiling_markdown)
     if args.streams_check:
