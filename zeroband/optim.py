@@ -125,6 +125,15 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_st
     return LambdaLR(optimizer, lambda step: lr_factor(step, total_steps, cfg))
 
 
+def follow_schedule(scheduler: LambdaLR, position: int) -> None:
+    """Put the schedule at `position` (the next step's 0-based index) where the outer method says it
+    stands (`Outer.schedule_position`); a no-op while it already is there, as in every run with
+    rounds of inner_steps steps."""
+    if scheduler.last_epoch != position:
+        scheduler.last_epoch = position - 1
+        scheduler.step()
+
+
 @contextmanager
 def hyperparameters_kept(optimizer: torch.optim.Optimizer, scheduler: LambdaLR | None = None) -> Iterator[None]:
     """Load a checkpoint inside this and the optimizer keeps the hyperparameters it was built with

@@ -19,15 +19,18 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from zeroband import seams
 from zeroband.comm.group import new_global_group
 from zeroband.config import Config, deep_merge, validate_config
 from zeroband.mesh import Topology
+from zeroband.outer.base import RoundClock
 from zeroband.world import World
 
 
@@ -42,21 +45,52 @@ def site_configs(tree: dict[str, Any], sites: int) -> list[Config]:
             for s in range(sites)]
 
 
-def run_sites(tree: dict[str, Any], sites: int, eval_on: Callable[[int], bool] = lambda s: True) -> dict[str, Any]:
+def run_sites(tree: dict[str, Any], sites: int, eval_on: Callable[[int], bool] = lambda s: True,
+              step_s: list[float] | None = None) -> dict[str, Any]:
     """Train one run of `sites` sites (1 rank each) on threads; returns site 0's result and the wall time.
 
     `eval_on(site)` False: that site scores one validation batch instead of the full set (after an
     outer step every site holds the same model, so site 0's score is the run's; saves CPU only).
+    `step_s`: rounds of diloco.round_seconds on a virtual clock (`StepClock`), where every inner step
+    of site s takes step_s[s] seconds: sites of different speeds, with the same numbers every run.
     """
     cfgs = site_configs(tree, sites)
     own_default = not dist.is_initialized()
     if own_default:  # what a 1-rank site's torchrun would give it (checkpoints use the default group)
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    installed = seams.current()
+    if step_s is not None:
+        seams.use(replace(installed, outer=virtual_clocks(installed.outer, step_s)))
     try:
         return _run_threads(cfgs, eval_on)
     finally:
+        seams.use(installed)
         if own_default:
             dist.destroy_process_group()
+
+
+class StepClock(RoundClock):
+    """A round clock on virtual time: every inner step takes `step_s` seconds, so a round of
+    diloco.round_seconds ends after the steps that fit in it, whatever the machine's load. What a
+    wall clock does on sites of different speeds, reproducibly (the loss side of a measurement;
+    waiting and utilisation need real time)."""
+
+    def __init__(self, clock: RoundClock, step_s: float) -> None:
+        if not clock.cfg.round_seconds:
+            raise ValueError("a virtual clock needs diloco.round_seconds > 0 (rounds of inner_steps steps take no clock)")
+        super().__init__(clock.cfg, clock.tokens_per_step, clock.offset)
+        self.step_s = step_s
+
+    def due(self, step: int) -> bool:
+        return self.steps_in_round * self.step_s >= self.cfg.round_seconds
+
+
+def virtual_clocks(outer_seam: Callable[[Any, Any], Any], step_s: list[float]) -> Callable[[Any, Any], Any]:
+    """An `outer` seam that gives each site's DiLoCo a `StepClock` of its own speed."""
+    def wrap(outer: Any, model: Any) -> Any:
+        outer.clock = StepClock(outer.clock, step_s[outer.topology.world.site_rank])
+        return outer_seam(outer, model)
+    return wrap
 
 
 def _run_threads(cfgs: list[Config], eval_on: Callable[[int], bool]) -> dict[str, Any]:

@@ -36,7 +36,7 @@ from zeroband.membership.rounds import RunComplete
 from zeroband.mesh import GlobalGroup, Topology, admission_mark, fixed_global_group, init_topology, shutdown
 from zeroband.metrics import ComputeClock, MetricsLogger, insecure_choices, peak_flops, peak_memory_mb
 from zeroband.models.llama import Llama, flops_per_token, num_params
-from zeroband.optim import build_optimizer, build_scheduler, hyperparameters_kept, lr_factor
+from zeroband.optim import build_optimizer, build_scheduler, follow_schedule, hyperparameters_kept, lr_factor
 from zeroband.outer.base import NoOuter, Outer
 from zeroband.outer.data_parallel import CrossSiteDataParallel
 from zeroband.outer.diloco import DiLoCo
@@ -439,6 +439,7 @@ def train_loop(run: Run, metrics: MetricsLogger) -> dict[str, Any]:
 
         sync_point = sync_due(cfg.checkpoint, progress.step, cfg.train.steps)
         outer_stats = run.outer.after_inner_step(progress.step, sync_point=sync_point)
+        follow_schedule(run.scheduler, run.outer.schedule_position(progress.step))
         last = run.outer.finished(progress.step, cfg.train.steps)
         if outer_stats is not None:
             metrics.log(progress.step, {**outer_stats.as_dict(), "compute_utilisation": run.clock.utilisation}, "outer")

@@ -7,24 +7,24 @@ import shutil
 import pytest
 import torch
 
-from tests.helpers import _train, diloco_tree, final_params
+from tests.helpers import _train, diloco_tree, final_params, outer_records, site_records
 from tests.multiproc import run_ranks
 from tests.multiproc import run_sites as run_forked
 
 
-def _simulate(tree: dict, sites: int) -> dict:
+def _simulate(tree: dict, sites: int, step_s: list[float] | None = None) -> dict:
     """zeroband.sim in a forked child: its gloo threads must not live on in the pytest process, whose
     later forks would inherit them mid-operation and hang."""
     from zeroband.sim import run_sites
 
     try:
-        return run_sites(tree, sites)
+        return run_sites(tree, sites, step_s=step_s)
     except RuntimeError as e:
         return {"error": str(e)}
 
 
-def run_simulated(tree: dict, sites: int) -> dict:
-    return run_ranks(_simulate, 1, (tree, sites), timeout=120)[0]
+def run_simulated(tree: dict, sites: int, step_s: list[float] | None = None) -> dict:
+    return run_ranks(_simulate, 1, (tree, sites, step_s), timeout=120)[0]
 
 
 @pytest.mark.parametrize("diloco, precision", [
@@ -73,3 +73,18 @@ def test_simulated_run_resumes_from_its_checkpoints(corpus, tmp_path):
     for site in (0, 1):
         again = final_params(tree, site, 6)
         assert all(torch.equal(whole[site][k], again[k]) for k in again), f"site {site} differs"
+
+
+def test_sites_of_different_speeds_on_a_virtual_clock(corpus, tmp_path):
+    """Time-budget rounds with site 1 at half speed (`StepClock`): it runs half the inner steps of
+    each round, every outer step leaves both sites with the same bits, and at each boundary its lr
+    schedule stands where site 0's does (the run's rounds, not its own step count)."""
+    tree = diloco_tree(corpus, tmp_path, train={"steps": 12, "global_batch": 2, "micro_batch": 2},
+                       optim={"warmup_steps": 2, "schedule": "cosine"}, log={"interval": 1},
+                       diloco={"inner_steps": 4, "round_seconds": 4.0, "log_checksum": True})
+    run_simulated(tree, 2, step_s=[1.0, 2.0])
+    outer = [outer_records(tmp_path, s) for s in (0, 1)]
+    assert [r["step"] for r in outer[0]] == [4, 8, 12] and [r["step"] for r in outer[1]] == [2, 4, 6]
+    assert [r["outer_crc"] for r in outer[0]] == [r["outer_crc"] for r in outer[1]]
+    lrs = [{r["step"]: r["lr"] for r in site_records(tmp_path, s, "train")} for s in (0, 1)]
+    assert [lrs[0][s] for s in (4, 8)] == [lrs[1][s] for s in (2, 4)]

@@ -42,3 +42,44 @@ def test_estimate_weight_per_overlap_rule() -> None:
     assert estimate_weight("eager", 4) == 1.0
     assert estimate_weight("eager_share", 4) == 0.25
     assert estimate_weight("delayed", 4) is None
+
+
+def test_schedule_follows_rounds_under_a_time_budget():
+    """Rounds of inner_steps steps: the schedule is the site's own step. A time budget: the run's
+    rounds x inner_steps plus this round's steps (capped), so sites of any speed meet at boundaries."""
+    steps = RoundClock(DilocoConfig(inner_steps=4), 0)
+    assert [steps.position(s) for s in (0, 3, 9)] == [0, 3, 9]
+    budget = RoundClock(DilocoConfig(inner_steps=4, round_seconds=1.0), 0)
+    budget.rounds, budget.steps_in_round = 2, 1
+    assert budget.position(3) == 9  # a slow site: 3 steps of its own, 2 rounds of the run behind it
+    budget.steps_in_round = 7
+    assert budget.position(30) == 12  # a fast one holds at the round's end until the boundary
+    assert budget.position(30, rounds_done=5) == 24  # the membership's shared count (elastic) decides
+
+
+def test_follow_schedule_moves_only_a_schedule_that_is_elsewhere():
+    import torch
+
+    from zeroband.config import OptimConfig
+    from zeroband.optim import build_scheduler, follow_schedule
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = build_scheduler(opt, OptimConfig(lr=1.0, warmup_steps=4, schedule="cosine"), 20)
+    opt.step()
+    sched.step()
+    follow_schedule(sched, 1)  # already there: untouched
+    assert sched.last_epoch == 1 and opt.param_groups[0]["lr"] == 0.5
+    follow_schedule(sched, 3)
+    assert sched.last_epoch == 3 and opt.param_groups[0]["lr"] == 1.0 and sched.get_last_lr() == [1.0]
+
+
+def test_step_clock_ends_a_round_after_the_steps_that_fit():
+    from zeroband.sim import StepClock
+
+    cfg = DilocoConfig(inner_steps=4, round_seconds=4.0)
+    fast, slow = StepClock(RoundClock(cfg, 8), 1.0), StepClock(RoundClock(cfg, 8), 2.0)
+    assert [fast.tick(s) for s in range(1, 5)] == [False, False, False, True]
+    assert [slow.tick(s) for s in range(1, 3)] == [False, True]
+    assert slow.take_tokens() == 16.0 and fast.take_tokens() == 32.0  # weighed by the tokens each did
+    with pytest.raises(ValueError, match="round_seconds"):
+        StepClock(RoundClock(DilocoConfig(inner_steps=4), 8), 1.0)

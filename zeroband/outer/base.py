@@ -55,6 +55,8 @@ class Outer(Protocol):
 
     def finished(self, step: int, total_steps: int) -> bool: ...
 
+    def schedule_position(self, step: int) -> int: ...
+
     def attach(self, sink: Callable[[dict[str, Any]], None]) -> None: ...
 
     def state_dict(self) -> dict[str, Any]: ...
@@ -82,6 +84,9 @@ class NoOuter:
 
     def finished(self, step: int, total_steps: int) -> bool:
         return step >= total_steps
+
+    def schedule_position(self, step: int) -> int:
+        return step
 
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -129,6 +134,17 @@ class RoundClock:
             done = self.rounds if rounds_done is None else rounds_done
             return done >= total_steps // self.cfg.inner_steps
         return step >= total_steps
+
+    def position(self, step: int, rounds_done: int | None = None) -> int:
+        """Where the inner lr schedule stands after `step` inner steps (the next step's index): `step`
+        itself with rounds of inner_steps steps. With a time budget, the run's rounds x inner_steps
+        plus this round's steps (at most inner_steps): each site's own step count would leave a
+        slower site's schedule behind the others' for good (a faster one's ahead), so every site
+        is put back at the same place at each boundary. `rounds_done` as for `finished`."""
+        if not self.cfg.round_seconds:
+            return step
+        done = self.rounds if rounds_done is None else rounds_done
+        return done * self.cfg.inner_steps + min(self.steps_in_round, self.cfg.inner_steps)
 
     def state_dict(self) -> dict[str, int]:
         return {"rounds": self.rounds}

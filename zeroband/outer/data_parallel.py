@@ -74,6 +74,9 @@ class CrossSiteDataParallel:
     def finished(self, step: int, total_steps: int) -> bool:
         return step >= total_steps
 
+    def schedule_position(self, step: int) -> int:  # rounds of inner_steps steps only: the step itself
+        return step
+
     def after_inner_step(self, step: int, sync_point: bool = False) -> OuterStats | None:
         if step % self.cfg.inner_steps:
             return None

@@ -149,6 +149,9 @@ class Fragments:
     def finished(self, step: int, total_steps: int) -> bool:
         return step >= total_steps
 
+    def schedule_position(self, step: int) -> int:  # rounds of inner_steps steps only: the step itself
+        return step
+
     def after_inner_step(self, step: int, sync_point: bool = False) -> OuterStats | None:
         """Each fragment whose round ends here steps (every one at the end), in fragment order; at a
         checkpoint, exchanges still in flight land."""
