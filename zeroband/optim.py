@@ -126,9 +126,9 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_st
 
 
 def follow_schedule(scheduler: LambdaLR, position: int) -> None:
-    """Put the schedule at `position` (the next step's 0-based index) where the outer method says it
-    stands (`Outer.schedule_position`); a no-op while it already is there, as in every run with
-    rounds of inner_steps steps."""
+    """Put the schedule at `position` (the next step's 0-based index): the run step
+    (`Outer.run_step`); a no-op while it already is there, as in every run with rounds of
+    inner_steps steps."""
     if scheduler.last_epoch != position:
         scheduler.last_epoch = position - 1
         scheduler.step()

@@ -439,7 +439,8 @@ def train_loop(run: Run, metrics: MetricsLogger) -> dict[str, Any]:
 
         sync_point = sync_due(cfg.checkpoint, progress.step, cfg.train.steps)
         outer_stats = run.outer.after_inner_step(progress.step, sync_point=sync_point)
-        follow_schedule(run.scheduler, run.outer.schedule_position(progress.step))
+        run_step = run.outer.run_step(progress.step)  # the step itself but under diloco.round_seconds
+        follow_schedule(run.scheduler, run_step)
         last = run.outer.finished(progress.step, cfg.train.steps)
         if outer_stats is not None:
             metrics.log(progress.step, {**outer_stats.as_dict(), "compute_utilisation": run.clock.utilisation}, "outer")
@@ -450,7 +451,7 @@ def train_loop(run: Run, metrics: MetricsLogger) -> dict[str, Any]:
         if (cfg.eval.interval and progress.step % cfg.eval.interval == 0) or last:
             val = validation_metrics(evaluate(run.model, run.eval_set, run.topology), run.bytes_per_token)
             metrics.log(progress.step, val, "val")
-        saver.maybe_save(progress.step, last)
+        saver.maybe_save(run_step, last)
         if stop.agreed(run.topology):  # SIGTERM on any rank of the site: leave cleanly
             log.info("SIGTERM: leaving at step %d after a checkpoint", progress.step)
             stopping = True
@@ -459,7 +460,7 @@ def train_loop(run: Run, metrics: MetricsLogger) -> dict[str, Any]:
     run.outer.leave()  # finished or stopping: nobody should wait for this site any more (once)
     # Always when stopping early; at the end as configured (a site that joined at the very last
     # boundary trained no step and is saved here).
-    saver.maybe_save(progress.step, last=True, stopping=stopping)
+    saver.maybe_save(run.outer.run_step(progress.step), last=True, stopping=stopping)
     return {"losses": losses, "val": val, "steps": progress.step, "tokens": progress.tokens,
             "compute_utilisation": run.clock.utilisation, "run_dir": str(run.run_dir)}
 

@@ -88,3 +88,23 @@ def test_sites_of_different_speeds_on_a_virtual_clock(corpus, tmp_path):
     assert [r["outer_crc"] for r in outer[0]] == [r["outer_crc"] for r in outer[1]]
     lrs = [{r["step"]: r["lr"] for r in site_records(tmp_path, s, "train")} for s in (0, 1)]
     assert [lrs[0][s] for s in (4, 8)] == [lrs[1][s] for s in (2, 4)]
+
+
+def test_sites_of_different_speeds_resume_exactly(corpus, tmp_path):
+    """Under a time budget checkpoints are named by the run step (rounds x inner_steps), so a fast
+    and a slow site save the same rounds under the same names, agree on one, and a resumed run ends
+    with the bits of an uninterrupted one."""
+    tree = diloco_tree(corpus, tmp_path, train={"steps": 12, "global_batch": 2, "micro_batch": 2},
+                       checkpoint={"interval": 4, "keep_last": 3}, eval={"interval": 0, "batches": 1},
+                       diloco={"inner_steps": 4, "round_seconds": 4.0})
+    straight = run_simulated(tree, 2, step_s=[1.0, 2.0])
+    saved = [sorted(p.name for p in (tmp_path / "t" / "checkpoints" / f"site{s}").glob("step_*")) for s in (0, 1)]
+    assert saved[0] == saved[1] == ["step_000000004", "step_000000008", "step_000000012"]
+    whole = [final_params(tree, site, 12) for site in (0, 1)]
+    for site in (0, 1):  # as if the run had stopped after round 2
+        shutil.rmtree(tmp_path / "t" / "checkpoints" / f"site{site}" / "step_000000012")
+    resumed = run_simulated(tree, 2, step_s=[1.0, 2.0])
+    assert resumed["losses"] == straight["losses"][8:]  # site 0 trained its last round again, only that
+    for site in (0, 1):
+        again = final_params(tree, site, 12)
+        assert all(torch.equal(whole[site][k], again[k]) for k in again), f"site {site} differs"

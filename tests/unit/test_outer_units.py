@@ -44,17 +44,18 @@ def test_estimate_weight_per_overlap_rule() -> None:
     assert estimate_weight("delayed", 4) is None
 
 
-def test_schedule_follows_rounds_under_a_time_budget():
-    """Rounds of inner_steps steps: the schedule is the site's own step. A time budget: the run's
-    rounds x inner_steps plus this round's steps (capped), so sites of any speed meet at boundaries."""
+def test_run_step_follows_rounds_under_a_time_budget():
+    """Rounds of inner_steps steps: the run step is the site's own. A time budget: the run's rounds x
+    inner_steps plus this round's steps (below the next multiple), so sites of any speed meet at
+    boundaries, and only there on a multiple of inner_steps (where checkpoints fall)."""
     steps = RoundClock(DilocoConfig(inner_steps=4), 0)
-    assert [steps.position(s) for s in (0, 3, 9)] == [0, 3, 9]
+    assert [steps.run_step(s) for s in (0, 3, 9)] == [0, 3, 9]
     budget = RoundClock(DilocoConfig(inner_steps=4, round_seconds=1.0), 0)
     budget.rounds, budget.steps_in_round = 2, 1
-    assert budget.position(3) == 9  # a slow site: 3 steps of its own, 2 rounds of the run behind it
+    assert budget.run_step(3) == 9  # a slow site: 3 steps of its own, 2 rounds of the run behind it
     budget.steps_in_round = 7
-    assert budget.position(30) == 12  # a fast one holds at the round's end until the boundary
-    assert budget.position(30, rounds_done=5) == 24  # the membership's shared count (elastic) decides
+    assert budget.run_step(30) == 11  # a fast one holds below the next boundary until it is there
+    assert budget.run_step(30, rounds_done=5) == 23  # the membership's shared count (elastic) decides
 
 
 def test_follow_schedule_moves_only_a_schedule_that_is_elsewhere():

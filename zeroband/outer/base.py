@@ -55,7 +55,7 @@ class Outer(Protocol):
 
     def finished(self, step: int, total_steps: int) -> bool: ...
 
-    def schedule_position(self, step: int) -> int: ...
+    def run_step(self, step: int) -> int: ...
 
     def attach(self, sink: Callable[[dict[str, Any]], None]) -> None: ...
 
@@ -85,7 +85,7 @@ class NoOuter:
     def finished(self, step: int, total_steps: int) -> bool:
         return step >= total_steps
 
-    def schedule_position(self, step: int) -> int:
+    def run_step(self, step: int) -> int:
         return step
 
     def state_dict(self) -> dict[str, Any]:
@@ -135,16 +135,17 @@ class RoundClock:
             return done >= total_steps // self.cfg.inner_steps
         return step >= total_steps
 
-    def position(self, step: int, rounds_done: int | None = None) -> int:
-        """Where the inner lr schedule stands after `step` inner steps (the next step's index): `step`
-        itself with rounds of inner_steps steps. With a time budget, the run's rounds x inner_steps
-        plus this round's steps (at most inner_steps): each site's own step count would leave a
-        slower site's schedule behind the others' for good (a faster one's ahead), so every site
-        is put back at the same place at each boundary. `rounds_done` as for `finished`."""
+    def run_step(self, step: int, rounds_done: int | None = None) -> int:
+        """Where the run stands after this site's `step` inner steps, in inner steps: what the lr
+        schedule follows and checkpoints are named by. `step` itself with rounds of inner_steps
+        steps. With a time budget the sites' own step counts part (a slower site runs fewer steps a
+        round), so the run step is the run's rounds x inner_steps, plus this round's steps up to
+        inner_steps - 1: every site is at the same run step at each boundary, and only there on a
+        multiple of inner_steps. `rounds_done` as for `finished`."""
         if not self.cfg.round_seconds:
             return step
         done = self.rounds if rounds_done is None else rounds_done
-        return done * self.cfg.inner_steps + min(self.steps_in_round, self.cfg.inner_steps)
+        return done * self.cfg.inner_steps + min(self.steps_in_round, self.cfg.inner_steps - 1)
 
     def state_dict(self) -> dict[str, int]:
         return {"rounds": self.rounds}

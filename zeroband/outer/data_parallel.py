@@ -74,7 +74,7 @@ class CrossSiteDataParallel:
     def finished(self, step: int, total_steps: int) -> bool:
         return step >= total_steps
 
-    def schedule_position(self, step: int) -> int:  # rounds of inner_steps steps only: the step itself
+    def run_step(self, step: int) -> int:  # rounds of inner_steps steps only: the site's step
         return step
 
     def after_inner_step(self, step: int, sync_point: bool = False) -> OuterStats | None:

@@ -263,8 +263,8 @@ class DiLoCo:
     def finished(self, step: int, total_steps: int) -> bool:
         return self.clock.finished(step, total_steps, self.membership.rounds_done(self.clock.rounds))
 
-    def schedule_position(self, step: int) -> int:
-        return self.clock.position(step, self.membership.rounds_done(self.clock.rounds))
+    def run_step(self, step: int) -> int:
+        return self.clock.run_step(step, self.membership.rounds_done(self.clock.rounds))
 
     def due(self, step: int) -> bool:
         """Whether inner step `step` ends this outer loop's round (nothing counted)."""
