@@ -389,8 +389,8 @@ class DilocoConfig(Section):
         if self.outer_device == "cuda" and (self.overlap or self.elastic):
             raise ValueError("diloco.outer_device = 'cuda' needs blocking outer steps: set it to 'auto' or 'cpu' "
                              "with diloco.overlap or diloco.elastic")
-        if self.round_seconds and (self.overlap or self.mode != "diloco"):
-            raise ValueError("diloco.round_seconds needs diloco.mode = 'diloco' without diloco.overlap")
+        if self.round_seconds and self.mode != "diloco":
+            raise ValueError("diloco.round_seconds needs diloco.mode = 'diloco'")
         if self.round_seconds and self.outer_lr_schedule == "inner":  # each site's step at a boundary is its own
             raise ValueError("diloco.outer_lr_schedule = 'inner' needs rounds of diloco.inner_steps steps: with "
                              "diloco.round_seconds the sites would each take another outer lr. Fix: set "

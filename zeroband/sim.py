@@ -79,7 +79,7 @@ class StepClock(RoundClock):
         if not clock.cfg.round_seconds:
             raise ValueError("a virtual clock needs diloco.round_seconds > 0 (rounds of inner_steps steps take no clock)")
         super().__init__(clock.cfg, clock.tokens_per_step, clock.offset)
-        self.step_s = step_s
+        self.step_s, self.sync_at = step_s, clock.sync_at
 
     def due(self, step: int) -> bool:
         return self.steps_in_round * self.step_s >= self.cfg.round_seconds

@@ -132,7 +132,10 @@ def build_outer(cfg: Config, model: torch.nn.Module, topology: Topology, group: 
     if not cfg.diloco.elastic:
         if cfg.diloco.fragments > 1:
             return fragments(factor, group=group)
-        return DiLoCo(model, cfg.diloco, topology, tokens_per_step, lr_factor=factor, group=group)
+        fixed = DiLoCo(model, cfg.diloco, topology, tokens_per_step, lr_factor=factor, group=group)
+        last = cfg.train.steps // diloco.inner_steps * diloco.inner_steps  # a time budget's last round
+        fixed.clock.sync_at = lambda run_step: sync_due(cfg.checkpoint, run_step, last)
+        return fixed
     # A joiner takes the outer state, progress and schedule from a peer, in the round it applies:
     # the run's step is then `progress`, which every member of a round holds alike (rounds of
     # diloco.round_seconds refuse outer_lr_schedule = "inner"), so they take the same outer lr.

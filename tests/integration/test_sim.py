@@ -75,36 +75,42 @@ def test_simulated_run_resumes_from_its_checkpoints(corpus, tmp_path):
         assert all(torch.equal(whole[site][k], again[k]) for k in again), f"site {site} differs"
 
 
-def test_sites_of_different_speeds_on_a_virtual_clock(corpus, tmp_path):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_sites_of_different_speeds_on_a_virtual_clock(corpus, tmp_path, overlap):
     """Time-budget rounds with site 1 at half speed (`StepClock`): it runs half the inner steps of
     each round, every outer step leaves both sites with the same bits, and at each boundary its lr
-    schedule stands where site 0's does (the run's rounds, not its own step count)."""
+    schedule stands where site 0's does (the run's rounds, not its own step count). Overlapped,
+    each average lands at the next boundary and the last round blocks on both sites alike."""
     tree = diloco_tree(corpus, tmp_path, train={"steps": 12, "global_batch": 2, "micro_batch": 2},
                        optim={"warmup_steps": 2, "schedule": "cosine"}, log={"interval": 1},
-                       diloco={"inner_steps": 4, "round_seconds": 4.0, "log_checksum": True})
+                       diloco={"inner_steps": 4, "round_seconds": 4.0, "log_checksum": True, "overlap": overlap})
     run_simulated(tree, 2, step_s=[1.0, 2.0])
     outer = [outer_records(tmp_path, s) for s in (0, 1)]
-    assert [r["step"] for r in outer[0]] == [4, 8, 12] and [r["step"] for r in outer[1]] == [2, 4, 6]
+    assert [r["step"] for r in outer[0]] == ([8, 12] if overlap else [4, 8, 12])  # the first lands at round 2
+    assert [r["step"] for r in outer[1]] == ([4, 6] if overlap else [2, 4, 6])
+    assert [r["overlapped"] for r in outer[0]] == ([True, False] if overlap else [False] * 3)
     assert [r["outer_crc"] for r in outer[0]] == [r["outer_crc"] for r in outer[1]]
     lrs = [{r["step"]: r["lr"] for r in site_records(tmp_path, s, "train")} for s in (0, 1)]
     assert [lrs[0][s] for s in (4, 8)] == [lrs[1][s] for s in (2, 4)]
 
 
-def test_sites_of_different_speeds_resume_exactly(corpus, tmp_path):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_sites_of_different_speeds_resume_exactly(corpus, tmp_path, overlap):
     """Under a time budget checkpoints are named by the run step (rounds x inner_steps), so a fast
     and a slow site save the same rounds under the same names, agree on one, and a resumed run ends
-    with the bits of an uninterrupted one."""
-    tree = diloco_tree(corpus, tmp_path, train={"steps": 12, "global_batch": 2, "micro_batch": 2},
-                       checkpoint={"interval": 4, "keep_last": 3}, eval={"interval": 0, "batches": 1},
-                       diloco={"inner_steps": 4, "round_seconds": 4.0})
+    with the bits of an uninterrupted one (overlapped: rounds 1 and 3 launch in the background, and
+    2, a checkpoint, and 4, the end, block on every site alike)."""
+    tree = diloco_tree(corpus, tmp_path, train={"steps": 16, "global_batch": 2, "micro_batch": 2},
+                       checkpoint={"interval": 8, "keep_last": 3}, eval={"interval": 0, "batches": 1},
+                       diloco={"inner_steps": 4, "round_seconds": 4.0, "overlap": overlap})
     straight = run_simulated(tree, 2, step_s=[1.0, 2.0])
     saved = [sorted(p.name for p in (tmp_path / "t" / "checkpoints" / f"site{s}").glob("step_*")) for s in (0, 1)]
-    assert saved[0] == saved[1] == ["step_000000004", "step_000000008", "step_000000012"]
-    whole = [final_params(tree, site, 12) for site in (0, 1)]
+    assert saved[0] == saved[1] == ["step_000000008", "step_000000016"]
+    whole = [final_params(tree, site, 16) for site in (0, 1)]
     for site in (0, 1):  # as if the run had stopped after round 2
-        shutil.rmtree(tmp_path / "t" / "checkpoints" / f"site{site}" / "step_000000012")
+        shutil.rmtree(tmp_path / "t" / "checkpoints" / f"site{site}" / "step_000000016")
     resumed = run_simulated(tree, 2, step_s=[1.0, 2.0])
-    assert resumed["losses"] == straight["losses"][8:]  # site 0 trained its last round again, only that
+    assert resumed["losses"] == straight["losses"][8:]  # site 0 trained its last two rounds again, only those
     for site in (0, 1):
-        again = final_params(tree, site, 12)
+        again = final_params(tree, site, 16)
         assert all(torch.equal(whole[site][k], again[k]) for k in again), f"site {site} differs"

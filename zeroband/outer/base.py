@@ -106,6 +106,10 @@ class RoundClock:
     def __init__(self, cfg: DilocoConfig, tokens_per_step: int, offset: int = 0) -> None:
         self.cfg, self.tokens_per_step, self.offset = cfg, tokens_per_step, offset
         self.rounds, self.steps_in_round, self.round_start = 0, 0, time.monotonic()
+        # With a time budget: whether the boundary at a run step must be blocking (a checkpoint or the
+        # run's last round; train.build_outer sets it). The loop's sync point reads the site's own
+        # steps, which part under a budget: an overlapped round every site must agree on reads this.
+        self.sync_at: Callable[[int], bool] = lambda run_step: False
 
     def due(self, step: int) -> bool:
         """Whether inner step `step` (1-based: the steps done) ends a round (nothing counted)."""
@@ -146,6 +150,11 @@ class RoundClock:
             return step
         done = self.rounds if rounds_done is None else rounds_done
         return done * self.cfg.inner_steps + min(self.steps_in_round, self.cfg.inner_steps - 1)
+
+    def blocks(self, rounds_done: int | None = None) -> bool:
+        """Under a time budget, whether the boundary just reached (the round counted) is a sync point."""
+        done = self.rounds if rounds_done is None else rounds_done
+        return self.sync_at(done * self.cfg.inner_steps)
 
     def state_dict(self) -> dict[str, int]:
         return {"rounds": self.rounds}

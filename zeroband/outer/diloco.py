@@ -279,6 +279,8 @@ class DiLoCo:
         with torch_threads(self.threads), self.parts.cpu(), torch.no_grad():  # the exchange thread adds its CPU
             t0 = time.perf_counter()
             landed, waited = self.overlap.land(self.group, self._apply) if self.overlap.pending else (None, 0.0)
+            if self.cfg.round_seconds:  # the sites' steps part under a budget: the run's rounds decide
+                sync_point = self.clock.blocks(self.membership.rounds_done(self.clock.rounds))
             if self.cfg.overlap and not sync_point:
                 return self._launch(landed, waited, t0)
             grads = self.pseudo_gradient() if self.membership.holds_state else None
