@@ -21,8 +21,9 @@ The synchronous rule at equal tokens computes exactly what `equal` computes (it 
 same pseudo-gradients), so its loss is `equal`'s; what it costs is time, which the utilisation part measures.
 
 Utilisation (--utilisation), on the simulator with the wall clock: 4 sites on threads, site 3 throttled
-to half speed (it sleeps as long as each of its inner steps took), the time budget against the
-synchronous rule back to back in one process. A site's utilisation here is the share of its wall time
+to half speed (it sleeps as long as each of its inner steps took), back to back in one process: the
+time budget, the time budget with the exchange overlapped (each average lands at the next boundary),
+and the synchronous rule (H = a fast site's steps per budget round). A site's utilisation here is the share of its wall time
 outside the outer loop's boundaries (between its first and last inner step): what it spent computing.
 """
 
@@ -103,18 +104,15 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
     val = [r for r in records if r["kind"] == "val"]
     tokens = site_steps(spec) * lh.BATCH * lh.SEQ_LEN
     return {**asdict(spec), "val_loss": val[-1]["val_loss"], "tokens": tokens, "site_steps": site_steps(spec),
-            "outer_steps": len([r for r in records if r["kind"] == "outer"]), "wall_s": time.perf_counter() - start,
-            "key": job["key"], "version": job["version"], "commit": job["commit"]}
+            "outer_steps": len([r for r in records if r["kind"] == "outer"]), "wall_s": time.perf_counter() - start}
 
 
 def child_main(path: str) -> int:
     job = json.loads(Path(path).read_text())
     if job["quick"]:
         lh.MODELS[MODEL] = lh.CANARY_MODEL
-    if job["spec"]["row"] == "utilisation":
-        out = utilisation(job)
-    else:
-        out = run_one(job)
+    out = utilisation(job) if job["spec"]["row"] == "utilisation" else run_one(job)
+    out.update(key=job["key"], version=job["version"], commit=job["commit"])
     tmp = Path(job["out"]).with_suffix(".tmp")
     tmp.write_text(json.dumps(out, indent=1))
     tmp.replace(job["out"])  # a row file exists only complete
@@ -163,7 +161,7 @@ def utilisation(job: dict[str, Any]) -> dict[str, Any]:
     rounds, budget = (2, 3.0) if q else (6, 20.0)
     out: dict[str, Any] = {"row": "utilisation", "rounds": rounds, "round_seconds": budget, "load_before": os.getloadavg()[0]}
     h_sync = 0
-    for rule in ("budget", "sync"):
+    for rule in ("budget", "budget_overlap", "sync"):
         sites: dict[int, Throttled] = {}
 
         def wrap(outer: Any, model: Any, sites: dict[int, Throttled] = sites) -> Any:
@@ -171,9 +169,10 @@ def utilisation(job: dict[str, Any]) -> dict[str, Any]:
             sites[site] = Throttled(outer, 2.0 if site == SITES - 1 else 1.0)
             return sites[site]
 
-        diloco = {"round_seconds": budget} if rule == "budget" else {"inner_steps": h_sync}
-        s = Spec("utilisation", "diloco", SITES, rounds * H if rule == "budget" else rounds * h_sync, spec.seed,
-                 h=H if rule == "budget" else h_sync, **shipped_default(), extra={"diloco": diloco})
+        timed = rule != "sync"
+        diloco = {"round_seconds": budget, "overlap": rule == "budget_overlap"} if timed else {"inner_steps": h_sync}
+        s = Spec("utilisation", "diloco", SITES, rounds * (H if timed else h_sync), spec.seed,
+                 h=H if timed else h_sync, **shipped_default(), extra={"diloco": diloco})
         tree = tree_for(s, Path(job["corpus"]), Path(job["tokenizer"]), Path(job["work"]) / rule)
         tree["eval"] = {"interval": 0, "batches": 1}
         seams.use(seams.Seams(outer=wrap))
@@ -187,8 +186,8 @@ def utilisation(job: dict[str, Any]) -> dict[str, Any]:
             per_site[site] = {"steps": w.t["steps"], "wall_s": total, "boundary_s": w.t["boundary_s"],
                               "utilisation": 1 - w.t["boundary_s"] / total}
         out[rule] = per_site
-        # the synchronous rule's H: the steps a fast site ran per round of the budget
-        h_sync = max(1, round(statistics.median(per_site[s]["steps"] for s in range(SITES - 1)) / rounds))
+        if rule == "budget":  # the synchronous rule's H: the steps a fast site ran per round of the budget
+            h_sync = max(1, round(statistics.median(per_site[s]["steps"] for s in range(SITES - 1)) / rounds))
     out["h_sync"], out["load_after"] = h_sync, os.getloadavg()[0]
     return out
 
@@ -257,7 +256,7 @@ def report(ctx: dict[str, Any]) -> str:
                   f"{u['load_before']:.1f} before / {u['load_after']:.1f} after; the synchronous rule ran with "
                   f"H = {u['h_sync']} (a fast site's steps per budget round).", "",
                   "| rule | site | inner steps | wall s | at boundaries s | utilisation |", "|---|---:|---:|---:|---:|---:|"]
-        for rule in ("budget", "sync"):
+        for rule in ("budget", "budget_overlap", "sync"):
             for site, s in u[rule].items():
                 lines.append(f"| {rule} | {site} | {s['steps']} | {s['wall_s']:.1f} | {s['boundary_s']:.1f} | "
                              f"{100 * s['utilisation']:.1f}% |")

@@ -125,6 +125,11 @@ class RoundClock:
             self.rounds += 1
         return due
 
+    def restart(self) -> None:
+        """The current round's time budget starts now (not when the clock was built: a site's setup
+        before the sites meet is no part of its first round)."""
+        self.round_start = time.monotonic()
+
     def take_tokens(self) -> float:
         tokens = self.steps_in_round * self.tokens_per_step
         self.steps_in_round, self.round_start = 0, time.monotonic()

@@ -210,8 +210,9 @@ class DiLoCo:
         self.membership.start(resumed)
         if not self.membership.holds_state:
             self.join()
-            return
-        self.start_replicas(resumed)
+        else:
+            self.start_replicas(resumed)
+        self.clock.restart()  # a time budget's first round counts from here, where the sites meet
 
     def note_outer_device(self) -> None:
         """Where the outer arithmetic runs joins what the sites agree on at start."""
