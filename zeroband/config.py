@@ -292,7 +292,8 @@ class DilocoConfig(Section):
     outlier_factor: float = Field(10.0, ge=0)
     # Time-budget rounds (Decoupled DiLoCo): > 0 makes every round last this many seconds instead of
     # inner_steps steps; each site runs as many inner steps as fit, and pseudo-gradients are
-    # weighted by the tokens each site processed. The run lasts train.steps // inner_steps rounds.
+    # weighted by the tokens each site processed. The run lasts train.steps // inner_steps rounds;
+    # the lr schedule and the checkpoints follow the run's rounds x inner_steps (the run step).
     round_seconds: float = Field(0.0, ge=0)
     # How the sites' pseudo-gradients are merged (zeroband/comm/reduce.py `site_weight`): "mean" (or
     # by tokens with round_seconds); "rda", radial-directional averaging (Decoupled DiLoCo): the mean

@@ -133,8 +133,9 @@ def build_outer(cfg: Config, model: torch.nn.Module, topology: Topology, group: 
         if cfg.diloco.fragments > 1:
             return fragments(factor, group=group)
         fixed = DiLoCo(model, cfg.diloco, topology, tokens_per_step, lr_factor=factor, group=group)
-        last = cfg.train.steps // diloco.inner_steps * diloco.inner_steps  # a time budget's last round
-        fixed.clock.sync_at = lambda run_step: sync_due(cfg.checkpoint, run_step, last)
+        # under a time budget, which boundaries block: read at the run step (train.steps and checkpoint
+        # intervals are multiples of inner_steps, so both fall on boundaries)
+        fixed.clock.sync_at = lambda run_step: sync_due(cfg.checkpoint, run_step, cfg.train.steps)
         return fixed
     # A joiner takes the outer state, progress and schedule from a peer, in the round it applies:
     # the run's step is then `progress`, which every member of a round holds alike (rounds of
