@@ -399,9 +399,11 @@ class DilocoConfig(Section):
         if self.fragments > 1 and self.inner_steps % self.fragments:
             raise ValueError(f"diloco.inner_steps={self.inner_steps} must be a multiple of diloco.fragments="
                              f"{self.fragments}: one fragment syncs every inner_steps / fragments steps")
-        if self.fragments > 1 and (self.round_seconds or self.mode != "diloco"):
-            raise ValueError("diloco.fragments > 1 needs diloco.mode = 'diloco' with rounds of inner steps: "
-                             "without diloco.round_seconds (not built yet). Fix: diloco.fragments = 1")
+        if self.fragments > 1 and self.mode != "diloco":
+            raise ValueError("diloco.fragments > 1 needs diloco.mode = 'diloco'. Fix: diloco.fragments = 1")
+        if self.fragments > 1 and self.round_seconds and self.elastic:
+            raise ValueError("diloco.fragments > 1 with diloco.round_seconds needs a fixed membership (not built "
+                             "with diloco.elastic yet). Fix: diloco.fragments = 1 or diloco.round_seconds = 0")
         if self.merge != "mean" and self.mode != "diloco":
             raise ValueError(f"diloco.merge = {self.merge!r} merges pseudo-gradients: it needs diloco.mode = "
                              "'diloco' (data parallel averages gradients). Fix: diloco.merge = 'mean'")

@@ -80,15 +80,23 @@ class StepClock(RoundClock):
             raise ValueError("a virtual clock needs diloco.round_seconds > 0 (rounds of inner_steps steps take no clock)")
         super().__init__(clock.cfg, clock.tokens_per_step, clock.offset)
         self.step_s, self.sync_at = step_s, clock.sync_at
+        self.counted = -1  # the last step `tick` counted
+
+    def tick(self, step: int, force: bool = False, decided: bool | None = None) -> bool:
+        self.counted = step
+        return super().tick(step, force, decided)
 
     def due(self, step: int) -> bool:
-        return self.steps_in_round * self.step_s >= self.cfg.round_seconds
+        """Whether step `step` ends the round, asked before its tick (as fragments do) or in it."""
+        steps = self.steps_in_round + (0 if self.counted == step else 1)
+        return steps * self.step_s >= self.budget()
 
 
 def virtual_clocks(outer_seam: Callable[[Any, Any], Any], step_s: list[float]) -> Callable[[Any, Any], Any]:
-    """An `outer` seam that gives each site's DiLoCo a `StepClock` of its own speed."""
+    """An `outer` seam that gives each site's DiLoCo (each fragment's) a `StepClock` of its own speed."""
     def wrap(outer: Any, model: Any) -> Any:
-        outer.clock = StepClock(outer.clock, step_s[outer.topology.world.site_rank])
+        for d in getattr(outer, "fragments", [outer]):
+            d.clock = StepClock(d.clock, step_s[d.topology.world.site_rank])
         return outer_seam(outer, model)
     return wrap
 

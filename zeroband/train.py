@@ -131,7 +131,9 @@ def build_outer(cfg: Config, model: torch.nn.Module, topology: Topology, group: 
 
     if not cfg.diloco.elastic:
         if cfg.diloco.fragments > 1:
-            return fragments(factor, group=group)
+            split = fragments(factor, group=group)
+            split.sync_at = lambda run_step: sync_due(cfg.checkpoint, run_step, cfg.train.steps)
+            return split
         fixed = DiLoCo(model, cfg.diloco, topology, tokens_per_step, lr_factor=factor, group=group)
         # under a time budget, which boundaries block: read at the run step (train.steps and checkpoint
         # intervals are multiples of inner_steps, so both fall on boundaries)

@@ -114,3 +114,43 @@ def test_sites_of_different_speeds_resume_exactly(corpus, tmp_path, overlap):
     for site in (0, 1):
         again = final_params(tree, site, 16)
         assert all(torch.equal(whole[site][k], again[k]) for k in again), f"site {site} differs"
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_fragments_of_sites_of_different_speeds(corpus, tmp_path, overlap):
+    """Two fragments under a time budget, site 1 at half speed: fragment 0's rounds end half a round
+    after fragment 1's, on both sites in the same order, each landing with the same bits on both;
+    the run ends with every fragment synced, and a resume from a checkpoint round is exact."""
+    tree = diloco_tree(corpus, tmp_path, train={"steps": 16, "global_batch": 2, "micro_batch": 2},
+                       checkpoint={"interval": 8, "keep_last": 3}, eval={"interval": 0, "batches": 1},
+                       diloco={"inner_steps": 4, "round_seconds": 4.0, "fragments": 2, "log_checksum": True,
+                               "overlap": overlap})
+    straight = run_simulated(tree, 2, step_s=[1.0, 2.0])
+    outer = [outer_records(tmp_path, s) for s in (0, 1)]
+    assert [r["step"] // 2 for r in outer[0]] == [r["step"] for r in outer[1]]  # the same boundaries, in order
+    assert [r["fragments"] for r in outer[0]] == [r["fragments"] for r in outer[1]]
+    assert [r["outer_crc"] for r in outer[0]] == [r["outer_crc"] for r in outer[1]]
+    assert outer[0][-1]["step"] == 16 and outer[0][-1]["fragments"] == [0, 1]
+    whole = [final_params(tree, site, 16) for site in (0, 1)]
+    for site in (0, 1):
+        shutil.rmtree(tmp_path / "t" / "checkpoints" / f"site{site}" / "step_000000016")
+    resumed = run_simulated(tree, 2, step_s=[1.0, 2.0])
+    assert resumed["losses"] == straight["losses"][8:]
+    for site in (0, 1):
+        again = final_params(tree, site, 16)
+        assert all(torch.equal(whole[site][k], again[k]) for k in again), f"site {site} differs"
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_slow_step_that_ends_two_fragments_ends_them_in_order(corpus, tmp_path, overlap):
+    """Site 1's step (5 s) outlasts half a round (2 s): one of its steps ends both fragments' rounds,
+    which it takes in the order of their deadlines, as site 0 takes them steps apart; both sites end
+    the run with the same bits."""
+    tree = diloco_tree(corpus, tmp_path, train={"steps": 16, "global_batch": 2, "micro_batch": 2},
+                       eval={"interval": 0, "batches": 1}, checkpoint={"interval": 0},
+                       diloco={"inner_steps": 4, "round_seconds": 4.0, "fragments": 2, "overlap": overlap})
+    run_simulated(tree, 2, step_s=[1.0, 5.0])
+    order = [[p for r in outer_records(tmp_path, s) for p in r["fragments"]] for s in (0, 1)]
+    assert order[0] == order[1] and order[0][-2:] == [0, 1]
+    a, b = final_params(tree, 0, 16), final_params(tree, 1, 16)  # named by the run step
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -44,12 +44,23 @@ def test_each_inner_step_ends_at_most_one_fragments_round(p):
         assert sum(d[k] for d in due) == 4
 
 
-def test_fragments_need_a_divisor_of_h_and_fixed_rounds():
+def test_fragments_need_a_divisor_of_h_and_a_fixed_membership_under_a_budget():
     with pytest.raises(ValueError, match="inner_steps=10 must be a multiple of diloco.fragments=4"):
         DilocoConfig(inner_steps=10, fragments=4)
-    with pytest.raises(ValueError, match="diloco.fragments > 1 needs"):
-        DilocoConfig(inner_steps=8, fragments=2, round_seconds=5.0)
+    with pytest.raises(ValueError, match="needs a fixed membership"):
+        DilocoConfig(inner_steps=8, fragments=2, round_seconds=5.0, elastic=True)
     assert DilocoConfig(inner_steps=8, fragments=2, elastic=True).fragments == 2
+    assert DilocoConfig(inner_steps=8, fragments=2, round_seconds=5.0).fragments == 2
+
+
+def test_a_budget_fragment_first_round_ends_at_its_phase():
+    """Under a time budget fragment p's first round lasts (p + 1) / P of one, the later ones a whole
+    one: boundaries round_seconds / P apart, as H / P steps apart without a budget."""
+    cfg = DilocoConfig(inner_steps=8, fragments=4, round_seconds=4.0)
+    clocks = [RoundClock(cfg, 0, off) for off in offsets(8, 4)]
+    assert [c.budget() for c in clocks] == [1.0, 2.0, 3.0, 4.0]
+    clocks[0].rounds = 1
+    assert clocks[0].budget() == 4.0
 
 
 def test_a_decision_names_the_fragment_its_round_syncs_and_old_ones_read_as_none():

@@ -114,13 +114,21 @@ class RoundClock:
     def due(self, step: int) -> bool:
         """Whether inner step `step` (1-based: the steps done) ends a round (nothing counted)."""
         if self.cfg.round_seconds:
-            return time.monotonic() - self.round_start >= self.cfg.round_seconds
+            return time.monotonic() - self.round_start >= self.budget()
         return (step - self.offset) % self.cfg.inner_steps == 0
 
-    def tick(self, step: int, force: bool = False) -> bool:
-        """Count inner step `step`; True if it ends a round (`force`: it does, whatever the clock says)."""
+    def budget(self) -> float:
+        """This round's seconds under a time budget: round_seconds, but a fragment's first round ends
+        at its phase (offset / inner_steps of a round, as its rounds of steps do), so the fragments'
+        boundaries keep falling round_seconds / fragments apart."""
+        phase = (self.offset or self.cfg.inner_steps) / self.cfg.inner_steps
+        return self.cfg.round_seconds * (phase if self.rounds == 0 else 1.0)
+
+    def tick(self, step: int, force: bool = False, decided: bool | None = None) -> bool:
+        """Count inner step `step`; True if it ends a round (`force`: it does, whatever the clock says;
+        `decided`: the caller read the clock already, and that reading stands)."""
         self.steps_in_round += 1
-        due = force or self.due(step)
+        due = force or (self.due(step) if decided is None else decided)
         if due:
             self.rounds += 1
         return due
@@ -162,7 +170,8 @@ class RoundClock:
         return self.sync_at(done * self.cfg.inner_steps)
 
     def state_dict(self) -> dict[str, int]:
-        return {"rounds": self.rounds}
+        return {"rounds": self.rounds, "steps_in_round": self.steps_in_round}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        self.rounds = state["rounds"]
+        # a fragment saved mid-round (zeroband/outer/fragments.py) keeps the steps its round counted
+        self.rounds, self.steps_in_round = state["rounds"], state.get("steps_in_round", 0)

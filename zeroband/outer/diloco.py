@@ -271,17 +271,24 @@ class DiLoCo:
         """Whether inner step `step` ends this outer loop's round (nothing counted)."""
         return self.clock.due(step)
 
-    def after_inner_step(self, step: int, sync_point: bool = False, force: bool = False) -> OuterStats | None:
-        """`force`: a boundary here whatever the round clock says (every fragment at a sync point)."""
-        if not self.clock.tick(step, force):
+    def after_inner_step(self, step: int, sync_point: bool = False, force: bool = False,
+                         decided: bool | None = None) -> OuterStats | None:
+        """`force`: a boundary here whatever the round clock says (every fragment at a sync point);
+        `decided`: whether this step is a boundary, read by the caller (fragments under a budget)."""
+        if not self.clock.tick(step, force, decided):
             return self._land_early() if self.overlap.due(step) else None
+        return self.boundary(step, sync_point)
+
+    def boundary(self, step: int, sync_point: bool = False) -> OuterStats | None:
+        """The outer step of a round the clock ended (`after_inner_step`; fragments under a budget
+        also end an owed round here with no step of its own at the run's end)."""
         self.boundary_step = step
         self.parts = Parts()
         with torch_threads(self.threads), self.parts.cpu(), torch.no_grad():  # the exchange thread adds its CPU
             t0 = time.perf_counter()
             landed, waited = self.overlap.land(self.group, self._apply) if self.overlap.pending else (None, 0.0)
-            if self.cfg.round_seconds:  # the sites' steps part under a budget: the run's rounds decide
-                sync_point = self.clock.blocks(self.membership.rounds_done(self.clock.rounds))
+            if self.cfg.round_seconds and self.topic is None:  # the sites' steps part under a budget: the
+                sync_point = self.clock.blocks(self.membership.rounds_done(self.clock.rounds))  # run's rounds decide
             if self.cfg.overlap and not sync_point:
                 return self._launch(landed, waited, t0)
             grads = self.pseudo_gradient() if self.membership.holds_state else None

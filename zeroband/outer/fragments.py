@@ -109,6 +109,9 @@ class Fragments:
             for p, (idx, offset) in enumerate(zip(self.parts, offsets(cfg.inner_steps, cfg.fragments)))]
         self.current = self.fragments[0]  # the fragment whose round runs (or ran last)
         self.total_steps = total_steps  # train.steps: the end, where every fragment syncs
+        self.cfg, self.budgeted = cfg, bool(cfg.round_seconds)
+        # under a budget, whether the run step of the last fragment's boundary is a checkpoint (build_outer)
+        self.sync_at: Callable[[int], bool] = lambda run_step: False
 
     def attach(self, sink: Callable[[dict[str, Any]], None]) -> None:
         self.membership.attach(sink)
@@ -147,14 +150,18 @@ class Fragments:
         pass
 
     def finished(self, step: int, total_steps: int) -> bool:
+        if self.budgeted:  # the last fragment's rounds are the run's: it syncs at each whole round
+            return self.fragments[-1].clock.finished(step, total_steps)
         return step >= total_steps
 
-    def run_step(self, step: int) -> int:  # rounds of inner_steps steps only: the site's step
-        return step
+    def run_step(self, step: int) -> int:
+        return self.fragments[-1].clock.run_step(step) if self.budgeted else step
 
     def after_inner_step(self, step: int, sync_point: bool = False) -> OuterStats | None:
         """Each fragment whose round ends here steps (every one at the end), in fragment order; at a
         checkpoint, exchanges still in flight land."""
+        if self.budgeted:
+            return self._after_budget(step)
         end = sync_point and step >= self.total_steps
         stats: list[OuterStats] = []
         for p in range(len(self.fragments)):
@@ -170,6 +177,53 @@ class Fragments:
             if s is not None:
                 stats.append(replace(s, fragments=[p]))
         return merged(sorted(stats, key=lambda s: s.fragments)) if stats else None
+
+    def _after_budget(self, step: int) -> OuterStats | None:
+        """Under a time budget: the fragments whose round ends here (read once: a wall clock moves on)
+        step in the order of their deadlines, (round, fragment), which every site shares whatever its
+        speed, though a slow step may end two; the others count the step. The last fragment's
+        boundary is the run's: at a checkpoint there (`sync_at`, read at the run step) every exchange
+        in flight lands, and a round due after it waits a step, so every site saves at the same
+        point. At the run's last one every fragment syncs, blocking (`_close`)."""
+        last, p_last = self.fragments[-1].clock, len(self.fragments) - 1
+        ending = [p for p, f in enumerate(self.fragments) if f.due(step)]
+        if p_last in ending and last.rounds + 1 >= self.total_steps // self.cfg.inner_steps:
+            return self._close(step)
+        settles = p_last in ending and self.sync_at((last.rounds + 1) * self.cfg.inner_steps)
+        if settles:
+            ending = [p for p in ending if (self.fragments[p].clock.rounds, p) <= (last.rounds, p_last)]
+        ending.sort(key=lambda p: (self.fragments[p].clock.rounds, p))
+        stats: list[OuterStats] = []
+        for p in ending + [p for p in range(len(self.fragments)) if p not in ending]:
+            f = self.current = self.fragments[p]
+            if p in ending:
+                self._quiesce(but=f)  # it takes the group: the others' exchanges finish first
+            s = f.after_inner_step(step, settles, decided=p in ending)  # blocking at a checkpoint
+            if s is None and settles:  # one still in flight lands: a checkpoint needs none
+                s = f.settle()
+            stats += [replace(s, fragments=[p])] if s is not None else []
+        return merged(sorted(stats, key=lambda s: s.fragments)) if stats else None
+
+    def _close(self, step: int) -> OuterStats:
+        """The run's last boundary under a budget: the last fragment ends round K = train.steps // H,
+        every other fragment round K + 1 (its progress since its K-th), each taking the rounds it still
+        owes in (round, fragment) order, blocking. A slow site may owe a fragment two here (its K-th
+        fell in this step too): the second counts no step of its own, a contribution of no tokens."""
+        rounds = self.total_steps // self.cfg.inner_steps
+        owed = sorted((r, p) for p, f in enumerate(self.fragments)
+                      for r in range(f.clock.rounds, rounds + (p != len(self.fragments) - 1)))
+        stats, ticked = [], set()
+        for _, p in owed:
+            f = self.current = self.fragments[p]
+            self._quiesce(but=f)
+            if p in ticked:
+                f.clock.rounds += 1
+                s = f.boundary(step, True)
+            else:
+                s = f.after_inner_step(step, True, decided=True)
+                ticked.add(p)
+            stats += [replace(s, fragments=[p])] if s is not None else []
+        return merged(sorted(stats, key=lambda s: s.fragments))  # every fragment owes its last round
 
     def _quiesce(self, but: DiLoCo) -> None:
         for f in self.fragments:
