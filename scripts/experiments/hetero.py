@@ -284,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="a tiny model and a few steps: checks the pipeline")
     p.add_argument("--out", type=Path, default=lh.RESULTS)
     p.add_argument("--cache", type=Path, default=lh.DEFAULT_CACHE / "large_h")
+    p.add_argument("--shared-corpus", type=Path, default=lh.PROSE_V2_DEFAULT, help="prose-v2.jsonl.xz")
+    p.add_argument("--corpus", type=Path, default=None, help="any jsonl corpus instead of the prose-v2 sample")
     p.add_argument("--one", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.one:
@@ -293,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         lh.MODELS[MODEL] = lh.CANARY_MODEL
         H, ROWS = 4, [(r, s, steps * 4 // 100, b * 4 / 100, st) for r, s, steps, b, st in ROWS]
         args.seeds = 1
-    corpus = lh.sample_corpus(args.cache, lh.PROSE_V2_DEFAULT)
+    corpus = args.corpus or lh.sample_corpus(args.cache, args.shared_corpus)
     work = args.cache / ("hetero-quick" if args.quick else "hetero")
     ctx: dict[str, Any] = {"corpus": corpus, "tokenizer": prepare_tokenizer(corpus, lh.VOCAB, 0.02, args.cache),
                            "commit": source_commit(), "work": work, "jobs": work / "jobs", "log": work / "logs",

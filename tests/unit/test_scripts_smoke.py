@@ -65,3 +65,19 @@ def test_chaos_says_in_one_line_that_no_site_trained(tmp_path: Path, monkeypatch
     metrics[0].parent.mkdir()
     metrics[0].write_text('{"kind": "train", "step": 1, "loss": 5.0}\n')
     assert untrained(sites, metrics) is None
+
+
+def test_hetero_rows_compare_at_equal_tokens_and_wall_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The heterogeneous-speed study's design holds by construction: the time budget with a half-speed
+    site trains the tokens of 4 equal sites, and the synchronous rows take the budget's wall time."""
+    monkeypatch.syspath_prepend(str(SCRIPTS / "experiments"))
+    import hetero
+
+    specs = {s.row: s for s in hetero.specs(1)}
+    steps = {row: hetero.site_steps(s) for row, s in specs.items()}
+    assert steps == {"equal": 8400, "budget_half": 8400, "sync_wall": 4800, "drop_slow": 7200}
+    budget = specs["budget_half"]
+    rounds, seconds = budget.steps // budget.h, budget.extra["diloco"]["round_seconds"]
+    assert rounds * seconds == specs["sync_wall"].steps // specs["sync_wall"].h * 2 * seconds  # slow site's pace
+    assert specs["drop_slow"].steps // specs["drop_slow"].h == rounds
+    assert len({hetero.key_of(s, "v") for s in specs.values()}) == 4
