@@ -130,3 +130,42 @@ def test_elastic_fragments_a_late_site_is_left_out_and_takes_the_next_fragments_
     assert len(graces) < 20, graces  # recorded when it changes, not at each of the 80 rounds
     _identical_at(tree, (80,))
 
+
+
+class _Slowed:
+    """Site 1's loop, each inner step 0.15 s longer: a slower site on the wall clock."""
+
+    def __init__(self, inner) -> None:
+        object.__setattr__(self, "inner", inner)
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def after_inner_step(self, step: int, sync_point: bool = False):
+        import time
+
+        time.sleep(0.15)
+        return self.inner.after_inner_step(step, sync_point)
+
+
+def _site_1_slowed(tree: dict) -> dict:
+    import os
+
+    from zeroband import seams
+
+    if int(os.environ["ZEROBAND_SITE_RANK"]) == 1:
+        seams.use(seams.Seams(outer=lambda outer, model: _Slowed(outer)))
+    return _train(tree)
+
+
+def test_fragments_under_a_time_budget_on_the_wall_clock(corpus, tmp_path):
+    """Two fragments, rounds of 1 s of the wall clock, overlapped, site 1 slower: each site runs the
+    steps that fit, both take the fragments' rounds in the same order, and they end identical."""
+    tree = diloco_tree(corpus, tmp_path, train={"steps": 12, "global_batch": 4, "micro_batch": 2},
+                       checkpoint={"interval": 0}, eval={"interval": 0, "batches": 1},
+                       diloco={"inner_steps": 4, "fragments": 2, "round_seconds": 1.0, "overlap": True})
+    out = run_sites(_site_1_slowed, 2, 1, (tree,), timeout=180)
+    assert out[(0, 0)]["steps"] > out[(1, 0)]["steps"]
+    order = [[p for r in outer_records(tmp_path, s) for p in r["fragments"]] for s in (0, 1)]
+    assert order[0] == order[1] and order[0][-2:] == [0, 1]
+    _identical_at(tree, (12,))  # saved at the end under the run step, rounds x inner_steps
