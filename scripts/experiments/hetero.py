@@ -17,6 +17,7 @@ takes 1 s, the slow site's 2 s), so the numbers are the same on every run, at 3 
                site's 100 steps (200 s), so 2,400 s hold 12 rounds; the arithmetic of 4 equal sites
   drop_slow    the synchronous rule that leaves the slow site out (a quorum of 3): 3 equal sites,
                24 rounds of 100 s, the slow site's compute lost
+  budget_half_rda  budget_half merged by radial-directional averaging (diloco.merge = "rda")
 The synchronous rule at equal tokens computes exactly what `equal` computes (it waits, then merges the
 same pseudo-gradients), so its loss is `equal`'s; what it costs is time, which the utilisation part measures.
 
@@ -51,7 +52,9 @@ H, SITES, SEEDS, MODEL = 100, 4, 3, "0.5M"
 SLOW = [1.0, 1.0, 1.0, 2.0]  # seconds per inner step (virtual): site 3 at half speed
 # (row, sites, train.steps, round_seconds or 0, step_s or None): train.steps // H rounds each
 ROWS = [("equal", 4, 2100, 0.0, None), ("budget_half", 4, 2400, 100.0, SLOW),
-        ("sync_wall", 4, 1200, 0.0, None), ("drop_slow", 3, 2400, 0.0, None)]
+        ("sync_wall", 4, 1200, 0.0, None), ("drop_slow", 3, 2400, 0.0, None),
+        ("budget_half_rda", 4, 2400, 100.0, SLOW)]
+MERGE = {"budget_half_rda": "rda"}  # Decoupled DiLoCo's radial-directional averaging with the budget
 
 
 def specs(seeds: int) -> list[Spec]:
@@ -59,6 +62,8 @@ def specs(seeds: int) -> list[Spec]:
     for seed in range(seeds):
         for row, sites, steps, budget, step_s in ROWS:
             extra: dict[str, Any] = {"diloco": {"round_seconds": budget}} if budget else {}
+            if row in MERGE:
+                extra["diloco"]["merge"] = MERGE[row]
             if step_s:
                 extra["sim"] = {"step_s": step_s}
             out.append(Spec(row, "diloco", sites, steps, seed, h=H, **shipped_default(), extra=extra))
@@ -258,7 +263,8 @@ def report(ctx: dict[str, Any]) -> str:
     lines += ["", "Rows: `equal` 4 equal sites, 21 rounds; `budget_half` diloco.round_seconds, the slow site "
               "runs half the steps of each round, weighted by tokens, 24 rounds (the same tokens); `sync_wall` "
               "the synchronous rule at the budget's wall time (12 rounds of the slow site's pace); `drop_slow` "
-              "the synchronous rule leaving the slow site out (3 sites, 24 rounds). The synchronous rule at "
+              "the synchronous rule leaving the slow site out (3 sites, 24 rounds); `budget_half_rda` the budget "
+              "merged by radial-directional averaging. The synchronous rule at "
               "equal tokens computes what `equal` computes, at twice its wall time."]
     util = [r for r in rows if r["row"] == "utilisation"]
     if util:
