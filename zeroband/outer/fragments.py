@@ -127,9 +127,11 @@ class Fragments:
         self.membership.start(resumed)  # once: the sites prove the secret and agree on the run
         if not self.membership.holds_state:
             self.join()
-            return
+        else:
+            for f in self.fragments:
+                f.start_replicas(resumed)
         for f in self.fragments:
-            f.start_replicas(resumed)
+            f.clock.restart()  # a time budget's first rounds count from here, where the sites meet
 
     @torch.no_grad()
     def join(self, topic: int = 0) -> None:
