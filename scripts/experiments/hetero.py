@@ -255,11 +255,11 @@ def report(ctx: dict[str, Any]) -> str:
         vs = "" if name == "equal" or not diffs else f"{statistics.mean(diffs):+.2f}%{se}"
         lines.append(f"| {name} | {len(rs)} | {rs[0]['site_steps']:,} | {statistics.mean(vals):.4f}{sd} | {vs} |")
     by = {(r["row"], r["seed"]): r["val_loss"] for r in loss}
-    pairs = [100 * (by[("budget_half", k)] / by[("drop_slow", k)] - 1) for k in range(SEEDS)
-             if ("budget_half", k) in by and ("drop_slow", k) in by]
-    if len(pairs) > 1:
-        lines += ["", f"budget_half against drop_slow (the same wall time): {statistics.mean(pairs):+.2f}% ± "
-                  f"{statistics.stdev(pairs) / len(pairs) ** 0.5:.2f}% (paired, {len(pairs)} seeds)."]
+    for a, b, what in (("budget_half", "drop_slow", "the same wall time"), ("budget_half_rda", "budget_half", "the merge rule")):
+        pairs = [100 * (by[(a, k)] / by[(b, k)] - 1) for k in range(SEEDS) if (a, k) in by and (b, k) in by]
+        if len(pairs) > 1:
+            lines += ["", f"{a} against {b} ({what}): {statistics.mean(pairs):+.2f}% ± "
+                      f"{statistics.stdev(pairs) / len(pairs) ** 0.5:.2f}% (paired, {len(pairs)} seeds)."]
     lines += ["", "Rows: `equal` 4 equal sites, 21 rounds; `budget_half` diloco.round_seconds, the slow site "
               "runs half the steps of each round, weighted by tokens, 24 rounds (the same tokens); `sync_wall` "
               "the synchronous rule at the budget's wall time (12 rounds of the slow site's pace); `drop_slow` "
