@@ -113,6 +113,24 @@ def test_an_arrival_forged_after_it_was_read_does_not_unarrive_its_site():
     assert got.get("prefix") == f"run/{agreed.decode()}/", got
 
 
+def test_a_value_forged_after_its_site_left_the_exchange_is_put_back():
+    """Unit (trust/signed.py `exchange`, `Keeper`): site 1 reads site 0's value and leaves the
+    exchange before site 0 has read site 1's; an outsider then overwrites site 1's value. Site 1 used
+    to stop re-writing it once it left, so site 0 saw only the forgery and, after the refusal delay,
+    refused an honest site (the fixed-run admission attack test, once in CI under load). Site 1 now
+    keeps its value for the wait's timeout: site 0 reads site 1's own value."""
+    from zeroband.trust.signed import SignedStore, exchange
+
+    server, client = _tcp_store()
+    key, keys = b"k" * 32, {0: "run/admit/nonce/0", 1: "run/admit/nonce/1"}
+    SignedStore(client(), key).set(keys[0], "site 0's")  # site 0 wrote, then was descheduled
+    left = exchange(SignedStore(client(), key), keys, 1, "site 1's", "test", timeout_s=10, refuse_after_s=1.0)
+    assert left == {0: b"site 0's", 1: b"site 1's"}
+    client().set(keys[1], b"forged: no valid HMAC")  # after site 1 left its wait
+    got = exchange(SignedStore(client(), key), keys, 0, "site 0's", "test", timeout_s=10, refuse_after_s=1.0)
+    assert got == {0: b"site 0's", 1: b"site 1's"}
+
+
 def test_a_value_deleted_between_the_wait_and_the_read_of_a_get_is_waited_for():
     """Unit (trust/signed.py `wait_and_read`): c10d's get waits for the key, then reads it, and a key
     deleted between the two reads as b"". SignedStore.get and SealedStore.get (the gloo rendezvous)

@@ -325,6 +325,8 @@ def incarnation_prefix(store: dist.Store, base: str, site_rank: int, site_count:
             hashes = {**remember(seen_hashes, fresh), site_rank: agreed.encode()}
             missing = {s for s, v in hashes.items() if v != agreed.encode()}
             if not missing:
+                for k, v in ((arrive[site_rank], own), (done[site_rank], agreed)):
+                    signed.keeper.keep(k, v.encode(), timeout_s)  # for the sites that have not read them yet
                 return f"{base}{agreed}/"
         if time.monotonic() > deadline:
             forged = sorted(k for k in [*arrive.values(), *done.values()] if k in signed.refused)

@@ -26,6 +26,7 @@ import logging
 import os
 import re
 import secrets
+import threading
 import time
 from collections.abc import Mapping
 from datetime import timedelta
@@ -97,6 +98,7 @@ class SignedStore:
     def __init__(self, store: dist.Store, key: bytes | None = None) -> None:
         self.store, self.key = store, key
         self.refused: dict[str, str] = {}  # key -> "unsigned", "signed" (we have no secret) or "bad-mac"
+        self.keeper = Keeper(self)
 
     def _mac(self, secret: bytes, key: str, value: bytes) -> bytes:
         return hmac.new(secret, frame(LABEL, key.encode(), value), hashlib.sha256).hexdigest().encode()
@@ -238,6 +240,52 @@ class SealedStore(dist.Store):
         return self.signed.store.num_keys()
 
 
+KEEP_PERIOD_S = 0.25  # between the keeper's reads: one request, never more than a few per second on a WAN store
+
+
+class Keeper:
+    """This site's own values of waits it has left, put back wherever they read missing or refused,
+    each until its deadline, on one daemon thread. A site leaves an `exchange` once it has read every
+    other site's value, but a slower site may not have read its value yet: an outsider's overwrite in
+    between then stayed (its owner no longer re-wrote it), and after ADMIT_REFUSE_S the slower site
+    refused an honest one (the fixed-run admission attack test, in CI under load). Keeping a value for
+    the wait's own timeout suffices: a site further behind than that fails its next wait anyway."""
+
+    def __init__(self, store: SignedStore) -> None:
+        self.store = store
+        self.values: dict[str, tuple[bytes, float]] = {}  # key -> (our value, when to stop keeping it)
+        self.lock = threading.Lock()
+        self.thread: threading.Thread | None = None
+
+    def keep(self, key: str, raw: bytes, for_s: float) -> None:
+        with self.lock:
+            self.values[key] = (raw, time.monotonic() + for_s)
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._run, name="zeroband-store-keeper", daemon=True)
+                self.thread.start()
+
+    def _due(self) -> dict[str, bytes]:
+        """The values still kept; the thread ends (under the lock, so `keep` starts another) when none is."""
+        with self.lock:
+            now = time.monotonic()
+            self.values = {k: v for k, v in self.values.items() if v[1] > now}
+            if not self.values:
+                self.thread = None
+            return {k: raw for k, (raw, _) in self.values.items()}
+
+    def _run(self) -> None:
+        while due := self._due():
+            try:
+                for k, (value, _) in zip(due, self.store.lookup_many(list(due))):
+                    if value != due[k]:
+                        self.store.set(k, due[k])
+            except Exception:  # noqa: BLE001 - the store is gone (the run ended or moved on): nothing left to keep
+                with self.lock:
+                    self.values, self.thread = {}, None
+                return
+            time.sleep(KEEP_PERIOD_S)
+
+
 class StoreInterference(TrustError):
     """Someone without the secret keeps forging or deleting this protocol's store values."""
 
@@ -297,6 +345,7 @@ def exchange(store: SignedStore, keys: Mapping[int, str], me: int, value: str | 
         track_refusals(read, bad_since, now)
         if not missing or (refuse_after_s is not None and all(now - bad_since.get(s, now) >= refuse_after_s > 0
                                                                for s in missing)):
+            store.keeper.keep(keys[me], raw, timeout_s)  # for the sites that have not read it yet
             return {**values, me: raw}
         if now - start >= timeout_s:
             forged = sorted(keys[s] for s in missing if s in bad_since)
