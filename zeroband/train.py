@@ -130,14 +130,13 @@ def build_outer(cfg: Config, model: torch.nn.Module, topology: Topology, group: 
             raise ConfigError(str(e)) from None
 
     if not cfg.diloco.elastic:
-        if cfg.diloco.fragments > 1:
-            split = fragments(factor, group=group)
-            split.sync_at = lambda run_step: sync_due(cfg.checkpoint, run_step, cfg.train.steps)
-            return split
-        fixed = DiLoCo(model, cfg.diloco, topology, tokens_per_step, lr_factor=factor, group=group)
+        fixed = fragments(factor, group=group) if cfg.diloco.fragments > 1 else \
+            DiLoCo(model, cfg.diloco, topology, tokens_per_step, lr_factor=factor, group=group)
         # under a time budget, which boundaries block: read at the run step (train.steps and checkpoint
-        # intervals are multiples of inner_steps, so both fall on boundaries)
-        fixed.clock.sync_at = lambda run_step: sync_due(cfg.checkpoint, run_step, cfg.train.steps)
+        # intervals are multiples of inner_steps, so both fall on boundaries); with fragments, the last
+        # fragment's boundary is the run's
+        clock = fixed.fragments[-1].clock if isinstance(fixed, Fragments) else fixed.clock
+        clock.sync_at = lambda run_step: sync_due(cfg.checkpoint, run_step, cfg.train.steps)
         return fixed
     # A joiner takes the outer state, progress and schedule from a peer, in the round it applies:
     # the run's step is then `progress`, which every member of a round holds alike (rounds of

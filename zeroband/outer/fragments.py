@@ -110,8 +110,6 @@ class Fragments:
         self.current = self.fragments[0]  # the fragment whose round runs (or ran last)
         self.total_steps = total_steps  # train.steps: the end, where every fragment syncs
         self.cfg, self.budgeted = cfg, bool(cfg.round_seconds)
-        # under a budget, whether the run step of the last fragment's boundary is a checkpoint (build_outer)
-        self.sync_at: Callable[[int], bool] = lambda run_step: False
 
     def attach(self, sink: Callable[[dict[str, Any]], None]) -> None:
         self.membership.attach(sink)
@@ -184,14 +182,14 @@ class Fragments:
         """Under a time budget: the fragments whose round ends here (read once: a wall clock moves on)
         step in the order of their deadlines, (round, fragment), which every site shares whatever its
         speed, though a slow step may end two; the others count the step. The last fragment's
-        boundary is the run's: at a checkpoint there (`sync_at`, read at the run step) every exchange
+        boundary is the run's: at a sync point there (its clock's `blocks`) every exchange
         in flight lands, and a round due after it waits a step, so every site saves at the same
         point. At the run's last one every fragment syncs, blocking (`_close`)."""
         last, p_last = self.fragments[-1].clock, len(self.fragments) - 1
         ending = [p for p, f in enumerate(self.fragments) if f.due(step)]
         if p_last in ending and last.rounds + 1 >= self.total_steps // self.cfg.inner_steps:
             return self._close(step)
-        settles = p_last in ending and self.sync_at((last.rounds + 1) * self.cfg.inner_steps)
+        settles = p_last in ending and last.blocks(last.rounds + 1)
         if settles:
             ending = [p for p in ending if (self.fragments[p].clock.rounds, p) <= (last.rounds, p_last)]
         ending.sort(key=lambda p: (self.fragments[p].clock.rounds, p))
