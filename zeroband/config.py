@@ -300,6 +300,10 @@ class DilocoConfig(Section):
     # of their unit directions, rescaled to the mean of their norms, so the average of near-orthogonal
     # pseudo-gradients keeps their size where a mean shrinks it by up to sqrt(sites).
     merge: Literal["mean", "rda"] = "mean"
+    # Elastic: a site left out of a round (it arrived after the grace window) brings that round's
+    # pseudo-gradient to the next merge, its share times late_weight (it is one round stale); 0
+    # drops it. Older work is never applied: a site left out again has none to bring.
+    late_weight: float = Field(0.0, ge=0, le=1)
     # Log a crc32 of the outer state after every outer step (costs a pass over the shard; the chaos
     # suite uses it to prove the sites stay bitwise identical).
     log_checksum: bool = False

@@ -267,7 +267,8 @@ def shared_data(cfg: Config, topology: Topology, loader: PackedBatches, outer: O
     if not isinstance(outer, DiLoCo | Fragments) or not isinstance(outer.membership, ElasticMembership):
         return None
     membership = outer.membership
-    ledger = Ledger(loader.train_documents, topology.world.ranks_per_site, target=4 * cfg.data.span_docs)
+    ledger = Ledger(loader.train_documents, topology.world.ranks_per_site, target=4 * cfg.data.span_docs,
+                    hold_late=outer.cfg.late_weight > 0)
     shared = SharedData(loader, ledger, topology, membership.signed, membership.prefix, lambda: outer.last_reduce)
     membership.add_participant(shared)
     membership.register_state_dict_fn("ledger", shared.load_state_dict, shared.state_dict, shared.checksum)

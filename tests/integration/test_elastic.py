@@ -301,3 +301,30 @@ def test_every_holder_dead_the_restarted_sites_reform_the_run(corpus, tmp_path, 
                 if r["event"] == "commit" and r["round"] > 0 and r["joined"] == [0, 1]]
     assert reformed and reformed[0]["members"] == [0, 1], site_records(tmp_path, 1, "membership")
     assert_identical(tree, [0, 1], 12)
+
+
+@pytest.mark.parametrize("late_weight", [0.0, 1.0])
+def test_a_late_sites_work_joins_the_next_merge_and_its_documents_commit_once(corpus, tmp_path, store_address,
+                                                                             late_weight):
+    """Site 1 comes to round 2 (step 4) 5 s late, after the 1 s grace window: the round goes on
+    without it. Site 0 is slow in the next round (5 s at step 5), so site 1 waits at round 3 as a
+    joiner. With diloco.late_weight = 1 it brings round 2's pseudo-gradient to round 3's merge (2
+    sites used, not 1) and the ledger, which held its lease a round, commits the documents it read
+    then; with 0 they go back to be read again. Either way every document commits once and the
+    replicas end identical."""
+    from zeroband.data.ledger import audit, chain
+    from zeroband.tools.report import ledger_records
+
+    tree = elastic_tree(corpus, tmp_path, store_address, steps=10, late_weight=late_weight)
+    out = run_sites(_train, 2, 1, (tree,), faults="site1:step4:inner:late,site0:step5:inner:late", timeout=150)
+    assert out[(0, 0)]["steps"] == out[(1, 0)]["steps"] == 10
+    by_step = {r["step"]: r for r in outer_records(tmp_path, 0)}
+    assert by_step[4]["sites_used"] == 1 and by_step[6]["sites_used"] == (2 if late_weight else 1), by_step
+    records, off = chain(ledger_records(tmp_path / "t" / f"site{s}" / "metrics.jsonl" for s in (0, 1)))
+    assert off == {"differing": [], "superseded": [], "missing": []}, off
+    left, after = records[2], records[3]  # round 0 is the start; outer steps at 2, 4 (round 2), 6
+    assert (left["held"], "1" in after["committed"]) == (([1], True) if late_weight else ([], False)), (left, after)
+    found = audit(records)
+    assert found["committed"] == found["committed_once"] > 0 and found["lost"] == [], found
+    assert not (found["twice"] or found["held_twice"] or found["committed_and_held"] or found["broken_chains"]), found
+    assert_identical(tree, [0, 1], 10)

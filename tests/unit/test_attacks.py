@@ -34,7 +34,7 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def test_verified_sites_rule():
-    claims = torch.tensor([[1.0, 0, 0, 0, -1]] * 4, dtype=torch.float64)
+    claims = torch.tensor([[1.0, 0, 0, 0, -1, 1]] * 4, dtype=torch.float64)
     w = [0.25] * 4
     sent = torch.tensor([[0.0625, 0], [0.06, 0], [0.0625 * 100, 0], [0.05, 1]], dtype=torch.float64)
     # site 2 sent 10x the norm it declared (above CLAIM_SLACK), site 3 sent a NaN

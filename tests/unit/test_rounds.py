@@ -100,12 +100,32 @@ def test_a_live_member_that_never_votes_is_aborted_at_the_link_bound_not_the_tim
     del server
 
 
-def test_contributors_nan_outlier_abstain_and_token_weights():
+def _table(*rows: list[float], weights: list[float] | None = None):
+    """A stats table (comm/reduce.py STAT_COLUMNS) from rows of sumsq, nonfinite, abstain, tokens."""
     import torch
 
-    # columns: sumsq, nonfinite, abstain, tokens
-    table = torch.tensor([[1.0, 0, 0, 100], [1.2, 0, 0, 300], [400.0, 0, 0, 100],
-                          [float("nan"), 3, 0, 100], [0.0, 0, 1, 0]], dtype=torch.float64)
+    from zeroband.comm.reduce import SiteStats
+
+    weights = weights or [1.0] * len(rows)
+    return torch.tensor([SiteStats(a, b, bool(c), d, weight=w).as_list() for (a, b, c, d), w in zip(rows, weights)],
+                        dtype=torch.float64)
+
+
+def test_a_late_sites_weight_scales_its_share_and_a_weight_out_of_range_is_excluded():
+    """diloco.late_weight: a late site declares its weight; its share (of 1/n or of the tokens) is
+    multiplied by it. A weight outside (0, 1] would let a site outweigh the rest: it is excluded."""
+    table = _table([1.0, 0, 0, 100], [1.0, 0, 0, 300], [1.0, 0, 0, 100], weights=[1.0, 0.5, 1.0])
+    use = contributing_sites(table)
+    assert use == [True, True, True]
+    assert [site_weight(table, use, s, by_tokens=True) for s in range(3)] == pytest.approx([2 / 7, 3 / 7, 2 / 7])  # 100, 150, 100
+    assert [site_weight(table, use, s, by_tokens=False) for s in range(3)] == pytest.approx([0.4, 0.2, 0.4])
+    greedy = _table([1.0, 0, 0, 100], [1.0, 0, 0, 100], [1.0, 0, 0, 100], weights=[1.0, 5.0, 0.0])
+    assert contributing_sites(greedy) == [True, False, False]
+
+
+def test_contributors_nan_outlier_abstain_and_token_weights():
+
+    table = _table([1.0, 0, 0, 100], [1.2, 0, 0, 300], [400.0, 0, 0, 100], [float("nan"), 3, 0, 100], [0.0, 0, 1, 0])
     use = contributing_sites(table, outlier_factor=10.0)
     assert use == [True, True, False, False, False]  # outlier (norm 20 vs ~1), NaN, abstainer
     assert site_weight(table, use, 1, by_tokens=True) == pytest.approx(0.75)
@@ -113,12 +133,11 @@ def test_contributors_nan_outlier_abstain_and_token_weights():
 
 
 def test_rda_shares_divide_by_norms_and_rescale_to_the_mean_norm():
-    import torch
 
     from zeroband.comm.reduce import mean_norm, rda_scale
 
-    # columns: sumsq, nonfinite, abstain, tokens; norms 1, 2, 4 and an abstainer
-    table = torch.tensor([[1.0, 0, 0, 100], [4.0, 0, 0, 100], [16.0, 0, 0, 200], [0.0, 0, 1, 0]], dtype=torch.float64)
+    # norms 1, 2, 4 and an abstainer
+    table = _table([1.0, 0, 0, 100], [4.0, 0, 0, 100], [16.0, 0, 0, 200], [0.0, 0, 1, 0])
     use = [True, True, True, False]
     shares = [site_weight(table, use, s, by_tokens=False, merge="rda") for s in range(4)]
     assert shares == pytest.approx([4 / 7, 2 / 7, 1 / 7, 0.0])  # 1/norm, normalised: a sum of unit directions / 7
@@ -126,9 +145,9 @@ def test_rda_shares_divide_by_norms_and_rescale_to_the_mean_norm():
     assert by_tokens == pytest.approx([0.5, 0.25, 0.25])  # tokens/norm: 100, 50, 50 (/ 200)
     assert mean_norm(table, use, by_tokens=False) == pytest.approx(7 / 3)
     assert mean_norm(table, use, by_tokens=True) == pytest.approx(1 * 0.25 + 2 * 0.25 + 4 * 0.5)
-    zero = torch.tensor([[0.0, 0, 0, 1], [4.0, 0, 0, 1]], dtype=torch.float64)  # no direction: no share
+    zero = _table([0.0, 0, 0, 1], [4.0, 0, 0, 1])  # no direction: no share
     assert [site_weight(zero, [True, True], s, False, "rda") for s in (0, 1)] == [0.0, 1.0]
-    none = torch.zeros(2, 4, dtype=torch.float64)  # nobody has a direction: the mean's shares
+    none = _table([0.0, 0, 0, 0], [0.0, 0, 0, 0])  # nobody has a direction: the mean's shares
     assert [site_weight(none, [True, True], s, False, "rda") for s in (0, 1)] == [0.5, 0.5]
     assert rda_scale(2.0, 0.25) == pytest.approx(4.0) and rda_scale(2.0, 0.0) == 1.0
 

@@ -96,9 +96,9 @@ def test_agreement_tolerance_is_tight_and_handles_zero_and_overflow():
 def test_exclusions_say_what_happened():
     """Each exclusion names its cause: declared NaN/inf, an outlier norm, or bytes that do not match
     what the site declared (a liar's huge payload); an abstaining site is not an exclusion."""
-    # columns: sumsq, nonfinite, abstain, tokens, crc
-    table = torch.tensor([[1.0, 0, 0, 0, -1], [1.2, 0, 0, 0, -1], [1e6, 0, 0, 0, -1], [0.0, 3, 0, 0, -1],
-                          [0.0, 0, 1, 0, -1]], dtype=torch.float64)
+    # columns: sumsq, nonfinite, abstain, tokens, crc, weight
+    table = torch.tensor([[1.0, 0, 0, 0, -1, 1], [1.2, 0, 0, 0, -1, 1], [1e6, 0, 0, 0, -1, 1], [0.0, 3, 0, 0, -1, 1],
+                          [0.0, 0, 1, 0, -1, 1]], dtype=torch.float64)
     why = declared_exclusions(table, outlier_factor=10.0)
     assert sorted(why) == [2, 3] and why[3].startswith("non-finite") and why[2].startswith("outlier")
     claims, use, w = table[:3, :2], [True] * 3, [1 / 3] * 3

@@ -46,8 +46,8 @@ from zeroband.comm.kernels import STATS_BLOCK
 from zeroband.comm.timing import Parts
 from zeroband.trust.auth import TrustError
 
-STAT_COLUMNS = ("sumsq", "nonfinite", "abstain", "tokens", "crc")
-SUMSQ, NONFINITE, ABSTAIN, TOKENS, CRC = range(len(STAT_COLUMNS))  # their indices in a stats table
+STAT_COLUMNS = ("sumsq", "nonfinite", "abstain", "tokens", "crc", "weight")
+SUMSQ, NONFINITE, ABSTAIN, TOKENS, CRC, WEIGHT = range(len(STAT_COLUMNS))  # their indices in a stats table
 # A source may send at most this multiple of the norm it declared (quantisation moves a norm by a
 # few percent at most; NF4's coarsest rounding by well under 2x).
 CLAIM_SLACK = 4.0
@@ -114,9 +114,10 @@ class SiteStats:
     abstain: bool = False  # takes part in the collective but contributes nothing (e.g. a joiner)
     tokens: float = 0.0  # tokens this site trained on since the last outer step
     crc: float = -1.0  # crc32 of the outer state entering the step (-1: not computed)
+    weight: float = 1.0  # what multiplies this site's share: diloco.late_weight for a round's late work
 
     def as_list(self) -> list[float]:
-        return [self.sumsq, self.nonfinite, float(self.abstain), self.tokens, self.crc]
+        return [self.sumsq, self.nonfinite, float(self.abstain), self.tokens, self.crc, self.weight]
 
 
 @dataclass
@@ -125,6 +126,7 @@ class ReduceResult:
     wire_bytes: int  # what this rank sent: 2(S-1)/S of the encoded payload ((S-1) x for a gathered codec)
     sites_used: int
     excluded_sites: list[int] = field(default_factory=list)
+    used: list[int] = field(default_factory=list)  # the sites (group indices) whose pseudo-gradients the average holds
     timings: dict[str, float] = field(default_factory=dict)  # seconds per part (comm/timing.py)
     sumsq: float | None = None  # sum of squares of this rank's averaged values (None: not measured)
     exclusions: dict[int, str] = field(default_factory=dict)  # excluded site -> what it did, in words
@@ -154,10 +156,14 @@ def declared_exclusions(table: torch.Tensor, outlier_factor: float = 0.0) -> dic
     """Sites left out on what they declared (columns as STAT_COLUMNS), with why: any NaN/inf, and (with
     `outlier_factor` > 0 and at least 3 candidates) a norm above `outlier_factor` x the median norm of
     the other candidates, so one broken or malicious site cannot drag the average far. Abstaining
-    sites contribute nothing and are not listed. Pure: the table is identical on every site."""
+    sites contribute nothing and are not listed; nor is a weight outside (0, 1] taken. Pure: the
+    table is identical on every site."""
     present = [s for s in range(table.shape[0]) if table[s, ABSTAIN] == 0]
     out = {s: f"non-finite: declared {float(table[s, NONFINITE]):.0f} NaN/inf values" for s in present
            if table[s, NONFINITE] != 0 or not torch.isfinite(table[s, SUMSQ])}
+    # a share is never more than a site's own (a weight above 1 would let one site outweigh the rest)
+    out |= {s: f"weight: declared {float(table[s, WEIGHT]):g}, outside (0, 1]" for s in present
+            if s not in out and not 0.0 < float(table[s, WEIGHT]) <= 1.0}
     norms = {s: _norm(float(table[s, SUMSQ])) for s in present if s not in out}
     return out | outliers(norms, outlier_factor)
 
@@ -170,14 +176,16 @@ def contributing_sites(table: torch.Tensor, outlier_factor: float = 0.0) -> list
 
 
 def site_weight(table: torch.Tensor, use: list[bool], me: int, by_tokens: bool, merge: str = "mean") -> float:
-    """This site's share of the average: 1/n, or its tokens over all contributors' tokens. "rda"
-    divides each share by the site's declared norm first (the sum is then one of unit directions;
-    `rda_scale` restores the size), a site with a zero pseudo-gradient taking none."""
+    """This site's share of the average: 1/n, or its tokens over all contributors' tokens, each times
+    the site's declared weight (1; diloco.late_weight for work late by a round). "rda" divides each
+    share by the site's declared norm first (the sum is then one of unit directions; `rda_scale`
+    restores the size), a site with a zero pseudo-gradient taking none."""
     if not use[me]:
         return 0.0
     base = [float(table[s, TOKENS]) if by_tokens else 1.0 for s in range(len(use))]
     if not by_tokens or sum(b for b, ok in zip(base, use) if ok) <= 0:
         base = [1.0] * len(use)
+    base = [b * float(table[s, WEIGHT]) for s, b in enumerate(base)]
     if merge == "rda":
         norms = [_norm(float(table[s, SUMSQ])) for s in range(len(use))]
         rda = [b / n if n > 0 else 0.0 for b, n in zip(base, norms)]
@@ -368,6 +376,7 @@ def _reduce(grads: list[torch.Tensor], stats: SiteStats, group: GlobalGroup, cod
         payload_bytes=payload,
         wire_bytes=wire_bytes,
         sites_used=sum(keep),
+        used=[s for s, ok in enumerate(keep) if ok],
         excluded_sites=[s for s, ok in enumerate(keep) if not ok and table[s, ABSTAIN] == 0],
         timings=parts.seconds,
         sumsq=exchange.sumsq,

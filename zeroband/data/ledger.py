@@ -107,6 +107,10 @@ class Ledger:
     returned: list[Piece] = field(default_factory=list)
     leases: dict[int, list[list[Piece]]] = field(default_factory=dict)  # site -> per rank
     skips: dict[int, int] = field(default_factory=dict)  # document -> its tokens already committed
+    # diloco.late_weight > 0: a site left out of a round keeps its lease one more commit, where its
+    # late pseudo-gradient (the documents it read) may still be merged; otherwise it gives it back
+    hold_late: bool = False
+    held: dict[int, int] = field(default_factory=dict)  # site -> the round whose commit held its lease
 
     # ------------------------------------------------------------------ the round's update
     def commit(self, members: list[int], reads: dict[int, list[Any]], excluded: list[int] | tuple[int, ...] = (),
@@ -122,10 +126,13 @@ class Ledger:
         resumed: dict[int, int] = {}  # committed documents whose reading started at a token > 0
         given_back: list[Piece] = []
         for site in sorted(self.leases):
+            late = self.held.pop(site, None) is not None
             if site in reads and site not in excluded:
                 committed[site], partial[site] = [], []
                 self.leases[site] = [self._commit_rank(lease, as_position(read), committed[site], partial[site], resumed)
                                      for lease, read in zip(self.leases[site], reads[site], strict=True)]
+            elif self.hold_late and not late and site not in members and site not in excluded:
+                self.held[site] = self.round  # left out: its work may come to the next merge
             else:
                 given_back += [p for lease in self.leases.pop(site) for p in lease]
         self.returned = merged(given_back + self.returned)
@@ -138,6 +145,7 @@ class Ledger:
                   "skips": {str(d): k for d, k in sorted(self.skips.items())}, "given_back": merged(given_back),
                   "handed": {str(s): p for s, p in handed.items()}, "returned": list(self.returned),
                   "leases": {str(s): ls for s, ls in sorted(self.leases.items())}, "want": want,
+                  "held": sorted(self.held),
                   "dealt": self.dealt, "epoch_docs": self.epoch_docs, "parent": parent}
         self.round += 1
         return {**record, "digest": self.digest()}
@@ -203,7 +211,8 @@ class Ledger:
         return {"epoch_docs": self.epoch_docs, "ranks": self.ranks, "round": self.round, "dealt": self.dealt,
                 "returned": [list(p) for p in self.returned],
                 "skips": {str(d): k for d, k in sorted(self.skips.items())},
-                "leases": {str(s): [[list(p) for p in lease] for lease in ls] for s, ls in sorted(self.leases.items())}}
+                "leases": {str(s): [[list(p) for p in lease] for lease in ls] for s, ls in sorted(self.leases.items())},
+                **({"held": {str(s): r for s, r in sorted(self.held.items())}} if self.held else {})}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for key in ("epoch_docs", "ranks"):
@@ -216,6 +225,7 @@ class Ledger:
         self.skips = {int(d): int(k) for d, k in state.get("skips", {}).items()}
         self.leases = {int(s): [[(int(a), int(b)) for a, b in lease] for lease in ls]
                        for s, ls in state["leases"].items()}
+        self.held = {int(s): int(r) for s, r in state.get("held", {}).items()}
 
 
 def dealt_of_spans(state: dict[str, Any]) -> int:
@@ -304,7 +314,8 @@ def audit(records: list[Record]) -> dict[str, Any]:
         for fragments in r.get("partial", {}).values():
             for d, k0, k1 in fragments:
                 chains.setdefault(d, []).append((k0, k1))
-        sizes = [docs_in(lease) for ls in r["leases"].values() for lease in ls]
+        held_for = {str(s) for s in r.get("held", [])}  # a left-out site's lease, kept as it was (not topped up)
+        sizes = [docs_in(lease) for s, ls in r["leases"].items() if s not in held_for for lease in ls]
         lease_max.append(max(sizes, default=0))
         if any(s != r["want"] for s in sizes):
             over.append(r["round"])

@@ -50,7 +50,9 @@ class SharedData:
 
     def on_commit(self, round: int, decision: Decision) -> None:
         members = decision.members
-        contributors = [m for m in members if m not in decision.fresh]
+        holders = [m for m in members if m not in decision.fresh]
+        late = self._late(members) if holders and round > 0 else set()  # a round that averaged: its reduce
+        contributors = [m for m in members if m in holders or m in late]
         reads = {m: [self._read(round, m, k) for k in range(self.ledger.ranks)] for m in contributors}
         record = self.ledger.commit(members, reads, self._excluded(members) if contributors else [], round)
         if self.site in members:
@@ -62,6 +64,14 @@ class SharedData:
         raw = self.store.get(self._key(round, site, rank))
         docs, _, tokens = raw.decode().partition(",")
         return int(docs), int(tokens or 0)
+
+    def _late(self, members: list[int]) -> set[int]:
+        """Members that brought a pseudo-gradient to the committed average, kept or excluded: for a
+        member without the state before this round, the late work of the round it was left out of
+        (diloco.late_weight), read from the lease the ledger held for it. The table is the same on
+        every rank group (abstaining is a site's), so every rank agrees."""
+        result = self.last_reduce()
+        return set() if result is None else {members[i] for i in [*result.used, *result.excluded_sites]}
 
     def _excluded(self, members: list[int]) -> list[int]:
         """Members whose pseudo-gradient the committed average left out (the last reduce, by group

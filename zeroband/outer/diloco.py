@@ -57,7 +57,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from functools import partial
 from typing import Any
 
@@ -82,6 +82,7 @@ from zeroband.outer.stats import site_stats, tensor_stats
 from zeroband.trust.mac import NO_AUTH
 
 log = logging.getLogger(__name__)
+LATE_MAX_AGE = 1  # rounds: late work older than this is dropped (the ledger holds a lease no longer)
 
 
 def local_shard(param: torch.Tensor) -> torch.Tensor:
@@ -301,11 +302,13 @@ class DiLoCo:
         it waits for the run's state) and apply the average to the outer copy and the local shard."""
         t0 = time.perf_counter() if t0 is None else t0
         t1, preparing = time.perf_counter(), 0.0
+        began = self.membership.rounds_done(self.clock.rounds)  # the round `grads` belong to (elastic: the run's)
         for attempt in self.membership.attempts(self.topic):
             if not self.takes(attempt):  # a site left out moved on to a round of another fragment
                 return None
             result, t2 = None, time.perf_counter()
-            mine, stats = self.contribution(grads if attempt.contributes else None, tokens, attempt.averages)
+            offer, weight = self.offer(grads, attempt, self.membership.rounds_done(self.clock.rounds) - began)
+            mine, stats = self.contribution(offer, tokens, attempt.averages, weight)
             preparing += time.perf_counter() - t2
             self.attempt_feedback = None
             with attempt:  # where a round may retry, a failure in here fails this attempt only
@@ -341,23 +344,38 @@ class DiLoCo:
         self.redirect = attempt.topic
         return False
 
+    def offer(self, grads: list[torch.Tensor] | None, attempt: Attempt,
+              age: int) -> tuple[list[torch.Tensor] | None, float]:
+        """What this site brings to `attempt`, with its weight: its round's pseudo-gradient (1), or
+        none (a joiner). A site that held the state when its round began (`grads`) but contributes no
+        more was left out of that round (late): with diloco.late_weight > 0 it brings that round's
+        work to the next round's merge (`age` 1: rounds since), weighted by it (the ledger held its
+        documents' lease that long). Older work is dropped, its documents read again by others."""
+        if attempt.contributes:
+            return grads, 1.0
+        if grads is not None and self.cfg.late_weight > 0 and age == LATE_MAX_AGE:
+            return grads, self.cfg.late_weight
+        return None, 1.0
+
     def join(self) -> None:
         """A site without the run's state takes rounds, contributing nothing, until a peer handed it over."""
         while not self.membership.holds_state:
             self.sync(None)
 
-    def contribution(self, grads: list[torch.Tensor] | None, tokens: float,
-                     averages: bool = True) -> tuple[list[torch.Tensor], SiteStats]:
+    def contribution(self, grads: list[torch.Tensor] | None, tokens: float, averages: bool = True,
+                     weight: float = 1.0) -> tuple[list[torch.Tensor], SiteStats]:
         """What this site puts into an attempt, with the site's statistics (site-group collectives: on
         the main thread): `grads`, copied where an attempt may be retried (a retry starts again from the
-        originals); zeros that abstain if None; nothing where the attempt averages nothing."""
+        originals), their share times `weight`; zeros that abstain if None; nothing where the attempt
+        averages nothing."""
         if not averages:
             return [], SiteStats(0.0, 0.0, abstain=True)
         if grads is None:
             return [torch.zeros_like(o) for o in self.outer], SiteStats(0.0, 0.0, abstain=True)
         mine = self._folded(self._retry_copy(grads) if self.membership.may_retry else grads)
         with self.parts("stats"):  # (a folded residual changed them: measured again)
-            return mine, site_stats(mine, self.topology, tokens, local=None if self.fold else self.copy.stats_of(grads))
+            stats = site_stats(mine, self.topology, tokens, local=None if self.fold else self.copy.stats_of(grads))
+        return mine, replace(stats, weight=weight)
 
     def _folded(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """`grads` + the residual the last exchange left, in place, where the codec folds it here (`fold`)."""
