@@ -199,8 +199,9 @@ def utilisation(job: dict[str, Any]) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------------- driver
 
-def run_jobs(jobs: list[tuple[str, dict[str, Any]]], ctx: dict[str, Any], workers: int, nice: int) -> None:
-    """Each job in a child process (a torch import each), `workers` at a time."""
+def run_jobs(jobs: list[tuple[str, dict[str, Any]]], ctx: dict[str, Any], workers: int, nice: int,
+             script: str = __file__) -> None:
+    """Each job in a child process (a torch import each: `script --one JOB`), `workers` at a time."""
     pending, running = list(jobs), []
     while pending or running:
         while pending and len(running) < workers:
@@ -208,7 +209,7 @@ def run_jobs(jobs: list[tuple[str, dict[str, Any]]], ctx: dict[str, Any], worker
             path = ctx["jobs"] / f"{key}.json"
             path.write_text(json.dumps(job))
             log = open(ctx["log"] / f"{key}.log", "ab")
-            proc = subprocess.Popen([sys.executable, __file__, "--one", str(path)], stdout=log, stderr=subprocess.STDOUT,
+            proc = subprocess.Popen([sys.executable, script, "--one", str(path)], stdout=log, stderr=subprocess.STDOUT,
                                     preexec_fn=lambda: os.nice(nice) if nice else None)
             running.append((key, job, proc, time.time()))
             print(f"{time.strftime('%H:%M:%S')} start {job['spec']['row']} seed {job['spec']['seed']} ({key})", flush=True)
