@@ -81,3 +81,18 @@ def test_hetero_rows_compare_at_equal_tokens_and_wall_time(monkeypatch: pytest.M
     assert rounds * seconds == specs["sync_wall"].steps // specs["sync_wall"].h * 2 * seconds  # slow site's pace
     assert specs["drop_slow"].steps // specs["drop_slow"].h == rounds
     assert len({hetero.key_of(s, "v") for s in specs.values()}) == len(specs)
+
+
+def test_late_schedule_is_seeded_shared_by_rows_and_never_late_twice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The late-work study's design: one schedule per seed for every row (paired rows), never at the
+    last round (the late work would land after the end), never the same site two rounds running (a
+    late site waits out the next round), and a distinct cached row per (row, seed)."""
+    monkeypatch.syspath_prepend(str(SCRIPTS / "experiments"))
+    import late
+
+    for seed in range(3):
+        at = late.schedule(seed, late.ROUNDS)
+        assert at == late.schedule(seed, late.ROUNDS) and at and max(at) < late.ROUNDS and min(at) >= 1
+        assert all(at.get(r - 1) != s for r, s in at.items()) and set(at.values()) <= set(range(late.SITES))
+    specs = late.specs(2)
+    assert len({late.key_of(s, "v") for s in specs}) == len(specs) == 2 * len(late.ROWS)
