@@ -39,7 +39,7 @@ from zeroband.store.client import open_store
 from zeroband.store.etcd import EtcdAccess
 from zeroband.trust.mac import WireAuth
 from zeroband.trust.secret import RunSecret
-from zeroband.trust.signed import SignedStore, exchange
+from zeroband.trust.signed import SignedStore, exchange, stop_keepers
 from zeroband.world import World
 
 __all__ = ["OPEN", "SECRET", "GlobalGroup", "Topology", "admission_mark", "fixed_global_group", "init_site_group",
@@ -162,6 +162,7 @@ def shutdown(topology: Topology | None = None, *groups: GlobalGroup | None) -> N
        C++ group is freed now, on this thread, joining its threads (`gloo_threads` is then empty,
        unless the caller still holds the model or the mesh).
     """
+    stop_keepers()  # the store values this site kept for slower peers (trust/signed.py): nobody is left to read them
     lanes = [g for _, g in topology.lanes] if topology is not None else []
     for group in [*groups, *lanes]:
         if group is not None:

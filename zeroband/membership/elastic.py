@@ -23,8 +23,9 @@ in a new generation with the same pseudo-gradients, never applying a partial res
   its own after the end, even when the last members finish while it waits to be admitted.
 - Quorum: a round proceeds with at least `min_sites` members once every expected live site has
   arrived or `grace_s` has passed (a number, or "auto": from this site's measured step, exchange
-  and arrival times, membership/grace.py); a late site's pseudo-gradient is dropped and it re-syncs from a
-  peer at the next boundary (its local progress of that round is discarded).
+  and arrival times, membership/grace.py); a late site waits for the next boundary as a joiner and
+  re-syncs from a peer there, bringing its late round to that merge with diloco.late_weight > 0
+  (zeroband/outer/diloco.py `offer`; the data ledger holds its lease that one round), else dropping it.
 - Events: every decision the site acts on is also a structured record (`attach(sink)`; the loop
   writes them to metrics.jsonl as kind "membership", shapes in docs/architecture.md).
 - Trust: members of a new generation admit each other with a challenge-response on the shared

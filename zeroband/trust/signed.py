@@ -20,6 +20,7 @@ Everything that signs through the run's SignedStore is bound alike, whatever key
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import hmac
 import logging
@@ -28,6 +29,7 @@ import re
 import secrets
 import threading
 import time
+import weakref
 from collections.abc import Mapping
 from datetime import timedelta
 
@@ -256,6 +258,8 @@ class Keeper:
         self.values: dict[str, tuple[bytes, float]] = {}  # key -> (our value, when to stop keeping it)
         self.lock = threading.Lock()
         self.thread: threading.Thread | None = None
+        self.stopping = threading.Event()
+        _KEEPERS.add(self)
 
     def keep(self, key: str, raw: bytes, for_s: float) -> None:
         with self.lock:
@@ -263,6 +267,16 @@ class Keeper:
             if self.thread is None:
                 self.thread = threading.Thread(target=self._run, name="zeroband-store-keeper", daemon=True)
                 self.thread.start()
+
+    def stop(self) -> None:
+        """End the thread now (`stop_keepers`); a later `keep` starts another."""
+        self.stopping.set()
+        thread = self.thread
+        if thread is not None:
+            thread.join()
+        with self.lock:
+            self.values, self.thread = {}, None
+        self.stopping.clear()
 
     def _due(self) -> dict[str, bytes]:
         """The values still kept; the thread ends (under the lock, so `keep` starts another) when none is."""
@@ -283,7 +297,21 @@ class Keeper:
                 with self.lock:
                     self.values, self.thread = {}, None
                 return
-            time.sleep(KEEP_PERIOD_S)
+            if self.stopping.wait(KEEP_PERIOD_S):
+                return
+
+
+_KEEPERS: weakref.WeakSet[Keeper] = weakref.WeakSet()
+
+
+def stop_keepers() -> None:
+    """End every keeper's thread: the run is over (mesh.shutdown), and a thread left to the
+    interpreter's finalization inside a store call aborts the process (issue 23)."""
+    for keeper in list(_KEEPERS):
+        keeper.stop()
+
+
+atexit.register(stop_keepers)  # every other way out (an error, a signal): before finalization ends threads
 
 
 class StoreInterference(TrustError):
