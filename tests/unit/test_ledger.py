@@ -129,6 +129,25 @@ def test_joins_and_leaves_deal_nothing_new_and_leave_other_leases_alone() -> Non
     assert record["handed"] == {"3": [(16, 24)]} and ledger.dealt == 24 and not ledger.returned
 
 
+def test_a_left_out_sites_lease_is_held_one_commit_for_its_late_work() -> None:
+    """diloco.late_weight > 0 (`hold_late`): a site left out of a commit keeps its lease, untouched
+    and not topped up, for one more commit. Read there (its late work merged), its documents commit;
+    not read, they are given back then. Without hold_late they go back at once, as before."""
+    ledger = Ledger(epoch_docs=100, ranks=1, target=4, hold_late=True)
+    ledger.commit([0, 1], {})
+    lease1 = ledger.lease(1, 0)
+    left = ledger.commit([0], {0: [(2, 0)]})  # site 1 late: not a member
+    assert left["held"] == [1] and left["given_back"] == [] and ledger.lease(1, 0) == lease1
+    late = ledger.commit([0, 1], {0: [(1, 0)], 1: [(3, 0)]})  # its late work, 3 documents read
+    assert late["held"] == [] and late["committed"]["1"] == [(lease1[0][0], lease1[0][0] + 3)]
+    ledger.commit([0], {0: [(1, 0)]})  # late again
+    gone = ledger.commit([0], {0: [(1, 0)]})  # and never brought its work: the lease goes back
+    assert gone["given_back"] and 1 not in ledger.leases
+    plain = Ledger(epoch_docs=100, ranks=1, target=4)
+    plain.commit([0, 1], {})
+    assert plain.commit([0], {0: [(0, 0)]})["given_back"] == merged(plain.returned) != []
+
+
 def test_the_next_epoch_is_dealt_only_once_this_one_is_dealt_out() -> None:
     ledger = Ledger(epoch_docs=10, ranks=1, target=4)
     ledger.commit([0, 1], {})  # 0: [0, 4), 1: [4, 8)
