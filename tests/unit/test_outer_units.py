@@ -84,3 +84,25 @@ def test_step_clock_ends_a_round_after_the_steps_that_fit():
     assert slow.take_tokens() == 16.0 and fast.take_tokens() == 32.0  # weighed by the tokens each did
     with pytest.raises(ValueError, match="round_seconds"):
         StepClock(RoundClock(DilocoConfig(inner_steps=4), 8), 1.0)
+
+
+def test_a_late_site_offers_its_round_once_one_round_stale_and_only_with_a_weight() -> None:
+    """`DiLoCo.offer`, the late-work rule: a member brings its round (weight 1); a site left out of
+    its round (it holds `grads` but no longer contributes) brings them to the next round only, with
+    diloco.late_weight; older work, a weight of 0, or a joiner with nothing brings nothing."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from zeroband.outer.diloco import DiLoCo
+
+    grads = [torch.ones(3)]
+    member, left_out = SimpleNamespace(contributes=True), SimpleNamespace(contributes=False)
+
+    def offer(weight: float, attempt: SimpleNamespace, age: int, g: list | None = grads) -> tuple:
+        return DiLoCo.offer(SimpleNamespace(cfg=SimpleNamespace(late_weight=weight)), g, attempt, age)  # type: ignore[arg-type]
+
+    assert offer(0.5, member, 0) == (grads, 1.0)
+    assert offer(0.5, left_out, 1) == (grads, 0.5)
+    assert offer(0.5, left_out, 2) == (None, 1.0) and offer(0.0, left_out, 1) == (None, 1.0)
+    assert offer(0.5, left_out, 1, None) == (None, 1.0)
