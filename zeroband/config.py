@@ -304,7 +304,7 @@ class DilocoConfig(Section):
     # pseudo-gradient to the next merge, its share times late_weight (it is one round stale); 0
     # drops it. Older work is never applied: a site left out again has none to bring. The default
     # follows docs/results/late.md (scripts/experiments/late.py: merged late against dropped).
-    late_weight: float = Field(1.0, ge=0, le=1)
+    late_weight: float = Field(0.5, ge=0, le=1)
     # Log a crc32 of the outer state after every outer step (costs a pass over the shard; the chaos
     # suite uses it to prove the sites stay bitwise identical).
     log_checksum: bool = False
