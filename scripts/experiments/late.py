@@ -148,8 +148,8 @@ def report(ctx: dict[str, Any]) -> str:
     rows = ht.load(ctx)
     by = {(r["row"], r["seed"]): r for r in rows}
     lines = ["# Late work: merged one round late, or dropped", "",
-             f"`{ctx['command']}` (rows: `late.json`). Code version {ctx['version']} (the large-H study's canary), "
-             f"commit {ctx['commit']}; {machine()}.", "",
+             f"`{ctx['command']}` (rows: `late.json`). Code version {ctx['version']} (the large-H study's canary); rows "
+             f"run at {', '.join(sorted({r['commit'] for r in rows})) or '-'}, report at {ctx['commit']}; {machine()}.", "",
              f"Validation loss, {SITES} sites of the {ht.MODEL} model of the large-H study, H = {H}, {ROUNDS} rounds; at "
              f"each round but the last, with probability {P_LATE}, one site is late (the same schedule for every row of a "
              "seed). `vs ontime` and `vs drop`: paired differences at the same seed (mean ± standard error).", "",
