@@ -116,12 +116,15 @@ def child_main(path: str) -> int:
     job = json.loads(Path(path).read_text())
     if job["quick"]:
         lh.MODELS[MODEL] = lh.CANARY_MODEL
-    out = utilisation(job) if job["spec"]["row"] == "utilisation" else run_one(job)
+    write_row(job, utilisation(job) if job["spec"]["row"] == "utilisation" else run_one(job))
+    return 0
+
+
+def write_row(job: dict[str, Any], out: dict[str, Any]) -> None:
     out.update(key=job["key"], version=job["version"], commit=job["commit"])
     tmp = Path(job["out"]).with_suffix(".tmp")
     tmp.write_text(json.dumps(out, indent=1))
     tmp.replace(job["out"])  # a row file exists only complete
-    return 0
 
 
 # ---------------------------------------------------------------------------------- utilisation (child)
@@ -281,12 +284,12 @@ def report(ctx: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def study_parser(doc: str | None, seeds: int) -> argparse.ArgumentParser:
+    """The options this study and its siblings (late.py) share."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--nice", type=int, default=10)
-    p.add_argument("--seeds", type=int, default=SEEDS)
-    p.add_argument("--utilisation", action="store_true", help="the wall-clock part instead of the loss rows")
+    p.add_argument("--seeds", type=int, default=seeds)
     p.add_argument("--report", action="store_true")
     p.add_argument("--quick", action="store_true", help="a tiny model and a few steps: checks the pipeline")
     p.add_argument("--out", type=Path, default=lh.RESULTS)
@@ -294,6 +297,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shared-corpus", type=Path, default=lh.PROSE_V2_DEFAULT, help="prose-v2.jsonl.xz")
     p.add_argument("--corpus", type=Path, default=None, help="any jsonl corpus instead of the prose-v2 sample")
     p.add_argument("--one", help=argparse.SUPPRESS)
+    return p
+
+
+def study_context(args: argparse.Namespace, name: str, command: str) -> dict[str, Any]:
+    """Corpus, tokenizer, folders and code version of study `name` (rows under OUT/name)."""
+    corpus = args.corpus or lh.sample_corpus(args.cache, args.shared_corpus)
+    work = args.cache / (f"{name}-quick" if args.quick else name)
+    ctx: dict[str, Any] = {"corpus": corpus, "tokenizer": prepare_tokenizer(corpus, lh.VOCAB, 0.02, args.cache),
+                           "commit": source_commit(), "work": work, "jobs": work / "jobs", "log": work / "logs",
+                           "rows": args.out / name, "command": command}
+    for d in (ctx["rows"], ctx["jobs"], ctx["log"]):
+        d.mkdir(parents=True, exist_ok=True)
+    ctx["version"] = lh.code_version({**ctx, "work": args.cache / "work"}, args.nice)
+    print(f"code version {ctx['version']}", flush=True)
+    return ctx
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = study_parser(__doc__, SEEDS)
+    p.add_argument("--utilisation", action="store_true", help="the wall-clock part instead of the loss rows")
     args = p.parse_args(argv)
     if args.one:
         return child_main(args.one)
@@ -302,16 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         lh.MODELS[MODEL] = lh.CANARY_MODEL
         H, ROWS = 4, [(r, s, steps * 4 // 100, b * 4 / 100, st) for r, s, steps, b, st in ROWS]
         args.seeds = 1
-    corpus = args.corpus or lh.sample_corpus(args.cache, args.shared_corpus)
-    work = args.cache / ("hetero-quick" if args.quick else "hetero")
-    ctx: dict[str, Any] = {"corpus": corpus, "tokenizer": prepare_tokenizer(corpus, lh.VOCAB, 0.02, args.cache),
-                           "commit": source_commit(), "work": work, "jobs": work / "jobs", "log": work / "logs",
-                           "rows": args.out / "hetero", "command": "python scripts/experiments/hetero.py"
-                           + (" --utilisation" if args.utilisation else "")}
-    for d in (ctx["rows"], ctx["jobs"], ctx["log"]):
-        d.mkdir(parents=True, exist_ok=True)
-    ctx["version"] = lh.code_version({**ctx, "work": args.cache / "work"}, args.nice)
-    print(f"code version {ctx['version']}", flush=True)
+    ctx = study_context(args, "hetero", "python scripts/experiments/hetero.py" + (" --utilisation" if args.utilisation else ""))
     if not args.report:
         todo = [Spec("utilisation", "diloco", SITES, 0, 0)] if args.utilisation else specs(args.seeds)
         have = {r["key"] for r in load(ctx)}

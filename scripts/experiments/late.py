@@ -22,7 +22,6 @@ those of the elastic run (zeroband/outer/diloco.py `offer`, called as the member
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import random
@@ -37,8 +36,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import hetero as ht  # noqa: E402
 import large_h as lh  # noqa: E402
-from convergence import Spec, machine, shipped_default, source_commit  # noqa: E402
-from exp_data import prepare_tokenizer  # noqa: E402
+from convergence import Spec, machine, shipped_default  # noqa: E402
 
 H, SITES, SEEDS, ROUNDS, P_LATE = 100, 4, 3, 21, 0.5
 ROWS = {"ontime": None, "drop": 0.0, "late_0.5": 0.5, "late_1": 1.0}  # row -> late_weight (None: nobody late)
@@ -134,11 +132,7 @@ def child_main(path: str) -> int:
     job = json.loads(Path(path).read_text())
     if job["quick"]:
         lh.MODELS[ht.MODEL] = lh.CANARY_MODEL
-    out = run_one(job)
-    out.update(key=job["key"], version=job["version"], commit=job["commit"])
-    tmp = Path(job["out"]).with_suffix(".tmp")
-    tmp.write_text(json.dumps(out, indent=1))
-    tmp.replace(job["out"])  # a row file exists only complete
+    ht.write_row(job, run_one(job))
     return 0
 
 
@@ -180,18 +174,7 @@ def report(ctx: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--nice", type=int, default=10)
-    p.add_argument("--seeds", type=int, default=SEEDS)
-    p.add_argument("--report", action="store_true")
-    p.add_argument("--quick", action="store_true", help="a tiny model and a few steps: checks the pipeline")
-    p.add_argument("--out", type=Path, default=lh.RESULTS)
-    p.add_argument("--cache", type=Path, default=lh.DEFAULT_CACHE / "large_h")
-    p.add_argument("--shared-corpus", type=Path, default=lh.PROSE_V2_DEFAULT, help="prose-v2.jsonl.xz")
-    p.add_argument("--corpus", type=Path, default=None, help="any jsonl corpus instead of the prose-v2 sample")
-    p.add_argument("--one", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+    args = ht.study_parser(__doc__, SEEDS).parse_args(argv)
     if args.one:
         return child_main(args.one)
     global H
@@ -199,15 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         lh.MODELS[ht.MODEL] = lh.CANARY_MODEL
         H = ht.H = 4
         args.seeds = 1
-    corpus = args.corpus or lh.sample_corpus(args.cache, args.shared_corpus)
-    work = args.cache / ("late-quick" if args.quick else "late")
-    ctx: dict[str, Any] = {"corpus": corpus, "tokenizer": prepare_tokenizer(corpus, lh.VOCAB, 0.02, args.cache),
-                           "commit": source_commit(), "work": work, "jobs": work / "jobs", "log": work / "logs",
-                           "rows": args.out / "late", "command": "python scripts/experiments/late.py"}
-    for d in (ctx["rows"], ctx["jobs"], ctx["log"]):
-        d.mkdir(parents=True, exist_ok=True)
-    ctx["version"] = lh.code_version({**ctx, "work": args.cache / "work"}, args.nice)
-    print(f"code version {ctx['version']}", flush=True)
+    ctx = ht.study_context(args, "late", "python scripts/experiments/late.py")
     if not args.report:
         have = {r["key"] for r in ht.load(ctx)}
         jobs = [(k, ht.job_for(s, k, ctx, args.quick)) for s in specs(args.seeds)
