@@ -57,6 +57,7 @@ from zeroband.store.client import StoreUnreachable, etcd_access
 from zeroband.store.guard import die_with_parent
 from zeroband.trust.auth import TrustError
 from zeroband.trust.secret import RunSecret, resolve_secret
+from zeroband.trust.signed import stop_keepers
 from zeroband.watchdog import Interrupted, PeerLost, PeerTimeout, request_stop
 from zeroband.world import World, check_devices, world_from_env
 
@@ -290,6 +291,7 @@ def resume_or_start(run: Run) -> ckpt.CheckpointInfo | None:
     if found is not None and run_complete(run):
         return found  # nothing left to train: no outer start, no collective with the other sites
     run.outer.start(resumed=found is not None)
+    stop_keepers()  # every site took part in the start's collectives: all read our values of its waits
     return found
 
 

@@ -74,7 +74,7 @@ from zeroband.store.client import open_store, store_failures_named
 from zeroband.store.etcd import EtcdStore
 from zeroband.trust.auth import SECRET_FIX, PeerRefused, Verdict, admission
 from zeroband.trust.mac import WireAuth
-from zeroband.trust.signed import INCARNATION_ENV, SignedStore, incarnation_key, run_incarnation
+from zeroband.trust.signed import INCARNATION_ENV, SignedStore, incarnation_key, run_incarnation, stop_keepers
 from zeroband.watchdog import Watch, read_by_all
 
 log = logging.getLogger(__name__)
@@ -147,6 +147,7 @@ class ElasticAttempt:
             if verdict == "commit":
                 m._commit(decision, self.number)
                 self.committed = True
+                stop_keepers()  # every member passed this generation's waits: all read our values of them
                 return True
         log.warning("round %d attempt %d aborted (members %s); retrying", m.round, self.number, decision.members)
         m.emit("aborted", attempt=self.number, members=decision.members, generation=decision.generation)
