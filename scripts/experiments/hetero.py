@@ -237,6 +237,21 @@ def load(ctx: dict[str, Any]) -> list[dict[str, Any]]:
     return [r for r in rows if r.get("version") == ctx["version"]]
 
 
+def loss_cell(rows: list[dict[str, Any]]) -> str:
+    """Mean validation loss of `rows`, ± their standard deviation where there are two or more."""
+    vals = [r["val_loss"] for r in rows]
+    sd = f" ± {statistics.stdev(vals):.4f}" if len(vals) > 1 else ""
+    return f"{statistics.mean(vals):.4f}{sd}"
+
+
+def paired_cell(diffs: list[float]) -> str:
+    """Mean of paired differences (%), ± their standard error where there are two or more; "" for none."""
+    if not diffs:
+        return ""
+    se = f" ± {statistics.stdev(diffs) / len(diffs) ** 0.5:.2f}%" if len(diffs) > 1 else ""
+    return f"{statistics.mean(diffs):+.2f}%{se}"
+
+
 def report(ctx: dict[str, Any]) -> str:
     rows = load(ctx)
     loss = [r for r in rows if r["row"] != "utilisation"]
@@ -252,12 +267,9 @@ def report(ctx: dict[str, Any]) -> str:
         if not rs:
             lines.append(f"| {name} | 0 | | pending | |")
             continue
-        vals = [r["val_loss"] for r in rs]
-        sd = f" ± {statistics.stdev(vals):.4f}" if len(vals) > 1 else ""
         diffs = [100 * (r["val_loss"] / ref[r["seed"]] - 1) for r in rs if r["seed"] in ref]
-        se = f" ± {statistics.stdev(diffs) / len(diffs) ** 0.5:.2f}%" if len(diffs) > 1 else ""
-        vs = "" if name == "equal" or not diffs else f"{statistics.mean(diffs):+.2f}%{se}"
-        lines.append(f"| {name} | {len(rs)} | {rs[0]['site_steps']:,} | {statistics.mean(vals):.4f}{sd} | {vs} |")
+        vs = "" if name == "equal" else paired_cell(diffs)
+        lines.append(f"| {name} | {len(rs)} | {rs[0]['site_steps']:,} | {loss_cell(rs)} | {vs} |")
     by = {(r["row"], r["seed"]): r["val_loss"] for r in loss}
     for a, b, what in (("budget_half", "drop_slow", "the same wall time"), ("budget_half_rda", "budget_half", "the merge rule")):
         pairs = [100 * (by[(a, k)] / by[(b, k)] - 1) for k in range(SEEDS) if (a, k) in by and (b, k) in by]

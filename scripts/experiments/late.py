@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import platform
 import random
-import statistics
 import sys
 import time
 import types
@@ -152,20 +151,15 @@ def report(ctx: dict[str, Any]) -> str:
 
     def paired(a: str, b: str) -> str:
         d = [100 * (by[(a, k)]["val_loss"] / by[(b, k)]["val_loss"] - 1) for k in range(SEEDS) if (a, k) in by and (b, k) in by]
-        if not d or a == b:
-            return ""
-        se = f" ± {statistics.stdev(d) / len(d) ** 0.5:.2f}%" if len(d) > 1 else ""
-        return f"{statistics.mean(d):+.2f}%{se}"
+        return "" if a == b else ht.paired_cell(d)
 
     for name, weight in ROWS.items():
         rs = sorted((r for r in rows if r["row"] == name), key=lambda r: r["seed"])
         if not rs:
             lines.append(f"| {name} | {weight if weight is not None else ''} | 0 | | pending | | |")
             continue
-        vals = [r["val_loss"] for r in rs]
-        sd = f" ± {statistics.stdev(vals):.4f}" if len(vals) > 1 else ""
         late = "/".join(str(r["late_rounds"]) for r in rs)
-        lines.append(f"| {name} | {'' if weight is None else weight} | {len(rs)} | {late} | {statistics.mean(vals):.4f}{sd} | "
+        lines.append(f"| {name} | {'' if weight is None else weight} | {len(rs)} | {late} | {ht.loss_cell(rs)} | "
                      f"{paired(name, 'ontime')} | {'' if weight is None else paired(name, 'drop')} |")
     lines += ["", "Rows: `ontime` nobody late; `drop` the late round dropped and the site a joiner the next round "
               "(late_weight = 0); `late_0.5` and `late_1` the late round merged at the next round with that share. "
