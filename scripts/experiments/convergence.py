@@ -452,8 +452,12 @@ def source_commit() -> str:
     return head + (" plus uncommitted changes" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
+def cpu_name() -> str:
+    return next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+
+
 def machine() -> str:
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+    cpu = cpu_name()
     try:
         import torch
 

@@ -43,7 +43,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_common import output_dir  # noqa: E402
-from convergence import Spec, base_tree, config_tree, machine, mean_std, source_commit  # noqa: E402
+from convergence import Spec, base_tree, config_tree, cpu_name, mean_std, source_commit  # noqa: E402
 from exp_data import DEFAULT_CACHE, prepare_tokenizer  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -313,7 +313,8 @@ def child_main(paths: list[str]) -> int:
         if run.model == "canary":  # the tiny model of the code-version canary
             MODELS["canary"] = CANARY_MODEL
         res = run_one(run, Path(job["corpus"]), Path(job["tokenizer"]), Path(job["work"]))
-        res.update(commit=job["commit"], version=job["version"], key=job["key"])
+        res.update(commit=job["commit"], version=job["version"], key=job["key"], host=cpu_name(),
+                   digest=job.get("digest", job["version"]))
         out = Path(job["out"])
         tmp = out.with_suffix(".tmp")
         tmp.write_text(json.dumps(res, indent=1))
@@ -325,7 +326,8 @@ def write_job(run: Run, key: str, ctx: dict[str, Any], out: Path, version: str) 
     """The job file a child reads: the run, where its data, checkpoints and row go."""
     job = {"group": run.group, "model": run.model, "eval_interval": run.eval_interval, "spec": asdict(run.spec),
            "corpus": str(ctx["corpus"]), "tokenizer": str(ctx["tokenizer"]), "work": str(ctx["work"] / key),
-           "out": str(out), "commit": ctx["commit"], "version": version, "key": key}
+           "out": str(out), "commit": ctx["commit"], "version": version, "key": key,
+           "digest": ctx.get("digest", version)}
     path = ctx["jobs"] / f"{key}.json"
     path.write_text(json.dumps(job))
     return path
@@ -439,7 +441,8 @@ def code_version(ctx: dict[str, Any], nice: int) -> str:
         print("running the code-version canary (the sources changed)", flush=True)
         known[sources.hexdigest()] = run_canary(ctx, nice)
         memo.write_text(json.dumps(known))
-    return known[sources.hexdigest()]
+    ctx["digest"] = known[sources.hexdigest()]
+    return adopted_version(ctx["digest"], read_hosts(ctx))
 
 
 def run_canary(ctx: dict[str, Any], nice: int) -> str:
@@ -456,6 +459,83 @@ def run_canary(ctx: dict[str, Any], nice: int) -> str:
         job.unlink()
         out.unlink()
     return hashlib.sha1(repr(losses).encode()).hexdigest()[:12]
+
+
+# ---------------------------------------------------------------------------------- hosts
+
+def read_hosts(ctx: dict[str, Any]) -> dict[str, Any]:
+    path = ctx["out"] / "large_h" / "hosts.json"
+    return json.loads(path.read_text()) if path.is_file() else {"reference_cpu": {}, "adopted": {}}
+
+
+def adopted_version(digest: str, hosts: dict[str, Any]) -> str:
+    """The study's code version for this host's canary digest. Another CPU rounds differently (other
+    SIMD kernels), so the same sources give it another digest; a digest adopted for a version's
+    sources (`--adopt-host`) stands for that version. Changed arithmetic changes the digest again."""
+    return hosts["adopted"].get(digest, {}).get("version", digest)
+
+
+def adopt_host(ctx: dict[str, Any], version: str, nice: int) -> None:
+    """Take this host's canary digest as `version`: the claim that these are the sources `version`
+    was measured on. The two cheapest rows of that version (one site, DiLoCo) re-run here and both
+    losses are kept, so the report shows how far the hosts' rounding moves a result."""
+    digest, hosts = ctx["digest"], read_hosts(ctx)
+    rows = load_rows(ctx["runs"], version)
+    if digest == version:
+        raise SystemExit(f"--adopt-host {version}: this host's canary digest already is {version}; nothing to adopt")
+    if not rows:
+        raise SystemExit(f"--adopt-host {version}: no rows of code version {version} in {ctx['runs']}; "
+                         "pass a version that has rows")
+    by_key = {run_key(run, version): run for run in plan(tuned_lrs(rows))}
+    ref = [r for r in rows if r.get("digest", version) == version and r["key"] in by_key]
+    picks = [min((r for r in ref if r["method"] == m), key=run_cost) for m in ("single", "diloco")
+             if any(r["method"] == m for r in ref)]
+    if not picks:
+        raise SystemExit(f"--adopt-host {version}: none of its rows is in today's plan; nothing to re-run")
+    outs = [ctx["jobs"] / f"recheck-{r['key']}.out.json" for r in picks]
+    jobs = [write_job(by_key[r["key"]], f"recheck-{r['key']}", ctx, out, version) for r, out in zip(picks, outs)]
+    print(f"adopting digest {digest} as {version}: re-running {', '.join(r['group'] + '/' + r['row'] for r in picks)}",
+          flush=True)
+    if any(p.wait() for p in [child([job], nice) for job in jobs]):
+        raise SystemExit("a re-run failed (its traceback is above); nothing adopted")
+    again = [json.loads(out.read_text())["val_loss"] for out in outs]
+    for r, job, out in zip(picks, jobs, outs):  # the re-runs' files go; their losses stay in hosts.json
+        shutil.rmtree(ctx["work"] / f"recheck-{r['key']}", ignore_errors=True)
+        job.unlink()
+        out.unlink()
+    hosts["reference_cpu"].setdefault(version, "an unrecorded CPU")
+    hosts["adopted"][digest] = {
+        "version": version, "cpu": cpu_name(), "commit": ctx["commit"], "adopted": time.strftime("%Y-%m-%d"),
+        "recheck": [{"group": r["group"], "row": r["row"], "seed": r["seed"], "key": r["key"],
+                     "reference_loss": r["val_loss"], "loss": v, "rel_diff": v / r["val_loss"] - 1}
+                    for r, v in zip(picks, again)]}
+    path = ctx["out"] / "large_h" / "hosts.json"
+    path.write_text(json.dumps(hosts, indent=1) + "\n")
+    for r, v in zip(picks, again):
+        print(f"  {r['group']}/{r['row']} seed {r['seed']}: {v:.4f} here, {r['val_loss']:.4f} there "
+              f"({v / r['val_loss'] - 1:+.3%})", flush=True)
+    ctx["version"] = version
+
+
+def run_cost(row: dict[str, Any]) -> int:
+    return params(MODELS[row["model"]].dims) * row["steps"] * row["sites"]
+
+
+def hosts_text(rows: list[dict[str, Any]], hosts: dict[str, Any], version: str) -> str:
+    """Which CPUs the rows ran on, and what re-running rows on an adopted host gave."""
+    cpus: dict[str, int] = {}
+    for r in rows:
+        cpu = r.get("host") or hosts["reference_cpu"].get(version, "an unrecorded CPU")
+        cpus[cpu] = cpus.get(cpu, 0) + 1
+    text = "Machines: " + ", ".join(f"{n} rows on {cpu}" for cpu, n in cpus.items()) + \
+        " (2 cores each, CPU only, torch threads 1 per run)."
+    for digest, a in hosts["adopted"].items():
+        if a["version"] == version:
+            checks = "; ".join(f"{c['group']}/{c['row']} seed {c['seed']} re-ran to {c['loss']:.4f} on it against "
+                               f"{c['reference_loss']:.4f} ({c['rel_diff']:+.3%})" for c in a["recheck"])
+            text += (f" The same sources give canary digest `{digest}` on {a['cpu']} (its SIMD kernels round "
+                     f"differently), adopted as `{version}` on {a['adopted']} at {a['commit']}: {checks}.")
+    return text
 
 
 # ---------------------------------------------------------------------------------- the report
@@ -667,8 +747,8 @@ def write_report(ctx: dict[str, Any]) -> None:
              "```", "",
              f"Code version (canary digest) `{ctx['version']}`; rows from commit(s) "
              f"{', '.join(sorted({r['commit'] for r in rows})) or '-'}; this file written on {ctx['commit']}. "
-             f"Machine: {machine()}, runs at nice 19 beside other work (the load changes wall time only: every row is "
-             f"deterministic). {len(rows)} runs of {sum(s['planned'] for s in summ.values())} planned are done"
+             f"{hosts_text(rows, read_hosts(ctx), ctx['version'])} Runs at nice 19 beside other work (the load changes "
+             f"wall time only: every row is deterministic on its host). {len(rows)} runs of {sum(s['planned'] for s in summ.values())} planned are done"
              + (f"; {stale} row files of other code versions are ignored" if stale else "") + ".", "",
              "Gap closed = (one site - row) / (one site - tuned data parallel) in validation loss, and vs tuned DP = the "
              "row's loss relative to tuned data parallel's, each taken per seed against the same seed's one site and "
@@ -729,6 +809,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--corpus", type=Path, default=None, help="any jsonl corpus instead of the prose-v2 sample")
     p.add_argument("--cache", type=Path, default=DEFAULT_CACHE / "large_h", help="corpus sample, tokenizer")
     p.add_argument("--work", type=Path, default=None, help="checkpoints of unfinished runs (default: CACHE/work)")
+    p.add_argument("--adopt-host", metavar="VERSION", help="take this CPU's canary digest as VERSION (the same "
+                   "sources on another CPU): re-runs two cheap rows here, records both losses, then goes on")
     p.add_argument("--one", help=argparse.SUPPRESS)  # a child: the job files it runs
     p.add_argument("more", nargs="*", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -745,6 +827,8 @@ def main(argv: list[str] | None = None) -> int:
     for d in (ctx["runs"], ctx["jobs"], ctx["log"]):
         d.mkdir(parents=True, exist_ok=True)
     ctx["version"] = code_version(ctx, args.nice)
+    if args.adopt_host:
+        adopt_host(ctx, args.adopt_host, args.nice)
     print(f"code version {ctx['version']}; rows in {ctx['runs']}", flush=True)
     if not args.report:
         schedule(args, ctx)
