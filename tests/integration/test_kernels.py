@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 from pathlib import Path
 
 import pytest
@@ -150,6 +151,30 @@ def test_the_library_is_built_once_and_reused(tmp_path: Path):
     stamp = first.stat().st_mtime_ns
     assert K.build(CC, K.private_dir(tmp_path)) == first and first.stat().st_mtime_ns == stamp
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no half-written temporaries left
+
+
+@needs_cc
+def test_threads_of_one_process_building_at_once_all_get_the_library(tmp_path: Path):
+    """The simulator's sites are threads of one process: each may build the missing library at the
+    same moment, and each must get it (a temporary file named by the process alone was renamed away
+    by the first thread, and the others fell back to the eager path)."""
+    directory, barrier = K.private_dir(tmp_path / "lib"), threading.Barrier(4)
+    got: list[Path | BaseException] = []
+
+    def one() -> None:
+        barrier.wait()
+        try:
+            got.append(K.build(CC, directory, (ARCHES["scalar"],)))
+        except BaseException as e:  # noqa: BLE001  (the assertion below names it)
+            got.append(e)
+
+    threads = [threading.Thread(target=one) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(got)) == 1 and isinstance(got[0], Path), got
+    assert K.check(K.load(got[0])) is None and [p.name for p in directory.iterdir()] == [got[0].name]
 
 
 def test_a_library_others_can_write_is_not_loaded(tmp_path: Path):

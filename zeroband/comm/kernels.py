@@ -28,6 +28,7 @@ import platform
 import stat
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 from typing import Protocol
 
@@ -331,7 +332,8 @@ def build(cc: str, directory: Path, arches: tuple[list[str], ...] = ARCH_FLAGS,
         lib = directory / f"zb_{sources[-1].stem}-{key}.so"
         if lib.exists():
             return lib
-        tmp = directory / f".{lib.name}.{os.getpid()}"
+        # per process and thread: the simulator's sites are threads that may build at once
+        tmp = directory / f".{lib.name}.{os.getpid()}.{threading.get_ident()}"
         if _run([cc, *FLAGS, *arch, *includes, "-o", str(tmp), str(sources[-1]), "-lm"]) is not None:
             os.replace(tmp, lib)
             return lib
