@@ -49,7 +49,18 @@ def kernel_impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
 TIMEOUT_S = {"unit": 30, "integration": 120}  # per test; a unit test that needs longer is doing integration work
 
 
+# `serial` marks the tests that measure time on the emulated link (its forwarder needs a core), run
+# apart from the rest: scripts/test.sh runs ZEROBAND_TESTS=parallel under pytest-xdist, then =serial alone.
+PHASES = {"parallel": lambda item: item.get_closest_marker("serial") is None,
+          "serial": lambda item: item.get_closest_marker("serial") is not None}
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if phase := os.environ.get("ZEROBAND_TESTS"):
+        if phase not in PHASES:
+            raise pytest.UsageError(f"ZEROBAND_TESTS={phase}: use parallel or serial (or leave it unset: every test)")
+        config.hook.pytest_deselected(items=[item for item in items if not PHASES[phase](item)])
+        items[:] = [item for item in items if PHASES[phase](item)]
     for item in items:
         tier = item.path.parent.name
         if tier not in TIMEOUT_S:

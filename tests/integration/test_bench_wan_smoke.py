@@ -25,7 +25,7 @@ def _unusable() -> str | None:
     return None
 
 
-pytestmark = pytest.mark.skipif(_unusable() is not None, reason=str(_unusable()))
+pytestmark = [pytest.mark.skipif(_unusable() is not None, reason=str(_unusable())), pytest.mark.serial]  # times the emulated link
 
 RESULT_KEYS = {
     "row", "mode", "dtype", "rate_mbit", "inner_steps", "utilisation_wall", "utilisation_steady", "allreduce_s_mean",

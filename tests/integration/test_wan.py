@@ -35,7 +35,7 @@ def _netns_usable() -> str | None:
 
 
 REPO = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.skipif(_netns_usable() is not None, reason=str(_netns_usable()))
+pytestmark = [pytest.mark.skipif(_netns_usable() is not None, reason=str(_netns_usable())), pytest.mark.serial]  # times the emulated link
 
 
 def _leftovers(tag_prefix: str, tun_prefix: str) -> list[str]:
