@@ -210,6 +210,8 @@ def store_for(net: Net, name: str) -> str:
 
 # ---------------------------------------------------------------------------------- the controller
 
+CONFIG_EXIT = 2  # zeroband's exit status for an error of its own making (one `zeroband: error:` line)
+
 
 class Controller:
     def __init__(self, s: Settings, net: Net, out: Path, faults: list[Fault], rng: random.Random) -> None:
@@ -224,6 +226,7 @@ class Controller:
         self.finished: set[int] = set()
         self.events: list[str] = []
         self.stuck: list[str] = []
+        self.fatal: str | None = None  # a site stopped on its configuration: restarting cannot help
         self.lost_slots: set[int] = set()
         self.tail = chaos.DecisionTail(self.metrics)
 
@@ -261,17 +264,19 @@ class Controller:
         for i in range(self.s.sites):
             self.start_site(i)
         deadline = time.monotonic() + deadline_s
-        while time.monotonic() < deadline and not self.done():
-            self.watch_sites()
-            self.maybe_inject()
-            self.advance_active()
-            self.watch_joins()
-            self.maybe_restart()
-            time.sleep(TICK_S)
-        self.teardown()
+        try:
+            while time.monotonic() < deadline and not self.done():
+                self.watch_sites()
+                self.maybe_inject()
+                self.advance_active()
+                self.watch_joins()
+                self.maybe_restart()
+                time.sleep(TICK_S)
+        finally:  # also on SIGTERM (main turns it into SystemExit) or an error here: no site left running
+            self.teardown()
 
     def done(self) -> bool:
-        return not any(p.running for p in self.sites) and not self.restart_at
+        return self.fatal is not None or (not any(p.running for p in self.sites) and not self.restart_at)
 
     def ending(self) -> bool:
         return self.step() >= self.s.steps - 3 * self.s.inner_steps or bool(self.finished)
@@ -325,6 +330,11 @@ class Controller:
             self.stuck.append(f"site {p.site} incarnation {inc.number}: RoundTimeout (never admitted)")
         self.log(f"site {p.site} incarnation {inc.number} exited {inc.returncode}"
                  + (f" ({fault.kind})" if fault else "") + (" after the last step" if done else ""))
+        if fault is None and inc.returncode == CONFIG_EXIT and untrained(self.sites, self.metrics) is not None:
+            # before anyone trained, an exit 2 is the run's configuration (data, tokenizer, settings):
+            # every restart would stop on it again
+            self.fatal = f"site {p.site} stopped on its configuration (exit 2): {last_error_line(self.log_since(p))}"
+            return
         if done:
             self.finished.add(p.site)
             return
@@ -766,6 +776,8 @@ def render_fixed(results: list[chaos.ScenarioResult], command: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # SIGTERM unwinds like an error: the sites are stopped, the etcd cluster and the namespaces removed
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     if args.fixed:
         shutil.rmtree(args.workdir, ignore_errors=True)
         args.workdir.mkdir(parents=True)
@@ -790,6 +802,9 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.time()
         c.run(deadline_s=max(900.0, 6.0 * s.steps))
         wall = time.time() - t0
+    if c.fatal is not None:
+        print(c.fatal, file=sys.stderr)
+        return 2
     if (line := untrained(c.sites, c.metrics)) is not None:
         print(line, file=sys.stderr)
         return 2
