@@ -13,7 +13,10 @@ validation losses change if any arithmetic the study depends on changes. So rows
 sessions and commits while the arithmetic stays the same, and are re-run when it does not.
 
 A run stopped by the budget keeps its checkpoints (one per outer step) in --work and resumes from
-them the next time; its metrics are read back with the records of re-run steps taken once.
+them the next time; its metrics are read back with the records of re-run steps taken once. A run
+that fails is retried once, from its checkpoint. To make room on the machine, end the study (the
+parent, then its `--one` children) rather than pausing it: a run stopped (SIGSTOP) for longer than
+its sites' timeout (300 s) fails when it continues, its simulated sites timed out on each other.
 
 Rows, in the order they run (the most decisive first), for each group of the same (model, T, k):
   single        one site, T steps at batch B (the same inner lr as every DiLoCo row)
@@ -393,16 +396,20 @@ def schedule(args: argparse.Namespace, ctx: dict[str, Any]) -> None:
     """Start runs in plan order until the budget is spent; rewrite the report after each row."""
     pool, deadline = Pool(args.workers, args.nice), time.time() + args.budget_s
     runs_dir: Path = ctx["runs"]
-    failed: set[str] = set()
+    failures: dict[str, int] = {}
     while True:
         for key, run, rc, took in pool.reap():
             ok = (runs_dir / f"{key}.json").is_file()
-            verdict = "done" if ok else f"FAILED rc {rc} (log: {ctx['log'] / (key + '.log')})"
+            if not ok:
+                failures[key] = failures.get(key, 0) + 1
+            again = "; it resumes from its last checkpoint once more" if failures.get(key) == 1 else ""
+            verdict = "done" if ok else f"FAILED rc {rc} (log: {ctx['log'] / (key + '.log')}){again}"
             print(f"{time.strftime('%H:%M:%S')} {run.group}/{run.spec.row} seed {run.spec.seed}: {verdict} in {took:.0f} s",
                   flush=True)
-            if not ok:
-                failed.add(key)
             write_report(ctx)
+        # a run is retried once: a failure that is not its own (a paused process whose sites timed
+        # out, the machine out of memory) costs the steps since its checkpoint, not the run
+        failed = {k for k, n in failures.items() if n >= 2}
         rows = load_rows(runs_dir, ctx["version"])
         have = {r["key"] for r in rows}
         todo = [r for r in plan(tuned_lrs(rows)) if (k := run_key(r, ctx["version"])) not in have
