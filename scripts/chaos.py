@@ -76,7 +76,7 @@ class Settings:
     term_rejoin_s: float = 4.0
     etcd_down_s: float = 8.0
     baseline_steps: int = 120
-    config: str = "configs/debug.toml"
+    config: str = str(ROOT / "configs" / "debug.toml")  # from any working directory
 
 
 @dataclass

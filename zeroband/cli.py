@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     try:  # before argparse, whose errors would echo it (`--sites={secret=...}` is an int for launch)
         refuse_secret_arguments(argv)
     except ConfigError as e:
-        print(f"zeroband: {e}", file=sys.stderr)
+        print(f"zeroband: error: {e}", file=sys.stderr)
         return 2
     args, rest = build_parser().parse_known_args(argv)
     try:
@@ -256,5 +256,5 @@ def main(argv: list[str] | None = None) -> int:
         handler = {"train": _cmd_train, "launch": _cmd_launch, "export": _cmd_export, "plan": _cmd_plan}[args.command]
         return handler(args, rest)
     except ConfigError as e:
-        print(f"zeroband: {e}", file=sys.stderr)
+        print(f"zeroband: error: {e}", file=sys.stderr)
         return 2

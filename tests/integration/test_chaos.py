@@ -6,6 +6,7 @@ a store in its own process, as `scripts/chaos.py` runs them (the full suite live
 from __future__ import annotations
 
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -108,3 +109,16 @@ def test_fixed_mode_frozen_peer_then_resume(corpus, tmp_path):
     assert result.detected_s is not None and result.detected_s < timeout_s + 15, result
     assert "no answer from site 1" in result.message and run.resumed_step() >= 8, result
     assert result.lost_steps < 4 + 2 * 2, result  # at most a checkpoint interval and the round in flight
+
+
+@pytest.mark.timeout(120)
+def test_chaos_stops_on_a_sites_configuration_error_instead_of_restarting_it(tmp_path):
+    """Run where the config's demo tokenizer does not exist: every site exits 2 at its start. The
+    harness ends the run on the first such exit with the site's own error line (before, it restarted
+    the sites until its 900 s deadline; the test's timeout is far below that)."""
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "chaos.py"), "--sites", "2", "--faults", "1",
+                           "--no-baseline", "--insecure", "--workdir", str(tmp_path / "work"), "--out",
+                           str(tmp_path / "out")], cwd=tmp_path, capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "stopped on its configuration (exit 2)" in last and "tokenizer" in last, last

@@ -226,7 +226,7 @@ def test_a_second_launch_of_a_running_run_stops_before_touching_its_logs(corpus,
         out = zeroband_cli("launch", config, "--sites", "2", "--nproc", "1", timeout=60)
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
     [line] = [x for x in out.stderr.splitlines() if x.strip()]
-    assert line.startswith(f"zeroband: {logs} is in use by another run: PID {os.getpid()} ("), line
+    assert line.startswith(f"zeroband: error: {logs} is in use by another run: PID {os.getpid()} ("), line
     assert (logs / "site0.log").read_text() == "the running launch's log\n" and not (logs / "site1.log").exists()
 
 
@@ -248,5 +248,5 @@ def test_launch_three_sites_of_different_shapes(corpus, tmp_path):
     assert len(crcs[0]) == 2 and crcs[0] == crcs[1] == crcs[2]
     bad = zeroband_cli("launch", config, "--sites", "3", "--nproc", "2,1")
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1] == (
-        "zeroband: --nproc 2,1 does not fit --sites 3: give one rank count for every site or 3 "
+        "zeroband: error: --nproc 2,1 does not fit --sites 3: give one rank count for every site or 3 "
         "comma-separated counts >= 1 (e.g. --nproc 1,1,1)")
