@@ -534,7 +534,7 @@ def hosts_text(rows: list[dict[str, Any]], hosts: dict[str, Any], version: str) 
     for r in rows:
         cpu = r.get("host") or hosts["reference_cpu"].get(version, "an unrecorded CPU")
         cpus[cpu] = cpus.get(cpu, 0) + 1
-    text = "Machines: " + ", ".join(f"{n} rows on {cpu}" for cpu, n in cpus.items()) + \
+    text = "Machines: " + ", ".join(f"{n} row{'s' * (n != 1)} on {cpu}" for cpu, n in cpus.items()) + \
         " (2 cores each, CPU only, torch threads 1 per run)."
     for digest, a in hosts["adopted"].items():
         if a["version"] == version:
