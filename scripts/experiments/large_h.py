@@ -317,7 +317,7 @@ def child_main(paths: list[str]) -> int:
             MODELS["canary"] = CANARY_MODEL
         res = run_one(run, Path(job["corpus"]), Path(job["tokenizer"]), Path(job["work"]))
         res.update(commit=job["commit"], version=job["version"], key=job["key"], host=cpu_name(),
-                   digest=job.get("digest", job["version"]))
+                   digest=job["digest"])
         out = Path(job["out"])
         tmp = out.with_suffix(".tmp")
         tmp.write_text(json.dumps(res, indent=1))
@@ -461,11 +461,16 @@ def run_canary(ctx: dict[str, Any], nice: int) -> str:
     if child(jobs, nice).wait() != 0:
         raise SystemExit("the code-version canary failed (its traceback is above)")
     losses = [json.loads(out.read_text())["val_loss"] for out in outs]
+    remove_aside(ctx, keys, jobs, outs)
+    return hashlib.sha1(repr(losses).encode()).hexdigest()[:12]
+
+
+def remove_aside(ctx: dict[str, Any], keys: list[str], jobs: list[Path], outs: list[Path]) -> None:
+    """The files of runs made outside the rows (the canary, a host's re-check): their losses are kept elsewhere."""
     for key, job, out in zip(keys, jobs, outs):
         shutil.rmtree(ctx["work"] / key, ignore_errors=True)
         job.unlink()
         out.unlink()
-    return hashlib.sha1(repr(losses).encode()).hexdigest()[:12]
 
 
 # ---------------------------------------------------------------------------------- hosts
@@ -506,10 +511,7 @@ def adopt_host(ctx: dict[str, Any], version: str, nice: int) -> None:
     if any(p.wait() for p in [child([job], nice) for job in jobs]):
         raise SystemExit("a re-run failed (its traceback is above); nothing adopted")
     again = [json.loads(out.read_text())["val_loss"] for out in outs]
-    for r, job, out in zip(picks, jobs, outs):  # the re-runs' files go; their losses stay in hosts.json
-        shutil.rmtree(ctx["work"] / f"recheck-{r['key']}", ignore_errors=True)
-        job.unlink()
-        out.unlink()
+    remove_aside(ctx, [f"recheck-{r['key']}" for r in picks], jobs, outs)  # the losses go to hosts.json
     hosts["reference_cpu"].setdefault(version, "an unrecorded CPU")
     hosts["adopted"][digest] = {
         "version": version, "cpu": cpu_name(), "commit": ctx["commit"], "adopted": time.strftime("%Y-%m-%d"),
